@@ -1,0 +1,419 @@
+"""The extraction loop: recipe -> tokenized rows -> global plan -> this rank's batches -> hooks -> shards.
+
+Run under `accelerate launch` (any number of processes, nodes) or plain `python`: each process is one rank
+with its own model copy and its own shards; the batch plan is global and deterministic, so ranks agree on it
+without communicating, and the main process merges the rank indexes into `OUT/manifest.json` at the end.
+
+Resume: the plan is frozen in `OUT/plan.json` by the first run. Re-running the same command keeps committed
+shards, discards uncommitted files, and runs only the batches no index lists, split over however many ranks
+the new run has. An output made by a different job (model, data, layers, storage dtype) is refused unless
+`output.overwrite` is set.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Before torch touches CUDA: fewer fragmentation OOMs with batches of changing shapes (user settings win).
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch  # noqa: E402
+
+from . import __version__  # noqa: E402
+from .capture import LayerCapture  # noqa: E402
+from .collate import PlannedBatches  # noqa: E402
+from .data import load_rows, tokenize_dataset, write_skipped  # noqa: E402
+from .layers import num_decoder_layers, resolve_layer_ids  # noqa: E402
+from .manifest import (STATE_NAME, atomic_write_json, build_manifest, next_shard_number,  # noqa: E402
+                       read_committed, remove_uncommitted, write_manifest)
+from .model import (DTYPES, decoder_params_in, describe_source, drop_layers_after, hidden_size_of,  # noqa: E402
+                    load_config, load_model, load_tokenizer, model_fingerprint, vocab_size_of)
+from .planner import PlannedBatch, ShapeBuckets, plan_batches, plan_stats, split_across_ranks  # noqa: E402
+from .recipe import Recipe, RecipeError  # noqa: E402
+from .writer import AsyncShardWriter, PendingBatch, ShardWriter, rank_name  # noqa: E402
+
+log = logging.getLogger("dflash_prep")
+
+PLAN_NAME = "plan.json"
+RECIPE_NAME = "recipe.resolved.yaml"
+SUMMARY_NAME = "summary.json"
+SKIPPED_NAME = "skipped.jsonl"
+
+
+class OutputMismatchError(RuntimeError):
+    """Resuming into an output made by a different job."""
+
+
+@dataclass
+class RankStats:
+    num_samples: int = 0
+    num_real_tokens: int = 0
+    num_padded_tokens: int = 0
+    num_batches: int = 0
+    forward_seconds: float = 0.0
+    data_wait_seconds: float = 0.0
+    writer_wait_seconds: float = 0.0
+    shapes_seen: set = field(default_factory=set)
+
+
+# ---------------------------------------------------------------------------------------------------- setup
+def _setup_logging(out_dir: Path, rank: int, is_main: bool) -> None:
+    """Console from the main process only; every rank to its own log file."""
+    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    for h in list(log.handlers):
+        log.removeHandler(h)
+    fh = logging.FileHandler(out_dir / "logs" / f"{rank_name(rank)}.log")
+    fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    log.addHandler(fh)
+    if is_main:
+        ch = logging.StreamHandler(sys.stderr)
+        ch.setFormatter(logging.Formatter("[dflash-prep] %(message)s"))
+        log.addHandler(ch)
+    # Known noisy library messages: keep them in the file log, off the console.
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def _run_identity(recipe: Recipe, config, layer_ids: list[int], tokenizer) -> dict:
+    """What must match between an output and a run that resumes into it."""
+    return {
+        "model": model_fingerprint(recipe.model, config),
+        "model_source": describe_source(recipe.model),
+        "tokenizer": _tokenizer_fingerprint(tokenizer),
+        "data": {k: v for k, v in recipe.to_dict()["data"].items() if k != "num_proc"},
+        "layer_ids": layer_ids,
+        "capture_final": recipe.layers.capture_final,
+        "dtype": recipe.output.dtype,
+    }
+
+
+def _tokenizer_fingerprint(tokenizer) -> str:
+    import hashlib
+
+    payload = json.dumps({"vocab": len(tokenizer), "template": getattr(tokenizer, "chat_template", None),
+                          "backend": tokenizer.backend_tokenizer.to_str()
+                          if hasattr(tokenizer, "backend_tokenizer") else None}, sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def _check_identity(out_dir: Path, identity: dict) -> None:
+    path = out_dir / STATE_NAME
+    if not path.exists():
+        return
+    with open(path) as f:
+        previous = json.load(f)["identity"]
+    diffs = [k for k in identity if previous.get(k) != identity[k]]
+    if diffs:
+        details = "; ".join(f"{k}: output has {previous.get(k)!r}, this run has {identity[k]!r}"
+                            for k in diffs if k not in ("model", "tokenizer"))
+        hashes = [k for k in diffs if k in ("model", "tokenizer")]
+        raise OutputMismatchError(
+            f"{out_dir} holds an extraction of a different job (differs in: {', '.join(diffs)}). "
+            f"{details}{' ' if details and hashes else ''}{'(' + ', '.join(hashes) + ' fingerprint differs)' if hashes else ''}. "
+            f"Use another output.dir, or --set output.overwrite=true to start afresh.")
+
+
+def _prepare_output(out_dir: Path, recipe: Recipe, identity: dict) -> None:
+    """Main process only: overwrite or check, clean up a crashed run, save the recipe and the run state."""
+    if recipe.output.overwrite and out_dir.exists():
+        for child in out_dir.iterdir():
+            if child.name == "logs":
+                continue  # the live log handlers of this run write there
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _check_identity(out_dir, identity)
+    committed = read_committed(out_dir)
+    removed = remove_uncommitted(out_dir, committed)
+    if removed:
+        log.info("removed %d uncommitted file(s) left by an interrupted run", len(removed))
+    (out_dir / RECIPE_NAME).write_text(recipe.to_yaml())
+    atomic_write_json(out_dir / STATE_NAME, {"identity": identity, "dflash_prep_version": __version__})
+
+
+# ----------------------------------------------------------------------------------------------------- plan
+def _load_or_make_plan(out_dir: Path, lengths: list[int], recipe: Recipe, is_main: bool, state) -> list[PlannedBatch]:
+    """The global plan: made once by the main process and frozen in OUT/plan.json (so resumes run the same
+    batches whatever the number of ranks); every rank reads it back."""
+    path = out_dir / PLAN_NAME
+    if is_main:
+        if path.exists():
+            with open(path) as f:
+                stored = json.load(f)
+            if stored["num_samples"] != len(lengths):
+                raise OutputMismatchError(f"{path} plans {stored['num_samples']} samples but the data has "
+                                          f"{len(lengths)}: the dataset changed; use --set output.overwrite=true")
+            if stored["batching"] != _plan_settings(recipe):
+                log.warning("batching settings differ from the stored plan; resuming with the stored plan %s",
+                            stored["batching"])
+        else:
+            b = recipe.batching
+            buckets = ShapeBuckets(b.length_multiple, b.length_growth, recipe.data.max_length)
+            plan = plan_batches(lengths, max_tokens_per_batch=b.max_tokens_per_batch,
+                                max_batch_size=b.max_batch_size, buckets=buckets)
+            atomic_write_json(path, {"batching": _plan_settings(recipe), "num_samples": len(lengths),
+                                     "batches": [[p.padded_length, list(p.sample_indices)] for p in plan]})
+    state.wait_for_everyone()
+    with open(path) as f:
+        stored = json.load(f)
+    return [PlannedBatch(batch_id=i, sample_indices=tuple(idx), padded_length=T,
+                         num_real_tokens=sum(lengths[j] for j in idx))
+            for i, (T, idx) in enumerate(stored["batches"])]
+
+
+def _plan_settings(recipe: Recipe) -> dict:
+    b = recipe.batching
+    return {"max_tokens_per_batch": b.max_tokens_per_batch, "max_batch_size": b.max_batch_size,
+            "length_multiple": b.length_multiple, "length_growth": b.length_growth,
+            "max_length": recipe.data.max_length}
+
+
+# ----------------------------------------------------------------------------------------------------- loop
+def _to_host(captured, device: torch.device):
+    """One asynchronous copy of the packed states into pinned host memory; returns (host tensors, event)."""
+    if device.type != "cuda":
+        return captured.hidden_states_NK, captured.final_hidden_states_NH, None
+    hs = torch.empty(captured.hidden_states_NK.shape, dtype=captured.hidden_states_NK.dtype, pin_memory=True)
+    hs.copy_(captured.hidden_states_NK, non_blocking=True)
+    final = None
+    if captured.final_hidden_states_NH is not None:
+        final = torch.empty(captured.final_hidden_states_NH.shape, dtype=captured.final_hidden_states_NH.dtype,
+                            pin_memory=True)
+        final.copy_(captured.final_hidden_states_NH, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return hs, final, event
+
+
+def run_extraction(recipe: Recipe) -> dict | None:
+    """Run the job of `recipe` on this process's rank. Returns the summary on the main process."""
+    from accelerate import PartialState
+
+    t_start = time.perf_counter()
+    state = PartialState()
+    rank, world, is_main = state.process_index, state.num_processes, state.is_main_process
+    device = state.device
+    out_dir = Path(recipe.output.dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _setup_logging(out_dir, rank, is_main)
+    log.info("dflash-prep %s: rank %d of %d on %s", __version__, rank, world, device)
+
+    # 1. Everything that can be wrong with the recipe fails here, before any weights load.
+    config = load_config(recipe.model)
+    num_layers = num_decoder_layers(config)
+    layer_ids = resolve_layer_ids(recipe.layers, num_layers)
+    tokenizer = load_tokenizer(recipe.model)
+    hidden_size = hidden_size_of(config)
+    identity = _run_identity(recipe, config, layer_ids, tokenizer)
+    if is_main:
+        _prepare_output(out_dir, recipe, identity)
+    state.wait_for_everyone()
+
+    # 2. Tokenize (cached by datasets; the main process fills the cache, the others then read it).
+    with state.main_process_first():
+        rows = load_rows(recipe.data)
+        data = tokenize_dataset(rows, tokenizer, recipe.data, vocab_size_of(config))
+    if is_main:
+        write_skipped(out_dir / SKIPPED_NAME, data.skipped_rows)
+        log.info("data: %d rows, %d kept, %d skipped %s", data.num_rows, len(data.kept),
+                 sum(data.skipped_counts.values()), data.skipped_counts or "")
+    lengths = [int(n) for n in data.kept["num_tokens"]]
+
+    # 3. Global plan, minus what is committed, split over this run's ranks.
+    plan = _load_or_make_plan(out_dir, lengths, recipe, is_main, state)
+    committed = read_committed(out_dir)
+    done_batches = {b for r in committed for b in r.batch_ids}
+    todo = [p for p in plan if p.batch_id not in done_batches]
+    mine = split_across_ranks(todo, world)[rank]
+    stats = plan_stats(plan)
+    if is_main:
+        log.info("plan: %d batches, %d shapes, batch size %s-%s (mean %.1f), padded length %s-%s, "
+                 "padding efficiency %.3f", stats["num_batches"], stats["num_shapes"], stats["batch_size_min"],
+                 stats["batch_size_max"], stats["batch_size_mean"] or 0, stats["padded_length_min"],
+                 stats["padded_length_max"], stats["padding_efficiency"] or 0)
+        if done_batches:
+            log.info("resume: %d of %d batches already committed, %d left over %d rank(s)",
+                     len(plan) - len(todo), len(plan), len(todo), world)
+
+    # 4. The model: load, keep only the layers we read from.
+    t0 = time.perf_counter()
+    model = load_model(recipe.model, config, device)
+    last_needed = num_layers - 1 if recipe.layers.capture_final != "none" else layer_ids[-1]
+    layers_run = drop_layers_after(model, last_needed)
+    log.info("model loaded in %.1fs: %s, %d of %d decoder layers run; hooks on layers %s%s",
+             time.perf_counter() - t0, describe_source(recipe.model), layers_run, num_layers, layer_ids,
+             f" + final ({recipe.layers.capture_final})" if recipe.layers.capture_final != "none" else "")
+
+    # 5. The loop.
+    writer = ShardWriter(out_dir, rank, recipe.output.max_shard_bytes,
+                         first_shard_number=next_shard_number(committed, rank_name(rank)))
+    async_writer = AsyncShardWriter(writer)
+    loader = torch.utils.data.DataLoader(
+        PlannedBatches(data.kept, mine, tokenizer.pad_token_id or 0), batch_size=None, shuffle=False,
+        num_workers=recipe.batching.num_workers, pin_memory=device.type == "cuda",
+        persistent_workers=False, prefetch_factor=4 if recipe.batching.num_workers else None)
+    rank_stats = RankStats()
+    progress = _progress(is_main, sum(len(p.sample_indices) for p in mine), world)
+    storage_dtype = DTYPES[recipe.output.dtype]
+    t_loop = time.perf_counter()
+    try:
+        with LayerCapture(model, layer_ids, capture_final=recipe.layers.capture_final,
+                          storage_dtype=storage_dtype) as capture:
+            t_wait = time.perf_counter()
+            for batch in loader:
+                rank_stats.data_wait_seconds += time.perf_counter() - t_wait
+                t_fwd = time.perf_counter()
+                tensors = batch.tensors_on(device)
+                captured = capture.run(**tensors)
+                hs, final, event = _to_host(captured, device)
+                rank_stats.forward_seconds += time.perf_counter() - t_fwd
+                async_writer.submit(PendingBatch(batch.batch_id, batch.samples, hs, final, event, layer_ids))
+                rank_stats.num_batches += 1
+                rank_stats.num_samples += len(batch.samples)
+                rank_stats.num_real_tokens += batch.num_real_tokens
+                rank_stats.num_padded_tokens += batch.num_padded_tokens
+                rank_stats.shapes_seen.add(tuple(batch.input_ids.shape))
+                if progress is not None:
+                    progress.update(len(batch.samples))
+                    elapsed = time.perf_counter() - t_loop
+                    progress.set_postfix(tok_s=f"{rank_stats.num_real_tokens * world / elapsed:,.0f}", refresh=False)
+                t_wait = time.perf_counter()
+        async_writer.close()
+    except BaseException:
+        async_writer.abort()
+        log.exception("extraction failed on rank %d; committed shards are intact, re-run the same command "
+                      "to resume", rank)
+        raise
+    finally:
+        if progress is not None:
+            progress.close()
+    rank_stats.writer_wait_seconds = async_writer.wait_seconds
+    loop_seconds = time.perf_counter() - t_loop
+
+    rank_report = {
+        "rank": rank, "num_batches": rank_stats.num_batches, "num_samples": rank_stats.num_samples,
+        "num_real_tokens": rank_stats.num_real_tokens, "num_padded_tokens": rank_stats.num_padded_tokens,
+        "num_shapes": len(rank_stats.shapes_seen), "loop_seconds": loop_seconds,
+        "forward_seconds": rank_stats.forward_seconds, "data_wait_seconds": rank_stats.data_wait_seconds,
+        "writer_wait_seconds": rank_stats.writer_wait_seconds, "write_seconds": writer.write_seconds,
+        "bytes_written": writer.bytes_written, "shards_committed": len(writer.committed),
+        "decoder_params_run": decoder_params_in(model),
+    }
+    atomic_write_json(out_dir / "index" / f"{rank_name(rank)}.done.json", rank_report)
+    log.info("rank %d done: %d samples, %d tokens in %.1fs", rank, rank_stats.num_samples,
+             rank_stats.num_real_tokens, loop_seconds)
+    state.wait_for_everyone()
+    if not is_main:
+        return None
+
+    # 6. The main process merges: manifest last.
+    reports = [json.loads(p.read_text()) for p in sorted((out_dir / "index").glob("rank-*.done.json"))]
+    reports = [r for r in reports if r["rank"] < world]
+    records = read_committed(out_dir)
+    info = {
+        "dflash_prep_version": __version__,
+        "model": describe_source(recipe.model),
+        "model_fingerprint": identity["model"],
+        "tokenizer_fingerprint": identity["tokenizer"],
+        "recipe_fingerprint": recipe.fingerprint(),
+        "model_type": getattr(config, "model_type", None),
+        "num_hidden_layers": num_layers,
+        "layer_ids": layer_ids,
+        "layer_id_convention": "after-layer, 0-based (id i = HF hidden_states[i+1])",
+        "hidden_size": hidden_size,
+        "dtype": recipe.output.dtype,
+        "capture_final": recipe.layers.capture_final,
+        "num_rows": data.num_rows,
+        "num_skipped": sum(data.skipped_counts.values()),
+        "skipped": data.skipped_counts,
+        "num_failed": 0,
+        "failed": {},
+    }
+    manifest = build_manifest(records, info)
+    if manifest["num_samples"] != len(lengths):
+        raise RuntimeError(f"committed {manifest['num_samples']} samples but the plan holds {len(lengths)}; "
+                           f"re-run the same command to finish")
+    real = sum(r["num_real_tokens"] for r in reports)
+    padded = sum(r["num_padded_tokens"] for r in reports)
+    wall = time.perf_counter() - t_start
+    summary = {
+        "output_dir": str(out_dir),
+        "num_rows": data.num_rows,
+        "num_samples_written": manifest["num_samples"],
+        "num_tokens_written": manifest["num_tokens"],
+        "num_samples_this_run": sum(r["num_samples"] for r in reports),
+        "num_tokens_this_run": real,
+        "num_skipped": info["num_skipped"],
+        "skipped": data.skipped_counts,
+        "num_failed": 0,
+        "failed": {},
+        "num_batches": stats["num_batches"],
+        "num_shapes_planned": stats["num_shapes"],
+        "padding_efficiency": real / padded if padded else None,
+        "planned_padding_efficiency": stats["padding_efficiency"],
+        "num_ranks": world,
+        "wall_seconds": wall,
+        "tokens_per_second": real / max(max((r["loop_seconds"] for r in reports), default=0.0), 1e-9),
+        "bytes_written_this_run": sum(r["bytes_written"] for r in reports),
+        "bytes_total": manifest["num_bytes"],
+        "num_shards": len(manifest["shards"]),
+        "ranks": reports,
+    }
+    manifest["summary"] = {k: summary[k] for k in ("num_batches", "padding_efficiency", "num_ranks")}
+    atomic_write_json(out_dir / SUMMARY_NAME, summary)
+    write_manifest(out_dir, manifest)
+    log.info("done: %d samples, %d tokens written (%d skipped %s), padding efficiency %s, %.1f GB in %d shards, "
+             "%.1fs wall, %.0f tok/s -> %s", summary["num_samples_written"], summary["num_tokens_written"],
+             summary["num_skipped"], data.skipped_counts or "",
+             f"{summary['padding_efficiency']:.3f}" if summary["padding_efficiency"] else "n/a",
+             summary["bytes_total"] / 1e9, summary["num_shards"], wall, summary["tokens_per_second"],
+             out_dir / "manifest.json")
+    return summary
+
+
+def _progress(is_main: bool, total_samples: int, world: int):
+    if not is_main:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total_samples, desc=f"extract (rank 0 of {world})", unit="sample", dynamic_ncols=True,
+                file=sys.stderr, mininterval=1.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`extract.py` / `dflash-prep extract`: [--recipe PATH] [--set key=value ...]."""
+    import argparse
+
+    from .recipe import load_recipe
+
+    parser = argparse.ArgumentParser(prog="dflash-prep extract", description=__doc__.splitlines()[0])
+    add_extract_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        run_extraction(recipe)
+    except (RecipeError, OutputMismatchError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def add_extract_args(parser) -> None:
+    parser.add_argument("--recipe", default=None,
+                        help="recipe YAML (default: recipes/tiny-demo.yaml, the embedded CPU demo)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a recipe key, e.g. --set output.dir=/data/out (repeatable)")

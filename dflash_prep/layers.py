@@ -1,0 +1,91 @@
+"""Layer-id rules and decoder-layer discovery.
+
+This project speaks one convention: *after-layer, 0-based* ids. Id i is the output of decoder layer i, which
+equals HF `outputs.hidden_states[i + 1]` (index 0 there is the embeddings). SGLang, vLLM and speculators use
+*before-layer* ids (after-layer id + 1); convert with `to_before_layer_ids` when exporting.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .recipe import LayersSection, RecipeError
+
+
+def dflash_layer_ids(num_hidden_layers: int, num_target_layers: int) -> list[int]:
+    """The DFlash rule (z-lab, SpecForge, Model-Optimizer): k ids spread from 1 to L-3, or [L//2] for k == 1.
+
+    >>> dflash_layer_ids(64, 5)
+    [1, 16, 31, 46, 61]
+    """
+    L, k = num_hidden_layers, num_target_layers
+    if k < 1:
+        raise ValueError(f"num_target_layers must be >= 1, got {k}")
+    if k == 1:
+        return [L // 2]
+    if L < 5:
+        raise ValueError(f"the DFlash rule needs at least 5 decoder layers for k > 1, the model has {L}")
+    # Python's round() is banker's rounding; the reference implementations use it too.
+    ids = [round(1 + j * (L - 4) / (k - 1)) for j in range(k)]
+    if len(set(ids)) != k:
+        raise ValueError(f"{k} DFlash layers do not fit in {L} decoder layers (ids collide: {ids})")
+    return ids
+
+
+def eagle3_layer_ids(num_hidden_layers: int) -> list[int]:
+    """EAGLE-3's low/mid/high layers as after-layer ids: [1, L//2 - 1, L - 4] (HF tuple [2, L//2, L-3])."""
+    L = num_hidden_layers
+    ids = [1, L // 2 - 1, L - 4]
+    if L < 6 or len(set(ids)) != 3:
+        raise ValueError(f"EAGLE-3 needs at least 6 decoder layers, the model has {L}")
+    return ids
+
+
+def to_before_layer_ids(after_layer_ids: list[int]) -> list[int]:
+    """Convert to the SGLang/vLLM/speculators convention (id = after-layer id + 1)."""
+    return [i + 1 for i in after_layer_ids]
+
+
+def resolve_layer_ids(section: LayersSection, num_hidden_layers: int) -> list[int]:
+    """The after-layer ids a recipe asks for, checked against the model's depth (RecipeError if out of range)."""
+    try:
+        if section.preset == "dflash":
+            ids = dflash_layer_ids(num_hidden_layers, section.num_layers)
+        elif section.preset == "eagle3":
+            ids = eagle3_layer_ids(num_hidden_layers)
+        else:
+            ids = list(section.ids or [])
+    except ValueError as e:
+        raise RecipeError(f"recipe key `layers.preset` = {section.preset!r}: {e}") from None
+    bad = [i for i in ids if not 0 <= i < num_hidden_layers]
+    if bad:
+        raise RecipeError(f"recipe key `layers.ids` = {ids}: ids {bad} out of range; the model has "
+                          f"{num_hidden_layers} decoder layers, so after-layer ids are 0..{num_hidden_layers - 1}")
+    return ids
+
+
+def num_decoder_layers(config) -> int:
+    """Decoder depth from a (possibly multimodal) transformers config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text.num_hidden_layers)
+
+
+def find_decoder(model: nn.Module) -> nn.Module:
+    """The base decoder (embeddings + layers + final norm, no lm_head) of a CausalLM or VLM model."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    if not hasattr(decoder, "layers"):
+        # Some wrappers return an inner model whose text part sits one level deeper.
+        for name in ("language_model", "text_model", "model"):
+            inner = getattr(decoder, name, None)
+            if inner is not None and hasattr(inner, "layers"):
+                return inner
+        raise TypeError(f"cannot find the decoder layers of {type(model).__name__}: no `.layers` on "
+                        f"{type(decoder).__name__}")
+    return decoder
+
+
+def decoder_layers(decoder: nn.Module) -> nn.ModuleList:
+    layers = decoder.layers
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"{type(decoder).__name__}.layers is {type(layers).__name__}, expected nn.ModuleList")
+    return layers

@@ -1,0 +1,101 @@
+"""The output's state on disk: committed shards (from the rank indexes), clean-up, and the final manifest.
+
+`OUT/manifest.json` is written last, atomically, by the main process once every rank has finished. It lists
+only committed shards (those with an index line), so a reader that trusts it never sees a partial shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .writer import INDEX_DIR, SHARDS_DIR, ShardRecord, fsync_dir
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+STATE_NAME = "run_state.json"
+
+
+def read_committed(out_dir: str | Path) -> list[ShardRecord]:
+    """Every committed shard of every rank index, in (index file, line) order.
+
+    A torn last line (a crash while appending) is ignored: its shard is then not committed and is redone.
+    """
+    records = []
+    for index in sorted((Path(out_dir) / INDEX_DIR).glob("rank-*.jsonl")):
+        with open(index) as f:
+            for line in f:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    records.append(ShardRecord(**json.loads(line)))
+                except (json.JSONDecodeError, TypeError):
+                    break  # torn tail
+    return records
+
+
+def remove_uncommitted(out_dir: str | Path, committed: list[ShardRecord]) -> list[Path]:
+    """Delete `.tmp` files and shard files no index lists (left by a crash). Returns what was removed."""
+    out_dir = Path(out_dir)
+    keep = {out_dir / r.path for r in committed}
+    removed = []
+    for path in sorted((out_dir / SHARDS_DIR).glob("rank-*/*")):
+        if path not in keep:
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
+def next_shard_number(committed: list[ShardRecord], rank_dir_name: str) -> int:
+    """The first shard number a rank may use without overwriting committed shards of that rank folder."""
+    numbers = [int(Path(r.path).stem.split("-")[1]) for r in committed if Path(r.path).parent.name == rank_dir_name]
+    return max(numbers) + 1 if numbers else 0
+
+
+def atomic_write_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def build_manifest(records: list[ShardRecord], info: dict) -> dict:
+    """The manifest: run facts (`info`) + totals + the shard list (sorted by path)."""
+    shards = sorted(records, key=lambda r: r.path)
+    sample_ids = [s for r in shards for s in r.sample_ids]
+    if len(sample_ids) != len(set(sample_ids)):
+        dupes = sorted({s for s in sample_ids if sample_ids.count(s) > 1})[:5]
+        raise AssertionError(f"sample ids committed twice: {dupes}")
+    return {
+        "format_version": FORMAT_VERSION,
+        **info,
+        "num_samples": sum(r.num_samples for r in shards),
+        "num_tokens": sum(r.num_tokens for r in shards),
+        "num_bytes": sum(r.num_bytes for r in shards),
+        "shards": [{"path": r.path, "num_samples": r.num_samples, "num_tokens": r.num_tokens,
+                    "num_bytes": r.num_bytes, "sha256": r.sha256} for r in shards],
+    }
+
+
+def write_manifest(out_dir: str | Path, manifest: dict) -> Path:
+    path = Path(out_dir) / MANIFEST_NAME
+    atomic_write_json(path, manifest)
+    return path
+
+
+def read_manifest(out_dir: str | Path) -> dict:
+    path = Path(out_dir) / MANIFEST_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: the extraction has not finished (the manifest is written last)")
+    with open(path) as f:
+        manifest = json.load(f)
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: format_version {manifest.get('format_version')} is not supported "
+                         f"(this version reads {FORMAT_VERSION})")
+    return manifest

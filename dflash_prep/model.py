@@ -1,0 +1,105 @@
+"""Load the frozen target: tokenizer, config, model (pretrained weights, or random weights from a config)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .layers import decoder_layers, find_decoder
+from .recipe import ModelSection, RecipeError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_tokenizer(section: ModelSection):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(section.tokenizer_path, trust_remote_code=section.trust_remote_code)
+    except (OSError, ValueError) as e:
+        key = "model.tokenizer" if section.tokenizer else "model.name_or_path"
+        raise RecipeError(f"recipe key `{key}` = {section.tokenizer_path!r}: cannot load a tokenizer ({e})") from None
+
+
+def load_config(section: ModelSection):
+    """The model's config (no weights): used to resolve layer ids and validate before loading weights."""
+    from transformers import AutoConfig
+
+    source = section.config or section.name_or_path
+    key = "model.config" if section.config else "model.name_or_path"
+    try:
+        return AutoConfig.from_pretrained(source, trust_remote_code=section.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise RecipeError(f"recipe key `{key}` = {source!r}: cannot load a model config ({e})") from None
+
+
+def model_fingerprint(section: ModelSection, config) -> str:
+    """sha256 of the config and where the weights come from (path or random seed)."""
+    payload = {"config": config.to_dict(), "weights": section.name_or_path or f"random:{section.init_seed}",
+               "dtype": section.dtype}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def vocab_size_of(config) -> int:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text.vocab_size)
+
+
+def hidden_size_of(config) -> int:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text.hidden_size)
+
+
+def load_model(section: ModelSection, config, device: torch.device) -> nn.Module:
+    """The CausalLM in eval mode, frozen, on `device`, in the recipe's compute dtype.
+
+    Random weights (`model.config`) are drawn on `device` with `init_seed`, so every rank of a run builds the
+    same model.
+    """
+    from transformers import AutoModelForCausalLM
+
+    dtype = DTYPES[section.dtype]
+    kwargs = dict(dtype=dtype, attn_implementation=section.attn_implementation,
+                  trust_remote_code=section.trust_remote_code)
+    if section.config is not None:
+        torch.manual_seed(section.init_seed)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(section.name_or_path, device_map={"": device}, **kwargs)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def drop_layers_after(model: nn.Module, last_needed_layer: int) -> int:
+    """Remove decoder layers after `last_needed_layer` (their outputs are never stored) to free their memory.
+
+    Returns the number of layers kept. The forward stops at the last captured module anyway (see capture.py);
+    this only gives the memory back.
+    """
+    decoder = find_decoder(model)
+    layers = decoder_layers(decoder)
+    keep = last_needed_layer + 1
+    if keep < len(layers):
+        decoder.layers = nn.ModuleList(list(layers)[:keep])
+    return min(keep, len(layers))
+
+
+def decoder_params_in(model: nn.Module, num_layers: int | None = None) -> int:
+    """Parameters of the first `num_layers` decoder layers (all when None): the FLOP-relevant weights."""
+    layers = decoder_layers(find_decoder(model))
+    chosen = list(layers)[: num_layers if num_layers is not None else len(layers)]
+    return sum(p.numel() for layer in chosen for p in layer.parameters())
+
+
+def describe_source(section: ModelSection) -> str:
+    if section.config:
+        return f"random weights from {Path(section.config).name} (seed {section.init_seed})"
+    return str(section.name_or_path)

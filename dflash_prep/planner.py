@@ -1,0 +1,338 @@
+"""Global, deterministic batch planning for hidden-state capture.
+
+GPU memory scales with ``batch_size * padded_length`` and every distinct
+``(batch_size, padded_length)`` shape costs seconds of Triton autotuning, so
+this module
+
+* rounds every sample length up to one of a small set of padded lengths
+  (:class:`ShapeBuckets`),
+* cuts each bucket into batches whose padded-token count never exceeds a
+  budget (:func:`plan_batches`); within a bucket every batch has the same
+  batch size except possibly the last, so a bucket contributes at most two
+  shapes,
+* orders batches longest-first, so an out-of-memory error shows up in the
+  first minute of a run instead of hours in,
+* splits a plan across data-parallel ranks balanced by padded tokens
+  (:func:`split_across_ranks`).
+
+Everything here is pure Python and deterministic: the same lengths and
+settings always give the same plan, on any machine.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import heapq
+import math
+import numbers
+import operator
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, Sequence
+
+__all__ = [
+    "ShapeBuckets",
+    "PlannedBatch",
+    "plan_batches",
+    "plan_stats",
+    "split_across_ranks",
+]
+
+
+def _as_int(value: Any, name: str) -> int:
+    """``value`` as a Python int (numpy integers accepted); TypeError for floats, bools, etc."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, got bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _compute_edges(length_multiple: int, growth: float, max_length: int) -> tuple[int, ...]:
+    # growth is taken as the number its shortest decimal repr spells (1.1 means
+    # exactly 11/10), and the arithmetic is exact, so the edges are what a person
+    # computes by hand and do not depend on float rounding (in binary floating
+    # point 1360 * 1.1 / 8 is 187.00000000000003, which would ceil to 188).
+    exact_growth = Fraction(repr(growth))
+    # The last edge is capped at max_length rounded up to the multiple: growing past it would only add padding
+    # to the longest samples and raise the budget they need.
+    cap = math.ceil(max_length / length_multiple) * length_multiple
+    edges = [min(length_multiple, cap)]
+    while edges[-1] < max_length:
+        prev = edges[-1]
+        grown = math.ceil(prev * exact_growth / length_multiple) * length_multiple
+        edges.append(min(cap, max(prev + length_multiple, grown)))
+    return tuple(edges)
+
+
+@dataclass(frozen=True)
+class ShapeBuckets:
+    """Padded lengths allowed on the GPU.
+
+    Edges are multiples of ``length_multiple`` growing geometrically by
+    ``growth`` (> 1.0)::
+
+        edges[0]   = length_multiple
+        edges[i+1] = max(edges[i] + length_multiple,
+                         ceil(edges[i] * growth / length_multiple) * length_multiple)
+
+    up to and including the first edge >= ``max_length``; the last edge is capped at ``max_length``
+    rounded up to a multiple of ``length_multiple``.
+
+    Guarantees:
+
+    * edges are strictly increasing multiples of ``length_multiple``;
+    * ``edges()[-1] >= max_length`` and every earlier edge is ``< max_length``,
+      so every length in ``[1, max_length]`` has an edge. the last edge is at most
+      ``max_length`` rounded up to the multiple (64 / 1.25 / 4096 ends at 4096, not 4800);
+    * ``growth`` is interpreted as the decimal number its ``repr`` shows and the
+      rounding is done in exact rational arithmetic, so results are free of
+      float artefacts and identical on every platform.
+    """
+
+    length_multiple: int
+    growth: float
+    max_length: int
+
+    def __post_init__(self) -> None:
+        length_multiple = _as_int(self.length_multiple, "length_multiple")
+        max_length = _as_int(self.max_length, "max_length")
+        if isinstance(self.growth, bool) or not isinstance(self.growth, numbers.Real):
+            raise TypeError(f"growth must be a real number, got {self.growth!r}")
+        growth = float(self.growth)
+        if length_multiple < 1:
+            raise ValueError(f"length_multiple must be >= 1, got {length_multiple}")
+        if max_length < 1:
+            raise ValueError(f"max_length must be >= 1, got {max_length}")
+        if not (math.isfinite(growth) and growth > 1.0):
+            raise ValueError(f"growth must be a finite number > 1.0, got {self.growth!r}")
+        # Normalise (e.g. numpy ints -> int) so equality/hash behave.
+        object.__setattr__(self, "length_multiple", length_multiple)
+        object.__setattr__(self, "max_length", max_length)
+        object.__setattr__(self, "growth", growth)
+
+    def edges(self) -> tuple[int, ...]:
+        """All allowed padded lengths, ascending (see the class docstring)."""
+        return _compute_edges(self.length_multiple, self.growth, self.max_length)
+
+    def round_up(self, num_tokens: int) -> int:
+        """Smallest edge >= ``num_tokens``.
+
+        Raises ValueError if ``num_tokens < 1`` or ``num_tokens > max_length``.
+        """
+        num_tokens = _as_int(num_tokens, "num_tokens")
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        if num_tokens > self.max_length:
+            raise ValueError(
+                f"num_tokens={num_tokens} exceeds buckets max_length={self.max_length}; "
+                "truncate or drop the sample before planning, or raise max_length"
+            )
+        edges = self.edges()
+        return edges[bisect.bisect_left(edges, num_tokens)]
+
+
+@dataclass(frozen=True)
+class PlannedBatch:
+    """One GPU batch of the plan.
+
+    Attributes:
+        batch_id: stable id = position in the global plan returned by
+            :func:`plan_batches` (0 is the first, longest batch).
+        sample_indices: row indices into the tokenized dataset, ordered by
+            (true length desc, index asc).
+        padded_length: T after bucket rounding; every sample in the batch has
+            true length <= T.
+        num_real_tokens: sum of the true lengths of the samples.
+    """
+
+    batch_id: int
+    sample_indices: tuple[int, ...]
+    padded_length: int
+    num_real_tokens: int
+
+    def __post_init__(self) -> None:
+        if not self.sample_indices:
+            raise ValueError("a PlannedBatch needs at least one sample")
+        if self.padded_length < 1:
+            raise ValueError(f"padded_length must be >= 1, got {self.padded_length}")
+        if not 0 < self.num_real_tokens <= self.num_padded_tokens:
+            raise ValueError(
+                f"num_real_tokens={self.num_real_tokens} must be in "
+                f"[1, batch_size * padded_length = {self.num_padded_tokens}]"
+            )
+
+    @property
+    def batch_size(self) -> int:
+        """Number of samples (rows) in the batch."""
+        return len(self.sample_indices)
+
+    @property
+    def num_padded_tokens(self) -> int:
+        """``batch_size * padded_length``: the tokens the GPU actually processes."""
+        return len(self.sample_indices) * self.padded_length
+
+
+def plan_batches(
+    lengths: Sequence[int],
+    *,
+    max_tokens_per_batch: int,
+    max_batch_size: int,
+    buckets: ShapeBuckets,
+) -> list[PlannedBatch]:
+    """Cut all samples into padded batches under a padded-token budget.
+
+    ``lengths[i]`` is the true token length of dataset row ``i``.
+
+    Algorithm (deterministic and global over the whole dataset):
+
+    1. round each length up with ``buckets.round_up`` and group samples by
+       rounded length;
+    2. order each group by (true length desc, index asc);
+    3. the group's batch size is
+       ``min(max_batch_size, max_tokens_per_batch // padded_length)``;
+       cut the group into consecutive chunks of that size (the last chunk may
+       be smaller);
+    4. order all batches by padded_length desc, ties by the chunk's position
+       in its group; ``batch_id`` = index in that order.
+
+    Guarantees:
+
+    * every index ``0 .. len(lengths)-1`` appears in exactly one batch;
+    * ``batch.num_padded_tokens <= max_tokens_per_batch`` and
+      ``batch.batch_size <= max_batch_size`` for every batch;
+    * each bucket yields at most two distinct (batch_size, padded_length)
+      shapes, so the plan has at most ``2 * len(buckets.edges())`` shapes;
+    * the result depends only on the lengths and the settings (the same input
+      always gives an equal plan); ``batch_id == position`` in the list.
+
+    Raises ValueError if a length is < 1 or > ``buckets.max_length``, if
+    ``max_tokens_per_batch`` or ``max_batch_size`` is < 1, or if a sample's
+    padded length exceeds ``max_tokens_per_batch`` (a batch of one would not
+    fit). An empty ``lengths`` gives an empty plan.
+    """
+    max_tokens_per_batch = _as_int(max_tokens_per_batch, "max_tokens_per_batch")
+    max_batch_size = _as_int(max_batch_size, "max_batch_size")
+    if max_tokens_per_batch < 1:
+        raise ValueError(f"max_tokens_per_batch must be >= 1, got {max_tokens_per_batch}")
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+
+    edges = buckets.edges()
+    groups: dict[int, list[tuple[int, int]]] = {}  # padded_length -> [(true_length, index)]
+    for index, raw_length in enumerate(lengths):
+        length = _as_int(raw_length, f"lengths[{index}]")
+        if length < 1:
+            raise ValueError(f"lengths[{index}]={length} must be >= 1")
+        if length > buckets.max_length:
+            raise ValueError(
+                f"lengths[{index}]={length} exceeds buckets max_length={buckets.max_length}; "
+                "truncate or drop the sample before planning, or raise max_length"
+            )
+        padded_length = edges[bisect.bisect_left(edges, length)]
+        groups.setdefault(padded_length, []).append((length, index))
+
+    # (padded_length, position of the chunk in its group, indices, real tokens)
+    chunks: list[tuple[int, int, tuple[int, ...], int]] = []
+    for padded_length in sorted(groups, reverse=True):
+        members = sorted(groups[padded_length], key=lambda pair: (-pair[0], pair[1]))
+        batch_size = min(max_batch_size, max_tokens_per_batch // padded_length)
+        if batch_size < 1:
+            true_length, index = members[0]
+            raise ValueError(
+                f"max_tokens_per_batch={max_tokens_per_batch} is smaller than the padded length "
+                f"{padded_length} of sample {index} (true length {true_length}); "
+                f"set max_tokens_per_batch >= {padded_length} or lower buckets.max_length"
+            )
+        for start in range(0, len(members), batch_size):
+            chunk = members[start:start + batch_size]
+            chunks.append((
+                padded_length,
+                start,
+                tuple(index for _, index in chunk),
+                sum(length for length, _ in chunk),
+            ))
+
+    # Already in (padded_length desc, position asc) order; sort anyway so the
+    # ordering is stated in one place and does not rely on the loop above.
+    chunks.sort(key=lambda c: (-c[0], c[1]))
+    return [
+        PlannedBatch(
+            batch_id=batch_id,
+            sample_indices=indices,
+            padded_length=padded_length,
+            num_real_tokens=real_tokens,
+        )
+        for batch_id, (padded_length, _, indices, real_tokens) in enumerate(chunks)
+    ]
+
+
+def plan_stats(batches: Sequence[PlannedBatch]) -> dict[str, Any]:
+    """Summary of a plan (or of one rank's share of it), for logging.
+
+    Keys: ``num_batches``, ``num_samples``, ``num_real_tokens``,
+    ``num_padded_tokens``, ``padding_efficiency`` (real / padded tokens),
+    ``num_shapes`` (distinct (batch_size, padded_length) pairs, i.e. how many
+    autotuning runs to expect), ``batch_size_min``, ``batch_size_max``,
+    ``batch_size_mean``, ``padded_length_min``, ``padded_length_max``.
+
+    For an empty list (e.g. a rank that got no batches) the counts are 0 and
+    ``padding_efficiency`` and the min/max/mean fields are None.
+    """
+    batches = list(batches)
+    num_real_tokens = sum(b.num_real_tokens for b in batches)
+    num_padded_tokens = sum(b.num_padded_tokens for b in batches)
+    batch_sizes = [b.batch_size for b in batches]
+    padded_lengths = [b.padded_length for b in batches]
+    empty = not batches
+    return {
+        "num_batches": len(batches),
+        "num_samples": sum(batch_sizes),
+        "num_real_tokens": num_real_tokens,
+        "num_padded_tokens": num_padded_tokens,
+        "padding_efficiency": None if empty else num_real_tokens / num_padded_tokens,
+        "num_shapes": len({(b.batch_size, b.padded_length) for b in batches}),
+        "batch_size_min": None if empty else min(batch_sizes),
+        "batch_size_max": None if empty else max(batch_sizes),
+        "batch_size_mean": None if empty else sum(batch_sizes) / len(batches),
+        "padded_length_min": None if empty else min(padded_lengths),
+        "padded_length_max": None if empty else max(padded_lengths),
+    }
+
+
+def split_across_ranks(batches: Sequence[PlannedBatch], num_ranks: int) -> list[list[PlannedBatch]]:
+    """Split a plan over ``num_ranks`` data-parallel ranks, balanced by padded tokens.
+
+    Deterministic greedy longest-processing-time: visit the batches by
+    ``num_padded_tokens`` desc (ties by ``batch_id`` asc) and give each to the
+    rank with the fewest padded tokens assigned so far (ties -> lowest rank).
+    Each rank's list is then sorted by ``batch_id``, so every rank still runs
+    its longest batches first.
+
+    Guarantees:
+
+    * returns exactly ``num_ranks`` lists; every input batch appears in exactly
+      one of them (nothing repeated or dropped);
+    * max rank load - min rank load <= the largest batch's ``num_padded_tokens``
+      (load = sum of ``num_padded_tokens``);
+    * a rank gets an EMPTY list when there are fewer batches than ranks
+      (callers must cope with a rank that has nothing to do);
+    * same input -> same split.
+
+    Raises ValueError if ``num_ranks < 1``.
+    """
+    num_ranks = _as_int(num_ranks, "num_ranks")
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+    assigned: list[list[PlannedBatch]] = [[] for _ in range(num_ranks)]
+    heap = [(0, rank) for rank in range(num_ranks)]  # (padded tokens so far, rank)
+    for batch in sorted(batches, key=lambda b: (-b.num_padded_tokens, b.batch_id)):
+        load, rank = heapq.heappop(heap)
+        assigned[rank].append(batch)
+        heapq.heappush(heap, (load + batch.num_padded_tokens, rank))
+    for share in assigned:
+        share.sort(key=lambda b: b.batch_id)
+    return assigned

@@ -1,0 +1,355 @@
+"""Recipes: YAML files mapped onto frozen dataclasses.
+
+Guarantees:
+- every key of a recipe maps to a field below; an unknown key or a bad value raises `RecipeError` naming the
+  key (dotted path) and the value, before any model or dataset is loaded;
+- `--set a.b=value` overrides any key (the value is parsed as YAML, so `--set batching.max_batch_size=64`
+  gives an int and `--set layers.ids=[1,2]` a list);
+- relative input paths in a recipe (model, tokenizer, data) resolve against the recipe file's folder, so a
+  recipe runs from any cwd; `output.dir` resolves against the cwd;
+- `fingerprint()` hashes everything that decides the content of the records (not where they go, how they are
+  batched, or how many processes run), so a resume can refuse to mix outputs of different jobs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+import yaml
+
+DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny-demo.yaml"
+
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+STORAGE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+class RecipeError(ValueError):
+    """A recipe key has a bad value; the message names the key, the value and the fix."""
+
+
+def _fail(key: str, value: Any, why: str) -> None:
+    raise RecipeError(f"recipe key `{key}` = {value!r}: {why}")
+
+
+def _parse_bytes(key: str, value: Any) -> int:
+    """Accept an int or a string like '2GB', '512MiB', '1.5e9'."""
+    if isinstance(value, bool):
+        _fail(key, value, "expected a size in bytes, e.g. 2000000000 or '2GB'")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B|B)?\s*", value)
+        if m:
+            units = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+                     "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+            try:
+                return int(float(m.group(1)) * units[m.group(2) or "B"])
+            except ValueError:
+                pass
+    _fail(key, value, "expected a size in bytes, e.g. 2000000000 or '2GB'")
+    raise AssertionError  # unreachable
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """The frozen target model."""
+
+    name_or_path: str | None = None
+    """Hub id or local folder of a pretrained model (config, weights, tokenizer)."""
+    config: str | None = None
+    """Instead of weights: a config.json (or folder holding one) to build a model with random weights
+    (demo, tests, benchmarks). Exactly one of `name_or_path` and `config` is set."""
+    init_seed: int = 0
+    """Seed of the random weights when `config` is used."""
+    tokenizer: str | None = None
+    """Tokenizer folder or hub id; defaults to `name_or_path`. Required with `config`."""
+    dtype: str = "bfloat16"
+    """Compute dtype: float32, bfloat16 or float16."""
+    attn_implementation: str = "sdpa"
+    """transformers attention backend: sdpa, eager, flash_attention_2, ..."""
+    trust_remote_code: bool = False
+
+    def validate(self, p: str) -> None:
+        if (self.name_or_path is None) == (self.config is None):
+            _fail(f"{p}.name_or_path", self.name_or_path,
+                  f"set exactly one of `{p}.name_or_path` (pretrained weights) and `{p}.config` (random weights)")
+        if self.config is not None and self.tokenizer is None:
+            _fail(f"{p}.tokenizer", None, f"`{p}.config` builds random weights and has no tokenizer: set `{p}.tokenizer`")
+        if self.dtype not in COMPUTE_DTYPES:
+            _fail(f"{p}.dtype", self.dtype, f"expected one of {COMPUTE_DTYPES}")
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.name_or_path  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """Where the rows come from and how they become token ids."""
+
+    path: str = ""
+    """A file (jsonl/json/parquet/arrow), a glob, a `save_to_disk` folder, or a hub dataset id."""
+    format: Literal["auto", "json", "parquet", "arrow", "disk", "hub"] = "auto"
+    """How to load `path`; `auto` decides from the file suffix / folder content."""
+    split: str = "train"
+    max_samples: int | None = None
+    """Keep only the first N rows (for a quick trial run)."""
+    max_length: int = 4096
+    """Longest sample in tokens; longer rows follow `overlong`."""
+    overlong: Literal["truncate", "skip"] = "truncate"
+    id_column: str | None = None
+    """Column holding a row's own id (kept in meta.json as `source_id`); default: `id` when present."""
+    chat_template_kwargs: dict = field(default_factory=dict)
+    """Extra keyword arguments of `apply_chat_template`, e.g. {enable_thinking: false}."""
+    num_proc: int | None = None
+    """Processes of `datasets.map` for tokenization (None: one)."""
+
+    def validate(self, p: str) -> None:
+        if not self.path:
+            _fail(f"{p}.path", self.path, "set the dataset: a file, a folder or a hub id")
+        if self.max_samples is not None and self.max_samples < 1:
+            _fail(f"{p}.max_samples", self.max_samples, "must be >= 1 (or null for all rows)")
+        if self.max_length < 2:
+            _fail(f"{p}.max_length", self.max_length, "must be >= 2 tokens")
+        if self.num_proc is not None and self.num_proc < 1:
+            _fail(f"{p}.num_proc", self.num_proc, "must be >= 1 (or null)")
+
+
+@dataclass(frozen=True)
+class LayersSection:
+    """Which decoder layers to capture, as after-layer, 0-based ids (id i = HF `hidden_states[i+1]`)."""
+
+    preset: Literal["dflash", "eagle3", "explicit"] = "dflash"
+    num_layers: int = 5
+    """k, for the `dflash` preset."""
+    ids: list[int] | None = None
+    """The explicit list (preset `explicit`), ascending."""
+    capture_final: Literal["none", "before_norm", "after_norm"] = "none"
+    """Also store the final decoder output: `before_norm` (output of the last decoder layer, what
+    speculators/vLLM call the final layer) or `after_norm` (after the final norm, what EAGLE-3 in SpecForge
+    uses)."""
+
+    def validate(self, p: str) -> None:
+        if self.preset == "explicit":
+            if not self.ids:
+                _fail(f"{p}.ids", self.ids, f"preset `explicit` needs a non-empty `{p}.ids` list")
+            if list(self.ids) != sorted(set(self.ids)) or min(self.ids) < 0:
+                _fail(f"{p}.ids", self.ids, "must be distinct, ascending, >= 0 (after-layer, 0-based ids)")
+        elif self.ids is not None:
+            _fail(f"{p}.ids", self.ids, f"only used with `{p}.preset: explicit`")
+        if self.preset == "dflash" and self.num_layers < 1:
+            _fail(f"{p}.num_layers", self.num_layers, "must be >= 1")
+
+
+@dataclass(frozen=True)
+class BatchingSection:
+    """How samples are grouped into GPU batches."""
+
+    max_tokens_per_batch: int = 65536
+    """Budget of padded tokens per forward (batch size x padded length)."""
+    max_batch_size: int = 256
+    length_multiple: int = 64
+    """Padded lengths are multiples of this ..."""
+    length_growth: float = 1.125
+    """... growing geometrically by this factor, so few distinct shapes are ever compiled/autotuned."""
+    num_workers: int = 2
+    """DataLoader worker processes that collate batches ahead of the GPU (0: in the main process)."""
+
+    def validate(self, p: str) -> None:
+        for name in ("max_tokens_per_batch", "max_batch_size", "length_multiple"):
+            if getattr(self, name) < 1:
+                _fail(f"{p}.{name}", getattr(self, name), "must be >= 1")
+        if not self.length_growth > 1.0:
+            _fail(f"{p}.length_growth", self.length_growth, "must be > 1.0")
+        if self.num_workers < 0:
+            _fail(f"{p}.num_workers", self.num_workers, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class OutputSection:
+    """Where and how records are written."""
+
+    dir: str = "out"
+    """Output folder: shards, manifest, logs, summary."""
+    dtype: str = "bfloat16"
+    """Storage dtype of hidden states: bfloat16, float16 or float32."""
+    max_shard_bytes: int = 2_000_000_000
+    """A shard is closed at the first batch boundary after it reaches this size (bytes or '2GB')."""
+    overwrite: bool = False
+    """Delete an existing output folder's content first."""
+
+    def validate(self, p: str) -> None:
+        if not self.dir:
+            _fail(f"{p}.dir", self.dir, "set an output folder")
+        if self.dtype not in STORAGE_DTYPES:
+            _fail(f"{p}.dtype", self.dtype, f"expected one of {STORAGE_DTYPES}")
+        if self.max_shard_bytes < 1:
+            _fail(f"{p}.max_shard_bytes", self.max_shard_bytes, "must be >= 1 byte")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    model: ModelSection
+    data: DataSection
+    layers: LayersSection = field(default_factory=LayersSection)
+    batching: BatchingSection = field(default_factory=BatchingSection)
+    output: OutputSection = field(default_factory=OutputSection)
+    seed: int = 0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def fingerprint(self) -> str:
+        """sha256 of what decides record content (model, data, layers, storage dtype)."""
+        d = self.to_dict()
+        content = {"model": d["model"], "data": {k: v for k, v in d["data"].items() if k != "num_proc"},
+                   "layers": d["layers"], "dtype": d["output"]["dtype"]}
+        return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
+# Inputs named in a recipe resolve against the recipe's folder; `output.dir` resolves against the cwd.
+_PATH_KEYS = {("model", "name_or_path"), ("model", "config"), ("model", "tokenizer"), ("data", "path")}
+
+
+def _coerce(key: str, hint: Any, value: Any) -> Any:
+    """Check `value` against a field's type hint; return it (ints accepted for floats)."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is Literal:
+        if value not in args:
+            _fail(key, value, f"expected one of {list(args)}")
+        return value
+    if origin is not None and type(None) in args:  # X | None
+        if value is None:
+            return None
+        rest = [a for a in args if a is not type(None)]
+        return _coerce(key, rest[0], value)
+    if hint is bool:
+        if not isinstance(value, bool):
+            _fail(key, value, "expected true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(key, value, "expected an integer")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            _fail(key, value, "expected a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            _fail(key, value, "expected a string")
+        return value
+    if origin is list or hint is list:
+        if not isinstance(value, list):
+            _fail(key, value, "expected a list")
+        if args:
+            return [_coerce(f"{key}[{i}]", args[0], v) for i, v in enumerate(value)]
+        return value
+    if hint is dict or origin is dict:
+        if not isinstance(value, dict):
+            _fail(key, value, "expected a mapping")
+        return value
+    raise AssertionError(f"unhandled type hint {hint} for {key}")
+
+
+def _build(cls: type, raw: Any, prefix: str, base_dir: Path | None) -> Any:
+    if not isinstance(raw, dict):
+        _fail(prefix or "<recipe>", raw, "expected a mapping of keys")
+    hints = get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        _fail(key, raw[unknown[0]], f"unknown key; known keys here: {sorted(names)}")
+    kwargs = {}
+    for name, value in raw.items():
+        key = f"{prefix}.{name}" if prefix else name
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, key, base_dir)
+            continue
+        if key == "output.max_shard_bytes":
+            value = _parse_bytes(key, value)
+        value = _coerce(key, hint, value)
+        if (prefix, name) in _PATH_KEYS and isinstance(value, str) and base_dir is not None:
+            value = _resolve_path(value, base_dir)
+        kwargs[name] = value
+    missing = [f.name for f in dataclasses.fields(cls)
+               if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        key = f"{prefix}.{missing[0]}" if prefix else missing[0]
+        _fail(key, None, "required key is missing")
+    obj = cls(**kwargs)
+    if hasattr(obj, "validate"):
+        obj.validate(prefix)
+    return obj
+
+
+def _resolve_path(value: str, base_dir: Path) -> str:
+    """Make a recipe-relative path absolute; leave absolute paths and hub ids (`org/name` not on disk) alone."""
+    p = Path(value).expanduser()
+    if p.is_absolute():
+        return str(p)
+    candidate = base_dir / p
+    # Hub ids look like relative paths (`org/name`): only resolve what exists or is clearly a path.
+    if value.startswith(("./", "../")) or candidate.exists():
+        return str(candidate.resolve())
+    return value
+
+
+def _set_dotted(raw: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            _fail(key, value, f"`{part}` is not a section")
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str] | None) -> list[tuple[str, Any]]:
+    """`["a.b=1", "c=[1, 2]"]` -> [("a.b", 1), ("c", [1, 2])]; values are parsed as YAML."""
+    parsed = []
+    for item in overrides or []:
+        if "=" not in item:
+            raise RecipeError(f"--set {item!r}: expected KEY=VALUE, e.g. --set output.dir=/data/out")
+        key, text = item.split("=", 1)
+        parsed.append((key.strip(), yaml.safe_load(text) if text.strip() else ""))
+    return parsed
+
+
+def load_recipe(path: str | Path | None = None, overrides: list[str] | None = None) -> Recipe:
+    """Load, override and validate a recipe. `path=None` loads the embedded default."""
+    path = Path(path) if path is not None else DEFAULT_RECIPE
+    if not path.is_file():
+        raise RecipeError(f"recipe file {str(path)!r} not found")
+    with open(path) as f:
+        raw = yaml.safe_load(f) or {}
+    if not isinstance(raw, dict):
+        raise RecipeError(f"recipe {path}: expected a mapping at the top level")
+    base_dir = path.resolve().parent
+    # Overrides are relative to the cwd (where the user typed them), recipe paths to the recipe's folder.
+    for key, value in parse_overrides(overrides):
+        if tuple(key.split(".")) in _PATH_KEYS and isinstance(value, str):
+            if Path(value).expanduser().exists():
+                value = str(Path(value).expanduser().resolve())
+        _set_dotted(raw, key, value)
+    if isinstance(raw.get("output"), dict) and isinstance(raw["output"].get("dir"), str):
+        raw["output"]["dir"] = str(Path(raw["output"]["dir"]).expanduser().resolve())
+    return _build(Recipe, raw, "", base_dir)
+
+
+def recipe_from_dict(raw: dict, base_dir: Path | None = None) -> Recipe:
+    """Build and validate a recipe from a mapping (tests, programmatic use)."""
+    return _build(Recipe, raw, "", base_dir)
