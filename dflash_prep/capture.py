@@ -63,6 +63,8 @@ class LayerCapture:
 
     def _layer_hook(self, slot: int, stop: bool):
         def hook(module, args, output):
+            if self._flat_index is None:
+                return None  # a forward outside `run()` (e.g. a reference pass) passes through untouched
             hs_NH = self._gather(_output_tensor(output))
             H = hs_NH.shape[-1]
             if slot >= 0:

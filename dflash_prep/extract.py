@@ -107,21 +107,36 @@ def _tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
+def _identity_diffs(previous: dict, current: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ, e.g. ['data.max_length', 'layer_ids']."""
+    diffs = []
+    for key in sorted(set(previous) | set(current)):
+        a, b, name = previous.get(key), current.get(key), f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += _identity_diffs(a, b, f"{name}.")
+        elif a != b:
+            diffs.append(name)
+    return diffs
+
+
 def _check_identity(out_dir: Path, identity: dict) -> None:
     path = out_dir / STATE_NAME
     if not path.exists():
         return
     with open(path) as f:
         previous = json.load(f)["identity"]
-    diffs = [k for k in identity if previous.get(k) != identity[k]]
+    diffs = _identity_diffs(previous, identity)
     if diffs:
-        details = "; ".join(f"{k}: output has {previous.get(k)!r}, this run has {identity[k]!r}"
-                            for k in diffs if k not in ("model", "tokenizer"))
-        hashes = [k for k in diffs if k in ("model", "tokenizer")]
+        def value(d, key):
+            for part in key.split("."):
+                d = d.get(part) if isinstance(d, dict) else None
+            return d
+        details = "; ".join(
+            f"{k}: output has {value(previous, k)!r}, this run has {value(identity, k)!r}"
+            if k not in ("model", "tokenizer") else f"{k} fingerprint differs" for k in diffs)
         raise OutputMismatchError(
-            f"{out_dir} holds an extraction of a different job (differs in: {', '.join(diffs)}). "
-            f"{details}{' ' if details and hashes else ''}{'(' + ', '.join(hashes) + ' fingerprint differs)' if hashes else ''}. "
-            f"Use another output.dir, or --set output.overwrite=true to start afresh.")
+            f"{out_dir} holds an extraction of a different job ({details}). Use another output.dir, or "
+            f"--set output.overwrite=true to start afresh.")
 
 
 def _prepare_output(out_dir: Path, recipe: Recipe, identity: dict) -> None:
@@ -225,8 +240,8 @@ def run_extraction(recipe: Recipe) -> dict | None:
         data = tokenize_dataset(rows, tokenizer, recipe.data, vocab_size_of(config))
     if is_main:
         write_skipped(out_dir / SKIPPED_NAME, data.skipped_rows)
-        log.info("data: %d rows, %d kept, %d skipped %s", data.num_rows, len(data.kept),
-                 sum(data.skipped_counts.values()), data.skipped_counts or "")
+        log.info("data: %d rows, %d kept, %d skipped%s", data.num_rows, len(data.kept),
+                 sum(data.skipped_counts.values()), f" {data.skipped_counts}" if data.skipped_counts else "")
     lengths = [int(n) for n in data.kept["num_tokens"]]
 
     # 3. Global plan, minus what is committed, split over this run's ranks.
@@ -372,9 +387,9 @@ def run_extraction(recipe: Recipe) -> dict | None:
     manifest["summary"] = {k: summary[k] for k in ("num_batches", "padding_efficiency", "num_ranks")}
     atomic_write_json(out_dir / SUMMARY_NAME, summary)
     write_manifest(out_dir, manifest)
-    log.info("done: %d samples, %d tokens written (%d skipped %s), padding efficiency %s, %.1f GB in %d shards, "
+    log.info("done: %d samples, %d tokens written (%d skipped%s), padding efficiency %s, %.1f GB in %d shards, "
              "%.1fs wall, %.0f tok/s -> %s", summary["num_samples_written"], summary["num_tokens_written"],
-             summary["num_skipped"], data.skipped_counts or "",
+             summary["num_skipped"], f" {data.skipped_counts}" if data.skipped_counts else "",
              f"{summary['padding_efficiency']:.3f}" if summary["padding_efficiency"] else "n/a",
              summary["bytes_total"] / 1e9, summary["num_shards"], wall, summary["tokens_per_second"],
              out_dir / "manifest.json")

@@ -14,6 +14,7 @@ Guarantees:
 from __future__ import annotations
 
 import dataclasses
+import glob
 import hashlib
 import json
 import re
@@ -303,7 +304,7 @@ def _resolve_path(value: str, base_dir: Path) -> str:
         return str(p)
     candidate = base_dir / p
     # Hub ids look like relative paths (`org/name`): only resolve what exists or is clearly a path.
-    if value.startswith(("./", "../")) or candidate.exists():
+    if value.startswith(("./", "../")) or candidate.exists() or glob.glob(str(candidate)):
         return str(candidate.resolve())
     return value
 

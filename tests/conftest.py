@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny real architectures (Llama-style and the Qwen3.5 Gated DeltaNet hybrid) built in-process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO = REPO / "recipes" / "tiny-demo"
+
+
+def tiny_llama_config(vocab_size: int = 1024, num_layers: int = 6):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                       pad_token_id=0, bos_token_id=0, eos_token_id=0)
+
+
+def tiny_qwen35_config():
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(DEMO / "model_config.json")
+
+
+def build(config, seed: int = 0, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="session")
+def llama_config_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("llama") / "config.json"
+    path.write_text(json.dumps(tiny_llama_config().to_dict()))
+    return path
+
+
+def demo_overrides(out_dir: Path, **extra) -> list[str]:
+    """`--set` overrides that send the demo recipe's output to `out_dir` (plus any extra key=value)."""
+    return [f"output.dir={out_dir}"] + [f"{k}={v}" for k, v in extra.items()]

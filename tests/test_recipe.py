@@ -1,0 +1,93 @@
+"""Recipes: every shipped one validates; bad keys and values fail naming the key; overrides work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO
+from dflash_prep.recipe import DEFAULT_RECIPE, RecipeError, load_recipe, recipe_from_dict
+
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+
+
+def test_there_are_recipes_for_the_demo_and_the_real_targets():
+    names = {p.name for p in RECIPES}
+    assert DEFAULT_RECIPE.name in names
+    assert len(names) >= 3
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_every_shipped_recipe_loads_and_validates(path):
+    recipe = load_recipe(path)
+    assert recipe.output.max_shard_bytes > 0
+    assert recipe.batching.max_tokens_per_batch >= recipe.data.max_length or recipe.batching.max_tokens_per_batch > 0
+    # the resolved recipe round-trips through YAML
+    again = recipe_from_dict(yaml.safe_load(recipe.to_yaml()))
+    assert again == recipe
+
+
+def test_real_target_recipes_ask_for_the_documented_layers():
+    dflash = load_recipe(REPO / "recipes" / "qwen3.6-27b-dflash.yaml")
+    assert dflash.layers.preset == "explicit" and dflash.layers.ids == [1, 16, 31, 46, 61]
+    eagle = load_recipe(REPO / "recipes" / "llama3.1-8b-eagle3.yaml")
+    assert eagle.layers.preset == "eagle3"
+
+
+def test_demo_recipe_resolves_paths_against_its_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    recipe = load_recipe(None)
+    assert Path(recipe.model.config).is_file()
+    assert Path(recipe.data.path).is_file()
+    assert recipe.output.dir == str(tmp_path / "out" / "tiny-demo")  # output goes to the cwd
+
+
+def test_set_overrides_any_key_with_yaml_values(tmp_path):
+    recipe = load_recipe(None, [f"output.dir={tmp_path}/x", "batching.max_batch_size=7", "layers.preset=explicit",
+                                "layers.ids=[0, 2]", "output.max_shard_bytes=2MB", "data.max_samples=5"])
+    assert recipe.output.dir == str(tmp_path / "x")
+    assert recipe.batching.max_batch_size == 7
+    assert recipe.layers.ids == [0, 2]
+    assert recipe.output.max_shard_bytes == 2_000_000
+    assert recipe.data.max_samples == 5
+
+
+@pytest.mark.parametrize("override, key", [
+    ("batching.max_tokens_per_batch=-5", "batching.max_tokens_per_batch"),
+    ("batching.max_batch_size=big", "batching.max_batch_size"),
+    ("batching.length_growth=1.0", "batching.length_growth"),
+    ("output.dtype=int8", "output.dtype"),
+    ("output.max_shard_bytes=lots", "output.max_shard_bytes"),
+    ("data.overlong=wrap", "data.overlong"),
+    ("data.max_samples=0", "data.max_samples"),
+    ("layers.preset=medusa", "layers.preset"),
+    ("layers.capture_final=yes", "layers.capture_final"),
+    ("layers.ids=[1,2]", "layers.ids"),  # ids without preset explicit
+    ("model.dtype=float64", "model.dtype"),
+    ("batching.max_tokens=5", "batching.max_tokens"),  # unknown key
+    ("outputs.dir=x", "outputs"),  # unknown section
+])
+def test_bad_values_name_the_key(override, key):
+    with pytest.raises(RecipeError) as e:
+        load_recipe(None, [override])
+    assert f"`{key}`" in str(e.value)
+
+
+def test_explicit_ids_must_be_ascending_and_model_source_exactly_one():
+    with pytest.raises(RecipeError, match="`layers.ids`"):
+        load_recipe(None, ["layers.preset=explicit", "layers.ids=[3, 1]"])
+    with pytest.raises(RecipeError, match="`model.name_or_path`"):
+        load_recipe(None, ["model.name_or_path=org/model"])  # both config and name_or_path set
+    with pytest.raises(RecipeError, match="KEY=VALUE"):
+        load_recipe(None, ["output.dir"])
+    with pytest.raises(RecipeError, match="not found"):
+        load_recipe("/nonexistent/recipe.yaml")
+
+
+def test_fingerprint_ignores_where_and_how_but_not_what():
+    a = load_recipe(None)
+    assert a.fingerprint() == load_recipe(None, ["output.dir=/elsewhere", "batching.max_batch_size=3"]).fingerprint()
+    assert a.fingerprint() != load_recipe(None, ["output.dtype=float32"]).fingerprint()
+    assert a.fingerprint() != load_recipe(None, ["data.max_length=512"]).fingerprint()
