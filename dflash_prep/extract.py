@@ -215,7 +215,8 @@ def run_extraction(recipe: Recipe) -> dict | None:
     from accelerate import PartialState
 
     t_start = time.perf_counter()
-    state = PartialState()
+    # Without GPUs, accelerate only forms a process group when told it is a CPU job (gloo).
+    state = PartialState(cpu=not torch.cuda.is_available())
     rank, world, is_main = state.process_index, state.num_processes, state.is_main_process
     device = state.device
     out_dir = Path(recipe.output.dir)
