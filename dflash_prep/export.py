@@ -1,0 +1,413 @@
+"""`dflash-prep export OUT --to specforge|speculators|modelopt --dest DIR`: rewrite shards in a trainer's layout.
+
+Layouts (REFERENCE.md §1; T tokens, k captured layers, H hidden size; every hidden state bf16):
+
+- `specforge` (`--strategy dflash`, default): `DIR/rows_{g}-{g+2000}/data_{i}.ckpt`, g = i rounded down to 2000,
+  one `torch.save` dict per sample: `input_ids` int64 [T], `loss_mask` int64 [T], `hidden_states` [1, T, k*H]
+  (layers in ascending after-layer id order, SpecForge's `dflash_config.target_layer_ids` order).
+- `specforge --strategy eagle3`: same files with `input_ids`, `loss_mask`, `aux_hidden_state` [1, T, 3H] and
+  `hidden_state` [1, T, H] = the final layer AFTER the final norm. Needs k == 3 and
+  `layers.capture_final: after_norm`.
+- `speculators` (DFlash and EAGLE-3 alike): an Arrow dataset in DIR (`datasets.save_to_disk` after
+  `set_format(type="torch")`; row i = `input_ids` int64 [T], `loss_mask` int64 [T], `seq_len` int64) and
+  `DIR/hidden_states/hs_{i}.safetensors` = `hidden_states` [T, k+1, H] (the k layers, then the final layer
+  BEFORE the final norm) and `token_ids` int64 [T]. Needs `layers.capture_final: before_norm`.
+- `modelopt` (NVIDIA Model-Optimizer): `DIR/{sample_id}.pt`, one `torch.save` dict per sample: `input_ids`
+  int64 [T], `hidden_states` [T, H] (final layer AFTER the final norm, what its HF dumper stores:
+  `outputs.hidden_states[-1]`), `aux_hidden_states` [T, k*H], `loss_mask` int64 [T], and `conversation_id`
+  (str, = sample_id) as its dumper writes. Needs `layers.capture_final: after_norm`.
+
+Guarantees:
+- a requirement the output does not meet (final layer missing or of the wrong kind, k != 3 for EAGLE-3, a
+  storage dtype other than bf16 without `--cast-to-bfloat16`) fails before anything is written, naming the
+  recipe key and value to re-extract with;
+- export index i = the sample's rank in sample_id order, i.e. source-row order: independent of how many ranks
+  extracted it or how batches were planned (so speculators' first-rows/last-rows train/validation split is
+  not a split by length); `DIR/dflash_prep_export.json` records the trainer, layer ids in both conventions,
+  and `sample_ids` in export order;
+- streaming: one sample in memory at a time (plus, for speculators, the Arrow rows in a temporary datasets
+  cache on disk); tensors equal the shard's bit for bit (the only conversion is int32/uint8 -> int64 ids and
+  masks, and the explicit bf16 cast when asked);
+- the export is written to `DIR.partial` and renamed to DIR at the end: DIR never holds a partial export.
+  An existing non-empty DIR is refused unless `--overwrite`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file as safetensors_save_file
+
+from . import __version__
+from .manifest import read_committed, read_manifest
+from .reader import (MEMBER_INPUT_IDS, OutputLayout, ShardFormatError, ShardInfo, iter_shard, iter_tar_samples,
+                     shards_of)
+
+TARGETS = ("specforge", "speculators", "modelopt")
+STRATEGIES = ("dflash", "eagle3")
+EXPORT_INFO_NAME = "dflash_prep_export.json"
+SPECFORGE_GROUP_SIZE = 2000
+
+
+class ExportError(RuntimeError):
+    """The output cannot be exported to the requested layout; the message says what to change."""
+
+
+@dataclass
+class ExportReport:
+    target: str
+    strategy: str
+    dest: str
+    num_samples: int
+    num_tokens: int
+    num_files: int
+    num_bytes: int
+    seconds: float
+
+
+# ----------------------------------------------------------------------------------------- requirements
+def _reextract_hint(key_value: str) -> str:
+    return (f"re-extract with `--set {key_value}` (recipe key `{key_value.replace('=', ': ')}`), into a new "
+            f"output.dir or with --set output.overwrite=true")
+
+
+def check_exportable(manifest: dict, target: str, strategy: str = "dflash", cast_to_bfloat16: bool = False,
+                     source: str = "the output") -> None:
+    """Raise `ExportError` when `manifest` lacks what `target` (+ `strategy`) needs; say which recipe key to set."""
+    if target not in TARGETS:
+        raise ExportError(f"unknown export target {target!r}; choose one of {TARGETS}")
+    if strategy not in STRATEGIES:
+        raise ExportError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+    if strategy != "dflash" and target != "specforge":
+        raise ExportError(f"--strategy applies to --to specforge only ({target} has one layout for DFlash and "
+                          f"EAGLE-3)")
+    final = manifest.get("capture_final", "none")
+    k = len(manifest["layer_ids"])
+    if manifest["dtype"] != "bfloat16" and not cast_to_bfloat16:
+        raise ExportError(f"{target} reads bf16 hidden states but {source} stores {manifest['dtype']}: "
+                          f"{_reextract_hint('output.dtype=bfloat16')}, or pass --cast-to-bfloat16 (rounds)")
+    needs = None
+    if target == "speculators":
+        needs = ("before_norm", "speculators stores the final layer as the last of its K = k+1 layers and wants "
+                                "it BEFORE the final norm (vLLM's final-layer id; its trainer applies the norm)")
+    elif target == "modelopt":
+        needs = ("after_norm", "Model-Optimizer's `hidden_states` is the final layer AFTER the final norm "
+                               "(its HF dumper stores transformers' `outputs.hidden_states[-1]`)")
+    elif strategy == "eagle3":
+        needs = ("after_norm", "SpecForge EAGLE-3's `hidden_state` is the final layer AFTER the final norm")
+        if k != 3:
+            raise ExportError(f"SpecForge EAGLE-3 needs exactly 3 auxiliary layers (`aux_hidden_state` "
+                              f"[1, T, 3H]) but {source} captured {k}: {manifest['layer_ids']}; "
+                              f"{_reextract_hint('layers.preset=eagle3')}")
+    if needs is not None and final != needs[0]:
+        got = "did not capture the final layer" if final == "none" else f"captured it {final.replace('_', ' ')}"
+        raise ExportError(f"{needs[1]}, but {source} {got} (layers.capture_final={final}); "
+                          f"{_reextract_hint('layers.capture_final=' + needs[0])}")
+
+
+# ----------------------------------------------------------------------------------------- export order
+def sample_ids_by_shard(out_dir: Path, shards: list[ShardInfo]) -> dict[str, list[str]]:
+    """Each shard's sample ids (tar order): from the rank indexes when they agree with the manifest (path,
+    sha256, count), else from the tar headers (no tensor bytes are read)."""
+    records = {r.path: r for r in read_committed(out_dir)}
+    out: dict[str, list[str]] = {}
+    for s in shards:
+        r = records.get(s.rel_path)
+        if r is not None and r.sha256 == s.sha256 and len(r.sample_ids) == s.num_samples:
+            out[s.rel_path] = list(r.sample_ids)
+        else:
+            out[s.rel_path] = [key for _, key, _ in iter_tar_samples(s.path, wanted=lambda j: False)]
+    return out
+
+
+def export_order(out_dir: Path, shards: list[ShardInfo]) -> list[str]:
+    """All sample ids in export order (sorted: source-row order); raises on a duplicate id."""
+    ids = [i for lst in sample_ids_by_shard(out_dir, shards).values() for i in lst]
+    ordered = sorted(ids)
+    dupes = sorted({a for a, b in zip(ordered, ordered[1:]) if a == b})
+    if dupes:
+        raise ExportError(f"{out_dir}: sample ids in more than one place: {dupes[:5]}")
+    return ordered
+
+
+# ---------------------------------------------------------------------------------------------- writers
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a contiguous tensor that owns exactly its bytes (torch.save writes a view's whole storage)."""
+    t = t.contiguous()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset() != 0:
+        t = t.clone()
+    return t
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.bfloat16 else t.to(torch.bfloat16)
+
+
+def specforge_path(dest: Path, index: int) -> Path:
+    g = index // SPECFORGE_GROUP_SIZE * SPECFORGE_GROUP_SIZE
+    return dest / f"rows_{g}-{g + SPECFORGE_GROUP_SIZE}" / f"data_{index}.ckpt"
+
+
+def speculators_path(dest: Path, index: int) -> Path:
+    return dest / "hidden_states" / f"hs_{index}.safetensors"
+
+
+def modelopt_path(dest: Path, sample_id: str) -> Path:
+    return dest / f"{sample_id}.pt"
+
+
+def specforge_record(sample: dict[str, Any], strategy: str) -> dict[str, torch.Tensor]:
+    """The dict SpecForge's offline reader loads for one sample."""
+    record = {"input_ids": _owned(sample["input_ids"]), "loss_mask": _owned(sample["loss_mask"])}
+    if strategy == "dflash":
+        record["hidden_states"] = _owned(_bf16(sample["hidden_states"]).unsqueeze(0))
+    else:
+        record["aux_hidden_state"] = _owned(_bf16(sample["hidden_states"]).unsqueeze(0))
+        record["hidden_state"] = _owned(_bf16(sample["final_hidden_states"]).unsqueeze(0))
+    return record
+
+
+def speculators_record(sample: dict[str, Any], hidden_size: int) -> dict[str, torch.Tensor]:
+    """The tensors of one `hs_{i}.safetensors`: `hidden_states` [T, k+1, H] (final last), `token_ids` [T]."""
+    hidden_states_TK = _bf16(sample["hidden_states"])
+    T = hidden_states_TK.shape[0]
+    layers_TkH = hidden_states_TK.reshape(T, -1, hidden_size)
+    final_T1H = _bf16(sample["final_hidden_states"]).reshape(T, 1, hidden_size)
+    return {"hidden_states": torch.cat([layers_TkH, final_T1H], dim=1).contiguous(),
+            "token_ids": sample["input_ids"].contiguous()}
+
+
+def modelopt_record(sample: dict[str, Any]) -> dict[str, Any]:
+    """The dict Model-Optimizer's `OfflineSupervisedDataset` loads (torch.load(weights_only=True))."""
+    return {"input_ids": _owned(sample["input_ids"]),
+            "hidden_states": _owned(_bf16(sample["final_hidden_states"])),
+            "aux_hidden_states": _owned(_bf16(sample["hidden_states"])),
+            "loss_mask": _owned(sample["loss_mask"]),
+            "conversation_id": sample["sample_id"]}
+
+
+def _save_torch(obj: dict, path: Path) -> int:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+    return path.stat().st_size
+
+
+def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> int:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    safetensors_save_file(tensors, str(path))
+    return path.stat().st_size
+
+
+# ------------------------------------------------------------------------------------------------ export
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def export(out_dir: str | Path, target: str, dest: str | Path, *, strategy: str = "dflash",
+           overwrite: bool = False, cast_to_bfloat16: bool = False, verify: bool = False,
+           progress: bool = True) -> ExportReport:
+    """Export the output at `out_dir` to `dest` in `target`'s layout (see the module docstring)."""
+    t0 = time.perf_counter()
+    out_dir, dest = Path(out_dir), Path(dest)
+    manifest = read_manifest(out_dir)
+    check_exportable(manifest, target, strategy, cast_to_bfloat16, source=str(out_dir))
+    if dest.exists() and not (dest.is_dir() and not any(dest.iterdir())):
+        if not overwrite:
+            raise ExportError(f"{dest} exists and is not empty; choose another --dest or pass --overwrite")
+    layout = OutputLayout.from_manifest(manifest)
+    shards = shards_of(out_dir, manifest)
+    missing = [s.rel_path for s in shards if not s.path.is_file()]
+    if missing:
+        raise ExportError(f"{out_dir}: shard(s) listed in the manifest are missing: {missing[:5]}")
+    order = export_order(out_dir, shards)
+    if len(order) != int(manifest["num_samples"]):
+        raise ExportError(f"{out_dir}: the shards hold {len(order)} samples, the manifest says "
+                          f"{manifest['num_samples']}")
+    index_of = {sid: i for i, sid in enumerate(order)}
+
+    partial = dest.with_name(dest.name + ".partial")
+    if partial.exists():
+        shutil.rmtree(partial)  # left by an interrupted export of this dest
+    partial.mkdir(parents=True)
+    report = ExportReport(target, strategy, str(dest), 0, 0, 0, 0, 0.0)
+    bar = _progress(progress, len(order), f"export -> {target}")
+    rows_cache = partial / ".rows-cache"
+    try:
+        if target == "speculators":
+            _export_speculators(shards, layout, partial, rows_cache, index_of, report, bar, verify)
+        else:
+            write: Callable[[dict], int]
+            if target == "specforge":
+                def write(sample):
+                    return _save_torch(specforge_record(sample, strategy),
+                                       specforge_path(partial, index_of[sample["sample_id"]]))
+            else:
+                def write(sample):
+                    return _save_torch(modelopt_record(sample), modelopt_path(partial, sample["sample_id"]))
+            for sample in _samples(shards, layout, verify):
+                report.num_bytes += write(sample)
+                _count(report, sample, bar)
+        if report.num_samples != len(order):
+            raise ExportError(f"exported {report.num_samples} samples, expected {len(order)}")
+        info = _export_info(manifest, out_dir, target, strategy, order, cast_to_bfloat16)
+        (partial / EXPORT_INFO_NAME).write_text(json.dumps(info, indent=2) + "\n")
+        if dest.exists():
+            shutil.rmtree(dest) if dest.is_dir() else dest.unlink()
+        os.replace(partial, dest)
+    except BaseException:
+        if bar is not None:
+            bar.close()
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if bar is not None:
+        bar.close()
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _samples(shards: list[ShardInfo], layout: OutputLayout, verify: bool):
+    for shard in shards:
+        if verify and _sha256_file(shard.path) != shard.sha256:
+            raise ShardFormatError(f"{shard.path}: sha256 differs from the manifest (corrupt or replaced shard)")
+        yield from iter_shard(shard, layout)
+
+
+def _count(report: ExportReport, sample: dict, bar) -> None:
+    report.num_samples += 1
+    report.num_tokens += int(sample["input_ids"].shape[0])
+    report.num_files += 1
+    if bar is not None:
+        bar.update(1)
+
+
+def _export_speculators(shards, layout: OutputLayout, partial: Path, rows_cache: Path, index_of: dict[str, int],
+                        report: ExportReport, bar, verify: bool) -> None:
+    """hs_{i}.safetensors while streaming; the Arrow rows through a datasets cache, sorted by i at the end."""
+    import datasets
+
+    features = datasets.Features({"_index": datasets.Value("int64"),
+                                  "input_ids": datasets.List(datasets.Value("int64")),
+                                  "loss_mask": datasets.List(datasets.Value("int64")),
+                                  "seq_len": datasets.Value("int64")})
+
+    def rows():
+        for sample in _samples(shards, layout, verify):
+            i = index_of[sample["sample_id"]]
+            report.num_bytes += _save_safetensors(speculators_record(sample, layout.hidden_size),
+                                                  speculators_path(partial, i))
+            _count(report, sample, bar)
+            yield {"_index": i, "input_ids": sample["input_ids"].numpy(), "loss_mask": sample["loss_mask"].numpy(),
+                   "seq_len": int(sample["input_ids"].shape[0])}
+
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        # A fresh cache folder and a random fingerprint: from_generator never returns a stale cached dataset
+        # (and never tries to hash the generator's closure).
+        ds = datasets.Dataset.from_generator(rows, features=features, cache_dir=str(rows_cache),
+                                             fingerprint=uuid.uuid4().hex)
+        ds = ds.sort("_index", load_from_cache_file=False, new_fingerprint=uuid.uuid4().hex)
+        ds = ds.remove_columns("_index")
+        ds.set_format(type="torch")
+        ds.save_to_disk(str(partial))
+        # The Arrow files count towards the export's size.
+        report.num_bytes += sum(p.stat().st_size for p in partial.glob("*.arrow"))
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
+    shutil.rmtree(rows_cache, ignore_errors=True)
+
+
+def _export_info(manifest: dict, out_dir: Path, target: str, strategy: str, order: list[str], cast: bool) -> dict:
+    after = [int(i) for i in manifest["layer_ids"]]
+    info = {
+        "exported_by": f"dflash-prep {__version__}",
+        "source": str(out_dir.resolve()),
+        "source_recipe_fingerprint": manifest.get("recipe_fingerprint"),
+        "source_model": manifest.get("model"),
+        "target": target,
+        "strategy": strategy if target == "specforge" else "dflash or eagle3",
+        "num_hidden_layers": manifest.get("num_hidden_layers"),
+        "hidden_size": manifest["hidden_size"],
+        "layer_ids_after_layer": after,
+        "layer_ids_before_layer": [i + 1 for i in after],
+        "capture_final": manifest.get("capture_final", "none"),
+        "source_dtype": manifest["dtype"],
+        "cast_to_bfloat16": bool(cast and manifest["dtype"] != "bfloat16"),
+        "num_samples": len(order),
+        "num_tokens": manifest["num_tokens"],
+        "index_order": "export index i = position of the sample id in `sample_ids` (sorted = source-row order)",
+    }
+    if target == "specforge":
+        info["trainer_config"] = {"dflash_config.target_layer_ids": after} if strategy == "dflash" else {}
+    elif target == "speculators":
+        info["trainer_config"] = {"--target-layer-ids": [i + 1 for i in after],
+                                  "note": "before-layer ids; the final layer is the extra last slot of hidden_states"}
+    else:
+        info["trainer_config"] = {"aux layer ids (after-layer, HF hidden_states[i+1])": after}
+    info["sample_ids"] = order
+    return info
+
+
+def _progress(enabled: bool, total: int, desc: str):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="sample", dynamic_ncols=True, file=sys.stderr, mininterval=1.0)
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+def build_parser(prog: str = "dflash-prep export") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Rewrite an extraction output in a drafter trainer's "
+                                                       "layout (SpecForge, speculators, Model-Optimizer).")
+    p.add_argument("out", help="extraction output folder (holds manifest.json)")
+    p.add_argument("--to", dest="target", required=True, choices=TARGETS, help="trainer layout to write")
+    p.add_argument("--dest", required=True, help="folder to create (written as DEST.partial, renamed at the end)")
+    p.add_argument("--strategy", default="dflash", choices=STRATEGIES,
+                   help="SpecForge only: dflash (hidden_states) or eagle3 (aux_hidden_state + hidden_state)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty DEST")
+    p.add_argument("--cast-to-bfloat16", action="store_true",
+                   help="accept an output stored as float16/float32 and round its states to bf16")
+    p.add_argument("--verify", action="store_true", help="re-hash each shard against the manifest before use")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`dflash-prep export OUT --to TARGET --dest DIR`; 0 on success, 2 on a refused export, 1 on bad data."""
+    args = build_parser().parse_args(argv)
+    try:
+        report = export(args.out, args.target, args.dest, strategy=args.strategy, overwrite=args.overwrite,
+                        cast_to_bfloat16=args.cast_to_bfloat16, verify=args.verify, progress=not args.no_progress)
+    except (ExportError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ShardFormatError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"exported {report.num_samples} samples ({report.num_tokens} tokens) to {report.dest} as "
+          f"{report.target}{' ' + report.strategy if report.target == 'specforge' else ''}: {report.num_files} "
+          f"files, {report.num_bytes / 1e9:.2f} GB in {report.seconds:.1f}s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

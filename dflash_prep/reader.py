@@ -1,0 +1,550 @@
+"""Read an extraction output: the shards listed in `OUT/manifest.json` -> per-sample tensors -> DFlash batches.
+
+`ShardDataset(out_dir)` is a torch `IterableDataset`; `DFlashCollator` turns its samples into trainer batches.
+
+Guarantees of `ShardDataset`:
+- it reads `OUT/manifest.json` once, at construction, and reads only the shards it lists (the manifest lists
+  committed shards only, so a partial shard is never read); it never lists folders nor opens every shard up
+  front: a shard is opened when its consumer reaches it;
+- each sample is one dict: `sample_id` (str), `input_ids` int64 [T], `loss_mask` int64 [T], `hidden_states`
+  [T, k*H] in the output's storage dtype (`manifest["dtype"]`, bf16 by default; the k captured layers
+  concatenated in ascending `layer_ids` order, after-layer 0-based ids), and `final_hidden_states` [T, H] when
+  the extraction captured it (`manifest["capture_final"]` != "none"); values are exactly the stored bytes;
+- safetensors members are decoded with `safetensors.torch.load` (bytes) and npy members with
+  `np.load(allow_pickle=False)`: no pickle, no code execution; `meta.json` is parsed only with `include_meta`;
+- a shard whose content disagrees with the manifest or the format (missing member, wrong dtype or shape,
+  repeated key, sample count different from the manifest) raises `ShardFormatError` naming the shard;
+- work split ("consumers" = distributed ranks x DataLoader workers; rank/world from the explicit arguments,
+  else from `torch.distributed` when it is initialized, else 0/1; the worker from
+  `torch.utils.data.get_worker_info()`): all consumers of an epoch together yield every sample of the
+  manifest exactly once. The rule (`split="auto"`): when the output has at least as many shards as consumers,
+  whole shards are dealt round-robin (consumer c reads shards c, c+C, c+2C, ... of the epoch's shard order);
+  otherwise every consumer walks every shard and keeps the samples whose global position p (in the epoch's
+  shard order) has p % C == c, skipping the others' bytes by seeking over them. `split="shard"` /
+  `split="sample"` force one rule. With shard granularity, consumers can get different sample counts (up to
+  one shard's worth); with sample striding, counts differ by at most one. `num_samples_for()` gives the exact
+  count of a rank for the current epoch (e.g. to size a DDP loop);
+- shuffle (`shuffle=True`): the shard order is a permutation seeded by (seed, epoch), the same on every
+  consumer, and each consumer passes its samples through a buffer of `shuffle_buffer` samples seeded by
+  (seed, epoch, consumer). It changes the order, never the content. Call `set_epoch(e)` before creating the
+  epoch's iterator (DataLoader workers get a copy of the dataset when the iterator is created, so with
+  `persistent_workers=True` they do not see later `set_epoch` calls: use non-persistent workers to reshuffle).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import tarfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load as safetensors_load
+from torch.utils.data import IterableDataset, get_worker_info
+
+from .manifest import read_manifest
+
+MEMBER_INPUT_IDS = "input_ids.npy"
+MEMBER_LOSS_MASK = "loss_mask.npy"
+MEMBER_STATES = "hidden_states.safetensors"
+MEMBER_META = "meta.json"
+REQUIRED_MEMBERS = (MEMBER_INPUT_IDS, MEMBER_LOSS_MASK, MEMBER_STATES)
+
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+SPLIT_MODES = ("auto", "shard", "sample")
+
+
+class ShardFormatError(ValueError):
+    """A shard disagrees with the manifest or the shard format; the message names the shard (and sample)."""
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One shard as listed in the manifest. `path` is absolute; `rel_path` is the manifest's (relative to OUT)."""
+
+    path: Path
+    rel_path: str
+    num_samples: int
+    num_tokens: int
+    num_bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class OutputLayout:
+    """What every sample of an output must look like, from its manifest."""
+
+    layer_ids: tuple[int, ...]
+    hidden_size: int
+    dtype: torch.dtype
+    capture_final: str
+
+    @property
+    def width(self) -> int:
+        """Columns of `hidden_states`: k * H."""
+        return len(self.layer_ids) * self.hidden_size
+
+    @property
+    def has_final(self) -> bool:
+        return self.capture_final != "none"
+
+    @classmethod
+    def from_manifest(cls, manifest: dict) -> "OutputLayout":
+        dtype_name = manifest["dtype"]
+        if dtype_name not in TORCH_DTYPES:
+            raise ValueError(f"manifest dtype {dtype_name!r} is not one of {sorted(TORCH_DTYPES)}")
+        return cls(layer_ids=tuple(int(i) for i in manifest["layer_ids"]), hidden_size=int(manifest["hidden_size"]),
+                   dtype=TORCH_DTYPES[dtype_name], capture_final=manifest.get("capture_final", "none"))
+
+
+def shards_of(out_dir: str | Path, manifest: dict) -> list[ShardInfo]:
+    """The manifest's shard list, in manifest order, with absolute paths."""
+    out_dir = Path(out_dir)
+    return [ShardInfo(path=out_dir / s["path"], rel_path=s["path"], num_samples=int(s["num_samples"]),
+                      num_tokens=int(s["num_tokens"]), num_bytes=int(s["num_bytes"]), sha256=s["sha256"])
+            for s in manifest["shards"]]
+
+
+# ------------------------------------------------------------------------------------------------ tar level
+def sample_key(member_name: str) -> tuple[str, str]:
+    """webdataset naming: `dir/KEY.suffix.ext` -> (`dir/KEY`, `suffix.ext`); the key ends at the first dot of
+    the base name."""
+    slash = member_name.rfind("/")
+    dot = member_name.find(".", slash + 1)
+    if dot < 0:
+        return member_name, ""
+    return member_name[:dot], member_name[dot + 1:]
+
+
+def iter_tar_samples(path: str | Path, wanted=None, member_names: Iterable[str] | None = None,
+                     ) -> Iterator[tuple[int, str, dict[str, bytes] | None]]:
+    """Yield `(position, key, members)` for each sample of one tar, in file order.
+
+    `position` counts samples from 0. `members` maps member suffix (e.g. `input_ids.npy`) to its bytes; only
+    suffixes in `member_names` are read (all when None). When `wanted(position)` is false the sample's bytes
+    are not read at all (the tar reader seeks over them) and `members` is None.
+
+    Raises `ShardFormatError` when a key appears in two separate runs of members (a sample split in two) or
+    the tar cannot be parsed.
+    """
+    keep = None if member_names is None else set(member_names)
+    seen: set[str] = set()
+    position = -1
+    current: str | None = None
+    members: dict[str, bytes] | None = None
+    try:
+        with tarfile.open(path, mode="r:") as tar:  # "r:" = seekable, uncompressed: skipping data seeks
+            while True:
+                info = tar.next()
+                if info is None:
+                    break
+                tar.members.clear()  # the reader appends every header; we never need them back
+                if not info.isfile():
+                    continue
+                key, suffix = sample_key(info.name)
+                if key != current:
+                    if current is not None:
+                        yield position, current, members
+                    if key in seen:
+                        raise ShardFormatError(f"{path}: sample key {key!r} appears twice (its members are not "
+                                               f"contiguous or the key is repeated)")
+                    seen.add(key)
+                    position += 1
+                    current = key
+                    members = {} if wanted is None or wanted(position) else None
+                if members is not None and (keep is None or suffix in keep):
+                    if suffix in members:
+                        raise ShardFormatError(f"{path}: sample {key!r} has two {suffix!r} members")
+                    f = tar.extractfile(info)
+                    members[suffix] = f.read() if f is not None else b""
+            if current is not None:
+                yield position, current, members
+    except tarfile.TarError as e:
+        raise ShardFormatError(f"{path}: not a readable tar ({e})") from e
+
+
+# --------------------------------------------------------------------------------------------- sample level
+def _npy(shard: Path | str, key: str, name: str, data: bytes, dtype: np.dtype) -> np.ndarray:
+    try:
+        array = np.load(io.BytesIO(data), allow_pickle=False)
+    except ValueError as e:
+        raise ShardFormatError(f"{shard}: sample {key!r}: {name} is not a plain .npy array ({e})") from e
+    if array.dtype != dtype or array.ndim != 1:
+        raise ShardFormatError(f"{shard}: sample {key!r}: {name} is {array.dtype} {list(array.shape)}, "
+                               f"expected {np.dtype(dtype)} [T]")
+    return array
+
+
+def decode_sample(members: dict[str, bytes], key: str, layout: OutputLayout, shard: Path | str = "<shard>",
+                  include_meta: bool = False) -> dict[str, Any]:
+    """Decode one sample's members (no pickle) and check them against `layout`.
+
+    Returns `sample_id`, `input_ids` int64 [T], `loss_mask` int64 [T], `hidden_states` [T, k*H] (storage dtype),
+    `final_hidden_states` [T, H] when the layout has it, and `meta` (dict) with `include_meta`.
+    """
+    missing = [m for m in REQUIRED_MEMBERS if m not in members]
+    if missing:
+        raise ShardFormatError(f"{shard}: sample {key!r} lacks member(s) {missing}")
+    input_ids_T = _npy(shard, key, MEMBER_INPUT_IDS, members[MEMBER_INPUT_IDS], np.dtype(np.int32))
+    loss_mask_T = _npy(shard, key, MEMBER_LOSS_MASK, members[MEMBER_LOSS_MASK], np.dtype(np.uint8))
+    T = input_ids_T.shape[0]
+    if loss_mask_T.shape[0] != T:
+        raise ShardFormatError(f"{shard}: sample {key!r}: loss_mask has {loss_mask_T.shape[0]} tokens, "
+                               f"input_ids {T}")
+    try:
+        tensors = safetensors_load(members[MEMBER_STATES])
+    except Exception as e:  # safetensors raises its own error types on malformed headers
+        raise ShardFormatError(f"{shard}: sample {key!r}: {MEMBER_STATES} cannot be decoded ({e})") from e
+    expected = {"hidden_states": (T, layout.width)}
+    if layout.has_final:
+        expected["final_hidden_states"] = (T, layout.hidden_size)
+    if set(tensors) != set(expected):
+        raise ShardFormatError(f"{shard}: sample {key!r}: {MEMBER_STATES} holds {sorted(tensors)}, expected "
+                               f"{sorted(expected)} (capture_final={layout.capture_final!r})")
+    for name, shape in expected.items():
+        t = tensors[name]
+        if tuple(t.shape) != shape or t.dtype != layout.dtype:
+            raise ShardFormatError(f"{shard}: sample {key!r}: {name} is {t.dtype} {list(t.shape)}, expected "
+                                   f"{layout.dtype} {list(shape)}")
+    sample: dict[str, Any] = {
+        "sample_id": key,
+        "input_ids": torch.from_numpy(input_ids_T.astype(np.int64)),
+        "loss_mask": torch.from_numpy(loss_mask_T.astype(np.int64)),
+        "hidden_states": tensors["hidden_states"],
+    }
+    if layout.has_final:
+        sample["final_hidden_states"] = tensors["final_hidden_states"]
+    if include_meta:
+        sample["meta"] = json.loads(members[MEMBER_META]) if MEMBER_META in members else None
+    return sample
+
+
+def iter_shard(shard: ShardInfo, layout: OutputLayout, wanted=None, include_meta: bool = False,
+               check_tokens: bool = True) -> Iterator[dict[str, Any]]:
+    """Decoded samples of one shard (those with `wanted(position)`, all when None), in file order.
+
+    At the end of the shard, raises `ShardFormatError` when its sample count (or, when every sample was
+    decoded and `check_tokens`, its token count) differs from the manifest's.
+    """
+    names = REQUIRED_MEMBERS + ((MEMBER_META,) if include_meta else ())
+    count = tokens = 0
+    decoded_all = True
+    for position, key, members in iter_tar_samples(shard.path, wanted, names):
+        count = position + 1
+        if members is None:
+            decoded_all = False
+            continue
+        sample = decode_sample(members, key, layout, shard.path, include_meta)
+        tokens += sample["input_ids"].shape[0]
+        yield sample
+    if count != shard.num_samples:
+        raise ShardFormatError(f"{shard.path}: holds {count} samples, the manifest says {shard.num_samples}")
+    if decoded_all and check_tokens and tokens != shard.num_tokens:
+        raise ShardFormatError(f"{shard.path}: holds {tokens} tokens, the manifest says {shard.num_tokens}")
+
+
+# ---------------------------------------------------------------------------------------------- work split
+def resolve_rank_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
+    """(rank, world_size): the explicit values, else torch.distributed's when initialized, else (0, 1)."""
+    if (rank is None) != (world_size is None):
+        raise ValueError("pass both rank and world_size, or neither")
+    if rank is None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        else:
+            rank, world_size = 0, 1
+    if not (world_size >= 1 and 0 <= rank < world_size):
+        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+    return int(rank), int(world_size)
+
+
+@dataclass(frozen=True)
+class ConsumerPlan:
+    """What one consumer reads in one epoch.
+
+    `shards` in reading order. Mode "shard": every sample of each listed shard. Mode "sample": the shards are
+    all shards of the epoch, `first_positions[i]` is the global position of shard i's first sample, and the
+    consumer keeps the samples with `(first_positions[i] + j) % num_consumers == consumer`.
+    """
+
+    mode: str
+    consumer: int
+    num_consumers: int
+    shards: tuple[ShardInfo, ...]
+    first_positions: tuple[int, ...]
+
+    def wanted(self, shard_index: int):
+        """The `wanted(position)` filter for `iter_tar_samples` on `shards[shard_index]` (None: all)."""
+        if self.mode == "shard":
+            return None
+        base, C, c = self.first_positions[shard_index], self.num_consumers, self.consumer
+        return lambda j: (base + j) % C == c
+
+    @property
+    def num_samples(self) -> int:
+        if self.mode == "shard":
+            return sum(s.num_samples for s in self.shards)
+        total = sum(s.num_samples for s in self.shards)
+        C, c = self.num_consumers, self.consumer
+        return total // C + (1 if c < total % C else 0)
+
+
+def epoch_shard_order(shards: list[ShardInfo], shuffle: bool, seed: int, epoch: int) -> list[ShardInfo]:
+    """The epoch's shard order: manifest order, or a permutation seeded by (seed, epoch) (same on every rank)."""
+    order = list(shards)
+    if shuffle:
+        random.Random(f"dflash-prep:shards:{seed}:{epoch}").shuffle(order)
+    return order
+
+
+def plan_consumer(shards: list[ShardInfo], consumer: int, num_consumers: int, split: str = "auto",
+                  shuffle: bool = False, seed: int = 0, epoch: int = 0) -> ConsumerPlan:
+    """Consumer `consumer` of `num_consumers`'s share of one epoch (see the module docstring for the rule)."""
+    if split not in SPLIT_MODES:
+        raise ValueError(f"split must be one of {SPLIT_MODES}, got {split!r}")
+    if not 0 <= consumer < num_consumers:
+        raise ValueError(f"consumer {consumer} is not in [0, {num_consumers})")
+    order = epoch_shard_order(shards, shuffle, seed, epoch)
+    mode = split if split != "auto" else ("shard" if len(order) >= num_consumers else "sample")
+    if mode == "shard":
+        return ConsumerPlan("shard", consumer, num_consumers, tuple(order[consumer::num_consumers]), ())
+    firsts, position = [], 0
+    for s in order:
+        firsts.append(position)
+        position += s.num_samples
+    return ConsumerPlan("sample", consumer, num_consumers, tuple(order), tuple(firsts))
+
+
+def shuffle_buffer(samples: Iterable[Any], buffer_size: int, rng: random.Random) -> Iterator[Any]:
+    """Yield every item of `samples` exactly once, in an order randomized within a window of `buffer_size`."""
+    buffer: list[Any] = []
+    for item in samples:
+        if len(buffer) < buffer_size:
+            buffer.append(item)
+            continue
+        i = rng.randrange(buffer_size)
+        out, buffer[i] = buffer[i], item
+        yield out
+    rng.shuffle(buffer)
+    yield from buffer
+
+
+class ShardDataset(IterableDataset):
+    """Samples of an extraction output, split across ranks and DataLoader workers (see the module docstring).
+
+    Args:
+        out_dir: the extraction's output folder (holding `manifest.json`).
+        shuffle: shuffle shard order and samples (per epoch, seeded); off: manifest order, file order.
+        seed: shuffle seed.
+        shuffle_buffer: samples held by each consumer's shuffle buffer (memory: this many samples).
+        rank, world_size: this process's place among the readers; default: torch.distributed, else 0 of 1.
+        split: "auto" (shards when shards >= consumers, else samples), "shard" or "sample".
+        include_meta: also yield `meta` (the sample's meta.json).
+    """
+
+    def __init__(self, out_dir: str | Path, *, shuffle: bool = False, seed: int = 0, shuffle_buffer: int = 256,
+                 rank: int | None = None, world_size: int | None = None, split: str = "auto",
+                 include_meta: bool = False):
+        super().__init__()
+        if split not in SPLIT_MODES:
+            raise ValueError(f"split must be one of {SPLIT_MODES}, got {split!r}")
+        if shuffle_buffer < 1:
+            raise ValueError(f"shuffle_buffer must be >= 1, got {shuffle_buffer}")
+        if (rank is None) != (world_size is None):
+            raise ValueError("pass both rank and world_size, or neither")
+        self.out_dir = Path(out_dir)
+        self.manifest = read_manifest(self.out_dir)
+        self.layout = OutputLayout.from_manifest(self.manifest)
+        self.shards = shards_of(self.out_dir, self.manifest)
+        self.shuffle = shuffle
+        self.seed = seed
+        self.shuffle_buffer = shuffle_buffer
+        self.rank = rank
+        self.world_size = world_size
+        self.split = split
+        self.include_meta = include_meta
+        self.epoch = 0
+
+    # -- facts ---------------------------------------------------------------------------------------------
+    @property
+    def num_samples(self) -> int:
+        """Samples in the whole output (all ranks together) per epoch."""
+        return int(self.manifest["num_samples"])
+
+    @property
+    def layer_ids(self) -> list[int]:
+        """Captured layers, after-layer 0-based ids, in the column order of `hidden_states`."""
+        return list(self.layout.layer_ids)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.layout.hidden_size
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose (seeded) order the next iterator yields."""
+        self.epoch = int(epoch)
+
+    def plan(self, consumer: int, num_consumers: int) -> ConsumerPlan:
+        """One consumer's share of the current epoch."""
+        return plan_consumer(self.shards, consumer, num_consumers, self.split, self.shuffle, self.seed, self.epoch)
+
+    def num_samples_for(self, rank: int | None = None, world_size: int | None = None, num_workers: int = 1) -> int:
+        """Exact number of samples rank `rank` (all its `num_workers` workers together) yields this epoch."""
+        rank, world_size = resolve_rank_world(rank, world_size) if rank is not None or world_size is not None \
+            else resolve_rank_world(self.rank, self.world_size)
+        C = world_size * max(num_workers, 1)
+        return sum(self.plan(rank * max(num_workers, 1) + w, C).num_samples for w in range(max(num_workers, 1)))
+
+    # -- iteration -----------------------------------------------------------------------------------------
+    def _consumer(self) -> tuple[int, int]:
+        rank, world_size = resolve_rank_world(self.rank, self.world_size)
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        return rank * num_workers + worker, world_size * num_workers
+
+    def _iter_plan(self, plan: ConsumerPlan) -> Iterator[dict[str, Any]]:
+        for i, shard in enumerate(plan.shards):
+            yield from iter_shard(shard, self.layout, plan.wanted(i), self.include_meta)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        consumer, num_consumers = self._consumer()
+        plan = self.plan(consumer, num_consumers)
+        samples = self._iter_plan(plan)
+        if self.shuffle:
+            rng = random.Random(f"dflash-prep:samples:{self.seed}:{self.epoch}:{consumer}")
+            samples = shuffle_buffer(samples, self.shuffle_buffer, rng)
+        return iter(samples)
+
+
+# ------------------------------------------------------------------------------------------ DFlash batches
+def has_supervised_pair(loss_mask_T: torch.Tensor) -> bool:
+    """True when some p has loss_mask[p] and loss_mask[p+1] both nonzero (a DFlash anchor exists)."""
+    m = loss_mask_T.bool()
+    return bool((m[:-1] & m[1:]).any()) if m.shape[0] >= 2 else False
+
+
+SEQUENCE_KEYS = ("input_ids", "loss_mask", "hidden_states", "final_hidden_states")
+
+
+def truncate_sample(sample: dict[str, Any], max_length: int) -> dict[str, Any]:
+    """The sample's first `max_length` tokens (views; every per-token tensor cut alike)."""
+    out = dict(sample)
+    for name in SEQUENCE_KEYS:
+        if name in out:
+            out[name] = out[name][:max_length]
+    return out
+
+
+class DFlashCollator:
+    """Build DFlash trainer batches from `ShardDataset` samples.
+
+    Each sample is first truncated to `max_length` tokens; samples that then lack two consecutive supervised
+    tokens (no DFlash anchor) are dropped (counted in `num_dropped`). Returns None when every sample was
+    dropped.
+
+    mode="padded" (SpecForge-style `[B, T]`, T = longest kept sample, or rounded up to `pad_to_multiple_of`):
+        input_ids int64 [B, T] (pad_token_id on padding), loss_mask int64 [B, T] (0 on padding),
+        attention_mask int64 [B, T] (1 on real tokens, a prefix of each row), position_ids int64 [B, T]
+        (0..len-1, 0 on padding), hidden_states [B, T, k*H] (zeros on padding), final_hidden_states
+        [B, T, H] when present, lengths int64 [B].
+    mode="packed" (speculators-style `[1, N]`: documents back to back, N = total kept tokens, or rounded up to
+    `pad_to_multiple_of`):
+        input_ids / loss_mask / position_ids (restart at 0 per document) / document_ids (0..D-1, -1 on
+        padding) int64 [1, N], hidden_states [1, N, k*H], final_hidden_states [1, N, H] when present,
+        lengths int64 [D], cu_seqlens int32 [D+1] (document boundaries, for varlen attention kernels).
+    Both: sample_ids list[str] (batch order), num_dropped int.
+    Guarantee: row b (padded) / document d (packed) holds exactly the tokens and states of the b-th/d-th kept
+    sample after truncation, bit for bit; padding never carries loss.
+    """
+
+    def __init__(self, max_length: int, mode: str = "padded", pad_token_id: int = 0,
+                 pad_to_multiple_of: int | None = None):
+        if mode not in ("padded", "packed"):
+            raise ValueError(f"mode must be 'padded' or 'packed', got {mode!r}")
+        if max_length < 2:
+            raise ValueError(f"max_length must be >= 2, got {max_length}")
+        if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
+            raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
+        self.max_length = max_length
+        self.mode = mode
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def _round_up(self, n: int) -> int:
+        m = self.pad_to_multiple_of
+        return n if m is None else -(-n // m) * m
+
+    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, Any] | None:
+        kept = []
+        for s in samples:
+            s = truncate_sample(s, self.max_length)
+            if has_supervised_pair(s["loss_mask"]):
+                kept.append(s)
+        num_dropped = len(samples) - len(kept)
+        if not kept:
+            return None
+        has_final = all("final_hidden_states" in s for s in kept)
+        if not has_final and any("final_hidden_states" in s for s in kept):
+            raise ValueError("some samples carry final_hidden_states and some do not")
+        batch = self._padded(kept, has_final) if self.mode == "padded" else self._packed(kept, has_final)
+        batch["sample_ids"] = [s["sample_id"] for s in kept]
+        batch["num_dropped"] = num_dropped
+        return batch
+
+    def _padded(self, kept: list[dict[str, Any]], has_final: bool) -> dict[str, Any]:
+        lengths_B = torch.tensor([s["input_ids"].shape[0] for s in kept], dtype=torch.int64)
+        B, T = len(kept), self._round_up(int(lengths_B.max()))
+        first = kept[0]
+        input_ids_BT = torch.full((B, T), self.pad_token_id, dtype=torch.int64)
+        loss_mask_BT = torch.zeros(B, T, dtype=torch.int64)
+        attention_mask_BT = torch.zeros(B, T, dtype=torch.int64)
+        position_ids_BT = torch.zeros(B, T, dtype=torch.int64)
+        hidden_states_BTK = first["hidden_states"].new_zeros(B, T, first["hidden_states"].shape[1])
+        final_BTH = first["final_hidden_states"].new_zeros(B, T, first["final_hidden_states"].shape[1]) \
+            if has_final else None
+        for b, s in enumerate(kept):
+            n = s["input_ids"].shape[0]
+            input_ids_BT[b, :n] = s["input_ids"]
+            loss_mask_BT[b, :n] = s["loss_mask"]
+            attention_mask_BT[b, :n] = 1
+            position_ids_BT[b, :n] = torch.arange(n)
+            hidden_states_BTK[b, :n] = s["hidden_states"]
+            if final_BTH is not None:
+                final_BTH[b, :n] = s["final_hidden_states"]
+        out = {"input_ids": input_ids_BT, "loss_mask": loss_mask_BT, "attention_mask": attention_mask_BT,
+               "position_ids": position_ids_BT, "hidden_states": hidden_states_BTK, "lengths": lengths_B}
+        if final_BTH is not None:
+            out["final_hidden_states"] = final_BTH
+        return out
+
+    def _packed(self, kept: list[dict[str, Any]], has_final: bool) -> dict[str, Any]:
+        lengths_D = torch.tensor([s["input_ids"].shape[0] for s in kept], dtype=torch.int64)
+        total = int(lengths_D.sum())
+        N = self._round_up(total)
+        pad = N - total
+        cu_seqlens = torch.zeros(len(kept) + 1, dtype=torch.int32)
+        cu_seqlens[1:] = torch.cumsum(lengths_D, 0).to(torch.int32)
+
+        def cat(name: str, fill=0, dtype=None) -> torch.Tensor:
+            parts = [s[name] for s in kept]
+            if pad:
+                parts.append(parts[0].new_full((pad, *parts[0].shape[1:]), fill))
+            t = torch.cat(parts, 0)
+            return (t if dtype is None else t.to(dtype)).unsqueeze(0)
+
+        document_ids_N = torch.repeat_interleave(torch.arange(len(kept), dtype=torch.int64), lengths_D)
+        position_ids_N = torch.cat([torch.arange(int(n), dtype=torch.int64) for n in lengths_D])
+        if pad:
+            document_ids_N = torch.cat([document_ids_N, torch.full((pad,), -1, dtype=torch.int64)])
+            position_ids_N = torch.cat([position_ids_N, torch.zeros(pad, dtype=torch.int64)])
+        out = {"input_ids": cat("input_ids", self.pad_token_id), "loss_mask": cat("loss_mask", 0),
+               "position_ids": position_ids_N.unsqueeze(0), "document_ids": document_ids_N.unsqueeze(0),
+               "hidden_states": cat("hidden_states"), "lengths": lengths_D, "cu_seqlens": cu_seqlens}
+        if has_final:
+            out["final_hidden_states"] = cat("final_hidden_states")
+        return out
