@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import save_file as safetensors_save_file
 
@@ -323,8 +324,8 @@ def _export_speculators(shards, layout: OutputLayout, partial: Path, rows_cache:
         # (and never tries to hash the generator's closure).
         ds = datasets.Dataset.from_generator(rows, features=features, cache_dir=str(rows_cache),
                                              fingerprint=uuid.uuid4().hex)
-        ds = ds.sort("_index", load_from_cache_file=False, new_fingerprint=uuid.uuid4().hex)
-        ds = ds.remove_columns("_index")
+        position_of_index = np.argsort(ds.with_format("numpy")["_index"][:], kind="stable")
+        ds = ds.select(position_of_index, new_fingerprint=uuid.uuid4().hex).remove_columns("_index")
         ds.set_format(type="torch")
         ds.save_to_disk(str(partial))
         # The Arrow files count towards the export's size.

@@ -210,6 +210,24 @@ def _to_host(captured, device: torch.device):
     return hs, final, event
 
 
+class _GpuTimer:
+    """Sums the GPU time of the forwards with CUDA events (no per-batch sync; read once at the end)."""
+
+    def __init__(self):
+        self.pairs: list = []
+
+    def start(self) -> None:
+        self.pairs.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+        self.pairs[-1][0].record()
+
+    def stop(self) -> None:
+        self.pairs[-1][1].record()
+
+    def total_seconds(self) -> float:
+        torch.cuda.synchronize()
+        return sum(a.elapsed_time(b) for a, b in self.pairs) / 1000.0
+
+
 def run_extraction(recipe: Recipe) -> dict | None:
     """Run the job of `recipe` on this process's rank. Returns the summary on the main process."""
     from accelerate import PartialState
@@ -281,6 +299,7 @@ def run_extraction(recipe: Recipe) -> dict | None:
     rank_stats = RankStats()
     progress = _progress(is_main, sum(len(p.sample_indices) for p in mine), world)
     storage_dtype = DTYPES[recipe.output.dtype]
+    gpu_timer = _GpuTimer() if device.type == "cuda" else None
     t_loop = time.perf_counter()
     try:
         with LayerCapture(model, layer_ids, capture_final=recipe.layers.capture_final,
@@ -290,7 +309,11 @@ def run_extraction(recipe: Recipe) -> dict | None:
                 rank_stats.data_wait_seconds += time.perf_counter() - t_wait
                 t_fwd = time.perf_counter()
                 tensors = batch.tensors_on(device)
+                if gpu_timer is not None:
+                    gpu_timer.start()
                 captured = capture.run(**tensors)
+                if gpu_timer is not None:
+                    gpu_timer.stop()
                 hs, final, event = _to_host(captured, device)
                 rank_stats.forward_seconds += time.perf_counter() - t_fwd
                 async_writer.submit(PendingBatch(batch.batch_id, batch.samples, hs, final, event, layer_ids))
@@ -315,15 +338,19 @@ def run_extraction(recipe: Recipe) -> dict | None:
             progress.close()
     rank_stats.writer_wait_seconds = async_writer.wait_seconds
     loop_seconds = time.perf_counter() - t_loop
+    gpu_forward_seconds = gpu_timer.total_seconds() if gpu_timer is not None else None
 
     rank_report = {
         "rank": rank, "num_batches": rank_stats.num_batches, "num_samples": rank_stats.num_samples,
         "num_real_tokens": rank_stats.num_real_tokens, "num_padded_tokens": rank_stats.num_padded_tokens,
         "num_shapes": len(rank_stats.shapes_seen), "loop_seconds": loop_seconds,
-        "forward_seconds": rank_stats.forward_seconds, "data_wait_seconds": rank_stats.data_wait_seconds,
+        "forward_seconds": rank_stats.forward_seconds, "gpu_forward_seconds": gpu_forward_seconds,
+        "gpu_idle_seconds": None if gpu_forward_seconds is None else max(loop_seconds - gpu_forward_seconds, 0.0),
+        "data_wait_seconds": rank_stats.data_wait_seconds,
         "writer_wait_seconds": rank_stats.writer_wait_seconds, "write_seconds": writer.write_seconds,
         "bytes_written": writer.bytes_written, "shards_committed": len(writer.committed),
         "decoder_params_run": decoder_params_in(model),
+        "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
     }
     atomic_write_json(out_dir / "index" / f"{rank_name(rank)}.done.json", rank_report)
     log.info("rank %d done: %d samples, %d tokens in %.1fs", rank, rank_stats.num_samples,

@@ -1,0 +1,353 @@
+"""`dflash-prep inspect OUT [--check] [--json]`: what an extraction output holds, and whether it is intact.
+
+Without `--check` only `OUT/manifest.json` (and `summary.json` when present) is read: model, layers, dtype,
+final-layer capture, samples, tokens, shards, size, skipped and failed counts.
+
+`--check` then verifies every shard the manifest lists and exits non-zero on any mismatch, naming the shard:
+- the file exists, its size equals the manifest's `num_bytes` and its sha256 the manifest's `sha256`;
+- its tar parses; every sample has `input_ids.npy` (int32 [T]), `loss_mask.npy` (uint8 [T]) and
+  `hidden_states.safetensors` whose header lists exactly `hidden_states` [T, k*H] (+ `final_hidden_states`
+  [T, H] when captured) in the manifest's dtype, with data sizes that add up; no sample id appears twice
+  (in a shard or across shards);
+- its sample and token counts equal the manifest's, and the manifest's totals equal the sums over shards.
+Only headers and the small id/mask members are parsed (plus one sequential read per shard for the hash).
+
+Exit codes: 0 = fine, 1 = a mismatch (each printed as `FAIL <shard>: <what>`), 2 = no readable manifest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import struct
+import sys
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .manifest import read_manifest
+from .reader import (MEMBER_INPUT_IDS, MEMBER_LOSS_MASK, MEMBER_STATES, REQUIRED_MEMBERS, OutputLayout, ShardInfo,
+                     sample_key, shards_of)
+
+SAFETENSORS_DTYPES = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}
+
+
+# ---------------------------------------------------------------------------------------------- describe
+def describe(out_dir: str | Path) -> dict:
+    """Facts about an output from its manifest (and summary.json when present); reads no shard."""
+    out_dir = Path(out_dir)
+    m = read_manifest(out_dir)
+    layer_ids = [int(i) for i in m["layer_ids"]]
+    H = int(m["hidden_size"])
+    bytes_per_value = SAFETENSORS_DTYPES.get(m["dtype"], ("?", 0))[1]
+    capture_final = m.get("capture_final", "none")
+    values_per_token = (len(layer_ids) + (1 if capture_final != "none" else 0)) * H
+    facts = {
+        "output_dir": str(out_dir),
+        "format_version": m.get("format_version"),
+        "dflash_prep_version": m.get("dflash_prep_version"),
+        "model": m.get("model"),
+        "model_type": m.get("model_type"),
+        "num_hidden_layers": m.get("num_hidden_layers"),
+        "hidden_size": H,
+        "layer_ids": layer_ids,
+        "layer_ids_before_layer": [i + 1 for i in layer_ids],
+        "capture_final": capture_final,
+        "dtype": m["dtype"],
+        "bytes_per_token": values_per_token * bytes_per_value,
+        "num_rows": m.get("num_rows"),
+        "num_samples": int(m["num_samples"]),
+        "num_tokens": int(m["num_tokens"]),
+        "num_skipped": m.get("num_skipped", 0),
+        "skipped": m.get("skipped", {}),
+        "num_failed": m.get("num_failed", 0),
+        "failed": m.get("failed", {}),
+        "num_shards": len(m["shards"]),
+        "num_bytes": int(m.get("num_bytes", sum(int(s["num_bytes"]) for s in m["shards"]))),
+    }
+    summary_path = out_dir / "summary.json"
+    if summary_path.is_file():
+        try:
+            s = json.loads(summary_path.read_text())
+            facts["extraction"] = {k: s.get(k) for k in ("num_ranks", "wall_seconds", "tokens_per_second",
+                                                          "padding_efficiency", "num_batches")}
+        except (OSError, json.JSONDecodeError):
+            facts["extraction"] = None
+    return facts
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n} B"
+
+
+def format_description(f: dict) -> str:
+    """The human-readable report of `describe()`."""
+    mean = f["num_tokens"] / f["num_samples"] if f["num_samples"] else 0.0
+    lines = [
+        ("output", f["output_dir"]),
+        ("model", f"{f['model']}  [{f['model_type']}, {f['num_hidden_layers']} layers, hidden {f['hidden_size']}]"),
+        ("layers", f"{f['layer_ids']} after-layer 0-based (= HF hidden_states[i+1]; before-layer/vLLM ids "
+                   f"{f['layer_ids_before_layer']})"),
+        ("final layer", {"none": "not captured", "before_norm": "captured, before the final norm",
+                         "after_norm": "captured, after the final norm"}.get(f["capture_final"], f["capture_final"])),
+        ("dtype", f"{f['dtype']} ({f['bytes_per_token']:,} bytes of states per token)"),
+        ("samples", f"{f['num_samples']:,}" + (f" of {f['num_rows']:,} rows" if f.get("num_rows") is not None else "")
+         + f" ({f['num_skipped']:,} skipped, {f['num_failed']:,} failed)"),
+        ("tokens", f"{f['num_tokens']:,} (mean {mean:.1f} per sample)"),
+        ("shards", f"{f['num_shards']:,}, {_size(f['num_bytes'])}"),
+    ]
+    if f["skipped"]:
+        lines.append(("skipped", ", ".join(f"{k}: {v:,}" for k, v in sorted(f["skipped"].items()))))
+    if f["failed"]:
+        lines.append(("failed", ", ".join(f"{k}: {v:,}" for k, v in sorted(f["failed"].items()))))
+    x = f.get("extraction")
+    if x:
+        parts = []
+        if x.get("num_ranks") is not None:
+            parts.append(f"{x['num_ranks']} rank(s)")
+        if x.get("wall_seconds") is not None:
+            parts.append(f"{x['wall_seconds']:.1f}s wall")
+        if x.get("tokens_per_second") is not None:
+            parts.append(f"{x['tokens_per_second']:,.0f} tok/s")
+        if x.get("padding_efficiency") is not None:
+            parts.append(f"padding efficiency {x['padding_efficiency']:.3f}")
+        if parts:
+            lines.append(("extraction", ", ".join(parts)))
+    lines.append(("format", f"version {f['format_version']}, written by dflash-prep {f['dflash_prep_version']}"))
+    width = max(len(k) for k, _ in lines)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in lines)
+
+
+# ------------------------------------------------------------------------------------------------- check
+@dataclass
+class ShardCheck:
+    """What `check_shard` found in one shard."""
+
+    shard: str
+    num_samples: int = 0
+    num_tokens: int = 0
+    sample_ids: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+def sha256_file(path: Path, chunk_bytes: int = 8 << 20) -> tuple[str, int]:
+    """(sha256 hex, size in bytes) of a file, read sequentially."""
+    h, n = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            h.update(chunk)
+            n += len(chunk)
+    return h.hexdigest(), n
+
+
+def _safetensors_header(f, member_size: int) -> dict:
+    raw = f.read(8)
+    if len(raw) != 8:
+        raise ValueError("shorter than a safetensors header")
+    (n,) = struct.unpack("<Q", raw)
+    if n > member_size - 8 or n > 100_000_000:
+        raise ValueError(f"header length {n} exceeds the member ({member_size} bytes)")
+    return json.loads(f.read(n)), 8 + n
+
+
+def _check_states(f, member_size: int, T: int, layout: OutputLayout) -> str | None:
+    """None when the safetensors header matches the layout, else what is wrong."""
+    header, data_start = _safetensors_header(f, member_size)
+    header.pop("__metadata__", None)
+    code, item = SAFETENSORS_DTYPES[next(k for k, v in {"bfloat16": 0, "float16": 0, "float32": 0}.items()
+                                         if _dtype_name(layout) == k)]
+    expected = {"hidden_states": [T, layout.width]}
+    if layout.has_final:
+        expected["final_hidden_states"] = [T, layout.hidden_size]
+    if set(header) != set(expected):
+        return f"tensors {sorted(header)}, expected {sorted(expected)}"
+    end = 0
+    for name, shape in expected.items():
+        h = header[name]
+        if h.get("dtype") != code or h.get("shape") != shape:
+            return f"{name} is {h.get('dtype')} {h.get('shape')}, expected {code} {shape}"
+        a, b = h["data_offsets"]
+        if b - a != shape[0] * shape[1] * item:
+            return f"{name} holds {b - a} bytes, expected {shape[0] * shape[1] * item}"
+        end = max(end, b)
+    if data_start + end != member_size:
+        return f"{MEMBER_STATES} is {member_size} bytes, its header accounts for {data_start + end}"
+    return None
+
+
+def _dtype_name(layout: OutputLayout) -> str:
+    import torch
+
+    return {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[layout.dtype]
+
+
+def _load_npy(f) -> np.ndarray:
+    return np.load(io.BytesIO(f.read()), allow_pickle=False)
+
+
+def check_shard(shard: ShardInfo, layout: OutputLayout, hash_bytes: bool = True) -> ShardCheck:
+    """Verify one shard against its manifest entry and the format (see the module docstring)."""
+    result = ShardCheck(shard.rel_path)
+    problems = result.problems
+    if not shard.path.is_file():
+        problems.append("file is missing")
+        return result
+    if hash_bytes:
+        digest, size = sha256_file(shard.path)
+        if size != shard.num_bytes:
+            problems.append(f"size {size} bytes, the manifest says {shard.num_bytes}")
+        if digest != shard.sha256:
+            problems.append(f"sha256 {digest[:16]}... differs from the manifest's {shard.sha256[:16]}...")
+    seen: set[str] = set()
+    try:
+        with tarfile.open(shard.path, mode="r:") as tar:
+            current, members, T = None, set(), None
+
+            def close_sample():
+                missing = [m for m in REQUIRED_MEMBERS if m not in members]
+                if missing:
+                    problems.append(f"sample {current!r} lacks {missing}")
+
+            while (info := tar.next()) is not None:
+                tar.members.clear()
+                if not info.isfile():
+                    continue
+                key, suffix = sample_key(info.name)
+                if key != current:
+                    if current is not None:
+                        close_sample()
+                    if key in seen:
+                        problems.append(f"sample id {key!r} appears twice")
+                    seen.add(key)
+                    result.sample_ids.append(key)
+                    current, members, T = key, set(), None
+                    result.num_samples += 1
+                members.add(suffix)
+                if suffix in (MEMBER_INPUT_IDS, MEMBER_LOSS_MASK):
+                    array = _load_npy(tar.extractfile(info))
+                    want = np.int32 if suffix == MEMBER_INPUT_IDS else np.uint8
+                    if array.dtype != want or array.ndim != 1:
+                        problems.append(f"sample {key!r}: {suffix} is {array.dtype} {list(array.shape)}, "
+                                        f"expected {np.dtype(want)} [T]")
+                        continue
+                    if T is not None and array.shape[0] != T:
+                        problems.append(f"sample {key!r}: {suffix} has {array.shape[0]} tokens, another member {T}")
+                    if suffix == MEMBER_INPUT_IDS:
+                        result.num_tokens += int(array.shape[0])
+                    T = int(array.shape[0]) if T is None else T
+                elif suffix == MEMBER_STATES:
+                    if T is None:
+                        problems.append(f"sample {key!r}: {MEMBER_STATES} comes before input_ids/loss_mask "
+                                        f"(cannot check its token count)")
+                        continue
+                    why = _check_states(tar.extractfile(info), info.size, T, layout)
+                    if why:
+                        problems.append(f"sample {key!r}: {why}")
+            if current is not None:
+                close_sample()
+    except (tarfile.TarError, ValueError, OSError, struct.error) as e:
+        problems.append(f"unreadable ({type(e).__name__}: {e})")
+        return result
+    if result.num_samples != shard.num_samples:
+        problems.append(f"holds {result.num_samples} samples, the manifest says {shard.num_samples}")
+    if result.num_tokens != shard.num_tokens:
+        problems.append(f"holds {result.num_tokens} tokens, the manifest says {shard.num_tokens}")
+    return result
+
+
+def check_output(out_dir: str | Path, progress: bool = False) -> list[str]:
+    """Every problem of the output, one line each, naming the shard (empty list: the output is intact)."""
+    out_dir = Path(out_dir)
+    manifest = read_manifest(out_dir)
+    layout = OutputLayout.from_manifest(manifest)
+    shards = shards_of(out_dir, manifest)
+    problems: list[str] = []
+    owner: dict[str, str] = {}
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=sum(s.num_bytes for s in shards), desc="check", unit="B", unit_scale=True,
+                   file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
+    for shard in shards:
+        result = check_shard(shard, layout)
+        problems += [f"{shard.rel_path}: {p}" for p in result.problems]
+        for sid in result.sample_ids:
+            if sid in owner and owner[sid] != shard.rel_path:
+                problems.append(f"{shard.rel_path}: sample id {sid!r} is also in {owner[sid]}")
+            owner.setdefault(sid, shard.rel_path)
+        if bar is not None:
+            bar.update(shard.num_bytes)
+    if bar is not None:
+        bar.close()
+    paths = [s.rel_path for s in shards]
+    for p in sorted({p for p in paths if paths.count(p) > 1}):
+        problems.append(f"{p}: listed more than once in the manifest")
+    for name, total in (("num_samples", sum(s.num_samples for s in shards)),
+                        ("num_tokens", sum(s.num_tokens for s in shards)),
+                        ("num_bytes", sum(s.num_bytes for s in shards))):
+        if name in manifest and int(manifest[name]) != total:
+            problems.append(f"manifest.json: {name} is {manifest[name]}, its shards add up to {total}")
+    return problems
+
+
+def unlisted_shard_files(out_dir: str | Path) -> list[str]:
+    """Files under OUT/shards/ that the manifest does not list (an unfinished or crashed run leaves them)."""
+    out_dir = Path(out_dir)
+    listed = {s["path"] for s in read_manifest(out_dir)["shards"]}
+    return sorted(str(p.relative_to(out_dir)) for p in (out_dir / "shards").glob("*/*")
+                  if p.is_file() and str(p.relative_to(out_dir)) not in listed)
+
+
+# --------------------------------------------------------------------------------------------------- CLI
+def build_parser(prog: str = "dflash-prep inspect") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Show what an extraction output holds; --check verifies "
+                                                       "every shard against the manifest.")
+    p.add_argument("out", help="extraction output folder (holds manifest.json)")
+    p.add_argument("--check", action="store_true", help="re-hash every shard and check counts; exit 1 on a mismatch")
+    p.add_argument("--json", action="store_true", help="print the facts (and problems) as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar during --check")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`dflash-prep inspect OUT [--check]`: 0 fine, 1 mismatch (shards named), 2 no readable manifest."""
+    args = build_parser().parse_args(argv)
+    try:
+        facts = describe(args.out)
+    except (FileNotFoundError, ValueError, KeyError, json.JSONDecodeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    extra = unlisted_shard_files(args.out)
+    problems = check_output(args.out, progress=not args.no_progress and not args.json) if args.check else None
+    if args.json:
+        facts["unlisted_shard_files"] = extra
+        if problems is not None:
+            facts["check"] = {"ok": not problems, "problems": problems}
+        print(json.dumps(facts, indent=2))
+    else:
+        print(format_description(facts))
+        if extra:
+            print(f"note: {len(extra)} file(s) under shards/ are not in the manifest (left by an unfinished or "
+                  f"interrupted run; readers ignore them): {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}")
+        if problems is not None:
+            for p in problems:
+                print(f"FAIL {p}")
+            print(f"check: {'OK' if not problems else 'FAILED'}: {facts['num_shards']} shard(s), "
+                  f"{facts['num_samples']:,} samples, {facts['num_tokens']:,} tokens"
+                  + (f"; {len(problems)} problem(s)" if problems else " match the manifest"))
+    if problems:
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
