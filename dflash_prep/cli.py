@@ -1,4 +1,9 @@
-"""`dflash-prep` command line: `dflash-prep extract [--recipe PATH] [--set key=value ...]`."""
+"""`dflash-prep` command line.
+
+    dflash-prep extract [--recipe PATH] [--set key=value ...]
+    dflash-prep export OUT --to specforge|speculators|modelopt --dest DIR
+    dflash-prep inspect OUT [--check]
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,18 @@ def main(argv: list[str] | None = None) -> int:
 
     p_extract = sub.add_parser("extract", help="run an extraction recipe (also: accelerate launch extract.py)")
     add_extract_args(p_extract)
+    sub.add_parser("export", help="write an output in a trainer's layout (specforge, speculators, modelopt)",
+                   add_help=False)
+    sub.add_parser("inspect", help="show what an output holds; --check re-hashes every shard", add_help=False)
     args, rest = parser.parse_known_args(argv)
+    if args.command == "export":
+        from .export import main as export_main
+
+        return export_main(rest)
+    if args.command == "inspect":
+        from .inspect_output import main as inspect_main
+
+        return inspect_main(rest)
     if args.command == "extract":
         from .extract import main as extract_main
 

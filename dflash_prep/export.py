@@ -53,8 +53,7 @@ from safetensors.torch import save_file as safetensors_save_file
 
 from . import __version__
 from .manifest import read_committed, read_manifest
-from .reader import (MEMBER_INPUT_IDS, OutputLayout, ShardFormatError, ShardInfo, iter_shard, iter_tar_samples,
-                     shards_of)
+from .reader import OutputLayout, ShardFormatError, ShardInfo, iter_shard, iter_tar_samples, shards_of
 
 TARGETS = ("specforge", "speculators", "modelopt")
 STRATEGIES = ("dflash", "eagle3")

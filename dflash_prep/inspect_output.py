@@ -9,7 +9,9 @@ final-layer capture, samples, tokens, shards, size, skipped and failed counts.
   `hidden_states.safetensors` whose header lists exactly `hidden_states` [T, k*H] (+ `final_hidden_states`
   [T, H] when captured) in the manifest's dtype, with data sizes that add up; no sample id appears twice
   (in a shard or across shards);
-- its sample and token counts equal the manifest's, and the manifest's totals equal the sums over shards.
+- every sample also has its `meta.json`;
+- its sample and token counts equal the manifest's, the manifest's totals equal the sums over shards, and
+  `num_samples == num_rows - num_skipped - num_failed`.
 Only headers and the small id/mask members are parsed (plus one sequential read per shard for the hash).
 
 Exit codes: 0 = fine, 1 = a mismatch (each printed as `FAIL <shard>: <what>`), 2 = no readable manifest.
@@ -30,9 +32,10 @@ from pathlib import Path
 import numpy as np
 
 from .manifest import read_manifest
-from .reader import (MEMBER_INPUT_IDS, MEMBER_LOSS_MASK, MEMBER_STATES, REQUIRED_MEMBERS, OutputLayout, ShardInfo,
+from .reader import (MEMBER_INPUT_IDS, MEMBER_LOSS_MASK, MEMBER_META, MEMBER_STATES, REQUIRED_MEMBERS, OutputLayout, ShardInfo,
                      sample_key, shards_of)
 
+MAX_PROBLEMS_PER_SHARD = 20
 SAFETENSORS_DTYPES = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}
 
 
@@ -148,7 +151,7 @@ def sha256_file(path: Path, chunk_bytes: int = 8 << 20) -> tuple[str, int]:
     return h.hexdigest(), n
 
 
-def _safetensors_header(f, member_size: int) -> dict:
+def _safetensors_header(f, member_size: int) -> tuple[dict, int]:
     raw = f.read(8)
     if len(raw) != 8:
         raise ValueError("shorter than a safetensors header")
@@ -158,17 +161,15 @@ def _safetensors_header(f, member_size: int) -> dict:
     return json.loads(f.read(n)), 8 + n
 
 
-def _check_states(f, member_size: int, T: int, layout: OutputLayout) -> str | None:
-    """None when the safetensors header matches the layout, else what is wrong."""
-    header, data_start = _safetensors_header(f, member_size)
-    header.pop("__metadata__", None)
-    code, item = SAFETENSORS_DTYPES[next(k for k, v in {"bfloat16": 0, "float16": 0, "float32": 0}.items()
-                                         if _dtype_name(layout) == k)]
+def _check_states(header: dict, data_start: int, member_size: int, T: int, layout: OutputLayout) -> str | None:
+    """None when a parsed safetensors header matches the layout for a T-token sample, else what is wrong."""
+    header = {k: v for k, v in header.items() if k != "__metadata__"}
+    code, item = SAFETENSORS_DTYPES[layout.dtype_name]
     expected = {"hidden_states": [T, layout.width]}
     if layout.has_final:
         expected["final_hidden_states"] = [T, layout.hidden_size]
     if set(header) != set(expected):
-        return f"tensors {sorted(header)}, expected {sorted(expected)}"
+        return f"{MEMBER_STATES} holds {sorted(header)}, expected {sorted(expected)}"
     end = 0
     for name, shape in expected.items():
         h = header[name]
@@ -181,12 +182,6 @@ def _check_states(f, member_size: int, T: int, layout: OutputLayout) -> str | No
     if data_start + end != member_size:
         return f"{MEMBER_STATES} is {member_size} bytes, its header accounts for {data_start + end}"
     return None
-
-
-def _dtype_name(layout: OutputLayout) -> str:
-    import torch
-
-    return {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[layout.dtype]
 
 
 def _load_npy(f) -> np.ndarray:
@@ -209,12 +204,28 @@ def check_shard(shard: ShardInfo, layout: OutputLayout, hash_bytes: bool = True)
     seen: set[str] = set()
     try:
         with tarfile.open(shard.path, mode="r:") as tar:
-            current, members, T = None, set(), None
+            current: str | None = None
+            lengths: dict[str, int] = {}  # member suffix -> T of this sample's npy members
+            states = None  # (header, data_start, member_size) of this sample's safetensors member
+            has_meta = False
 
-            def close_sample():
-                missing = [m for m in REQUIRED_MEMBERS if m not in members]
+            def close_sample() -> None:
+                missing = [m for m in REQUIRED_MEMBERS if m not in lengths and m != MEMBER_STATES]
+                if states is None:
+                    missing.append(MEMBER_STATES)
+                if not has_meta:
+                    missing.append(MEMBER_META)
                 if missing:
-                    problems.append(f"sample {current!r} lacks {missing}")
+                    problems.append(f"sample {current!r} lacks {sorted(missing)}")
+                    return
+                if len(set(lengths.values())) != 1:
+                    problems.append(f"sample {current!r}: token counts differ between members {lengths}")
+                    return
+                T = lengths[MEMBER_INPUT_IDS]
+                result.num_tokens += T
+                why = _check_states(*states, T, layout)
+                if why:
+                    problems.append(f"sample {current!r}: {why}")
 
             while (info := tar.next()) is not None:
                 tar.members.clear()
@@ -228,29 +239,19 @@ def check_shard(shard: ShardInfo, layout: OutputLayout, hash_bytes: bool = True)
                         problems.append(f"sample id {key!r} appears twice")
                     seen.add(key)
                     result.sample_ids.append(key)
-                    current, members, T = key, set(), None
+                    current, lengths, states, has_meta = key, {}, None, False
                     result.num_samples += 1
-                members.add(suffix)
                 if suffix in (MEMBER_INPUT_IDS, MEMBER_LOSS_MASK):
                     array = _load_npy(tar.extractfile(info))
-                    want = np.int32 if suffix == MEMBER_INPUT_IDS else np.uint8
+                    want = np.dtype(np.int32 if suffix == MEMBER_INPUT_IDS else np.uint8)
                     if array.dtype != want or array.ndim != 1:
                         problems.append(f"sample {key!r}: {suffix} is {array.dtype} {list(array.shape)}, "
-                                        f"expected {np.dtype(want)} [T]")
-                        continue
-                    if T is not None and array.shape[0] != T:
-                        problems.append(f"sample {key!r}: {suffix} has {array.shape[0]} tokens, another member {T}")
-                    if suffix == MEMBER_INPUT_IDS:
-                        result.num_tokens += int(array.shape[0])
-                    T = int(array.shape[0]) if T is None else T
+                                        f"expected {want} [T]")
+                    lengths[suffix] = int(array.shape[0]) if array.ndim else -1
                 elif suffix == MEMBER_STATES:
-                    if T is None:
-                        problems.append(f"sample {key!r}: {MEMBER_STATES} comes before input_ids/loss_mask "
-                                        f"(cannot check its token count)")
-                        continue
-                    why = _check_states(tar.extractfile(info), info.size, T, layout)
-                    if why:
-                        problems.append(f"sample {key!r}: {why}")
+                    states = (*_safetensors_header(tar.extractfile(info), info.size), info.size)
+                elif suffix == MEMBER_META:
+                    has_meta = True
             if current is not None:
                 close_sample()
     except (tarfile.TarError, ValueError, OSError, struct.error) as e:
@@ -260,6 +261,9 @@ def check_shard(shard: ShardInfo, layout: OutputLayout, hash_bytes: bool = True)
         problems.append(f"holds {result.num_samples} samples, the manifest says {shard.num_samples}")
     if result.num_tokens != shard.num_tokens:
         problems.append(f"holds {result.num_tokens} tokens, the manifest says {shard.num_tokens}")
+    if len(problems) > MAX_PROBLEMS_PER_SHARD:
+        result.problems = problems[:MAX_PROBLEMS_PER_SHARD] + [
+            f"... and {len(problems) - MAX_PROBLEMS_PER_SHARD} more problem(s) in this shard"]
     return result
 
 
@@ -296,6 +300,11 @@ def check_output(out_dir: str | Path, progress: bool = False) -> list[str]:
                         ("num_bytes", sum(s.num_bytes for s in shards))):
         if name in manifest and int(manifest[name]) != total:
             problems.append(f"manifest.json: {name} is {manifest[name]}, its shards add up to {total}")
+    if all(k in manifest for k in ("num_rows", "num_skipped", "num_failed")):
+        kept = int(manifest["num_rows"]) - int(manifest["num_skipped"]) - int(manifest["num_failed"])
+        if kept != int(manifest["num_samples"]):
+            problems.append(f"manifest.json: num_samples is {manifest['num_samples']} but num_rows - num_skipped - "
+                            f"num_failed is {kept}")
     return problems
 
 

@@ -18,12 +18,14 @@ Guarantees of `ShardDataset`:
   else from `torch.distributed` when it is initialized, else 0/1; the worker from
   `torch.utils.data.get_worker_info()`): all consumers of an epoch together yield every sample of the
   manifest exactly once. The rule (`split="auto"`): when the output has at least as many shards as consumers,
-  whole shards are dealt round-robin (consumer c reads shards c, c+C, c+2C, ... of the epoch's shard order);
-  otherwise every consumer walks every shard and keeps the samples whose global position p (in the epoch's
-  shard order) has p % C == c, skipping the others' bytes by seeking over them. `split="shard"` /
-  `split="sample"` force one rule. With shard granularity, consumers can get different sample counts (up to
-  one shard's worth); with sample striding, counts differ by at most one. `num_samples_for()` gives the exact
-  count of a rank for the current epoch (e.g. to size a DDP loop);
+  whole shards are dealt: walking the epoch's shard order, each shard goes to the consumer with the fewest
+  samples so far (manifest counts; ties to the lowest consumer), so no consumer opens a shard it does not
+  read; otherwise every consumer walks every shard and keeps the samples whose global position p (in the
+  epoch's shard order) has p % C == c, skipping the others' bytes by seeking over them (it reads only tar
+  headers of the rest). `split="shard"` / `split="sample"` force one rule. With shard granularity,
+  consumers' sample counts can differ by up to one shard's worth; with sample striding, by at most one (use
+  `split="sample"` when a DDP loop needs equal step counts). `num_samples_for()` gives the exact count of a
+  rank for the current epoch;
 - shuffle (`shuffle=True`): the shard order is a permutation seeded by (seed, epoch), the same on every
   consumer, and each consumer passes its samples through a buffer of `shuffle_buffer` samples seeded by
   (seed, epoch, consumer). It changes the order, never the content. Call `set_epoch(e)` before creating the
@@ -83,6 +85,7 @@ class OutputLayout:
     hidden_size: int
     dtype: torch.dtype
     capture_final: str
+    dtype_name: str = "bfloat16"  # the manifest's spelling of `dtype`
 
     @property
     def width(self) -> int:
@@ -99,7 +102,8 @@ class OutputLayout:
         if dtype_name not in TORCH_DTYPES:
             raise ValueError(f"manifest dtype {dtype_name!r} is not one of {sorted(TORCH_DTYPES)}")
         return cls(layer_ids=tuple(int(i) for i in manifest["layer_ids"]), hidden_size=int(manifest["hidden_size"]),
-                   dtype=TORCH_DTYPES[dtype_name], capture_final=manifest.get("capture_final", "none"))
+                   dtype=TORCH_DTYPES[dtype_name], capture_final=manifest.get("capture_final", "none"),
+                   dtype_name=dtype_name)
 
 
 def shards_of(out_dir: str | Path, manifest: dict) -> list[ShardInfo]:
@@ -312,7 +316,14 @@ def plan_consumer(shards: list[ShardInfo], consumer: int, num_consumers: int, sp
     order = epoch_shard_order(shards, shuffle, seed, epoch)
     mode = split if split != "auto" else ("shard" if len(order) >= num_consumers else "sample")
     if mode == "shard":
-        return ConsumerPlan("shard", consumer, num_consumers, tuple(order[consumer::num_consumers]), ())
+        load = [0] * num_consumers
+        mine = []
+        for shard in order:
+            c = min(range(num_consumers), key=lambda j: (load[j], j))
+            load[c] += shard.num_samples
+            if c == consumer:
+                mine.append(shard)
+        return ConsumerPlan("shard", consumer, num_consumers, tuple(mine), ())
     firsts, position = [], 0
     for s in order:
         firsts.append(position)
@@ -395,10 +406,12 @@ class ShardDataset(IterableDataset):
 
     def num_samples_for(self, rank: int | None = None, world_size: int | None = None, num_workers: int = 1) -> int:
         """Exact number of samples rank `rank` (all its `num_workers` workers together) yields this epoch."""
-        rank, world_size = resolve_rank_world(rank, world_size) if rank is not None or world_size is not None \
-            else resolve_rank_world(self.rank, self.world_size)
-        C = world_size * max(num_workers, 1)
-        return sum(self.plan(rank * max(num_workers, 1) + w, C).num_samples for w in range(max(num_workers, 1)))
+        if rank is None and world_size is None:
+            rank, world_size = resolve_rank_world(self.rank, self.world_size)
+        else:
+            rank, world_size = resolve_rank_world(rank, world_size)
+        workers = max(num_workers, 1)  # num_workers=0: the main process is the one consumer
+        return sum(self.plan(rank * workers + w, world_size * workers).num_samples for w in range(workers))
 
     # -- iteration -----------------------------------------------------------------------------------------
     def _consumer(self) -> tuple[int, int]:

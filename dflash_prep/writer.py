@@ -156,7 +156,9 @@ class ShardWriter:
     def _commit(self) -> None:
         final, f, hashing, tar, record = self._open
         self._open = None
+        before = hashing.num_bytes
         tar.close()  # writes the tar end-of-archive blocks through `hashing`
+        self.bytes_written += hashing.num_bytes - before
         f.flush()
         os.fsync(f.fileno())
         f.close()

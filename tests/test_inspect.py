@@ -1,0 +1,132 @@
+"""Tests for dflash_prep.inspect_output: the report, and `--check` on a fresh output, a shard with one flipped
+byte, a manifest whose counts disagree, and a missing shard. One small extraction is shared by the module;
+each corruption test works on its own copy.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dflash_prep.inspect_output import check_output, describe, main
+
+NUM_ROWS = 20
+OVERRIDES = [f"data.max_samples={NUM_ROWS}", "data.max_length=256", "batching.max_tokens_per_batch=1024",
+             "batching.num_workers=0", "output.max_shard_bytes=1"]
+
+
+@pytest.fixture(scope="module")
+def output(tmp_path_factory) -> Path:
+    from dflash_prep.extract import run_extraction
+    from dflash_prep.recipe import load_recipe
+
+    out = tmp_path_factory.mktemp("inspect") / "out"
+    run_extraction(load_recipe(None, [f"output.dir={out}", *OVERRIDES]))
+    assert (out / "manifest.json").is_file()
+    return out
+
+
+@pytest.fixture
+def copy(output, tmp_path) -> Path:
+    dest = tmp_path / "copy"
+    shutil.copytree(output, dest)
+    return dest
+
+
+def _manifest(out: Path) -> dict:
+    return json.loads((out / "manifest.json").read_text())
+
+
+def test_report_shows_what_is_in_the_output(output, capsys):
+    m = _manifest(output)
+    assert main([str(output)]) == 0
+    text = capsys.readouterr().out
+    for expected in (f"{m['layer_ids']} after-layer", f"before-layer/vLLM ids {[i + 1 for i in m['layer_ids']]}",
+                     "bfloat16", f"{NUM_ROWS} of {NUM_ROWS} rows (0 skipped, 0 failed)",
+                     f"{m['num_tokens']:,}", f"{len(m['shards'])}, ", "not captured", m["model"]):
+        assert expected in text, expected
+    facts = describe(output)
+    H, k = m["hidden_size"], len(m["layer_ids"])
+    assert facts["bytes_per_token"] == k * H * 2 and facts["num_bytes"] == m["num_bytes"]
+
+
+def test_check_passes_on_a_fresh_output(output, capsys):
+    assert check_output(output) == []
+    assert main([str(output), "--check", "--no-progress"]) == 0
+    assert "check: OK" in capsys.readouterr().out
+
+
+def test_json_report(output, capsys):
+    assert main([str(output), "--check", "--json"]) == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert facts["check"] == {"ok": True, "problems": []}
+    assert facts["num_samples"] == NUM_ROWS and facts["unlisted_shard_files"] == []
+
+
+def test_one_flipped_byte_fails_naming_the_shard(copy, capsys):
+    m = _manifest(copy)
+    victim = m["shards"][1]["path"]
+    path = copy / victim
+    data = bytearray(path.read_bytes())
+    at = len(data) // 2  # inside some tensor's data: the tar still parses, only the hash can tell
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert main([str(copy), "--check", "--no-progress"]) == 1
+    out = capsys.readouterr().out
+    fails = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert fails and all(victim in line for line in fails)
+    assert any("sha256" in line for line in fails)
+    assert "check: FAILED" in out
+
+
+def test_count_mismatch_fails_naming_the_shard(copy, capsys):
+    m = _manifest(copy)
+    m["shards"][0]["num_tokens"] += 1
+    (copy / "manifest.json").write_text(json.dumps(m))
+    problems = check_output(copy)
+    victim = m["shards"][0]["path"]
+    assert any(p.startswith(victim) and "tokens" in p for p in problems)
+    assert any(p.startswith("manifest.json: num_tokens") for p in problems)  # totals no longer add up
+    assert main([str(copy), "--check", "--no-progress"]) == 1
+    m["shards"][0]["num_tokens"] -= 1
+    m["num_skipped"] = 1  # rows - skipped - failed no longer equals the samples written
+    (copy / "manifest.json").write_text(json.dumps(m))
+    assert check_output(copy) == ["manifest.json: num_samples is 20 but num_rows - num_skipped - num_failed is 19"]
+
+
+def test_missing_and_truncated_shards(copy):
+    m = _manifest(copy)
+    (copy / m["shards"][0]["path"]).unlink()
+    truncated = copy / m["shards"][-1]["path"]
+    truncated.write_bytes(truncated.read_bytes()[:1000])
+    problems = check_output(copy)
+    assert f"{m['shards'][0]['path']}: file is missing" in problems
+    assert any(p.startswith(m["shards"][-1]["path"]) and "size" in p for p in problems)
+    assert not any(p.startswith(m["shards"][1]["path"]) for p in problems)
+
+
+def test_unlisted_files_are_reported_but_not_failures(copy, capsys):
+    m = _manifest(copy)
+    stray = copy / Path(m["shards"][0]["path"]).parent / "shard-999999.tar.tmp"
+    stray.write_bytes(b"partial")
+    assert main([str(copy), "--check", "--no-progress"]) == 0
+    assert "shard-999999.tar.tmp" in capsys.readouterr().out
+
+
+def test_no_manifest_exits_2(tmp_path, capsys):
+    assert main([str(tmp_path)]) == 2
+    assert "manifest.json not found" in capsys.readouterr().err
+
+
+def test_report_lists_skipped_reasons(copy, capsys):
+    m = _manifest(copy)
+    m.update(num_rows=23, num_skipped=3, skipped={"no_assistant_turn": 2, "longer_than_max_length": 1})
+    (copy / "manifest.json").write_text(json.dumps(m))
+    assert main([str(copy)]) == 0
+    text = capsys.readouterr().out
+    assert f"{NUM_ROWS} of 23 rows (3 skipped, 0 failed)" in text
+    assert "longer_than_max_length: 1, no_assistant_turn: 2" in text
+    assert check_output(copy) == []  # 23 - 3 - 0 == 20: consistent
