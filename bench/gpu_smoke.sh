@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# GPU smoke check of the extraction path: install the carried wheels, then run the demo recipe on the GPU in
+# GPU smoke check of the extraction path: run the demo recipe on the GPU in
 # bf16 (fla kernels for the Gated DeltaNet layers) and the capture invariant tests.
 set -euo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+# Offline GPU machines: install the wheels of datasets, webdataset and flash-linear-attention from a folder.
+WHEEL_DIR=${WHEEL_DIR:-.whl}
+if [ -d "$WHEEL_DIR" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEEL_DIR"/*.whl
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
 python3 -c "import torch, transformers, accelerate, datasets, webdataset, fla; print(torch.__version__, transformers.__version__, accelerate.__version__, datasets.__version__, fla.__version__)"

@@ -19,9 +19,11 @@ Modes (all read the same list of pre-drawn samples; a time-bounded mode runs a p
                rows (`id`, `input_ids`, `loss_mask` all ones) and calls `dflash_prep.extract.run_extraction`
                on a recipe whose `model.config` is the benchmark config (hooks, planner, loader, async shard
                writer, manifest: all included).
-  dflash_prep_warm  (optional) the same extraction again in the same process: the plan, hence the shapes,
-               are identical, so Triton's in-memory autotune results are reused: the steady state of a long
-               run, without its start-up cost.
+  X_warm       (optional: per_sample_warm, fixed_batch_warm, dflash_prep_warm, each after its X) mode X again,
+               in the same process, on exactly the samples X ran: the same shapes, so what X compiled and
+               autotuned (Triton/fla kernels of the Gated DeltaNet layers, cuBLAS heuristics) is reused. Cold
+               pass = what a short or fresh run pays; warm pass = the steady state of a long run; their
+               difference = the first-shape cost (`warm_vs_cold` in the report).
 
 Every mode builds the model the same way (`dflash_prep.model.load_model`: random weights drawn on the device
 with the same seed, `from_config(..., dtype=...)` under `torch.device(...)`), so all modes see identical
@@ -73,7 +75,7 @@ CONFIG_DIR = BENCH_DIR / "configs"
 # tokenizer's); dflash-prep only reads its pad id (0) and fingerprints it. The demo tokenizer ships offline.
 TOKENIZER_DIR = REPO_ROOT / "recipes" / "tiny-demo" / "tokenizer"
 
-ALL_MODES = ("per_sample", "fixed_batch", "dflash_prep", "dflash_prep_warm")
+ALL_MODES = ("per_sample", "fixed_batch", "dflash_prep", "per_sample_warm", "fixed_batch_warm", "dflash_prep_warm")
 DEFAULT_MODES = "per_sample,fixed_batch,dflash_prep"
 GB = 1e9
 
@@ -97,7 +99,7 @@ class ModelSpec:
 MODELS = {
     # 27B hybrid: 51.2 KB per token stored (5 x 5120 x bf16): 250k tokens = 12.8 GB on disk.
     "qwen3.6-27b": ModelSpec("qwen3.6-27b.json", (1, 16, 31, 46, 61), "DFlash k=5 for L=64", "bfloat16",
-                             num_samples=900, per_sample_max_seconds=60, fixed_batch_max_seconds=75,
+                             num_samples=900, per_sample_max_seconds=60, fixed_batch_max_seconds=60,
                              dflash_max_tokens=250_000),
     # 8B: 24.6 KB per token (3 x 4096 x bf16): 800k tokens = 19.7 GB.
     "llama3.1-8b": ModelSpec("llama3.1-8b.json", (1, 15, 28), "EAGLE-3 for L=32", "bfloat16",
@@ -410,7 +412,7 @@ def compare(a: dict, b: dict, k: int) -> dict:
     """States of two modes on their common samples: max |a-b|, relative L2 error (worst sample and layer)."""
     common = sorted(set(a) & set(b))
     res = {"samples_compared": len(common), "input_ids_equal": True, "shapes_equal": True,
-           "max_abs_diff": 0.0, "max_rel_l2": 0.0, "max_abs_ref": 0.0}
+           "max_abs_diff": 0.0, "max_rel_l2": 0.0, "max_abs_ref": 0.0, "max_rel_l2_per_layer": [0.0] * k}
     for sid in common:
         (ia, ha), (ib, hb) = a[sid], b[sid]
         res["input_ids_equal"] &= bool(np.array_equal(ia, ib))
@@ -420,9 +422,10 @@ def compare(a: dict, b: dict, k: int) -> dict:
         ha, hb = ha.float(), hb.float()
         res["max_abs_diff"] = max(res["max_abs_diff"], float((ha - hb).abs().max()))
         res["max_abs_ref"] = max(res["max_abs_ref"], float(ha.abs().max()))
-        for la, lb in zip(ha.chunk(k, dim=-1), hb.chunk(k, dim=-1)):  # per captured layer
+        for slot, (la, lb) in enumerate(zip(ha.chunk(k, dim=-1), hb.chunk(k, dim=-1))):  # per captured layer
             rel = float((la - lb).norm() / la.norm().clamp_min(1e-30))
             res["max_rel_l2"] = max(res["max_rel_l2"], rel)
+            res["max_rel_l2_per_layer"][slot] = max(res["max_rel_l2_per_layer"][slot], rel)
     return res
 
 
@@ -465,7 +468,7 @@ def logits_kwargs(ctx: Ctx) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- per-sample
-def run_per_sample(ctx: Ctx, out_dir: Path) -> dict:
+def run_per_sample(ctx: Ctx, out_dir: Path, repeat_of: dict | None = None) -> dict:
     """One sample at a time, full CausalLM, output_hidden_states=True, one safetensors file per sample."""
     from safetensors.torch import save_file
 
@@ -474,6 +477,8 @@ def run_per_sample(ctx: Ctx, out_dir: Path) -> dict:
     checksum = weights_checksum(model, ctx.layer_ids)
     n_max = min(len(ctx.samples.ids), ctx.args.per_sample_max_samples or len(ctx.samples.ids))
     budget = ctx.args.per_sample_max_seconds
+    if repeat_of is not None:  # warm pass: exactly the samples the cold pass ran, no time budget
+        n_max, budget = repeat_of["num_samples"], math.inf
     log, stopped_by = BatchLog(), "samples"
     t_loop = time.perf_counter()
     for i in range(n_max):
@@ -505,7 +510,7 @@ def run_per_sample(ctx: Ctx, out_dir: Path) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- fixed batch
-def run_fixed_batch(ctx: Ctx, out_dir: Path) -> dict:
+def run_fixed_batch(ctx: Ctx, out_dir: Path, repeat_of: dict | None = None) -> dict:
     """Batches of `--fixed-batch-size` consecutive samples, padded to the batch max, output_hidden_states=True."""
     out_dir.mkdir(parents=True)
     model, build_s = ctx.build_model()
@@ -513,6 +518,8 @@ def run_fixed_batch(ctx: Ctx, out_dir: Path) -> dict:
     bs = ctx.args.fixed_batch_size
     n_max = min(len(ctx.samples.ids), ctx.args.fixed_batch_max_samples or len(ctx.samples.ids))
     budget = ctx.args.fixed_batch_max_seconds
+    if repeat_of is not None:  # warm pass: exactly the batches the cold pass ran, no time budget
+        n_max, budget = repeat_of["num_samples"], math.inf
     log, stopped_by = BatchLog(), "samples"
     oom = {"splits": 0, "wasted_seconds": 0.0}
 
@@ -670,16 +677,21 @@ class DflashTimings:
         if self.cuda:
             torch.cuda.synchronize()
         seen, fwd, copy, first_s, first_n, first_real, host_fwd = set(), 0.0, 0.0, 0.0, 0, 0, 0.0
+        per_batch = []
         for rec in self.batches:
             f = self.span(rec["start"], rec["forward_end"])
             c = self.span(rec["forward_end"], rec["copy_end"]) if "copy_end" in rec else 0.0
             fwd, copy, host_fwd = fwd + f, copy + c, host_fwd + rec["host_forward"]
-            if rec["shape"] not in seen:
+            first = rec["shape"] not in seen
+            if first:
                 seen.add(rec["shape"])
                 first_s, first_n, first_real = first_s + f, first_n + 1, first_real + rec["real"]
+            per_batch.append({"B": rec["shape"][0], "T": rec["shape"][1], "real_tokens": rec["real"],
+                              "forward_seconds": f, "copy_seconds": c, "host_forward_seconds": rec["host_forward"],
+                              "first_of_shape": first})
         return {"forward": fwd, "copy": copy, "first_shape_seconds": first_s, "first_shape_batches": first_n,
                 "first_shape_real_tokens": first_real, "num_shapes": len(seen), "host_forward": host_fwd,
-                "shapes": sorted(seen, key=lambda s: (-s[1], -s[0]))}
+                "shapes": sorted(seen, key=lambda s: (-s[1], -s[0])), "batches": per_batch}
 
 
 def write_pretokenized(path: Path, samples: Samples, n: int) -> None:
@@ -717,8 +729,8 @@ def dflash_recipe(ctx: Ctx, data_path: Path, out_dir: Path) -> object:
     return recipe_from_dict(raw)
 
 
-def run_dflash(ctx: Ctx, out_dir: Path) -> dict:
-    """`run_extraction` on the longest prefix that fits the token (and disk) budget."""
+def run_dflash(ctx: Ctx, out_dir: Path, repeat_of: dict | None = None) -> dict:
+    """`run_extraction` on the longest prefix that fits the token (and disk) budget (a warm pass: the same)."""
     from dflash_prep.extract import run_extraction
 
     out_dir.mkdir(parents=True)
@@ -767,15 +779,17 @@ def run_dflash(ctx: Ctx, out_dir: Path) -> dict:
         "recipe_batching": {"max_tokens_per_batch": b.max_tokens_per_batch, "max_batch_size": b.max_batch_size,
                             "length_multiple": b.length_multiple, "length_growth": b.length_growth,
                             "num_workers": b.num_workers},
+        # extract.py's own CUDA-event sum of the forwards (newer versions): a cross-check of forward_gpu above
+        "summary_gpu_forward_seconds": r.get("gpu_forward_seconds"),
         "shapes": [list(s) for s in t["shapes"]],
+        "batches": t["batches"],  # per forward, in run order: shape, real tokens, GPU spans, first of its shape
         "summary": {k: v for k, v in summary.items() if k != "ranks"},
         "weights_checksum": timings.checksum,
     }
 
 
 # ----------------------------------------------------------------------------------------------- driver
-RUNNERS = {"per_sample": run_per_sample, "fixed_batch": run_fixed_batch, "dflash_prep": run_dflash,
-           "dflash_prep_warm": run_dflash}
+RUNNERS = {"per_sample": run_per_sample, "fixed_batch": run_fixed_batch, "dflash_prep": run_dflash}
 
 
 def finish_result(ctx: Ctx, res: dict, gemm: dict) -> dict:
@@ -797,8 +811,12 @@ def finish_result(ctx: Ctx, res: dict, gemm: dict) -> dict:
     return res
 
 
-def run_mode(ctx: Ctx, mode: str, gemm: dict, check_ids: list[str]) -> tuple[dict, dict]:
-    """Run one mode in its own output folder; returns (result, states of the check samples read back)."""
+def run_mode(ctx: Ctx, mode: str, gemm: dict, check_ids: list[str], done: dict) -> tuple[dict, dict]:
+    """Run one mode in its own output folder; returns (result, states of the check samples read back).
+
+    `X_warm` runs mode X again on exactly the samples X ran (`done[X]`), in the same process: same shapes, so
+    what the first pass compiled and autotuned is reused; the difference of the two is the first-shape cost.
+    """
     out_dir = ctx.out_root / mode
     free_memory(ctx.device)
     if ctx.device.type == "cuda":
@@ -807,10 +825,17 @@ def run_mode(ctx: Ctx, mode: str, gemm: dict, check_ids: list[str]) -> tuple[dic
     states: dict = {}
     print(f"[bench] {mode}: start", file=sys.stderr, flush=True)
     try:
-        res = RUNNERS[mode](ctx, out_dir)
+        kind = mode.removesuffix("_warm")
+        repeat_of = None
+        if mode.endswith("_warm"):
+            repeat_of = done.get(kind)
+            if not repeat_of or repeat_of.get("status") != "ok":
+                raise RuntimeError(f"{mode} repeats {kind}, which did not run successfully before it")
+        res = RUNNERS[kind](ctx, out_dir, repeat_of)
         res["status"] = "ok"
-        root = out_dir / "extraction" if mode.startswith("dflash") else out_dir
-        kind = "dflash_prep" if mode.startswith("dflash") else mode
+        if repeat_of is not None:
+            res["stopped_by"] = f"same samples as {kind}"
+        root = out_dir / "extraction" if kind == "dflash_prep" else out_dir
         ids = written_ids(kind, root)
         res["sample_ids_are_prefix"] = ids == ctx.samples.ids[: len(ids)] and len(ids) == res["num_samples"]
         states = read_samples(kind, root, check_ids)
@@ -843,39 +868,39 @@ def parse_overrides(items: list[str]) -> list[tuple[str, object]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, choices=sorted(MODELS))
-    p.add_argument("--modes", default=DEFAULT_MODES, help=f"comma list, run in this order, of {ALL_MODES}")
+    p.add_argument("--modes", default=DEFAULT_MODES, help=f"comma list, run in this order, of {', '.join(ALL_MODES)} (default {DEFAULT_MODES})")
     p.add_argument("--num-samples", type=int, default=None, help="size of the sample list (model default)")
     p.add_argument("--per-sample-max-seconds", type=float, default=None, help="time budget (model default)")
     p.add_argument("--per-sample-max-samples", type=int, default=None, help="sample cap (default: the list)")
     p.add_argument("--fixed-batch-max-seconds", type=float, default=None, help="time budget (model default)")
     p.add_argument("--fixed-batch-max-samples", type=int, default=None, help="sample cap (default: the list)")
-    p.add_argument("--fixed-batch-size", type=int, default=32)
+    p.add_argument("--fixed-batch-size", type=int, default=32, help="default 32 (SpecForge-like)")
     p.add_argument("--dflash-max-tokens", type=int, default=None,
                    help="real tokens given to dflash-prep: the longest prefix of the list under it (model default)")
-    p.add_argument("--max-tokens-per-batch", default="auto", help="dflash-prep padded-token budget: N or auto")
+    p.add_argument("--max-tokens-per-batch", default="auto", help="dflash-prep padded-token budget: N or auto (default: from GPU memory)")
     p.add_argument("--dflash-set", dest="dflash_set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra dflash-prep recipe override, e.g. batching.length_growth=1.25 (repeatable)")
-    p.add_argument("--results-dir", default=str(BENCH_DIR / "results"))
+    p.add_argument("--results-dir", default=str(BENCH_DIR / "results"), help="default bench/results/")
     p.add_argument("--out-dir", default=None,
                    help="where modes write (a fresh subfolder, deleted after each mode); default: the system "
                         "temp dir (/tmp), i.e. the real disk; /dev/shm measures without the disk")
     p.add_argument("--keep-outputs", action="store_true", help="keep every mode's output (tests)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cpu")
     p.add_argument("--dtype", default=None, choices=list(DTYPES), help="compute dtype (model default)")
-    p.add_argument("--storage-dtype", default="bfloat16", choices=list(DTYPES), help="dtype of stored states")
+    p.add_argument("--storage-dtype", default="bfloat16", choices=list(DTYPES), help="dtype of stored states (default bfloat16)")
     p.add_argument("--logits", default="all", choices=["all", "last"],
-                   help="baselines: full-vocab logits for every position (plain CausalLM call) or logits_to_keep=1")
-    p.add_argument("--seed", type=int, default=0, help="seed of lengths, token ids and weights")
-    p.add_argument("--length-mu", type=float, default=5.41, help="lognormal mu of sample lengths")
-    p.add_argument("--length-sigma", type=float, default=0.9, help="lognormal sigma of sample lengths")
-    p.add_argument("--min-length", type=int, default=16)
+                   help="baselines: full-vocab logits for every position (plain CausalLM call, the default) or "
+                        "logits_to_keep=1")
+    p.add_argument("--seed", type=int, default=0, help="seed of lengths, token ids and weights (default 0)")
+    p.add_argument("--length-mu", type=float, default=5.41, help="lognormal mu of sample lengths (default 5.41)")
+    p.add_argument("--length-sigma", type=float, default=0.9, help="lognormal sigma of sample lengths (default 0.9)")
+    p.add_argument("--min-length", type=int, default=16, help="length clip (default 16)")
     p.add_argument("--max-length", type=int, default=None, help="length clip (model default, 4096 for real models)")
     p.add_argument("--gemm-size", type=int, default=None, help="GEMM n for the MFU rate (8192 on GPU, 1024 on CPU)")
     p.add_argument("--check-samples", type=int, default=4,
-                   help="first N samples read back from every mode and compared (0: every sample)")
+                   help="first N samples read back from every mode and compared (0: every sample; default 4)")
     return p
 
 
@@ -886,6 +911,9 @@ def main(argv: list[str] | None = None) -> dict:
     bad = [m for m in modes if m not in ALL_MODES]
     if bad or not modes or len(set(modes)) != len(modes):
         raise SystemExit(f"--modes {args.modes!r}: expected distinct names among {ALL_MODES}")
+    for i, m in enumerate(modes):
+        if m.endswith("_warm") and m.removesuffix("_warm") not in modes[:i]:
+            raise SystemExit(f"--modes: {m} repeats {m.removesuffix('_warm')}, which must come before it")
     args.per_sample_max_seconds = args.per_sample_max_seconds or spec.per_sample_max_seconds
     args.fixed_batch_max_seconds = args.fixed_batch_max_seconds or spec.fixed_batch_max_seconds
     args.dflash_max_tokens = args.dflash_max_tokens or spec.dflash_max_tokens
@@ -930,28 +958,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"[bench] GEMM {gemm['size']}^3 {gemm['dtype']}: {gemm['tflops']:.1f} TFLOP/s", file=sys.stderr)
 
     check_ids = samples.ids if args.check_samples == 0 else samples.ids[: args.check_samples]
-    results, states = {}, {}
-    try:
-        for mode in modes:
-            results[mode], states[mode] = run_mode(ctx, mode, gemm, check_ids)
-    finally:
-        out_fs = fs_info(out_root)
-        if not args.keep_outputs:
-            shutil.rmtree(out_root, ignore_errors=True)
-
-    # Cross-mode check: the states each mode wrote for the first samples, against the reference mode.
-    consistency = {"samples_checked": check_ids[:3] + (["..."] if len(check_ids) > 3 else []), "pairs": {}}
-    ok_modes = [m for m in modes if results[m].get("status") == "ok"]
-    for i, a in enumerate(ok_modes):
-        for b in ok_modes[i + 1:]:
-            consistency["pairs"][f"{a}~{b}"] = compare(states[a], states[b], len(layer_ids))
-    checksums = {m: results[m].get("weights_checksum") for m in ok_modes}
-    consistency["same_weights"] = len(set(checksums.values())) <= 1
-    consistency["weights_checksums"] = checksums
-
     report = {
         "benchmark": "dflash-prep extraction: per-sample vs fixed-batch vs dflash-prep",
-        "report_version": 1, "timestamp": timestamp, "command": [sys.argv[0]] + list(sys.argv[1:] if argv is None else argv),
+        "report_version": 1, "timestamp": timestamp,
+        "command": [sys.argv[0]] + list(sys.argv[1:] if argv is None else argv),
         "model": args.model, "config": str(CONFIG_DIR / spec.config), "layer_ids": layer_ids,
         "layer_rule": spec.layer_rule, "model_info": {k: v for k, v in info.items() if k != "per_layer_params"},
         "environment": environment(device),
@@ -964,25 +974,76 @@ def main(argv: list[str] | None = None) -> dict:
                      "fixed_batch_size": args.fixed_batch_size, "dflash_max_tokens": args.dflash_max_tokens,
                      "max_tokens_per_batch": budget, "max_tokens_per_batch_how": how,
                      "dflash_overrides": args.dflash_set,
-                     "out_dir": {**out_fs, "deleted_after_each_mode": not args.keep_outputs},
+                     "out_dir": {**fs_info(out_root), "deleted_after_each_mode": not args.keep_outputs},
                      "samples": samples.params},
         "gemm": gemm,
-        "modes": results,
-        "consistency": consistency,
-        "wall_seconds": time.perf_counter() - t_start,
+        "modes": {},
+        "consistency": {},
+        "complete": False,
     }
     results_dir = Path(args.results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{args.model}-{timestamp}"
     report["json_path"] = str(results_dir / f"{stem}.json")
     report["markdown_path"] = str(results_dir / f"{stem}.md")
-    with open(report["json_path"], "w") as f:
-        json.dump(report, f, indent=2, default=_json_default)
-    markdown = render_markdown(report)
-    Path(report["markdown_path"]).write_text(markdown)
-    print(markdown)
+
+    states = {}
+    try:
+        for mode in modes:
+            report["modes"][mode], states[mode] = run_mode(ctx, mode, gemm, check_ids, report["modes"])
+            # Written after every mode, so a run cut short still leaves the figures of the finished modes.
+            report["consistency"] = consistency_of(report["modes"], states, check_ids, len(layer_ids))
+            report["warm_vs_cold"] = warm_overheads(report["modes"])
+            report["wall_seconds"] = time.perf_counter() - t_start
+            write_report(report)
+    finally:
+        if not args.keep_outputs:
+            shutil.rmtree(out_root, ignore_errors=True)
+    report["complete"] = True
+    write_report(report)
+    print(render_markdown(report))
     print(f"[bench] wrote {report['json_path']} and {report['markdown_path']}", file=sys.stderr)
     return report
+
+
+def warm_overheads(results: dict) -> dict:
+    """For each mode run cold then warm on the same samples: the extra seconds of the cold pass's forwards
+    (compilation, autotuning of first-seen shapes), in all and per distinct shape."""
+    out = {}
+    for mode, cold in results.items():
+        warm = results.get(f"{mode}_warm")
+        if mode.endswith("_warm") or not warm or cold.get("status") != "ok" or warm.get("status") != "ok":
+            continue
+        key = "forward_gpu" if mode == "dflash_prep" else "forward"
+        extra = cold["breakdown_seconds"][key] - warm["breakdown_seconds"][key]
+        out[mode] = {"cold_forward_seconds": cold["breakdown_seconds"][key],
+                     "warm_forward_seconds": warm["breakdown_seconds"][key],
+                     "first_shape_overhead_seconds": extra, "num_shapes": cold["num_shapes"],
+                     "overhead_per_shape_seconds": extra / cold["num_shapes"] if cold["num_shapes"] else None,
+                     "cold_tokens_per_second": cold["tokens_per_second"],
+                     "warm_tokens_per_second": warm["tokens_per_second"]}
+    return out
+
+
+def consistency_of(results: dict, states: dict, check_ids: list[str], k: int) -> dict:
+    """Cross-mode check on the first samples: every pair of finished modes, and the weights checksums."""
+    ok = [m for m in results if results[m].get("status") == "ok"]
+    # Every mode against the first (per_sample when it ran), each warm pass against its cold pass, and the two
+    # batched modes against each other.
+    wanted = [(ok[0], m) for m in ok[1:]] if ok else []
+    wanted += [(m.removesuffix("_warm"), m) for m in ok if m.endswith("_warm") and m.removesuffix("_warm") in ok]
+    if "fixed_batch" in ok and "dflash_prep" in ok:
+        wanted.append(("fixed_batch", "dflash_prep"))
+    pairs = {f"{a}~{b}": compare(states[a], states[b], k) for a, b in dict.fromkeys(wanted)}
+    checksums = {m: results[m].get("weights_checksum") for m in ok}
+    return {"samples_checked": len(check_ids), "pairs": pairs, "same_weights": len(set(checksums.values())) <= 1,
+            "weights_checksums": checksums}
+
+
+def write_report(report: dict) -> None:
+    with open(report["json_path"], "w") as f:
+        json.dump(report, f, indent=2, default=_json_default)
+    Path(report["markdown_path"]).write_text(render_markdown(report))
 
 
 def _json_default(o):
@@ -1006,9 +1067,25 @@ def _fmt(v, spec: str = ",.0f", none: str = "-") -> str:
     return str(v)
 
 
+BREAKDOWN_NOTES = {
+    (False, "forward"): "CausalLM forward, synchronized",
+    (False, "copy_to_host"): "cat layers, unpad, .cpu()",
+    (False, "write"): "serialize + write the files (no fsync)",
+    (False, "other"): "batch building, loop overhead",
+    (True, "setup"): "outside the loop: tokenize, plan, model build, manifest",
+    (True, "data_wait"): "loop waiting on the DataLoader",
+    (True, "forward_gpu"): "GPU span of the forwards (CUDA events)",
+    (True, "copy_to_host_gpu"): "GPU span of the device-to-host copies",
+    (True, "idle_gpu"): "loop time with neither on the GPU",
+    (True, "forward_host"): "host time in forward + copy enqueue (overlaps the GPU)",
+    (True, "writer_wait"): "loop blocked on a full writer queue",
+    (True, "write"): "writer thread: encode, tar, fsync (overlaps the GPU)",
+}
+
+
 def render_markdown(r: dict) -> str:
-    modes = r["settings"]["modes"]
     res = r["modes"]
+    modes = [m for m in r["settings"]["modes"] if m in res]
     s = r["settings"]["samples"]
     info = r["model_info"]
     env = r["environment"]
@@ -1028,8 +1105,10 @@ def render_markdown(r: dict) -> str:
              f"each mode: {r['settings']['out_dir']['deleted_after_each_mode']}; baselines' logits: "
              f"{r['settings']['baseline_logits']}; dflash-prep max_tokens_per_batch "
              f"{r['settings']['max_tokens_per_batch']} ({r['settings']['max_tokens_per_batch_how']})",
-             f"- total wall time {r['wall_seconds']:.0f} s", ""]
+             f"- total wall time {r.get('wall_seconds', 0):.0f} s"
+             + ("" if r.get("complete") else " (INCOMPLETE: the run stopped before its last mode)"), ""]
     ref = res.get("per_sample", {}).get("tokens_per_second")
+    ref_warm = res.get("per_sample_warm", {}).get("tokens_per_second")
     rows = [
         ("status", lambda m: m.get("status") if m.get("status") == "ok" else f"{m.get('status')}: {m.get('error')}"),
         ("samples", lambda m: _fmt(m.get("num_samples"))),
@@ -1039,6 +1118,8 @@ def render_markdown(r: dict) -> str:
         ("**tokens/s** (real)", lambda m: _fmt(m.get("tokens_per_second"))),
         ("speed-up vs per-sample", lambda m: _fmt(m["tokens_per_second"] / ref, ".1f") + "x"
          if ref and m.get("tokens_per_second") else "-"),
+        ("speed-up vs per-sample warm", lambda m: _fmt(m["tokens_per_second"] / ref_warm, ".1f") + "x"
+         if ref_warm and m.get("tokens_per_second") else "-"),
         ("tokens/s excl. first-shape batches", lambda m: _fmt(m.get("tokens_per_second_excl_first_shapes"))),
         ("samples/s", lambda m: _fmt(m.get("samples_per_second"), ".2f")),
         ("MFU (executed layers)", lambda m: _fmt(m.get("mfu"), ".3f")),
@@ -1066,24 +1147,38 @@ def render_markdown(r: dict) -> str:
             except (KeyError, TypeError):
                 cells.append("-")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    for mode in modes:
-        bd = res[mode].get("breakdown_seconds")
-        if not bd:
+    # Time breakdowns: one table for the baselines, one for dflash-prep (their parts differ).
+    for is_dflash, title in ((False, "Baselines"), (True, "dflash-prep")):
+        group = [m for m in modes if m.startswith("dflash") == is_dflash and res[m].get("breakdown_seconds")]
+        if not group:
             continue
-        loop = res[mode]["loop_seconds"]
-        lines += ["", f"**{mode}** time breakdown (loop {loop:.1f} s"
-                  + (f", run_extraction {res[mode]['run_extraction_seconds']:.1f} s" if "run_extraction_seconds"
-                     in res[mode] else "") + "):", "",
-                  "| part | seconds | share of loop |", "|---|---|---|"]
-        for k, v in bd.items():
-            lines.append(f"| {k} | {v:.2f} | {v / loop:.1%} |" if loop else f"| {k} | {v:.2f} | - |")
+        loops = ", ".join(f"{m} {res[m]['loop_seconds']:.1f} s" for m in group)
+        lines += ["", f"{title}: time breakdown, seconds (share of the loop: {loops})", "",
+                  "| part | " + " | ".join(group) + " | what |", "|---|" + "---|" * (len(group) + 1)]
+        for part in res[group[0]]["breakdown_seconds"]:
+            cells = []
+            for m in group:
+                v, loop = res[m]["breakdown_seconds"][part], res[m]["loop_seconds"]
+                cells.append(f"{v:.2f}" + (f" ({v / loop:.0%})" if loop and part != "setup" else ""))
+            lines.append(f"| {part} | " + " | ".join(cells) + f" | {BREAKDOWN_NOTES.get((is_dflash, part), '')} |")
+    if r.get("warm_vs_cold"):
+        lines += ["", "First-shape cost (cold pass minus warm pass over the same samples, same process):", "",
+                  "| mode | cold forward s | warm forward s | extra s | shapes | extra s per shape | cold tok/s | "
+                  "warm tok/s |", "|---|---|---|---|---|---|---|---|"]
+        for mode, w in r["warm_vs_cold"].items():
+            lines.append(f"| {mode} | {w['cold_forward_seconds']:.1f} | {w['warm_forward_seconds']:.1f} | "
+                         f"{w['first_shape_overhead_seconds']:.1f} | {w['num_shapes']} | "
+                         f"{_fmt(w['overhead_per_shape_seconds'], '.2f')} | {_fmt(w['cold_tokens_per_second'])} | "
+                         f"{_fmt(w['warm_tokens_per_second'])} |")
     c = r["consistency"]
     lines += ["", f"Consistency (states read back from disk, first samples; same weights in every mode: "
               f"{_fmt(c['same_weights'])}):", "",
-              "| pair | samples | input_ids equal | max abs diff | max rel L2 (worst layer) |", "|---|---|---|---|---|"]
+              "| pair | samples | input_ids equal | max abs diff | max rel L2 (per captured layer) |", "|---|---|---|---|---|"]
     for pair, v in c["pairs"].items():
+        per_layer = ", ".join(f"{x:.2g}" for x in v["max_rel_l2_per_layer"])
         lines.append(f"| {pair} | {v['samples_compared']} | {_fmt(v['input_ids_equal'])} | "
-                     f"{v['max_abs_diff']:.3g} (ref max {v['max_abs_ref']:.3g}) | {v['max_rel_l2']:.3g} |")
+                     f"{v['max_abs_diff']:.3g} (ref max {v['max_abs_ref']:.3g}) | {v['max_rel_l2']:.3g} "
+                     f"({per_layer}) |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,182 @@
+"""bench/run_bench.py on the tiny models, on CPU, in seconds.
+
+Runs the benchmark in-process on tiny-qwen3.5 (Gated DeltaNet hybrid) and tiny-llama with a handful of samples,
+checks every field the report promises for all three modes, and that the three modes wrote the same samples
+with the same states: per-sample (unbatched, full CausalLM, `output_hidden_states`) against dflash-prep
+(hooks, planned padded batches, webdataset shards) is the project's core invariant.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+MODES = ("per_sample", "fixed_batch", "dflash_prep")
+
+
+@pytest.fixture(scope="module")
+def rb():
+    """bench/run_bench.py as a module (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("run_bench", REPO / "bench" / "run_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["run_bench"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(rb, tmp_path, monkeypatch, model: str, storage_dtype: str, extra: list[str] = ()) -> dict:
+    monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "cpu")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    argv = ["--model", model, "--device", "cpu", "--num-samples", "12", "--max-length", "400",
+            "--per-sample-max-samples", "7",  # per-sample: a prefix (N samples, before its time budget)
+            "--fixed-batch-size", "4", "--fixed-batch-max-samples", "10",  # fixed-batch: 3 batches, 10 samples
+            "--storage-dtype", storage_dtype, "--gemm-size", "128", "--check-samples", "0",
+            "--results-dir", str(tmp_path / "results"), "--out-dir", str(tmp_path / "out"), "--keep-outputs",
+            *extra]
+    return rb.main(argv)
+
+
+def _check_report(rb, report: dict, model: str) -> None:
+    spec = rb.MODELS[model]
+    lengths = rb.make_samples(12, 5.41, 0.9, 16, 400, report["model_info"]["vocab_size"], 0).lengths
+    assert report["complete"] is True
+    assert report["layer_ids"] == list(spec.layer_ids)
+    assert report["settings"]["samples"]["num_tokens"] == int(lengths.sum())
+    assert report["gemm"]["flops_per_second"] > 0
+    expected_samples = {"per_sample": 7, "fixed_batch": 10, "dflash_prep": 12}
+    for mode in MODES:
+        m = report["modes"][mode]
+        assert m["status"] == "ok", m
+        n = expected_samples[mode]
+        assert m["num_samples"] == n
+        assert m["num_real_tokens"] == int(lengths[:n].sum())
+        assert m["sample_ids_are_prefix"] is True
+        assert m["stopped_by"] == ("tokens" if mode == "dflash_prep" else "samples")
+        assert m["tokens_per_second"] > 0 and m["samples_per_second"] > 0
+        assert m["mfu"] > 0 and m["mfu_needed_layers"] > 0
+        assert 0 < m["padding_efficiency"] <= 1
+        assert m["num_real_tokens"] <= m["num_padded_tokens"]
+        assert m["num_shapes"] >= 1 and 1 <= m["first_shape_batches"] <= m["num_forwards"]
+        assert m["first_shape_seconds"] >= 0
+        assert "peak_gpu_memory_bytes" in m and m["peak_gpu_memory_bytes"] is None  # CPU run
+        assert m["bytes_written"] > 0 and m["write_gb_per_second"] > 0
+        assert m["decoder_params_executed"] > 0 and m["loop_seconds"] > 0
+        assert m["breakdown_seconds"]
+    assert report["modes"]["per_sample"]["padding_efficiency"] == 1.0
+    assert report["modes"]["per_sample"]["num_forwards"] == 7
+    assert report["modes"]["fixed_batch"]["num_forwards"] == 3  # 4 + 4 + 2
+    # dflash-prep runs only the layers up to the deepest captured one; the baselines run them all
+    info = report["model_info"]
+    assert report["modes"]["dflash_prep"]["decoder_params_executed"] == info["decoder_params_needed"]
+    assert report["modes"]["per_sample"]["decoder_params_executed"] == info["decoder_params_all_layers"]
+    bd = report["modes"]["dflash_prep"]["breakdown_seconds"]
+    for key in ("setup", "data_wait", "forward_gpu", "copy_to_host_gpu", "idle_gpu", "write", "writer_wait"):
+        assert key in bd and bd[key] is not None
+    for key in ("forward", "copy_to_host", "write"):
+        assert key in report["modes"]["per_sample"]["breakdown_seconds"]
+    # JSON + markdown named with model and timestamp
+    json_path, md_path = Path(report["json_path"]), Path(report["markdown_path"])
+    assert json_path.name == f"{model}-{report['timestamp']}.json" and json_path.exists()
+    assert md_path.name == f"{model}-{report['timestamp']}.md" and md_path.exists()
+    assert json.loads(json_path.read_text())["modes"]["dflash_prep"]["num_samples"] == 12
+    assert "| **tokens/s** (real) |" in md_path.read_text()
+
+
+def _check_outputs(rb, report: dict, tmp_path: Path, model: str, atol_rel: float) -> None:
+    """Read every kept output back and compare the modes sample by sample."""
+    c = report["consistency"]
+    assert c["same_weights"], c["weights_checksums"]
+    for pair in ("per_sample~fixed_batch", "per_sample~dflash_prep", "fixed_batch~dflash_prep"):
+        v = c["pairs"][pair]
+        assert v["input_ids_equal"] and v["shapes_equal"]
+        assert v["samples_compared"] == (7 if pair.startswith("per_sample") else 10)
+        assert v["max_rel_l2"] < atol_rel, (pair, v)
+
+    (root,) = list((tmp_path / "out").glob(f"dflash-bench-{model}-*"))
+    dirs = {"per_sample": root / "per_sample", "fixed_batch": root / "fixed_batch",
+            "dflash_prep": root / "dflash_prep" / "extraction"}
+    ids = {mode: rb.written_ids(mode, d) for mode, d in dirs.items()}
+    all_ids = [f"{i:010d}" for i in range(12)]
+    assert ids == {"per_sample": all_ids[:7], "fixed_batch": all_ids[:10], "dflash_prep": all_ids}
+    states = {mode: rb.read_samples(mode, d, all_ids) for mode, d in dirs.items()}
+    samples = rb.make_samples(12, 5.41, 0.9, 16, 400, report["model_info"]["vocab_size"], 0)
+    k = len(report["layer_ids"])
+    H = report["model_info"]["hidden_size"]
+    for sid in all_ids[:7]:
+        ref_ids, ref = states["per_sample"][sid]
+        np.testing.assert_array_equal(ref_ids, samples.tokens[int(sid)])
+        assert ref.shape == (len(ref_ids), k * H)
+        for mode in ("fixed_batch", "dflash_prep"):
+            ids_m, hs = states[mode][sid]
+            np.testing.assert_array_equal(ids_m, ref_ids)
+            assert hs.dtype == ref.dtype
+            scale = ref.float().abs().max()
+            torch.testing.assert_close(hs.float(), ref.float(), rtol=0, atol=float(atol_rel * scale))
+
+
+def test_bench_tiny_qwen35_fp32_storage(rb, tmp_path, monkeypatch):
+    # fp32 compute and storage: padded batches of the GDN hybrid must match the unbatched run to fp32 noise
+    report = _run(rb, tmp_path, monkeypatch, "tiny-qwen3.5", "float32",
+                  ["--dflash-set", "batching.num_workers=0", "--dflash-set", "batching.length_multiple=16"])
+    _check_report(rb, report, "tiny-qwen3.5")
+    assert report["modes"]["dflash_prep"]["recipe_batching"]["length_multiple"] == 16
+    _check_outputs(rb, report, tmp_path, "tiny-qwen3.5", atol_rel=1e-4)
+
+
+def test_bench_tiny_llama_bf16_storage(rb, tmp_path, monkeypatch):
+    # bf16 storage (the default): modes may differ by one bf16 rounding step (2^-8 relative)
+    report = _run(rb, tmp_path, monkeypatch, "tiny-llama", "bfloat16")
+    _check_report(rb, report, "tiny-llama")
+    _check_outputs(rb, report, tmp_path, "tiny-llama", atol_rel=1e-2)
+
+
+def test_samples_are_deterministic_and_prefix_by_tokens(rb):
+    a = rb.make_samples(50, 5.41, 0.9, 16, 4096, 1000, seed=3)
+    b = rb.make_samples(50, 5.41, 0.9, 16, 4096, 1000, seed=3)
+    assert np.array_equal(a.lengths, b.lengths) and all(np.array_equal(x, y) for x, y in zip(a.tokens, b.tokens))
+    assert a.lengths.min() >= 16 and a.lengths.max() <= 4096
+    assert all(len(t) == n and t.min() >= 1 and t.max() < 1000 for t, n in zip(a.tokens, a.lengths))
+    n = a.prefix_by_tokens(5000)
+    assert a.lengths[:n].sum() <= 5000 < a.lengths[: n + 1].sum()
+    assert a.prefix_by_tokens(1) == 1  # at least one sample
+
+
+def test_bad_modes_are_refused(rb, tmp_path):
+    with pytest.raises(SystemExit):
+        rb.main(["--model", "tiny-llama", "--modes", "per_sample,nope", "--results-dir", str(tmp_path)])
+
+
+def test_fixed_batch_splits_a_batch_that_runs_out_of_memory(rb, tmp_path, monkeypatch):
+    """A batch that raises OutOfMemoryError is split in halves and retried; nothing is lost or duplicated."""
+    original = rb.load_model
+
+    def load_model_that_ooms_above_two_rows(section, config, device):
+        model = original(section, config, device)
+
+        def hook(module, args, kwargs):
+            if kwargs["input_ids"].shape[0] > 2:
+                raise torch.OutOfMemoryError("simulated: batch larger than 2 rows")
+
+        model.register_forward_pre_hook(hook, with_kwargs=True)
+        return model
+
+    monkeypatch.setattr(rb, "load_model", load_model_that_ooms_above_two_rows)
+    monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "cpu")
+    report = rb.main(["--model", "tiny-llama", "--device", "cpu", "--num-samples", "10", "--max-length", "300",
+                      "--modes", "per_sample,fixed_batch", "--fixed-batch-size", "8", "--storage-dtype", "float32",
+                      "--gemm-size", "64", "--check-samples", "0", "--results-dir", str(tmp_path / "r"),
+                      "--out-dir", str(tmp_path / "o")])
+    fb = report["modes"]["fixed_batch"]
+    assert fb["status"] == "ok", fb
+    # batch of 8 -> 4 + 4 -> 2 + 2 + 2 + 2 (3 splits); the last batch of 2 fits
+    assert fb["oom_splits"] == 3 and fb["num_forwards"] == 5 and fb["num_samples"] == 10
+    assert fb["sample_ids_are_prefix"] is True
+    pair = report["consistency"]["pairs"]["per_sample~fixed_batch"]
+    assert pair["samples_compared"] == 10 and pair["input_ids_equal"] and pair["max_rel_l2"] < 1e-4
