@@ -10,6 +10,12 @@ Guarantees: hooks are removed when the context exits, also on an exception; the 
 `use_cache=False` under `torch.inference_mode()`; for a right-padded batch with an attention mask, the packed
 rows of sample b are exactly its states in the batched forward (which equal its states run alone, up to the
 kernels' numerical noise: tests assert it).
+
+fp8 storage (`storage_dtype=torch.float8_e4m3fn`): each hook quantizes its layer's gathered rows on the device,
+per token, with an fp32 scale of amax/448 (dflash_prep/fp8.py), and the buffers hold packed uint8 rows,
+`[N, k*H + 4k]` (e4m3 bytes, then the k scales) and `[N, H + 4]` for the final layer: half the bytes of bf16
+cross to the host, in the same single copy. `fp8.unpack_rows` splits them; `fp8.finite_rows` tells which rows
+held a NaN or an Inf (their scale is then not finite).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .fp8 import FP8_DTYPE, packed_width, store_block
 from .layers import decoder_layers, find_decoder
 
 
@@ -28,6 +35,8 @@ class _StopForward(Exception):
 
 @dataclass
 class CapturedBatch:
+    """Packed states of a batch. fp8 storage: uint8 rows `[N, k*H + 4k]` and `[N, H + 4]` (dflash_prep/fp8.py)."""
+
     hidden_states_NK: torch.Tensor  # [N, k*H], N = real tokens of the batch, samples in batch order
     final_hidden_states_NH: torch.Tensor | None  # [N, H] or None
 
@@ -49,6 +58,7 @@ class LayerCapture:
         self.layer_ids = list(layer_ids)
         self.capture_final = capture_final
         self.storage_dtype = storage_dtype
+        self.fp8 = storage_dtype == FP8_DTYPE
         self.hidden_size = None
         self._handles: list = []
         self._buf_NK: torch.Tensor | None = None
@@ -67,10 +77,16 @@ class LayerCapture:
                 return None  # a forward outside `run()` (e.g. a reference pass) passes through untouched
             hs_NH = self._gather(_output_tensor(output))
             H = hs_NH.shape[-1]
-            if slot >= 0:
-                self._buf_NK[:, slot * H:(slot + 1) * H].copy_(hs_NH)
-            if self._final_NH is not None and module is self._final_module:
-                self._final_NH.copy_(hs_NH)
+            if self.fp8:
+                if slot >= 0:
+                    store_block(self._buf_NK, slot, len(self.layer_ids), hs_NH)
+                if self._final_NH is not None and module is self._final_module:
+                    store_block(self._final_NH, 0, 1, hs_NH)
+            else:
+                if slot >= 0:
+                    self._buf_NK[:, slot * H:(slot + 1) * H].copy_(hs_NH)
+                if self._final_NH is not None and module is self._final_module:
+                    self._final_NH.copy_(hs_NH)
             if stop:
                 raise _StopForward
         return hook
@@ -128,18 +144,23 @@ class LayerCapture:
         N = flat_index.shape[0]
         device = input_ids.device
         self._flat_index = flat_index
-        self._buf_NK = torch.empty(N, len(self.layer_ids) * H, dtype=self.storage_dtype, device=device)
-        self._final_NH = (torch.empty(N, H, dtype=self.storage_dtype, device=device)
-                          if self.capture_final != "none" else None)
+        if self.fp8:  # packed rows: e4m3 bytes + fp32 scales (see the module docstring)
+            self._buf_NK = torch.empty(N, packed_width(len(self.layer_ids), H), dtype=torch.uint8, device=device)
+            self._final_NH = (torch.empty(N, packed_width(1, H), dtype=torch.uint8, device=device)
+                              if self.capture_final != "none" else None)
+        else:
+            self._buf_NK = torch.empty(N, len(self.layer_ids) * H, dtype=self.storage_dtype, device=device)
+            self._final_NH = (torch.empty(N, H, dtype=self.storage_dtype, device=device)
+                              if self.capture_final != "none" else None)
         try:
             with torch.inference_mode():
                 self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              use_cache=False)
             raise RuntimeError("the forward ended without reaching the deepest captured module")
         except _StopForward:
-            pass
-        out = CapturedBatch(self._buf_NK, self._final_NH)
-        self._buf_NK = self._final_NH = self._flat_index = None
+            out = CapturedBatch(self._buf_NK, self._final_NH)
+        finally:  # also after an error (an OOM is retried on a smaller batch): drop the buffers of this forward
+            self._buf_NK = self._final_NH = self._flat_index = None
         return out
 
     def _hidden_size(self) -> int:

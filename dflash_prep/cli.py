@@ -3,6 +3,8 @@
     dflash-prep extract [--recipe PATH] [--set key=value ...]
     dflash-prep export OUT --to specforge|speculators|modelopt --dest DIR
     dflash-prep inspect OUT [--check]
+    dflash-prep plan [--recipe PATH] [--set key=value ...] [--num-gpus N] [--tokens-per-second X]
+    dflash-prep verify OUT [--num-samples N] [--seed S]
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("export", help="write an output in a trainer's layout (specforge, speculators, modelopt)",
                    add_help=False)
     sub.add_parser("inspect", help="show what an output holds; --check re-hashes every shard", add_help=False)
+    sub.add_parser("plan", help="what a recipe will cost (samples, tokens, batches, bytes, wall time), no weights",
+                   add_help=False)
+    sub.add_parser("verify", help="check hashes, then re-run random samples alone and compare the stored states",
+                   add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "export":
         from .export import main as export_main
@@ -30,6 +36,14 @@ def main(argv: list[str] | None = None) -> int:
         from .inspect_output import main as inspect_main
 
         return inspect_main(rest)
+    if args.command == "plan":
+        from .plan import main as plan_main
+
+        return plan_main(rest)
+    if args.command == "verify":
+        from .verify import main as verify_main
+
+        return verify_main(rest)
     if args.command == "extract":
         from .extract import main as extract_main
 

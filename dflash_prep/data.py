@@ -5,6 +5,9 @@ Accepted rows (one of):
 - ShareGPT style: `conversations: [{from, value}]`, from system/human/user/gpt/assistant/tool;
 - pre-tokenized: `input_ids: [int]`, optional `loss_mask: [0/1]` (all ones when absent).
 
+A JSON/JSONL file that does not load as one Arrow table (a line that is not JSON, a row that is not an object)
+is read line by line instead: each line is one row, and a line that does not parse becomes a skipped row.
+
 Guarantees:
 - every row of the source (after `max_samples`) ends up either kept or skipped with exactly one reason; none
   is dropped silently and none raises inside the loop (a bad row becomes a skip reason);
@@ -21,6 +24,7 @@ import glob
 import json
 import logging
 import os
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,8 +51,22 @@ SKIP_BAD_LOSS_MASK = "bad_loss_mask"
 SKIP_TOO_LONG = "longer_than_max_length"
 SKIP_TOO_SHORT = "fewer_than_2_tokens"
 SKIP_NO_SUPERVISED_PAIR = "no_two_consecutive_supervised_tokens"
+SKIP_INVALID_JSON = "invalid_json"
+SKIP_NOT_AN_OBJECT = "row_not_an_object"
+SKIP_ROW_ERROR = "unreadable_row"  # anything else that goes wrong on one row (logged at debug level)
+
+RAW_JSON_COLUMN = "__dflash_prep_raw_json__"  # the one column of a JSON file read line by line
 
 TOKENIZED_COLUMNS = ("sample_id", "source_row", "source_id", "input_ids", "loss_mask", "num_tokens", "skip_reason")
+
+
+def _tokenized_features():
+    """Fixed output types of the tokenize map: inferred types would break on a first batch of skipped rows."""
+    from datasets import Features, List, Value
+
+    return Features({"sample_id": Value("string"), "source_row": Value("int64"), "source_id": Value("string"),
+                     "input_ids": List(Value("int32")), "loss_mask": List(Value("int64")),
+                     "num_tokens": Value("int64"), "skip_reason": Value("string")})
 
 
 def _detect_format(path: str, fmt: str) -> tuple[str, Any]:
@@ -67,7 +85,8 @@ def _detect_format(path: str, fmt: str) -> tuple[str, Any]:
         files = sorted(glob.glob(path, recursive=True))
     elif p.is_file():
         files = [path]
-    elif fmt in ("auto",) and "/" in path and not path.startswith((".", "/", "~")):
+    elif (fmt in ("auto",) and "/" in path and not path.startswith((".", "/", "~"))
+          and Path(path).suffix not in (".jsonl", ".json", ".parquet", ".arrow")):
         return "hub", path
     else:
         raise RecipeError(f"recipe key `data.path` = {path!r}: no such file or folder (for a hub dataset set "
@@ -84,6 +103,61 @@ def _detect_format(path: str, fmt: str) -> tuple[str, Any]:
     return kinds.pop(), files
 
 
+def check_data_source(section: DataSection) -> None:
+    """Fail (RecipeError naming the key) when `data.path`/`data.format` cannot be read; cheap, no loading."""
+    _detect_format(section.path, section.format)
+
+
+def _load_json_lines(files: list[str]):
+    """JSON/JSONL files as one string column, one row per line (per element of a top-level JSON array)."""
+    import datasets
+
+    raw = []
+    for name in files:
+        text = Path(name).read_text(encoding="utf-8-sig", errors="replace")
+        if Path(name).suffix == ".json":
+            try:
+                whole = json.loads(text)
+            except (ValueError, RecursionError):
+                whole = None
+            if isinstance(whole, list):
+                raw += [json.dumps(row) for row in whole]
+                continue
+        raw += [line for line in text.split("\n") if line.strip()]  # JSON Lines: only \n ends a line
+    return datasets.Dataset.from_dict({RAW_JSON_COLUMN: raw})
+
+
+_LINE_NOT_AN_OBJECT = re.compile(rb"^[ \t\r\f\v]*[^\s{]", re.MULTILINE)
+
+
+def _lines_are_objects(files: list[str], chunk_bytes: int = 16 << 20) -> bool:
+    """True when every non-blank line of the JSON Lines files starts with `{` (a file that is one JSON array is
+    left to the loader). A byte scan at C speed, no parsing: pyarrow's JSON reader kills the process (segfault,
+    pyarrow 26) on a `null` line, so a file holding one must never reach it."""
+    for name in files:
+        with open(name, "rb") as f:
+            data = f.read(max(chunk_bytes, 1 << 16))
+            if data.startswith(b"\xef\xbb\xbf"):
+                data = data[3:]
+            if data.lstrip()[:1] == b"[":
+                continue
+            if Path(name).suffix == ".json":  # JSON Lines only if its first line is a whole object by itself
+                try:
+                    json.loads(data.lstrip().split(b"\n", 1)[0])
+                except (ValueError, RecursionError):
+                    continue  # one (pretty-printed) JSON document: the loader reads it whole
+            while data:
+                more = f.read(chunk_bytes)
+                end = len(data) if not more else data.rfind(b"\n") + 1  # whole lines only, the rest carries over
+                # Fast path (GB/s): every line of the chunk starts with `{` right away; else the exact regex.
+                newlines = data.count(b"\n", 0, end) - (end > 0 and data[end - 1:end] == b"\n")
+                if not (end == 0 or (data[:1] == b"{" and data.count(b"\n{", 0, end) == newlines)):
+                    if _LINE_NOT_AN_OBJECT.search(data, 0, end):
+                        return False
+                data = data[end:] + more
+    return True
+
+
 def load_rows(section: DataSection):
     """Load the raw rows as a `datasets.Dataset` (first `max_samples` rows only)."""
     import datasets
@@ -97,6 +171,15 @@ def load_rows(section: DataSection):
             ds = ds[section.split]
     elif kind == "hub":
         ds = datasets.load_dataset(source, split=section.split)
+    elif kind == "json":
+        try:
+            if not _lines_are_objects(source):
+                raise ValueError("a line is not a JSON object")
+            ds = datasets.load_dataset(kind, data_files=source, split="train")
+        except (ValueError, TypeError, datasets.exceptions.DatasetGenerationError) as e:
+            log.warning("data: %s does not load as one table (%s: %s); reading it line by line, bad lines are "
+                        "skipped with a reason", section.path, type(e).__name__, str(e)[:200])
+            ds = _load_json_lines(source)
     else:
         ds = datasets.load_dataset(kind, data_files=source, split="train")
     if section.max_samples is not None and section.max_samples < len(ds):
@@ -183,13 +266,31 @@ class Tokenizer:
             return [], [], SKIP_NO_SUPERVISED_PAIR
         return [int(t) for t in ids], [int(m) for m in mask], ""
 
+    def _row_of(self, batch: dict, columns: list[str], j: int) -> tuple[dict, str]:
+        """-> (row, "") or ({}, skip reason) for a line that is not a JSON object."""
+        if columns == [RAW_JSON_COLUMN]:
+            try:
+                row = json.loads(batch[RAW_JSON_COLUMN][j])
+            except (ValueError, RecursionError):
+                return {}, SKIP_INVALID_JSON
+            return (row, "") if isinstance(row, dict) else ({}, SKIP_NOT_AN_OBJECT)
+        return {c: batch[c][j] for c in columns}, ""
+
     def __call__(self, batch: dict, indices: list[int]) -> dict:
         out = {k: [] for k in TOKENIZED_COLUMNS}
         columns = list(batch)
         for j, row_index in enumerate(indices):
-            row = {c: batch[c][j] for c in columns}
-            ids, mask, reason = self.tokenize_row(row)
+            row, reason = self._row_of(batch, columns, j)
+            ids, mask = [], []
+            if not reason:
+                try:
+                    ids, mask, reason = self.tokenize_row(row)
+                except Exception as e:  # noqa: BLE001 - one bad row never ends the run: it is skipped, with a reason
+                    log.debug("row %d: %s: %s", row_index, type(e).__name__, e)
+                    ids, mask, reason = [], [], SKIP_ROW_ERROR
             source_id = row.get(self.id_column or "id")
+            if isinstance(source_id, (dict, list)):
+                source_id = json.dumps(source_id, sort_keys=True)
             out["sample_id"].append(f"{row_index:010d}")
             out["source_row"].append(int(row_index))
             out["source_id"].append(None if source_id is None else str(source_id))
@@ -227,14 +328,27 @@ class TokenizedData:
 
 def tokenize_dataset(rows, tokenizer, section: DataSection, vocab_size: int) -> TokenizedData:
     """Tokenize every row through `datasets.map` (cached on disk; call on the main process first)."""
-    needs_template = "messages" in rows.column_names or "conversations" in rows.column_names
+    needs_template = "messages" in rows.column_names or "conversations" in rows.column_names or (
+        rows.column_names == [RAW_JSON_COLUMN]
+        and any('"messages"' in r or '"conversations"' in r for r in rows[RAW_JSON_COLUMN]))
     if needs_template:
         check_chat_template(tokenizer)
     fn = Tokenizer(tokenizer=tokenizer, max_length=section.max_length, overlong=section.overlong,
                    vocab_size=vocab_size, id_column=section.id_column,
                    chat_template_kwargs=dict(section.chat_template_kwargs))
-    tokenized = rows.map(fn, batched=True, batch_size=256, with_indices=True, remove_columns=rows.column_names,
-                         num_proc=section.num_proc, desc="tokenize")
+    try:
+        tokenized = rows.map(fn, batched=True, batch_size=256, with_indices=True, remove_columns=rows.column_names,
+                             num_proc=section.num_proc, desc="tokenize", features=_tokenized_features())
+    except Exception as e:  # noqa: BLE001 - datasets can load a JSON table it then fails to decode (odd keys)
+        kind, files = _detect_format(section.path, section.format)
+        if kind != "json" or rows.column_names == [RAW_JSON_COLUMN]:
+            raise
+        log.warning("data: %s loads as a table whose rows cannot be decoded (%s: %s); reading it line by line",
+                    section.path, type(e).__name__, str(e)[:200])
+        rows = _load_json_lines(files)
+        if section.max_samples is not None and section.max_samples < len(rows):
+            rows = rows.select(range(section.max_samples))
+        return tokenize_dataset(rows, tokenizer, section, vocab_size)
     reasons = tokenized["skip_reason"]
     reasons = list(reasons)
     counts = Counter(r for r in reasons if r)

@@ -12,6 +12,13 @@ Layouts (REFERENCE.md §1; T tokens, k captured layers, H hidden size; every hid
   `set_format(type="torch")`; row i = `input_ids` int64 [T], `loss_mask` int64 [T], `seq_len` int64) and
   `DIR/hidden_states/hs_{i}.safetensors` = `hidden_states` [T, k+1, H] (the k layers, then the final layer
   BEFORE the final norm) and `token_ids` int64 [T]. Needs `layers.capture_final: before_norm`.
+  From an fp8 output (`output.dtype: fp8_e4m3`) it writes speculators' fp8 layout instead: `hidden_states`
+  float8_e4m3fn [T, k+1, H] + `hidden_states_scales` float32 [T, 1, 1], ONE scale per token for all k+1 layers
+  (dequantize: `hidden_states.float() * hidden_states_scales`). The output stores one scale per token and layer,
+  so each token is re-quantized from its dequantized values with S = max of its layer scales: the layer(s) with
+  the largest scale are copied exactly, the others rounded a second time (per element
+  |x'' - x| <= (2^-3 + 2^-8)|x| + (2 + 2^-4) 2^-10 S against the original x; fp8.requantize_error_bound).
+  `--cast-to-bfloat16` writes the bf16 layout from the dequantized values instead.
 - `modelopt` (NVIDIA Model-Optimizer): `DIR/{sample_id}.pt`, one `torch.save` dict per sample: `input_ids`
   int64 [T], `hidden_states` [T, H] (final layer AFTER the final norm, what its HF dumper stores:
   `outputs.hidden_states[-1]`), `aux_hidden_states` [T, k*H], `loss_mask` int64 [T], and `conversation_id`
@@ -19,15 +26,15 @@ Layouts (REFERENCE.md §1; T tokens, k captured layers, H hidden size; every hid
 
 Guarantees:
 - a requirement the output does not meet (final layer missing or of the wrong kind, k != 3 for EAGLE-3, a
-  storage dtype other than bf16 without `--cast-to-bfloat16`) fails before anything is written, naming the
-  recipe key and value to re-extract with;
+  storage dtype other than bf16 without `--cast-to-bfloat16`, except fp8 to speculators) fails before anything
+  is written, naming the recipe key and value to re-extract with;
 - export index i = the sample's rank in sample_id order, i.e. source-row order: independent of how many ranks
   extracted it or how batches were planned (so speculators' first-rows/last-rows train/validation split is
   not a split by length); `DIR/dflash_prep_export.json` records the trainer, layer ids in both conventions,
   and `sample_ids` in export order;
 - streaming: one sample in memory at a time (plus, for speculators, the Arrow rows in a temporary datasets
   cache on disk); tensors equal the shard's bit for bit (the only conversion is int32/uint8 -> int64 ids and
-  masks, and the explicit bf16 cast when asked);
+  masks, the explicit bf16 cast when asked, and the fp8 dequantization / speculators re-quantization above);
 - the export is written to `DIR.partial` and renamed to DIR at the end: DIR never holds a partial export.
   An existing non-empty DIR is refused unless `--overwrite`.
 """
@@ -52,6 +59,8 @@ import torch
 from safetensors.torch import save_file as safetensors_save_file
 
 from . import __version__
+from .fp8 import dequantize as fp8_dequantize
+from .fp8 import quantize_rows as fp8_quantize_rows
 from .manifest import read_committed, read_manifest
 from .reader import OutputLayout, ShardFormatError, ShardInfo, iter_shard, iter_tar_samples, shards_of
 
@@ -95,9 +104,12 @@ def check_exportable(manifest: dict, target: str, strategy: str = "dflash", cast
                           f"EAGLE-3)")
     final = manifest.get("capture_final", "none")
     k = len(manifest["layer_ids"])
-    if manifest["dtype"] != "bfloat16" and not cast_to_bfloat16:
+    fp8_native = manifest["dtype"] == "fp8_e4m3" and target == "speculators"  # speculators has an fp8 layout
+    if manifest["dtype"] != "bfloat16" and not cast_to_bfloat16 and not fp8_native:
+        how = ("dequantizes: e4m3 value x scale, rounded to bf16; the fp8 rounding error stays"
+               if manifest["dtype"] == "fp8_e4m3" else "rounds")
         raise ExportError(f"{target} reads bf16 hidden states but {source} stores {manifest['dtype']}: "
-                          f"{_reextract_hint('output.dtype=bfloat16')}, or pass --cast-to-bfloat16 (rounds)")
+                          f"{_reextract_hint('output.dtype=bfloat16')}, or pass --cast-to-bfloat16 ({how})")
     needs = None
     if target == "speculators":
         needs = ("before_norm", "speculators stores the final layer as the last of its K = k+1 layers and wants "
@@ -189,6 +201,19 @@ def speculators_record(sample: dict[str, Any], hidden_size: int) -> dict[str, to
             "token_ids": sample["input_ids"].contiguous()}
 
 
+def speculators_fp8_record(sample: dict[str, Any], hidden_size: int) -> dict[str, torch.Tensor]:
+    """speculators' fp8 file from a raw fp8 sample (`fp8="raw"`): `hidden_states` float8_e4m3fn [T, k+1, H],
+    `hidden_states_scales` float32 [T, 1, 1] (one scale per token over all k+1 layers), `token_ids` int64 [T]."""
+    layers_TW = fp8_dequantize(sample["hidden_states"], sample["hidden_states_scales"])
+    final_TH = fp8_dequantize(sample["final_hidden_states"], sample["final_hidden_states_scales"])
+    T = layers_TW.shape[0]
+    x_TKH = torch.cat([layers_TW.view(T, -1, hidden_size), final_TH.view(T, 1, hidden_size)], dim=1)
+    K = x_TKH.shape[1]
+    q, scale_T = fp8_quantize_rows(x_TKH.view(T, K * hidden_size))
+    return {"hidden_states": q.view(T, K, hidden_size).contiguous(), "hidden_states_scales": scale_T.view(T, 1, 1),
+            "token_ids": sample["input_ids"].contiguous()}
+
+
 def modelopt_record(sample: dict[str, Any]) -> dict[str, Any]:
     """The dict Model-Optimizer's `OfflineSupervisedDataset` loads (torch.load(weights_only=True))."""
     return {"input_ids": _owned(sample["input_ids"]),
@@ -251,7 +276,8 @@ def export(out_dir: str | Path, target: str, dest: str | Path, *, strategy: str 
     rows_cache = partial / ".rows-cache"
     try:
         if target == "speculators":
-            _export_speculators(shards, layout, partial, rows_cache, index_of, report, bar, verify)
+            _export_speculators(shards, layout, partial, rows_cache, index_of, report, bar, verify,
+                                fp8_layout=layout.is_fp8 and not cast_to_bfloat16)
         else:
             write: Callable[[dict], int]
             if target == "specforge":
@@ -282,11 +308,11 @@ def export(out_dir: str | Path, target: str, dest: str | Path, *, strategy: str 
     return report
 
 
-def _samples(shards: list[ShardInfo], layout: OutputLayout, verify: bool):
+def _samples(shards: list[ShardInfo], layout: OutputLayout, verify: bool, fp8: str = "bfloat16"):
     for shard in shards:
         if verify and _sha256_file(shard.path) != shard.sha256:
             raise ShardFormatError(f"{shard.path}: sha256 differs from the manifest (corrupt or replaced shard)")
-        yield from iter_shard(shard, layout)
+        yield from iter_shard(shard, layout, fp8=fp8)
 
 
 def _count(report: ExportReport, sample: dict, bar) -> None:
@@ -298,7 +324,7 @@ def _count(report: ExportReport, sample: dict, bar) -> None:
 
 
 def _export_speculators(shards, layout: OutputLayout, partial: Path, rows_cache: Path, index_of: dict[str, int],
-                        report: ExportReport, bar, verify: bool) -> None:
+                        report: ExportReport, bar, verify: bool, fp8_layout: bool = False) -> None:
     """hs_{i}.safetensors while streaming; the Arrow rows through a datasets cache, sorted by i at the end."""
     import datasets
 
@@ -308,10 +334,10 @@ def _export_speculators(shards, layout: OutputLayout, partial: Path, rows_cache:
                                   "seq_len": datasets.Value("int64")})
 
     def rows():
-        for sample in _samples(shards, layout, verify):
+        for sample in _samples(shards, layout, verify, fp8="raw" if fp8_layout else "bfloat16"):
             i = index_of[sample["sample_id"]]
-            report.num_bytes += _save_safetensors(speculators_record(sample, layout.hidden_size),
-                                                  speculators_path(partial, i))
+            record = (speculators_fp8_record if fp8_layout else speculators_record)(sample, layout.hidden_size)
+            report.num_bytes += _save_safetensors(record, speculators_path(partial, i))
             _count(report, sample, bar)
             yield {"_index": i, "input_ids": sample["input_ids"].numpy(), "loss_mask": sample["loss_mask"].numpy(),
                    "seq_len": int(sample["input_ids"].shape[0])}
@@ -351,6 +377,9 @@ def _export_info(manifest: dict, out_dir: Path, target: str, strategy: str, orde
         "capture_final": manifest.get("capture_final", "none"),
         "source_dtype": manifest["dtype"],
         "cast_to_bfloat16": bool(cast and manifest["dtype"] != "bfloat16"),
+        "hidden_states_dtype": ("float8_e4m3fn + hidden_states_scales [T, 1, 1] (one scale per token, re-quantized)"
+                                if target == "speculators" and manifest["dtype"] == "fp8_e4m3" and not cast
+                                else "bfloat16"),
         "num_samples": len(order),
         "num_tokens": manifest["num_tokens"],
         "index_order": "export index i = position of the sample id in `sample_ids` (sorted = source-row order)",

@@ -8,16 +8,26 @@ Resume: the plan is frozen in `OUT/plan.json` by the first run. Re-running the s
 shards, discards uncommitted files, and runs only the batches no index lists, split over however many ranks
 the new run has. An output made by a different job (model, data, layers, storage dtype) is refused unless
 `output.overwrite` is set.
+
+Failures: a CUDA OOM in a forward splits the batch and retries (backoff.py); a sample that does not fit alone,
+or whose states hold a NaN/Inf, is recorded as failed in the index line of the shard that commits its batch, so
+a resume neither redoes nor forgets it; the manifest counts failed samples by reason and OUT/failed.jsonl lists
+them. A write error (a full disk) or `output.nan_policy: fatal` stops the run with `ExtractionError`: committed
+shards intact, nothing partial visible, a message saying what is committed and that re-running resumes.
+Exit codes of `main`: 0 done, 1 stopped (resumable), 2 bad recipe or output of another job, 3 done but more
+samples failed than `output.max_failed_samples`.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import shutil
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,17 +37,20 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 
 from . import __version__  # noqa: E402
+from .backoff import BatchRunner  # noqa: E402
 from .capture import LayerCapture  # noqa: E402
 from .collate import PlannedBatches  # noqa: E402
-from .data import load_rows, tokenize_dataset, write_skipped  # noqa: E402
+from .data import check_data_source, load_rows, tokenize_dataset, write_skipped  # noqa: E402
+from .faults import Faults  # noqa: E402
 from .layers import num_decoder_layers, resolve_layer_ids  # noqa: E402
 from .manifest import (STATE_NAME, atomic_write_json, build_manifest, next_shard_number,  # noqa: E402
-                       read_committed, remove_uncommitted, write_manifest)
-from .model import (DTYPES, decoder_params_in, describe_source, drop_layers_after, hidden_size_of,  # noqa: E402
-                    load_config, load_model, load_tokenizer, model_fingerprint, vocab_size_of)
+                       read_committed, remove_uncommitted, repair_indexes, write_manifest)
+from .model import (STORAGE_TORCH_DTYPES, decoder_params_in, describe_source, drop_layers_after,  # noqa: E402
+                    hidden_size_of, load_config, load_model, load_tokenizer, model_fingerprint, vocab_size_of)
+from .model import tokenizer_fingerprint as _tokenizer_fingerprint  # noqa: E402  (moved to model.py)
 from .planner import PlannedBatch, ShapeBuckets, plan_batches, plan_stats, split_across_ranks  # noqa: E402
 from .recipe import Recipe, RecipeError  # noqa: E402
-from .writer import AsyncShardWriter, PendingBatch, ShardWriter, rank_name  # noqa: E402
+from .writer import AsyncShardWriter, NonFiniteStatesError, PendingBatch, ShardWriter, rank_name  # noqa: E402
 
 log = logging.getLogger("dflash_prep")
 
@@ -45,10 +58,25 @@ PLAN_NAME = "plan.json"
 RECIPE_NAME = "recipe.resolved.yaml"
 SUMMARY_NAME = "summary.json"
 SKIPPED_NAME = "skipped.jsonl"
+FAILED_NAME = "failed.jsonl"
+EXIT_STOPPED, EXIT_BAD_RECIPE, EXIT_FAILED_SAMPLES = 1, 2, 3
 
 
 class OutputMismatchError(RuntimeError):
     """Resuming into an output made by a different job."""
+
+
+class ExtractionError(RuntimeError):
+    """The run stopped cleanly (write error, fatal NaN): committed shards are intact; re-running resumes."""
+
+
+class _ConsoleFormatter(logging.Formatter):
+    """The console gets one line per message; tracebacks go to the rank's log file only."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.exc_info or record.exc_text:
+            record = logging.makeLogRecord({**record.__dict__, "exc_info": None, "exc_text": None})
+        return super().format(record)
 
 
 @dataclass
@@ -71,12 +99,14 @@ def _setup_logging(out_dir: Path, rank: int, is_main: bool) -> None:
     log.propagate = False
     for h in list(log.handlers):
         log.removeHandler(h)
+        h.close()
     fh = logging.FileHandler(out_dir / "logs" / f"{rank_name(rank)}.log")
     fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     log.addHandler(fh)
     if is_main:
         ch = logging.StreamHandler(sys.stderr)
-        ch.setFormatter(logging.Formatter("[dflash-prep] %(message)s"))
+        ch.setFormatter(_ConsoleFormatter("[dflash-prep] %(message)s"))
+        ch.addFilter(lambda record: getattr(record, "console", True))  # extra={"console": False}: file only
         log.addHandler(ch)
     # Known noisy library messages: keep them in the file log, off the console.
     import transformers
@@ -96,15 +126,6 @@ def _run_identity(recipe: Recipe, config, layer_ids: list[int], tokenizer) -> di
         "capture_final": recipe.layers.capture_final,
         "dtype": recipe.output.dtype,
     }
-
-
-def _tokenizer_fingerprint(tokenizer) -> str:
-    import hashlib
-
-    payload = json.dumps({"vocab": len(tokenizer), "template": getattr(tokenizer, "chat_template", None),
-                          "backend": tokenizer.backend_tokenizer.to_str()
-                          if hasattr(tokenizer, "backend_tokenizer") else None}, sort_keys=True, default=str)
-    return hashlib.sha256(payload.encode()).hexdigest()
 
 
 def _identity_diffs(previous: dict, current: dict, prefix: str = "") -> list[str]:
@@ -148,6 +169,8 @@ def _prepare_output(out_dir: Path, recipe: Recipe, identity: dict) -> None:
             shutil.rmtree(child) if child.is_dir() else child.unlink()
     out_dir.mkdir(parents=True, exist_ok=True)
     _check_identity(out_dir, identity)
+    for index in repair_indexes(out_dir):
+        log.warning("%s ended in a torn line (a crash while appending): cut back to its last complete line", index)
     committed = read_committed(out_dir)
     removed = remove_uncommitted(out_dir, committed)
     if removed:
@@ -172,10 +195,7 @@ def _load_or_make_plan(out_dir: Path, lengths: list[int], recipe: Recipe, is_mai
                 log.warning("batching settings differ from the stored plan; resuming with the stored plan %s",
                             stored["batching"])
         else:
-            b = recipe.batching
-            buckets = ShapeBuckets(b.length_multiple, b.length_growth, recipe.data.max_length)
-            plan = plan_batches(lengths, max_tokens_per_batch=b.max_tokens_per_batch,
-                                max_batch_size=b.max_batch_size, buckets=buckets)
+            plan = make_plan(lengths, recipe)
             atomic_write_json(path, {"batching": _plan_settings(recipe), "num_samples": len(lengths),
                                      "batches": [[p.padded_length, list(p.sample_indices)] for p in plan]})
     state.wait_for_everyone()
@@ -186,6 +206,15 @@ def _load_or_make_plan(out_dir: Path, lengths: list[int], recipe: Recipe, is_mai
             for i, (T, idx) in enumerate(stored["batches"])]
 
 
+def make_plan(lengths: list[int], recipe: Recipe) -> list[PlannedBatch]:
+    """The global batch plan of `recipe` for the kept samples' `lengths` (what OUT/plan.json freezes; also what
+    `dflash-prep plan` reports, so its figures are the run's)."""
+    b = recipe.batching
+    buckets = ShapeBuckets(b.length_multiple, b.length_growth, recipe.data.max_length)
+    return plan_batches(lengths, max_tokens_per_batch=b.max_tokens_per_batch, max_batch_size=b.max_batch_size,
+                        buckets=buckets)
+
+
 def _plan_settings(recipe: Recipe) -> dict:
     b = recipe.batching
     return {"max_tokens_per_batch": b.max_tokens_per_batch, "max_batch_size": b.max_batch_size,
@@ -194,20 +223,23 @@ def _plan_settings(recipe: Recipe) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------- loop
-def _to_host(captured, device: torch.device):
-    """One asynchronous copy of the packed states into pinned host memory; returns (host tensors, event)."""
-    if device.type != "cuda":
-        return captured.hidden_states_NK, captured.final_hidden_states_NH, None
-    hs = torch.empty(captured.hidden_states_NK.shape, dtype=captured.hidden_states_NK.dtype, pin_memory=True)
-    hs.copy_(captured.hidden_states_NK, non_blocking=True)
-    final = None
-    if captured.final_hidden_states_NH is not None:
-        final = torch.empty(captured.final_hidden_states_NH.shape, dtype=captured.final_hidden_states_NH.dtype,
-                            pin_memory=True)
-        final.copy_(captured.final_hidden_states_NH, non_blocking=True)
+def _to_host(out, device: torch.device):
+    """One asynchronous copy of a forward's packed states and per-sample non-finite flags into pinned host
+    memory; returns (states, final states, flags, event). What is already on the host (CPU runs, a batch joined
+    after an OOM split) passes through with event None. (bench/run_bench.py wraps this function.)"""
+    tensors = (out.hidden_states_NK, out.final_NH, out.nonfinite_B)
+    if device.type != "cuda" or out.hidden_states_NK.device.type != "cuda":
+        return (*tensors, None)
+    host = []
+    for t in tensors:
+        if t is not None:
+            pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            pinned.copy_(t, non_blocking=True)
+            t = pinned
+        host.append(t)
     event = torch.cuda.Event()
     event.record()
-    return hs, final, event
+    return (*host, event)
 
 
 class _GpuTimer:
@@ -247,8 +279,12 @@ def run_extraction(recipe: Recipe) -> dict | None:
     num_layers = num_decoder_layers(config)
     layer_ids = resolve_layer_ids(recipe.layers, num_layers)
     tokenizer = load_tokenizer(recipe.model)
+    check_data_source(recipe.data)
     hidden_size = hidden_size_of(config)
     identity = _run_identity(recipe, config, layer_ids, tokenizer)
+    faults = Faults.from_env()  # test-only fault injection (faults.py); None unless DFLASH_PREP_FAULTS is set
+    if faults is not None:
+        log.warning("fault injection active (DFLASH_PREP_FAULTS): %s", faults)
     if is_main:
         _prepare_output(out_dir, recipe, identity)
     state.wait_for_everyone()
@@ -290,20 +326,22 @@ def run_extraction(recipe: Recipe) -> dict | None:
 
     # 5. The loop.
     writer = ShardWriter(out_dir, rank, recipe.output.max_shard_bytes,
-                         first_shard_number=next_shard_number(committed, rank_name(rank)))
-    async_writer = AsyncShardWriter(writer)
+                         first_shard_number=next_shard_number(committed, rank_name(rank)), faults=faults)
+    async_writer = AsyncShardWriter(writer, nan_policy=recipe.output.nan_policy)
+    runner = None
     loader = torch.utils.data.DataLoader(
         PlannedBatches(data.kept, mine, tokenizer.pad_token_id or 0), batch_size=None, shuffle=False,
         num_workers=recipe.batching.num_workers, pin_memory=device.type == "cuda",
         persistent_workers=False, prefetch_factor=4 if recipe.batching.num_workers else None)
     rank_stats = RankStats()
     progress = _progress(is_main, sum(len(p.sample_indices) for p in mine), world)
-    storage_dtype = DTYPES[recipe.output.dtype]
+    storage_dtype = STORAGE_TORCH_DTYPES[recipe.output.dtype]
     gpu_timer = _GpuTimer() if device.type == "cuda" else None
     t_loop = time.perf_counter()
     try:
         with LayerCapture(model, layer_ids, capture_final=recipe.layers.capture_final,
                           storage_dtype=storage_dtype) as capture:
+            runner = BatchRunner(capture, faults)  # OOM: split and retry, learn per-length batch caps
             t_wait = time.perf_counter()
             for batch in loader:
                 rank_stats.data_wait_seconds += time.perf_counter() - t_wait
@@ -311,12 +349,13 @@ def run_extraction(recipe: Recipe) -> dict | None:
                 tensors = batch.tensors_on(device)
                 if gpu_timer is not None:
                     gpu_timer.start()
-                captured = capture.run(**tensors)
+                out = runner.run(batch, tensors)
                 if gpu_timer is not None:
                     gpu_timer.stop()
-                hs, final, event = _to_host(captured, device)
+                hs, final, nonfinite, event = _to_host(out, device)
                 rank_stats.forward_seconds += time.perf_counter() - t_fwd
-                async_writer.submit(PendingBatch(batch.batch_id, batch.samples, hs, final, event, layer_ids))
+                async_writer.submit(PendingBatch(batch.batch_id, out.samples, hs, final, event, layer_ids,
+                                                 failed=out.failed, nonfinite_B=nonfinite))
                 rank_stats.num_batches += 1
                 rank_stats.num_samples += len(batch.samples)
                 rank_stats.num_real_tokens += batch.num_real_tokens
@@ -328,8 +367,15 @@ def run_extraction(recipe: Recipe) -> dict | None:
                     progress.set_postfix(tok_s=f"{rank_stats.num_real_tokens * world / elapsed:,.0f}", refresh=False)
                 t_wait = time.perf_counter()
         async_writer.close()
-    except BaseException:
-        async_writer.abort()
+    except BaseException as e:
+        try:
+            async_writer.abort()  # drains the queue, drops the open shard (its .tmp)
+        except Exception as abort_error:  # noqa: BLE001 - the original error is the one to report
+            log.error("could not clean up the open shard: %s", abort_error)
+        if e is async_writer.error or isinstance(e, NonFiniteStatesError):
+            message = _stopped_message(out_dir, rank, writer, e)
+            log.error("%s", message, exc_info=e, extra={"console": False})
+            raise ExtractionError(message) from e
         log.exception("extraction failed on rank %d; committed shards are intact, re-run the same command "
                       "to resume", rank)
         raise
@@ -351,6 +397,11 @@ def run_extraction(recipe: Recipe) -> dict | None:
         "bytes_written": writer.bytes_written, "shards_committed": len(writer.committed),
         "decoder_params_run": decoder_params_in(model),
         "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "num_failed": len(async_writer.failed),
+        "failed": dict(sorted(Counter(f["reason"] for f in async_writer.failed).items())),
+        "num_oom": runner.num_ooms if runner is not None else 0,
+        "num_split_batches": runner.num_split_batches if runner is not None else 0,
+        "oom_batch_caps": {str(T): n for T, n in sorted(runner.caps.items())} if runner is not None else {},
     }
     atomic_write_json(out_dir / "index" / f"{rank_name(rank)}.done.json", rank_report)
     log.info("rank %d done: %d samples, %d tokens in %.1fs", rank, rank_stats.num_samples,
@@ -382,10 +433,16 @@ def run_extraction(recipe: Recipe) -> dict | None:
         "num_failed": 0,
         "failed": {},
     }
+    # Failed samples are recorded in the index line of the shard that committed their batch.
+    failed_rows = sorted((f for r in records for f in r.failed), key=lambda f: f["sample_id"])
+    info["num_failed"] = len(failed_rows)
+    info["failed"] = dict(sorted(Counter(f["reason"] for f in failed_rows).items()))
     manifest = build_manifest(records, info)
-    if manifest["num_samples"] != len(lengths):
-        raise RuntimeError(f"committed {manifest['num_samples']} samples but the plan holds {len(lengths)}; "
-                           f"re-run the same command to finish")
+    accounted = {s for r in records for s in r.sample_ids} | {f["sample_id"] for f in failed_rows}
+    if accounted != set(data.kept["sample_id"]):
+        raise ExtractionError(
+            f"{len(lengths)} samples planned, {manifest['num_samples']} committed and {len(failed_rows)} recorded "
+            f"as failed: {len(set(data.kept['sample_id']) - accounted)} missing; re-run the same command to finish")
     real = sum(r["num_real_tokens"] for r in reports)
     padded = sum(r["num_padded_tokens"] for r in reports)
     wall = time.perf_counter() - t_start
@@ -398,8 +455,10 @@ def run_extraction(recipe: Recipe) -> dict | None:
         "num_tokens_this_run": real,
         "num_skipped": info["num_skipped"],
         "skipped": data.skipped_counts,
-        "num_failed": 0,
-        "failed": {},
+        "num_failed": info["num_failed"],
+        "failed": info["failed"],
+        "num_failed_this_run": sum(r.get("num_failed", 0) for r in reports),
+        "num_oom": sum(r.get("num_oom", 0) for r in reports),
         "num_batches": stats["num_batches"],
         "num_shapes_planned": stats["num_shapes"],
         "padding_efficiency": real / padded if padded else None,
@@ -413,15 +472,40 @@ def run_extraction(recipe: Recipe) -> dict | None:
         "ranks": reports,
     }
     manifest["summary"] = {k: summary[k] for k in ("num_batches", "padding_efficiency", "num_ranks")}
-    atomic_write_json(out_dir / SUMMARY_NAME, summary)
-    write_manifest(out_dir, manifest)
-    log.info("done: %d samples, %d tokens written (%d skipped%s), padding efficiency %s, %.1f GB in %d shards, "
-             "%.1fs wall, %.0f tok/s -> %s", summary["num_samples_written"], summary["num_tokens_written"],
+    try:
+        write_skipped(out_dir / FAILED_NAME, failed_rows)
+        atomic_write_json(out_dir / SUMMARY_NAME, summary)
+        write_manifest(out_dir, manifest)
+    except OSError as e:
+        raise ExtractionError(f"writing the manifest failed ({e}); every shard is committed: re-run the same "
+                              f"command (nothing is recomputed) to write it") from e
+    log.info("done: %d samples, %d tokens written (%d skipped%s, %d failed%s), padding efficiency %s, %.1f GB in "
+             "%d shards, %.1fs wall, %.0f tok/s -> %s", summary["num_samples_written"], summary["num_tokens_written"],
              summary["num_skipped"], f" {data.skipped_counts}" if data.skipped_counts else "",
+             summary["num_failed"], f" {summary['failed']}" if summary["failed"] else "",
              f"{summary['padding_efficiency']:.3f}" if summary["padding_efficiency"] else "n/a",
              summary["bytes_total"] / 1e9, summary["num_shards"], wall, summary["tokens_per_second"],
              out_dir / "manifest.json")
     return summary
+
+
+def _stopped_message(out_dir: Path, rank: int, writer: ShardWriter, error: BaseException) -> str:
+    """One paragraph for a run that stopped cleanly: what went wrong, what is committed, how to go on."""
+    if isinstance(error, NonFiniteStatesError):
+        what, fix = str(error), "fix the cause (or set output.nan_policy: fail_sample), then re-run the same command"
+    else:
+        what = f"writing shards failed: {type(error).__name__}: {error}"
+        fix = ("free disk space under the output folder, then re-run the same command"
+               if isinstance(error, OSError) and error.errno == errno.ENOSPC else
+               "fix the cause, then re-run the same command")
+    try:
+        committed = read_committed(out_dir)
+        done = (f"{sum(r.num_samples for r in committed)} samples in {len(committed)} shards are committed and "
+                f"intact ({len(writer.committed)} of those shards by rank {rank} in this run)")
+    except OSError:
+        done = "the shards committed so far are intact"
+    return (f"rank {rank} stopped: {what}. {done}; the shard being written was discarded, nothing partial is "
+            f"visible. To resume: {fix} (committed batches are not redone).")
 
 
 def _progress(is_main: bool, total_samples: int, world: int):
@@ -448,10 +532,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        run_extraction(recipe)
+        summary = run_extraction(recipe)
     except (RecipeError, OutputMismatchError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_RECIPE
+    except ExtractionError as e:
+        print(f"error: {e} (details in {Path(recipe.output.dir) / 'logs'})", file=sys.stderr)
+        return EXIT_STOPPED
+    except OSError as e:
+        if log.handlers:
+            log.error("stopped: %s", e, exc_info=e, extra={"console": False})
+        print(f"error: {type(e).__name__}: {e}. Committed shards are intact; fix the cause and re-run the same "
+              f"command to resume (details in {Path(recipe.output.dir) / 'logs'})", file=sys.stderr)
+        return EXIT_STOPPED
+    limit = recipe.output.max_failed_samples
+    if summary is not None and limit is not None and summary["num_failed"] > limit:
+        print(f"error: {summary['num_failed']} sample(s) failed {summary['failed']}, more than "
+              f"output.max_failed_samples={limit}; they are listed in {Path(recipe.output.dir) / FAILED_NAME} and "
+              f"the output is otherwise complete (set output.max_failed_samples to accept them)", file=sys.stderr)
+        return EXIT_FAILED_SAMPLES
     return 0
 
 

@@ -7,8 +7,8 @@ final-layer capture, samples, tokens, shards, size, skipped and failed counts.
 - the file exists, its size equals the manifest's `num_bytes` and its sha256 the manifest's `sha256`;
 - its tar parses; every sample has `input_ids.npy` (int32 [T]), `loss_mask.npy` (uint8 [T]) and
   `hidden_states.safetensors` whose header lists exactly `hidden_states` [T, k*H] (+ `final_hidden_states`
-  [T, H] when captured) in the manifest's dtype, with data sizes that add up; no sample id appears twice
-  (in a shard or across shards);
+  [T, H] when captured) in the manifest's dtype (fp8_e4m3: F8_E4M3 plus the F32 `*_scales` [T, k] / [T, 1]),
+  with data sizes that add up; no sample id appears twice (in a shard or across shards);
 - every sample also has its `meta.json`;
 - its sample and token counts equal the manifest's, the manifest's totals equal the sums over shards, and
   `num_samples == num_rows - num_skipped - num_failed`.
@@ -30,13 +30,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from .manifest import read_manifest
 from .reader import (MEMBER_INPUT_IDS, MEMBER_LOSS_MASK, MEMBER_META, MEMBER_STATES, REQUIRED_MEMBERS, OutputLayout, ShardInfo,
                      sample_key, shards_of)
 
 MAX_PROBLEMS_PER_SHARD = 20
-SAFETENSORS_DTYPES = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}
+SAFETENSORS_DTYPES = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4),
+                      "fp8_e4m3": ("F8_E4M3", 1)}  # fp8: plus one F32 scale per token and layer
+_TORCH_TO_SAFETENSORS = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
+                         torch.float8_e4m3fn: "F8_E4M3"}
+_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
 
 
 # ---------------------------------------------------------------------------------------------- describe
@@ -48,7 +53,9 @@ def describe(out_dir: str | Path) -> dict:
     H = int(m["hidden_size"])
     bytes_per_value = SAFETENSORS_DTYPES.get(m["dtype"], ("?", 0))[1]
     capture_final = m.get("capture_final", "none")
-    values_per_token = (len(layer_ids) + (1 if capture_final != "none" else 0)) * H
+    num_blocks = len(layer_ids) + (1 if capture_final != "none" else 0)
+    values_per_token = num_blocks * H
+    scale_bytes = 4 * num_blocks if m["dtype"] == "fp8_e4m3" else 0  # one fp32 scale per token and layer
     facts = {
         "output_dir": str(out_dir),
         "format_version": m.get("format_version"),
@@ -61,7 +68,7 @@ def describe(out_dir: str | Path) -> dict:
         "layer_ids_before_layer": [i + 1 for i in layer_ids],
         "capture_final": capture_final,
         "dtype": m["dtype"],
-        "bytes_per_token": values_per_token * bytes_per_value,
+        "bytes_per_token": values_per_token * bytes_per_value + scale_bytes,
         "num_rows": m.get("num_rows"),
         "num_samples": int(m["num_samples"]),
         "num_tokens": int(m["num_tokens"]),
@@ -164,14 +171,13 @@ def _safetensors_header(f, member_size: int) -> tuple[dict, int]:
 def _check_states(header: dict, data_start: int, member_size: int, T: int, layout: OutputLayout) -> str | None:
     """None when a parsed safetensors header matches the layout for a T-token sample, else what is wrong."""
     header = {k: v for k, v in header.items() if k != "__metadata__"}
-    code, item = SAFETENSORS_DTYPES[layout.dtype_name]
-    expected = {"hidden_states": [T, layout.width]}
-    if layout.has_final:
-        expected["final_hidden_states"] = [T, layout.hidden_size]
+    expected = {name: (_TORCH_TO_SAFETENSORS[dtype], list(shape))
+                for name, (dtype, shape) in layout.expected_tensors(T).items()}
     if set(header) != set(expected):
         return f"{MEMBER_STATES} holds {sorted(header)}, expected {sorted(expected)}"
     end = 0
-    for name, shape in expected.items():
+    for name, (code, shape) in expected.items():
+        item = _ITEMSIZE[code]
         h = header[name]
         if h.get("dtype") != code or h.get("shape") != shape:
             return f"{name} is {h.get('dtype')} {h.get('shape')}, expected {code} {shape}"

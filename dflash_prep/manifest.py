@@ -36,6 +36,35 @@ def read_committed(out_dir: str | Path) -> list[ShardRecord]:
     return records
 
 
+def repair_indexes(out_dir: str | Path) -> list[str]:
+    """Cut each rank index back to its last complete line (a crash or a full disk can leave a torn tail).
+
+    Without this a resumed run would append after the torn bytes, and every line it commits would be unreadable
+    (read_committed stops at the first bad line). Main process only, before any rank writes. Returns the files
+    repaired.
+    """
+    repaired = []
+    for index in sorted((Path(out_dir) / INDEX_DIR).glob("rank-*.jsonl")):
+        data = index.read_bytes()
+        good = 0
+        for line in data.splitlines(keepends=True):
+            if not line.endswith(b"\n"):
+                break
+            try:
+                ShardRecord(**json.loads(line))
+            except (json.JSONDecodeError, TypeError, UnicodeDecodeError):
+                if line.strip():
+                    break
+            good += len(line)
+        if good != len(data):
+            with open(index, "r+b") as f:
+                f.truncate(good)
+                f.flush()
+                os.fsync(f.fileno())
+            repaired.append(str(index))
+    return repaired
+
+
 def remove_uncommitted(out_dir: str | Path, committed: list[ShardRecord]) -> list[Path]:
     """Delete `.tmp` files and shard files no index lists (left by a crash). Returns what was removed."""
     out_dir = Path(out_dir)
@@ -72,6 +101,9 @@ def build_manifest(records: list[ShardRecord], info: dict) -> dict:
     if len(sample_ids) != len(set(sample_ids)):
         dupes = sorted({s for s in sample_ids if sample_ids.count(s) > 1})[:5]
         raise AssertionError(f"sample ids committed twice: {dupes}")
+    failed_ids = [f["sample_id"] for r in shards for f in r.failed]
+    if len(failed_ids) != len(set(failed_ids)) or not set(failed_ids).isdisjoint(sample_ids):
+        raise AssertionError("a sample is recorded as failed twice, or as both failed and written")
     return {
         "format_version": FORMAT_VERSION,
         **info,

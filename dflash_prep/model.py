@@ -16,6 +16,8 @@ from .recipe import ModelSection, RecipeError
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Storage dtypes (`output.dtype`): fp8_e4m3 is float8 e4m3 + per-token fp32 scales (dflash_prep/fp8.py).
+STORAGE_TORCH_DTYPES = {**DTYPES, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 def load_tokenizer(section: ModelSection):
@@ -45,6 +47,14 @@ def model_fingerprint(section: ModelSection, config) -> str:
     payload = {"config": config.to_dict(), "weights": section.name_or_path or f"random:{section.init_seed}",
                "dtype": section.dtype}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of the tokenizer's vocabulary size, chat template and backend (vocab, merges, normalizers)."""
+    payload = json.dumps({"vocab": len(tokenizer), "template": getattr(tokenizer, "chat_template", None),
+                          "backend": tokenizer.backend_tokenizer.to_str()
+                          if hasattr(tokenizer, "backend_tokenizer") else None}, sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()
 
 
 def vocab_size_of(config) -> int:

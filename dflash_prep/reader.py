@@ -10,6 +10,11 @@ Guarantees of `ShardDataset`:
   [T, k*H] in the output's storage dtype (`manifest["dtype"]`, bf16 by default; the k captured layers
   concatenated in ascending `layer_ids` order, after-layer 0-based ids), and `final_hidden_states` [T, H] when
   the extraction captured it (`manifest["capture_final"]` != "none"); values are exactly the stored bytes;
+- fp8 outputs (`manifest["dtype"] == "fp8_e4m3"`): by default (`fp8="bfloat16"`) the states come back
+  dequantized to bf16 (e4m3 value x its token's fp32 scale, formed in fp32, then rounded to bf16), with the same
+  keys and shapes as a bf16 output; `fp8="float32"` gives float32; `fp8="raw"` gives the stored tensors:
+  `hidden_states` float8_e4m3fn [T, k*H] + `hidden_states_scales` float32 [T, k] (and `final_hidden_states`
+  [T, H] + `final_hidden_states_scales` [T, 1]); `fp8.dequantize` turns them into values;
 - safetensors members are decoded with `safetensors.torch.load` (bytes) and npy members with
   `np.load(allow_pickle=False)`: no pickle, no code execution; `meta.json` is parsed only with `include_meta`;
 - a shard whose content disagrees with the manifest or the format (missing member, wrong dtype or shape,
@@ -49,6 +54,8 @@ import torch
 from safetensors.torch import load as safetensors_load
 from torch.utils.data import IterableDataset, get_worker_info
 
+from .fp8 import FP8_DTYPE
+from .fp8 import dequantize as fp8_dequantize
 from .manifest import read_manifest
 
 MEMBER_INPUT_IDS = "input_ids.npy"
@@ -57,8 +64,10 @@ MEMBER_STATES = "hidden_states.safetensors"
 MEMBER_META = "meta.json"
 REQUIRED_MEMBERS = (MEMBER_INPUT_IDS, MEMBER_LOSS_MASK, MEMBER_STATES)
 
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+                "fp8_e4m3": FP8_DTYPE}
 SPLIT_MODES = ("auto", "shard", "sample")
+FP8_MODES = ("bfloat16", "float32", "raw")  # what the reader returns for an fp8 output
 
 
 class ShardFormatError(ValueError):
@@ -95,6 +104,22 @@ class OutputLayout:
     @property
     def has_final(self) -> bool:
         return self.capture_final != "none"
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype == FP8_DTYPE
+
+    def expected_tensors(self, T: int) -> dict[str, tuple[torch.dtype, tuple[int, int]]]:
+        """name -> (dtype, shape) of the tensors in a T-token sample's `hidden_states.safetensors`."""
+        k = len(self.layer_ids)
+        out = {"hidden_states": (self.dtype, (T, self.width))}
+        if self.is_fp8:
+            out["hidden_states_scales"] = (torch.float32, (T, k))
+        if self.has_final:
+            out["final_hidden_states"] = (self.dtype, (T, self.hidden_size))
+            if self.is_fp8:
+                out["final_hidden_states_scales"] = (torch.float32, (T, 1))
+        return out
 
     @classmethod
     def from_manifest(cls, manifest: dict) -> "OutputLayout":
@@ -185,12 +210,15 @@ def _npy(shard: Path | str, key: str, name: str, data: bytes, dtype: np.dtype) -
 
 
 def decode_sample(members: dict[str, bytes], key: str, layout: OutputLayout, shard: Path | str = "<shard>",
-                  include_meta: bool = False) -> dict[str, Any]:
+                  include_meta: bool = False, fp8: str = "bfloat16") -> dict[str, Any]:
     """Decode one sample's members (no pickle) and check them against `layout`.
 
     Returns `sample_id`, `input_ids` int64 [T], `loss_mask` int64 [T], `hidden_states` [T, k*H] (storage dtype),
-    `final_hidden_states` [T, H] when the layout has it, and `meta` (dict) with `include_meta`.
+    `final_hidden_states` [T, H] when the layout has it, and `meta` (dict) with `include_meta`. fp8 outputs: see
+    the module docstring (`fp8` = "bfloat16", "float32" or "raw").
     """
+    if fp8 not in FP8_MODES:
+        raise ValueError(f"fp8 must be one of {FP8_MODES}, got {fp8!r}")
     missing = [m for m in REQUIRED_MEMBERS if m not in members]
     if missing:
         raise ShardFormatError(f"{shard}: sample {key!r} lacks member(s) {missing}")
@@ -204,32 +232,33 @@ def decode_sample(members: dict[str, bytes], key: str, layout: OutputLayout, sha
         tensors = safetensors_load(members[MEMBER_STATES])
     except Exception as e:  # safetensors raises its own error types on malformed headers
         raise ShardFormatError(f"{shard}: sample {key!r}: {MEMBER_STATES} cannot be decoded ({e})") from e
-    expected = {"hidden_states": (T, layout.width)}
-    if layout.has_final:
-        expected["final_hidden_states"] = (T, layout.hidden_size)
+    expected = layout.expected_tensors(T)
     if set(tensors) != set(expected):
         raise ShardFormatError(f"{shard}: sample {key!r}: {MEMBER_STATES} holds {sorted(tensors)}, expected "
-                               f"{sorted(expected)} (capture_final={layout.capture_final!r})")
-    for name, shape in expected.items():
+                               f"{sorted(expected)} (capture_final={layout.capture_final!r}, "
+                               f"dtype={layout.dtype_name!r})")
+    for name, (dtype, shape) in expected.items():
         t = tensors[name]
-        if tuple(t.shape) != shape or t.dtype != layout.dtype:
+        if tuple(t.shape) != shape or t.dtype != dtype:
             raise ShardFormatError(f"{shard}: sample {key!r}: {name} is {t.dtype} {list(t.shape)}, expected "
-                                   f"{layout.dtype} {list(shape)}")
+                                   f"{dtype} {list(shape)}")
+    if layout.is_fp8 and fp8 != "raw":
+        dtype = TORCH_DTYPES[fp8]
+        for name in [n for n in expected if not n.endswith("_scales")]:
+            tensors[name] = fp8_dequantize(tensors[name], tensors.pop(f"{name}_scales"), dtype)
     sample: dict[str, Any] = {
         "sample_id": key,
         "input_ids": torch.from_numpy(input_ids_T.astype(np.int64)),
         "loss_mask": torch.from_numpy(loss_mask_T.astype(np.int64)),
-        "hidden_states": tensors["hidden_states"],
     }
-    if layout.has_final:
-        sample["final_hidden_states"] = tensors["final_hidden_states"]
+    sample.update((name, tensors[name]) for name in expected if name in tensors)  # in docs/FORMAT.md order
     if include_meta:
         sample["meta"] = json.loads(members[MEMBER_META]) if MEMBER_META in members else None
     return sample
 
 
 def iter_shard(shard: ShardInfo, layout: OutputLayout, wanted=None, include_meta: bool = False,
-               check_tokens: bool = True) -> Iterator[dict[str, Any]]:
+               check_tokens: bool = True, fp8: str = "bfloat16") -> Iterator[dict[str, Any]]:
     """Decoded samples of one shard (those with `wanted(position)`, all when None), in file order.
 
     At the end of the shard, raises `ShardFormatError` when its sample count (or, when every sample was
@@ -243,7 +272,7 @@ def iter_shard(shard: ShardInfo, layout: OutputLayout, wanted=None, include_meta
         if members is None:
             decoded_all = False
             continue
-        sample = decode_sample(members, key, layout, shard.path, include_meta)
+        sample = decode_sample(members, key, layout, shard.path, include_meta, fp8)
         tokens += sample["input_ids"].shape[0]
         yield sample
     if count != shard.num_samples:
@@ -356,12 +385,16 @@ class ShardDataset(IterableDataset):
         rank, world_size: this process's place among the readers; default: torch.distributed, else 0 of 1.
         split: "auto" (shards when shards >= consumers, else samples), "shard" or "sample".
         include_meta: also yield `meta` (the sample's meta.json).
+        fp8: for an fp8 output, "bfloat16" (default: dequantized to bf16), "float32", or "raw" (e4m3 tensors +
+            their fp32 `*_scales`).
     """
 
     def __init__(self, out_dir: str | Path, *, shuffle: bool = False, seed: int = 0, shuffle_buffer: int = 256,
                  rank: int | None = None, world_size: int | None = None, split: str = "auto",
-                 include_meta: bool = False):
+                 include_meta: bool = False, fp8: str = "bfloat16"):
         super().__init__()
+        if fp8 not in FP8_MODES:
+            raise ValueError(f"fp8 must be one of {FP8_MODES}, got {fp8!r}")
         if split not in SPLIT_MODES:
             raise ValueError(f"split must be one of {SPLIT_MODES}, got {split!r}")
         if shuffle_buffer < 1:
@@ -379,6 +412,7 @@ class ShardDataset(IterableDataset):
         self.world_size = world_size
         self.split = split
         self.include_meta = include_meta
+        self.fp8 = fp8
         self.epoch = 0
 
     # -- facts ---------------------------------------------------------------------------------------------
@@ -422,7 +456,7 @@ class ShardDataset(IterableDataset):
 
     def _iter_plan(self, plan: ConsumerPlan) -> Iterator[dict[str, Any]]:
         for i, shard in enumerate(plan.shards):
-            yield from iter_shard(shard, self.layout, plan.wanted(i), self.include_meta)
+            yield from iter_shard(shard, self.layout, plan.wanted(i), self.include_meta, fp8=self.fp8)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         consumer, num_consumers = self._consumer()
@@ -441,7 +475,8 @@ def has_supervised_pair(loss_mask_T: torch.Tensor) -> bool:
     return bool((m[:-1] & m[1:]).any()) if m.shape[0] >= 2 else False
 
 
-SEQUENCE_KEYS = ("input_ids", "loss_mask", "hidden_states", "final_hidden_states")
+SEQUENCE_KEYS = ("input_ids", "loss_mask", "hidden_states", "final_hidden_states", "hidden_states_scales",
+                 "final_hidden_states_scales")
 
 
 def truncate_sample(sample: dict[str, Any], max_length: int) -> dict[str, Any]:

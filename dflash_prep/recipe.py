@@ -27,7 +27,7 @@ import yaml
 DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny-demo.yaml"
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
-STORAGE_DTYPES = ("bfloat16", "float16", "float32")
+STORAGE_DTYPES = ("bfloat16", "float16", "float32", "fp8_e4m3")
 
 
 class RecipeError(ValueError):
@@ -181,11 +181,18 @@ class OutputSection:
     dir: str = "out"
     """Output folder: shards, manifest, logs, summary."""
     dtype: str = "bfloat16"
-    """Storage dtype of hidden states: bfloat16, float16 or float32."""
+    """Storage dtype of hidden states: bfloat16, float16, float32, or fp8_e4m3 (float8 e4m3 with one fp32 scale
+    per token and layer, about half the bytes of bf16; see dflash_prep/fp8.py and docs/FORMAT.md)."""
     max_shard_bytes: int = 2_000_000_000
     """A shard is closed at the first batch boundary after it reaches this size (bytes or '2GB')."""
     overwrite: bool = False
     """Delete an existing output folder's content first."""
+    nan_policy: Literal["fail_sample", "fatal"] = "fail_sample"
+    """A sample whose captured states hold a NaN or an Inf: `fail_sample` records it as failed (not written,
+    listed in failed.jsonl, counted in the manifest) and goes on; `fatal` stops the run (committed shards stay)."""
+    max_failed_samples: int | None = 0
+    """The run exits with code 3 when more samples than this failed (out of memory alone, non-finite states);
+    the output is complete either way. null: never fail the exit code for failed samples."""
 
     def validate(self, p: str) -> None:
         if not self.dir:
@@ -194,6 +201,8 @@ class OutputSection:
             _fail(f"{p}.dtype", self.dtype, f"expected one of {STORAGE_DTYPES}")
         if self.max_shard_bytes < 1:
             _fail(f"{p}.max_shard_bytes", self.max_shard_bytes, "must be >= 1 byte")
+        if self.max_failed_samples is not None and self.max_failed_samples < 0:
+            _fail(f"{p}.max_failed_samples", self.max_failed_samples, "must be >= 0 (or null for no limit)")
 
 
 @dataclass(frozen=True)

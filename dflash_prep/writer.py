@@ -12,7 +12,11 @@ Guarantees:
 - each sample is one webdataset sample keyed by its `sample_id` with members `input_ids.npy` (int32),
   `loss_mask.npy` (uint8), `hidden_states.safetensors` (`hidden_states` [T, k*H], plus `final_hidden_states`
   [T, H] when captured) and `meta.json`; no pickle anywhere;
-- `AsyncShardWriter` never loses an error: a failure in the thread is raised by the next `submit` or `close`.
+- `AsyncShardWriter` never loses an error: a failure in the thread is raised by the next `submit` or `close`;
+  the shard being written is then dropped (its `.tmp` removed), committed shards and the index stay untouched;
+- failed samples (out of memory alone, non-finite states) are listed, with their reason, in the index line of the
+  shard that commits their batch (`failed`), so they are exactly as durable as the batch's written samples; a
+  batch whose every sample failed still commits (a shard may then hold zero samples).
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ import numpy as np
 import torch
 from safetensors.torch import save as safetensors_save
 
+from .backoff import FAIL_NON_FINITE
 from .collate import SampleInfo
+from .fp8 import unpack_rows as unpack_fp8_rows
 
 SHARDS_DIR = "shards"
 INDEX_DIR = "index"
@@ -56,14 +62,18 @@ class _HashingFile:
         self.f = f
         self.sha256 = hashlib.sha256()
         self.num_bytes = 0
+        self.discarded = False
 
     def write(self, data) -> int:
+        if self.discarded:  # an aborted shard: the tar stream's late flushes (e.g. from __del__) go nowhere
+            return len(data)
         self.sha256.update(data)
         self.num_bytes += len(data)
         return self.f.write(data)
 
     def flush(self) -> None:
-        self.f.flush()
+        if not self.discarded:
+            self.f.flush()
 
 
 def _npy_bytes(array: np.ndarray) -> bytes:
@@ -72,18 +82,40 @@ def _npy_bytes(array: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
+def sample_meta(info: SampleInfo, layer_ids: list[int], batch_id: int) -> dict:
+    """The content of a sample's `meta.json` (also used by `dflash-prep plan` to size the records exactly; `info`
+    needs only `sample_id`, `source_row`, `source_id` and `num_tokens`)."""
+    return {"sample_id": info.sample_id, "source_row": info.source_row, "source_id": info.source_id,
+            "num_tokens": info.num_tokens, "layer_ids": layer_ids, "batch_id": batch_id}
+
+
+def meta_json_bytes(meta: dict) -> bytes:
+    """The bytes of the `meta.json` member."""
+    return json.dumps(meta, sort_keys=True).encode()
+
+
 def encode_sample(info: SampleInfo, hidden_states_TK: torch.Tensor, final_TH: torch.Tensor | None,
                   meta: dict) -> dict[str, bytes | str]:  # __key__ is the only str
-    """One sample's tar members (webdataset naming: `{key}.{member}`)."""
-    tensors = {"hidden_states": hidden_states_TK.contiguous()}
-    if final_TH is not None:
-        tensors["final_hidden_states"] = final_TH.contiguous()
+    """One sample's tar members (webdataset naming: `{key}.{member}`).
+
+    fp8 storage: `hidden_states_TK` / `final_TH` are packed uint8 rows (dflash_prep/fp8.py); they are written as
+    `hidden_states` (float8_e4m3fn [T, k*H]) + `hidden_states_scales` (float32 [T, k]) and `final_hidden_states`
+    (float8_e4m3fn [T, H]) + `final_hidden_states_scales` (float32 [T, 1])."""
+    if hidden_states_TK.dtype == torch.uint8:
+        q, scales = unpack_fp8_rows(hidden_states_TK, len(meta["layer_ids"]))
+        tensors = {"hidden_states": q, "hidden_states_scales": scales}
+        if final_TH is not None:
+            tensors["final_hidden_states"], tensors["final_hidden_states_scales"] = unpack_fp8_rows(final_TH, 1)
+    else:
+        tensors = {"hidden_states": hidden_states_TK.contiguous()}
+        if final_TH is not None:
+            tensors["final_hidden_states"] = final_TH.contiguous()
     return {
         "__key__": info.sample_id,
         "input_ids.npy": _npy_bytes(info.input_ids.astype(np.int32, copy=False)),
         "loss_mask.npy": _npy_bytes(info.loss_mask.astype(np.uint8, copy=False)),
         "hidden_states.safetensors": safetensors_save(tensors),
-        "meta.json": json.dumps(meta, sort_keys=True).encode(),
+        "meta.json": meta_json_bytes(meta),
     }
 
 
@@ -98,17 +130,19 @@ class ShardRecord:
     sha256: str
     batch_ids: list[int] = field(default_factory=list)
     sample_ids: list[str] = field(default_factory=list)
+    failed: list[dict] = field(default_factory=list)  # [{sample_id, source_row, source_id, batch_id, reason}]
 
     def to_json(self) -> dict:
         return dict(path=self.path, num_samples=self.num_samples, num_tokens=self.num_tokens,
                     num_bytes=self.num_bytes, sha256=self.sha256, batch_ids=self.batch_ids,
-                    sample_ids=self.sample_ids)
+                    sample_ids=self.sample_ids, failed=self.failed)
 
 
 class ShardWriter:
     """Synchronous per-rank writer; `write_batch` appends whole batches, `close` commits the last shard."""
 
-    def __init__(self, out_dir: str | Path, rank: int, max_shard_bytes: int, first_shard_number: int = 0):
+    def __init__(self, out_dir: str | Path, rank: int, max_shard_bytes: int, first_shard_number: int = 0,
+                 faults=None):
         import webdataset as wds
 
         self._wds = wds
@@ -124,6 +158,7 @@ class ShardWriter:
         self.bytes_written = 0
         self.write_seconds = 0.0
         self._open = None  # (final_path, file, hashing, tarwriter, record)
+        self.faults = faults  # test-only fault injection (faults.py); None in real runs
 
     def _start_shard(self) -> None:
         final = self.shard_dir / f"shard-{self.next_number:06d}.tar"
@@ -135,19 +170,23 @@ class ShardWriter:
         rel = str(final.relative_to(self.out_dir))
         self._open = (final, f, hashing, tar, ShardRecord(rel, 0, 0, 0, ""))
 
-    def write_batch(self, batch_id: int, encoded: list[tuple[dict, int]]) -> None:
-        """Append one batch of encoded samples [(members, num_tokens)]; roll the shard after it if full."""
+    def write_batch(self, batch_id: int, encoded: list[tuple[dict, int]], failed: list[dict] | None = None) -> None:
+        """Append one batch of encoded samples [(members, num_tokens)] and the failure records of its failed
+        samples; roll the shard after it if full."""
         t0 = time.perf_counter()
         if self._open is None:
             self._start_shard()
-        _, _, hashing, tar, record = self._open
+        final, _, hashing, tar, record = self._open
         before = hashing.num_bytes
         for members, num_tokens in encoded:
             tar.write(members)
+            if self.faults is not None:
+                self.faults.on_shard_write(self.rank, _shard_number(final), final.with_name(final.name + ".tmp"))
             record.num_samples += 1
             record.num_tokens += num_tokens
             record.sample_ids.append(members["__key__"])
         record.batch_ids.append(batch_id)
+        record.failed.extend(failed or [])
         self.bytes_written += hashing.num_bytes - before
         if hashing.num_bytes >= self.max_shard_bytes:
             self._commit()
@@ -155,7 +194,8 @@ class ShardWriter:
 
     def _commit(self) -> None:
         final, f, hashing, tar, record = self._open
-        self._open = None
+        # `_open` stays set until the rename: if anything before it fails (ENOSPC on the last blocks or the
+        # fsync), `abort` still finds the shard and removes its .tmp.
         before = hashing.num_bytes
         tar.close()  # writes the tar end-of-archive blocks through `hashing`
         self.bytes_written += hashing.num_bytes - before
@@ -165,18 +205,32 @@ class ShardWriter:
         record.num_bytes = hashing.num_bytes
         record.sha256 = hashing.sha256.hexdigest()
         os.replace(final.with_name(final.name + ".tmp"), final)
+        self._open = None
         fsync_dir(final.parent)
-        with open(self.index_path, "a") as idx:
-            idx.write(json.dumps(record.to_json()) + "\n")
-            idx.flush()
-            os.fsync(idx.fileno())
+        if self.faults is not None:
+            self.faults.after_rename(_shard_number(final))
+        index_size = self.index_path.stat().st_size if self.index_path.exists() else 0
+        try:
+            with open(self.index_path, "a") as idx:
+                idx.write(json.dumps(record.to_json()) + "\n")
+                idx.flush()
+                os.fsync(idx.fileno())
+        except BaseException:
+            # Not committed: take back a partly appended line and the renamed shard (best effort; a resume
+            # would remove the unlisted shard and ignore a torn line anyway).
+            try:
+                os.truncate(self.index_path, index_size)
+                final.unlink(missing_ok=True)
+            except OSError:
+                pass
+            raise
         self.committed.append(record)
 
     def close(self) -> None:
         """Commit the open shard (if it holds anything)."""
         t0 = time.perf_counter()
         if self._open is not None:
-            if self._open[4].num_samples:
+            if self._open[4].num_samples or self._open[4].batch_ids:  # batches whose samples all failed commit too
                 self._commit()
             else:
                 final, f, _, tar, _ = self._open
@@ -188,17 +242,27 @@ class ShardWriter:
     def abort(self) -> None:
         """Drop the open shard without committing it (its batches will be redone on resume)."""
         if self._open is not None:
-            final, f, _, _, _ = self._open
+            final, f, hashing, _, _ = self._open
             self._open = None
+            hashing.discarded = True
             try:
                 f.close()
             finally:
                 final.with_name(final.name + ".tmp").unlink(missing_ok=True)
 
 
+def _shard_number(final: Path) -> int:
+    return int(final.stem.split("-")[1])
+
+
 @dataclass
 class PendingBatch:
-    """A batch whose states are (being) copied to host memory; `ready` is a CUDA event or None on CPU."""
+    """A batch whose states are (being) copied to host memory; `ready` is a CUDA event or None on CPU.
+
+    `samples` are those whose states are in the buffers (batch order); `failed` the batch's samples that failed in
+    the forward, with their reason; `nonfinite_B` (host, [len(samples)] bool, valid once `ready`) marks samples
+    whose states hold a NaN or an Inf: they are not written but recorded as failed (or stop the run).
+    """
 
     batch_id: int
     samples: list[SampleInfo]
@@ -206,17 +270,42 @@ class PendingBatch:
     final_NH: torch.Tensor | None
     ready: object | None
     layer_ids: list[int]
+    failed: list[tuple[SampleInfo, str]] = field(default_factory=list)
+    nonfinite_B: torch.Tensor | None = None
+
+
+class NonFiniteStatesError(RuntimeError):
+    """Captured states hold a NaN or an Inf and `output.nan_policy` is `fatal`."""
+
+
+def _nonfinite_flags(pending: PendingBatch) -> list[bool]:
+    if pending.nonfinite_B is None:
+        return [False] * len(pending.samples)
+    return [bool(x) for x in pending.nonfinite_B.tolist()]
+
+
+def failure_records(pending: PendingBatch) -> list[dict]:
+    """The batch's failed samples as index records (forward failures, then non-finite states), batch order."""
+    if pending.ready is not None:
+        pending.ready.synchronize()
+    failed = list(pending.failed) + [(info, FAIL_NON_FINITE) for info, bad in
+                                     zip(pending.samples, _nonfinite_flags(pending)) if bad]
+    return [{"sample_id": info.sample_id, "source_row": info.source_row, "source_id": info.source_id,
+             "batch_id": pending.batch_id, "reason": reason} for info, reason in failed]
 
 
 def encode_batch(pending: PendingBatch) -> list[tuple[dict, int]]:
-    """Split a packed host buffer into per-sample records (views: no copy until serialization)."""
+    """Split a packed host buffer into per-sample records (views: no copy until serialization); samples with
+    non-finite states are left out (see `failure_records`)."""
     if pending.ready is not None:
         pending.ready.synchronize()
     out, start = [], 0
-    for info in pending.samples:
+    for info, bad in zip(pending.samples, _nonfinite_flags(pending)):
         n = info.num_tokens
-        meta = {"sample_id": info.sample_id, "source_row": info.source_row, "source_id": info.source_id,
-                "num_tokens": n, "layer_ids": pending.layer_ids, "batch_id": pending.batch_id}
+        if bad:
+            start += n
+            continue
+        meta = sample_meta(info, pending.layer_ids, pending.batch_id)
         final = pending.final_NH[start:start + n] if pending.final_NH is not None else None
         out.append((encode_sample(info, pending.hidden_states_NK[start:start + n], final, meta), n))
         start += n
@@ -232,8 +321,10 @@ class AsyncShardWriter:
     `submit` blocks only when `max_pending_batches` batches are already waiting (bounded host memory).
     """
 
-    def __init__(self, writer: ShardWriter, max_pending_batches: int = 2):
+    def __init__(self, writer: ShardWriter, max_pending_batches: int = 2, nan_policy: str = "fail_sample"):
         self.writer = writer
+        self.nan_policy = nan_policy
+        self.failed: list[dict] = []  # failure records of the batches written by this run
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending_batches)
         self._error: BaseException | None = None
         self.wait_seconds = 0.0  # time the producer spent blocked on a full queue
@@ -248,9 +339,21 @@ class AsyncShardWriter:
             if self._error is not None:
                 continue  # drain: after an error nothing more is written
             try:
-                self.writer.write_batch(item.batch_id, encode_batch(item))
+                failed = failure_records(item)
+                nonfinite = [f for f in failed if f["reason"] == FAIL_NON_FINITE]
+                if nonfinite and self.nan_policy == "fatal":
+                    raise NonFiniteStatesError(
+                        f"non-finite (NaN/Inf) hidden states in sample(s) {[f['sample_id'] for f in nonfinite]} "
+                        f"of batch {item.batch_id} (output.nan_policy: fatal)")
+                self.writer.write_batch(item.batch_id, encode_batch(item), failed)
+                self.failed.extend(failed)
             except BaseException as e:  # noqa: BLE001 - handed to the producer thread
                 self._error = e
+
+    @property
+    def error(self) -> BaseException | None:
+        """The error that stopped the writer thread, if any."""
+        return self._error
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -269,7 +372,11 @@ class AsyncShardWriter:
         if self._error is not None:
             self.writer.abort()
             raise self._error
-        self.writer.close()
+        try:
+            self.writer.close()
+        except BaseException as e:
+            self._error = e  # a write error of the last commit is reported like one of the thread
+            raise
 
     def abort(self) -> None:
         self._queue.put(None)

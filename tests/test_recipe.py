@@ -69,6 +69,10 @@ def test_set_overrides_any_key_with_yaml_values(tmp_path):
     ("model.dtype=float64", "model.dtype"),
     ("batching.max_tokens=5", "batching.max_tokens"),  # unknown key
     ("outputs.dir=x", "outputs"),  # unknown section
+    ("data.format=csv", "data.format"),  # unknown data format
+    ("batching.max_batch_size=-1", "batching.max_batch_size"),
+    ("output.nan_policy=ignore", "output.nan_policy"),
+    ("output.max_failed_samples=-1", "output.max_failed_samples"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(RecipeError) as e:
@@ -92,3 +96,26 @@ def test_fingerprint_ignores_where_and_how_but_not_what():
     assert a.fingerprint() == load_recipe(None, ["output.dir=/elsewhere", "batching.max_batch_size=3"]).fingerprint()
     assert a.fingerprint() != load_recipe(None, ["output.dtype=float32"]).fingerprint()
     assert a.fingerprint() != load_recipe(None, ["data.max_length=512"]).fingerprint()
+
+
+@pytest.mark.parametrize("override, key, fix", [
+    ("layers.ids=[1, 40]", "layers.ids", "after-layer ids are 0..7"),  # out of range: needs the model config
+    ("data.path=/nonexistent/chat.jsonl", "data.path", "no such file or folder"),
+    ("data.path=nonexistent/chat.jsonl", "data.path", "no such file or folder"),  # not taken for a hub id
+    ("model.config=/nonexistent/config.json", "model.config", "cannot load a model config"),
+    ("model.tokenizer=/nonexistent/tokenizer", "model.tokenizer", "cannot load a tokenizer"),
+])
+def test_bad_recipe_fails_before_the_model_loads_naming_the_key(tmp_path, capsys, override, key, fix):
+    """Errors that need the model config or the file system come from `run_extraction`, still before any
+    weights load and before anything is written to the output (so the corrected command can use it)."""
+    from dflash_prep.extract import EXIT_BAD_RECIPE, main
+
+    out = tmp_path / "out"
+    extra = ["layers.preset=explicit"] if key == "layers.ids" else []
+    argv = [a for kv in [f"output.dir={out}", "data.max_samples=8", *extra, override] for a in ("--set", kv)]
+    assert main(argv) == EXIT_BAD_RECIPE
+    err = capsys.readouterr().err
+    assert f"error: recipe key `{key}`" in err and fix in err
+    log = (out / "logs" / "rank-00000.log").read_text()
+    assert "model loaded" not in log and "data:" not in log  # nothing loaded, nothing tokenized
+    assert sorted(p.name for p in out.iterdir()) == ["logs"]  # no run_state.json to block the fixed command

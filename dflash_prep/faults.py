@@ -1,0 +1,91 @@
+"""Test-only fault injection: make the failures a real run meets (OOM, NaN, a full disk, a crash) on demand.
+
+Set the environment variable `DFLASH_PREP_FAULTS` to a JSON object; `run_extraction` reads it once at its start.
+Unset (the normal case), `Faults.from_env()` returns None and no code path pays for it. Keys (all optional):
+
+    oom_batches            [batch_id, ...]   the first forward of each listed batch raises a CUDA OOM (its
+                                             halves then run; later batches of its padded length are pre-split)
+    oom_samples            [sample_id, ...]  every forward holding a listed sample raises a CUDA OOM, so the
+                                             sample fails alone (recorded as failed `out_of_memory`)
+    nan_samples            [sample_id, ...]  a NaN is written into the captured states of each listed sample
+    enospc_shard           N                 writing into shard number N raises OSError(ENOSPC) after part of
+                                             the shard is on disk
+    enospc_rank            R                 only on rank R (default: every rank)
+    exit_after_rename_shard N                the process dies (os._exit(137)) right after shard N is renamed into
+                                             place and before its index line is written: the narrowest crash
+                                             window of a commit
+
+Example: DFLASH_PREP_FAULTS='{"oom_batches": [3, 5], "nan_samples": ["0000000012"], "enospc_shard": 1}'.
+It is a test hook: it never mocks the model; the forward, the writer and the commit all run for real.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from dataclasses import dataclass, field
+
+ENV_VAR = "DFLASH_PREP_FAULTS"
+KNOWN_KEYS = ("oom_batches", "oom_samples", "nan_samples", "enospc_shard", "enospc_rank", "exit_after_rename_shard")
+
+
+@dataclass
+class Faults:
+    oom_batches: set[int] = field(default_factory=set)
+    oom_samples: set[str] = field(default_factory=set)
+    nan_samples: set[str] = field(default_factory=set)
+    enospc_shard: int | None = None
+    enospc_rank: int | None = None
+    exit_after_rename_shard: int | None = None
+    _oom_fired: set[int] = field(default_factory=set)
+
+    @classmethod
+    def from_env(cls) -> "Faults | None":
+        text = os.environ.get(ENV_VAR)
+        if not text:
+            return None
+        spec = json.loads(text)
+        if not isinstance(spec, dict) or set(spec) - set(KNOWN_KEYS):
+            raise ValueError(f"{ENV_VAR}: expected a JSON object with keys among {KNOWN_KEYS}, got {text!r}")
+        return cls(oom_batches={int(b) for b in spec.get("oom_batches", [])},
+                   oom_samples={str(s) for s in spec.get("oom_samples", [])},
+                   nan_samples={str(s) for s in spec.get("nan_samples", [])},
+                   enospc_shard=spec.get("enospc_shard"), enospc_rank=spec.get("enospc_rank"),
+                   exit_after_rename_shard=spec.get("exit_after_rename_shard"))
+
+    # -- forward -------------------------------------------------------------------------------------------
+    def before_forward(self, batch_id: int, sample_ids: list[str]) -> None:
+        """Raise an injected OOM where the spec asks for one."""
+        import torch
+
+        if batch_id in self.oom_batches and batch_id not in self._oom_fired:
+            self._oom_fired.add(batch_id)
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected by {ENV_VAR} on batch {batch_id})")
+        hit = self.oom_samples.intersection(sample_ids)
+        if hit:
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected by {ENV_VAR} for {sorted(hit)})")
+
+    def poison(self, hidden_states_NK, sample_ids: list[str], lengths: list[int]) -> None:
+        """Write a NaN into the first captured value of each listed sample (in place); in a packed fp8 buffer
+        (uint8 rows), into the last scale of the sample's first row."""
+        import torch
+
+        start = 0
+        for sid, n in zip(sample_ids, lengths):
+            if sid in self.nan_samples:
+                if hidden_states_NK.dtype == torch.uint8:
+                    nan = torch.tensor([float("nan")], dtype=torch.float32).view(torch.uint8)
+                    hidden_states_NK[start, -4:] = nan.to(hidden_states_NK.device)
+                else:
+                    hidden_states_NK[start, 0] = float("nan")
+            start += n
+
+    # -- writer --------------------------------------------------------------------------------------------
+    def on_shard_write(self, rank: int, shard_number: int, tmp_path) -> None:
+        if self.enospc_shard == shard_number and self.enospc_rank in (None, rank):
+            raise OSError(errno.ENOSPC, f"No space left on device (injected by {ENV_VAR})", str(tmp_path))
+
+    def after_rename(self, shard_number: int) -> None:
+        if self.exit_after_rename_shard == shard_number:
+            os._exit(137)

@@ -1,0 +1,469 @@
+"""`dflash-prep plan --recipe R`: what a recipe will cost, before any GPU time is spent.
+
+Loads the model config and the tokenizer (never the weights), tokenizes the data exactly as the extraction does
+(same `datasets.map` cache, so a second call is fast), and reports: rows kept and skipped by reason, tokens, the
+batch plan (batches, distinct shapes, padding efficiency), a length histogram, bytes on disk in every storage
+dtype, and the expected wall time for a tokens/s figure and a number of GPUs.
+
+Guarantees (tests/test_plan.py checks them against real extractions):
+- the figures come from the functions the extraction itself calls: `recipe.load_recipe`, `model.load_config` /
+  `load_tokenizer`, `layers.resolve_layer_ids`, `data.load_rows` / `tokenize_dataset`, `extract.make_plan`,
+  `planner.plan_stats` / `split_across_ranks`; so samples, tokens, batches, shapes and padding efficiency are the
+  run's own, not estimates;
+- bytes on disk are computed member by member from the writer's own encoders (`writer._npy_bytes`,
+  `writer.sample_meta` / `meta_json_bytes`), the safetensors header layout (sizes checked against the
+  library in the tests), the tar header size measured by writing one probe sample through `writer.ShardWriter`,
+  and the writer's shard-roll rule replayed on each rank's batches (tar stream buffering and end-of-archive
+  padding included): they equal the extraction's `num_bytes` for a run with the same number of processes;
+- wall time = (real tokens of the busiest rank) / (tokens/s per GPU), + first-seen-shape warm-up when the
+  benchmark measured it for this very model. The tokens/s default is the warm dflash-prep figure of the newest
+  complete benchmark report in `bench/results/*.json` (the file `bench/RESULTS.md` is written from: `modes.
+  dflash_prep_warm.tokens_per_second`; 6,609 for the Qwen3.6-27B shape, 15,486 for the Llama-3.1-8B shape),
+  picked by model (same model_type, hidden size and depth), else the benchmarked model nearest in decoder
+  parameters (within 4x), scaled by the ratio of decoder parameters run per token (FLOPs per token = 2 x those
+  parameters; parameters counted on a meta-device model: no memory, no weights); `--tokens-per-second`
+  overrides it. No default when no benchmark is near: the plan says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import functools
+import json
+import math
+import sys
+import tarfile
+import tempfile
+import time
+from collections import namedtuple
+from pathlib import Path
+
+import numpy as np
+
+from .recipe import STORAGE_DTYPES, Recipe, RecipeError
+
+BENCH_RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
+BENCH_MODE = "dflash_prep_warm"
+BENCH_MAX_PARAM_RATIO = 4.0
+
+# safetensors: dtype code and item size per storage dtype; tensors are laid out by dtype (descending in the
+# library's Dtype enum order) then name; header = JSON padded with spaces to a multiple of 8, after an 8-byte length.
+_ST_CODE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "fp8_e4m3": "F8_E4M3"}
+_ST_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
+_ST_ORDER = {"F8_E4M3": 7, "F16": 11, "BF16": 12, "F32": 15}
+
+_MetaInfo = namedtuple("_MetaInfo", "sample_id source_row source_id num_tokens")
+
+
+# ------------------------------------------------------------------------------------------- record bytes
+def safetensors_num_bytes(tensors: list[tuple[str, str, tuple[int, ...]]]) -> int:
+    """Size of `safetensors.torch.save` of tensors given as (name, dtype code, shape), without the data."""
+    ordered = sorted(tensors, key=lambda t: (-_ST_ORDER[t[1]], t[0]))
+    offset, entries = 0, []
+    for name, code, shape in ordered:
+        n = math.prod(shape) * _ST_ITEMSIZE[code]
+        entries.append(f'"{name}":{{"dtype":"{code}","shape":[{",".join(str(d) for d in shape)}],'
+                       f'"data_offsets":[{offset},{offset + n}]}}')
+        offset += n
+    header = len("{" + ",".join(entries) + "}")
+    return 8 + header + (-header) % 8 + offset
+
+
+def states_tensors(T: int, k: int, H: int, dtype: str, has_final: bool) -> list[tuple[str, str, tuple[int, ...]]]:
+    """The tensors of a T-token sample's `hidden_states.safetensors` (docs/FORMAT.md)."""
+    code = _ST_CODE[dtype]
+    out = [("hidden_states", code, (T, k * H))]
+    if dtype == "fp8_e4m3":
+        out.append(("hidden_states_scales", "F32", (T, k)))
+    if has_final:
+        out.append(("final_hidden_states", code, (T, H)))
+        if dtype == "fp8_e4m3":
+            out.append(("final_hidden_states_scales", "F32", (T, 1)))
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def tar_member_overhead() -> dict[str, int]:
+    """Tar header bytes the shard writer puts before each member's data, by member suffix.
+
+    Measured, not assumed: one probe sample is written through `ShardWriter` into a temporary folder and its
+    tar is parsed (webdataset's TarWriter writes a PAX header for every member, for instance)."""
+    import torch
+
+    from .collate import SampleInfo
+    from .writer import ShardWriter, encode_sample, sample_meta
+
+    with tempfile.TemporaryDirectory(prefix="dflash-prep-probe-") as tmp:
+        writer = ShardWriter(tmp, 0, max_shard_bytes=1 << 62)
+        info = SampleInfo("0" * 10, 0, None, np.zeros(2, np.int32), np.ones(2, np.uint8))
+        writer.write_batch(0, [(encode_sample(info, torch.zeros(2, 1), None, sample_meta(info, [0], 0)), 2)])
+        writer.close()
+        path = Path(tmp) / writer.committed[0].path
+        out = {}
+        with tarfile.open(path, "r:") as tar:
+            for m in tar:
+                out[m.name.split(".", 1)[1]] = m.offset_data - m.offset
+    return out
+
+
+def _padded(n: int) -> int:
+    return -(-n // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+
+
+class RecordSizer:
+    """Bytes one sample adds to a shard, exactly as the writer encodes it, per storage dtype."""
+
+    def __init__(self, layer_ids: list[int], hidden_size: int, capture_final: str):
+        self.layer_ids = list(layer_ids)
+        self.k = len(layer_ids)
+        self.H = hidden_size
+        self.has_final = capture_final != "none"
+        self.header = tar_member_overhead()
+
+    @functools.lru_cache(maxsize=None)  # noqa: B019 - one sizer per plan; T takes a few thousand values
+    def _fixed(self, T: int, dtype: str) -> int:
+        from .writer import _npy_bytes
+
+        sizes = {"input_ids.npy": len(_npy_bytes(np.zeros(T, np.int32))),
+                 "loss_mask.npy": len(_npy_bytes(np.zeros(T, np.uint8))),
+                 "hidden_states.safetensors": safetensors_num_bytes(
+                     states_tensors(T, self.k, self.H, dtype, self.has_final))}
+        return sum(self.header[m] + _padded(n) for m, n in sizes.items())
+
+    def record_bytes(self, T: int, meta_len: int, dtype: str) -> int:
+        return self._fixed(T, dtype) + self.header["meta.json"] + _padded(meta_len)
+
+    def states_bytes_per_token(self, dtype: str) -> float:
+        """Bytes of hidden states per token (data only: no headers)."""
+        blocks = self.k + (1 if self.has_final else 0)
+        item = _ST_ITEMSIZE[_ST_CODE[dtype]]
+        return blocks * self.H * item + (4 * blocks if dtype == "fp8_e4m3" else 0)
+
+
+def shard_sizes(record_bytes_in_order: list[list[int]], max_shard_bytes: int) -> list[int]:
+    """Shard files one rank writes, given its batches (in the order it runs them) as lists of record sizes.
+
+    Replays `ShardWriter`: a shard is closed after the first batch whose end brings the bytes already written to
+    the file to `max_shard_bytes` or more; the tar stream (`w|`) passes bytes on in blocks of RECORDSIZE and
+    holds back the last partial one, and closing adds two zero blocks and pads to a multiple of RECORDSIZE."""
+    rec = tarfile.RECORDSIZE
+    sizes, content = [], 0
+    for batch in record_bytes_in_order:
+        content += sum(batch)
+        flushed = rec * max(0, -(-content // rec) - 1)
+        if flushed >= max_shard_bytes:
+            sizes.append(-(-(content + 2 * tarfile.BLOCKSIZE) // rec) * rec)
+            content = 0
+    if content:
+        sizes.append(-(-(content + 2 * tarfile.BLOCKSIZE) // rec) * rec)
+    return sizes
+
+
+# ------------------------------------------------------------------------------------------ throughput
+def bench_references(results_dir: Path = BENCH_RESULTS_DIR) -> list[dict]:
+    """The warm dflash-prep figure of the newest complete benchmark report per (model, compute dtype)."""
+    best: dict[tuple, dict] = {}
+    for path in sorted(Path(results_dir).glob("*.json")):
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if not isinstance(report, dict) or report.get("report_version") != 1 or not report.get("complete"):
+            continue
+        mode = (report.get("modes") or {}).get(BENCH_MODE) or {}
+        info = report.get("model_info") or {}
+        if mode.get("status") != "ok" or not mode.get("tokens_per_second") or not info.get("decoder_params_needed"):
+            continue
+        cold = (report.get("modes") or {}).get("dflash_prep") or {}
+        ref = {
+            "model": report.get("model"), "file": str(path), "timestamp": str(report.get("timestamp", "")),
+            "mode": BENCH_MODE, "tokens_per_second": float(mode["tokens_per_second"]),
+            "compute_dtype": (report.get("settings") or {}).get("dtype"),
+            "gpu": (report.get("environment") or {}).get("gpu"),
+            "model_type": info.get("model_type"), "hidden_size": info.get("hidden_size"),
+            "num_hidden_layers": info.get("num_hidden_layers"),
+            "decoder_params_needed": int(info["decoder_params_needed"]),
+            "padding_efficiency": mode.get("padding_efficiency"),
+            "seconds_per_new_shape": (cold["first_shape_seconds"] / cold["first_shape_batches"]
+                                      if cold.get("status") == "ok" and cold.get("first_shape_batches") else None),
+        }
+        key = (ref["model"], ref["compute_dtype"])
+        if key not in best or ref["timestamp"] > best[key]["timestamp"]:
+            best[key] = ref
+    return sorted(best.values(), key=lambda r: (r["model"] or "", r["compute_dtype"] or ""))
+
+
+def decoder_params_run(recipe: Recipe, config, last_needed_layer: int) -> int | None:
+    """Parameters of the decoder layers the extraction runs, counted on a meta-device model (no memory); None
+    when the architecture cannot be built that way (then only a benchmark of the same model gives a figure)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .model import decoder_params_in, drop_layers_after
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
+        kept = drop_layers_after(model, last_needed_layer)
+        return decoder_params_in(model, kept)
+    except Exception:  # noqa: BLE001 - remote code or an unusual class: the plan goes on without the count
+        return None
+
+
+def choose_reference(refs: list[dict], config, params: int | None, compute_dtype: str) -> tuple[dict | None, str]:
+    """(reference, why): the benchmark of this very model if any, else the nearest in decoder parameters."""
+    from .layers import num_decoder_layers
+    from .model import hidden_size_of
+
+    if not refs:
+        return None, "no benchmark report found"
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    same = [r for r in refs if r["model_type"] == getattr(text, "model_type", None)
+            and r["hidden_size"] == hidden_size_of(config) and r["num_hidden_layers"] == num_decoder_layers(config)]
+    if params is None and not same:
+        return None, "the model's decoder parameters could not be counted and no benchmark is of this model"
+    pool = same or refs
+    pool = sorted(pool, key=lambda r: (r["compute_dtype"] != compute_dtype,
+                                       abs(math.log(r["decoder_params_needed"] / max(params or 1, 1)))))
+    ref = pool[0]
+    ratio = ref["decoder_params_needed"] / max(params or 1, 1)
+    if not same and not 1 / BENCH_MAX_PARAM_RATIO <= ratio <= BENCH_MAX_PARAM_RATIO:
+        return None, (f"no benchmark within {BENCH_MAX_PARAM_RATIO:g}x of this model's {params / 1e9:.3g}B decoder "
+                      f"parameters (nearest: {ref['model']}, {ref['decoder_params_needed'] / 1e9:.3g}B)")
+    return ref, "same model" if same else "nearest benchmarked model"
+
+
+# ------------------------------------------------------------------------------------------ histogram
+def length_histogram(lengths: list[int], max_length: int, width: int = 40) -> str:
+    """A text histogram of sample lengths in power-of-two bins: samples (bar) and share of tokens."""
+    if not lengths:
+        return "length histogram: no samples"
+    lengths_sorted = sorted(lengths)
+    total_tokens = sum(lengths)
+    lo = 1 << (lengths_sorted[0].bit_length() - 1)
+    edges = [lo]
+    while edges[-1] <= lengths_sorted[-1]:
+        edges.append(edges[-1] * 2)
+    counts = [bisect.bisect_left(lengths_sorted, b) - bisect.bisect_left(lengths_sorted, a)
+              for a, b in zip(edges, edges[1:])]
+    cum = np.concatenate([[0], np.cumsum(lengths_sorted)])
+    tokens = [int(cum[bisect.bisect_left(lengths_sorted, b)] - cum[bisect.bisect_left(lengths_sorted, a)])
+              for a, b in zip(edges, edges[1:])]
+    peak = max(counts)
+    label_w = len(f"{edges[-2]}-{edges[-1] - 1}")
+    lines = [f"{'tokens':>{label_w}}  {'samples':<{width}} {'count':>8} {'%samp':>6} {'%tok':>6}"]
+    for a, b, n, t in zip(edges, edges[1:], counts, tokens):
+        bar = "#" * (math.ceil(n / peak * width) if n else 0)
+        lines.append(f"{f'{a}-{b - 1}':>{label_w}}  {bar:<{width}} {n:>8,} {100 * n / len(lengths):>5.1f}% "
+                     f"{100 * t / total_tokens:>5.1f}%")
+
+    def pct(p: float) -> int:
+        return lengths_sorted[min(len(lengths_sorted) - 1, int(p / 100 * len(lengths_sorted)))]
+
+    top = lengths_sorted[-max(1, len(lengths_sorted) // 100):]
+    at_max = len(lengths_sorted) - bisect.bisect_left(lengths_sorted, max_length)
+    lines.append(f"p50 {pct(50):,}, p90 {pct(90):,}, p99 {pct(99):,}, max {lengths_sorted[-1]:,} tokens; "
+                 f"the longest 1% of samples hold {100 * sum(top) / total_tokens:.1f}% of the tokens"
+                 + (f"; {at_max:,} at data.max_length={max_length:,} (truncated, or exactly that long)"
+                    if at_max else ""))
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------- plan
+def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | None = None,
+                  bench_dir: Path | None = BENCH_RESULTS_DIR) -> dict:
+    """Every figure of `dflash-prep plan` as a dict (see the module docstring)."""
+    from .data import load_rows, tokenize_dataset
+    from .extract import make_plan
+    from .layers import num_decoder_layers, resolve_layer_ids
+    from .model import describe_source, hidden_size_of, load_config, load_tokenizer, vocab_size_of
+    from .planner import plan_stats, split_across_ranks
+    from .writer import meta_json_bytes, sample_meta
+
+    if num_gpus < 1:
+        raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
+    if tokens_per_second is not None and not tokens_per_second > 0:
+        raise ValueError(f"tokens_per_second must be > 0, got {tokens_per_second}")
+    t0 = time.perf_counter()
+    config = load_config(recipe.model)
+    num_layers = num_decoder_layers(config)
+    layer_ids = resolve_layer_ids(recipe.layers, num_layers)
+    hidden_size = hidden_size_of(config)
+    tokenizer = load_tokenizer(recipe.model)
+    t_tok = time.perf_counter()
+    data = tokenize_dataset(load_rows(recipe.data), tokenizer, recipe.data, vocab_size_of(config))
+    tokenize_seconds = time.perf_counter() - t_tok
+    cols = data.kept.select_columns(["sample_id", "source_row", "source_id", "num_tokens"]).to_dict()
+    lengths = [int(n) for n in cols["num_tokens"]]
+    plan = make_plan(lengths, recipe)
+    stats = plan_stats(plan)
+
+    # Bytes: per sample and dtype, then each rank's shards replayed.
+    sizer = RecordSizer(layer_ids, hidden_size, recipe.layers.capture_final)
+    meta_len: dict[int, int] = {}  # sample index -> meta.json bytes
+    for p in plan:
+        for i in p.sample_indices:
+            info = _MetaInfo(cols["sample_id"][i], int(cols["source_row"][i]), cols["source_id"][i], lengths[i])
+            meta_len[i] = len(meta_json_bytes(sample_meta(info, layer_ids, p.batch_id)))
+    shares = split_across_ranks(plan, num_gpus)
+    disk = {}
+    for dtype in STORAGE_DTYPES:
+        shards = []
+        for share in shares:
+            shards += shard_sizes([[sizer.record_bytes(lengths[i], meta_len[i], dtype) for i in p.sample_indices]
+                                   for p in share], recipe.output.max_shard_bytes)
+        disk[dtype] = {"num_bytes": sum(shards), "num_shards": len(shards),
+                       "states_bytes_per_token": sizer.states_bytes_per_token(dtype),
+                       "bytes_per_token": sum(shards) / max(stats["num_real_tokens"], 1)}
+
+    # Throughput and wall time.
+    last_needed = num_layers - 1 if recipe.layers.capture_final != "none" else layer_ids[-1]
+    params = decoder_params_run(recipe, config, last_needed)
+    ref, why = (None, "given with --tokens-per-second") if tokens_per_second else (
+        choose_reference(bench_references(bench_dir), config, params, recipe.model.dtype)
+        if bench_dir is not None else (None, "no benchmark folder"))
+    throughput: dict = {"tokens_per_second": tokens_per_second, "source": why, "reference": ref}
+    if ref is not None:
+        scale = ref["decoder_params_needed"] / params if params else 1.0
+        throughput["tokens_per_second"] = ref["tokens_per_second"] * scale
+        throughput["scaled_by_decoder_params"] = scale
+        throughput["seconds_per_new_shape"] = ref["seconds_per_new_shape"] if why == "same model" else None
+    tps = throughput["tokens_per_second"]
+    ranks = [plan_stats(share) for share in shares]
+    wall = None
+    if tps:
+        per_shape = throughput.get("seconds_per_new_shape") or 0.0
+        per_rank = [r["num_real_tokens"] / tps + per_shape * r["num_shapes"] for r in ranks]
+        wall = {"num_gpus": num_gpus, "seconds": max(per_rank),
+                "compute_seconds": max(r["num_real_tokens"] for r in ranks) / tps,
+                "warmup_seconds": max(per_shape * r["num_shapes"] for r in ranks),
+                "gpu_hours": sum(per_rank) / 3600}
+
+    return {
+        "recipe_fingerprint": recipe.fingerprint(),
+        "model": describe_source(recipe.model),
+        "model_type": getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
+                              "model_type", None),
+        "num_hidden_layers": num_layers, "hidden_size": hidden_size, "layer_ids": layer_ids,
+        "capture_final": recipe.layers.capture_final, "layers_run": last_needed + 1,
+        "decoder_params_run": params,
+        "num_rows": data.num_rows, "num_samples": len(lengths),
+        "num_skipped": sum(data.skipped_counts.values()), "skipped": data.skipped_counts,
+        "num_tokens": stats["num_real_tokens"], "num_padded_tokens": stats["num_padded_tokens"],
+        "num_batches": stats["num_batches"], "num_shapes": stats["num_shapes"],
+        "padding_efficiency": stats["padding_efficiency"], "batch_size_min": stats["batch_size_min"],
+        "batch_size_max": stats["batch_size_max"], "batch_size_mean": stats["batch_size_mean"],
+        "padded_length_min": stats["padded_length_min"], "padded_length_max": stats["padded_length_max"],
+        "dtype": recipe.output.dtype, "max_shard_bytes": recipe.output.max_shard_bytes, "disk": disk,
+        "num_bytes": disk[recipe.output.dtype]["num_bytes"],
+        "ranks": [{"rank": i, "num_batches": r["num_batches"], "num_samples": r["num_samples"],
+                   "num_real_tokens": r["num_real_tokens"], "num_shapes": r["num_shapes"]} for i, r in enumerate(ranks)],
+        "throughput": throughput, "wall": wall,
+        "lengths_histogram": length_histogram(lengths, recipe.data.max_length),
+        "tokenize_seconds": tokenize_seconds, "plan_seconds": time.perf_counter() - t0,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ report
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000 or unit == "PB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+def _duration(s: float) -> str:
+    if s < 120:
+        return f"{s:.1f} s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    if s < 3 * 86400:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:.1f} days"
+
+
+def format_plan(p: dict) -> str:
+    lines = [
+        ("model", f"{p['model']}  [{p['model_type']}, {p['num_hidden_layers']} layers, hidden {p['hidden_size']}]; "
+                  f"{p['layers_run']} decoder layers run"
+                  + (f" ({p['decoder_params_run'] / 1e9:.3g}B parameters)" if p["decoder_params_run"] else "")),
+        ("layers", f"{p['layer_ids']} after-layer 0-based; final layer: {p['capture_final']}"),
+        ("rows", f"{p['num_rows']:,}: {p['num_samples']:,} kept, {p['num_skipped']:,} skipped"
+                 + (" (" + ", ".join(f"{k}: {v:,}" for k, v in p["skipped"].items()) + ")" if p["skipped"] else "")),
+        ("tokens", f"{p['num_tokens']:,} (mean {p['num_tokens'] / max(p['num_samples'], 1):.1f} per sample)"),
+        ("batches", f"{p['num_batches']:,}, {p['num_shapes']} distinct shapes, batch size {p['batch_size_min']}-"
+                    f"{p['batch_size_max']} (mean {p['batch_size_mean'] or 0:.1f}), padded length "
+                    f"{p['padded_length_min']}-{p['padded_length_max']}"),
+        ("padding", f"efficiency {p['padding_efficiency'] or 0:.3f} ({p['num_padded_tokens']:,} padded tokens)"),
+    ]
+    bf16 = p["disk"]["bfloat16"]["num_bytes"]
+    for i, (dtype, d) in enumerate(p["disk"].items()):
+        mark = "  <- output.dtype" if dtype == p["dtype"] else ""
+        lines.append(("disk" if i == 0 else "", f"{dtype:<9} {_size(d['num_bytes']):>10} in {d['num_shards']:,} "
+                      f"shard(s), {d['bytes_per_token']:,.0f} B/token ({d['states_bytes_per_token']:,.0f} of states), "
+                      f"{d['num_bytes'] / max(bf16, 1):.2f}x bf16{mark}"))
+    t = p["throughput"]
+    if t["tokens_per_second"]:
+        ref = t.get("reference")
+        src = (f"{Path(ref['file']).name} ({ref['mode']}, {ref['tokens_per_second']:,.0f} tok/s on {ref['gpu']}, "
+               f"{ref['compute_dtype']}; {t['source']}"
+               + (f", scaled x{t['scaled_by_decoder_params']:.3f} by decoder FLOPs/token" if
+                  abs(t['scaled_by_decoder_params'] - 1) > 1e-9 else "") + ")") if ref else t["source"]
+        lines.append(("throughput", f"{t['tokens_per_second']:,.0f} real tok/s per GPU: {src}"))
+        w = p["wall"]
+        warm = (f" + {_duration(w['warmup_seconds'])} first-seen-shape warm-up" if w["warmup_seconds"] else "")
+        lines.append(("wall time", f"{_duration(w['seconds'])} on {w['num_gpus']} GPU(s) ({_duration(w['compute_seconds'])}"
+                                   f" compute{warm}; {w['gpu_hours']:.2f} GPU-hours)"))
+    else:
+        lines.append(("throughput", f"unknown ({t['source']}): pass --tokens-per-second"))
+    width = max(len(k) for k, _ in lines)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in lines) + "\n\nlength histogram (kept samples)\n" + \
+        p["lengths_histogram"]
+
+
+def build_parser(prog: str = "dflash-prep plan") -> argparse.ArgumentParser:
+    from .extract import add_extract_args
+
+    p = argparse.ArgumentParser(prog=prog, description="What a recipe will cost (samples, tokens, batches, padding, "
+                                                       "bytes, wall time), without loading model weights.")
+    add_extract_args(p)
+    p.add_argument("--num-gpus", type=int, default=1, help="GPUs (ranks) of the run (default 1)")
+    p.add_argument("--tokens-per-second", type=float, default=None,
+                   help="real tokens/s per GPU (default: the benchmark figure, bench/results/*.json)")
+    p.add_argument("--bench-results", default=str(BENCH_RESULTS_DIR), help="folder of benchmark reports")
+    p.add_argument("--json", action="store_true", help="print every figure as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`dflash-prep plan --recipe R [--set k=v] [--num-gpus N] [--tokens-per-second X] [--json]`."""
+    import logging
+
+    from .recipe import load_recipe
+
+    args = build_parser().parse_args(argv)
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # no kernel-fallback notices on the console
+    try:
+        import datasets
+
+        datasets.disable_progress_bars()
+        recipe = load_recipe(args.recipe, args.overrides)
+        plan = make_run_plan(recipe, num_gpus=args.num_gpus, tokens_per_second=args.tokens_per_second,
+                             bench_dir=Path(args.bench_results) if args.bench_results else None)
+    except (RecipeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan, indent=2))
+    else:
+        print(format_plan(plan))
+        print(f"\n(planned in {plan['plan_seconds']:.1f}s, tokenization {plan['tokenize_seconds']:.1f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""`dflash-prep verify OUT [--num-samples N]`: prove an output holds what the model computes.
+
+1. Integrity: the manifest and every shard it lists, as `inspect --check` does (size, sha256, tar, members,
+   shapes and dtypes, counts).
+2. The model: the recipe as run (`OUT/recipe.resolved.yaml`, `--set` overrides allowed, e.g. a new path of the
+   weights) is loaded and the model's and tokenizer's fingerprints are compared with the manifest's before any
+   weights are loaded; a random-weight model (`model.config`) is rebuilt from its seed on the device type the
+   extraction used (its weights depend on the device's random generator).
+3. Values: N samples, drawn with `random.Random(seed)` from all sample ids (sorted) and printed, are run ALONE
+   (batch of one, no padding, a plain forward of the base decoder with `use_cache=False`; the states are taken by
+   forward hooks of this module, not by `capture.LayerCapture`) in the recipe's compute dtype, and compared with
+   the stored states, per layer (and for the final layer when captured): max abs error, relative error = max abs
+   error / max |reference| of that sample's layer, and relative L2 error. A layer passes when its relative error
+   is <= the tolerance; the output passes when every checked layer of every checked sample passes.
+
+Tolerance = storage term (the stored dtype's rounding, relative to the layer's max |value|) + compute term (the
+difference between a sample's states in a padded batch and alone, from the kernels' numerics in the compute dtype):
+
+| stored dtype | storage term | | compute dtype | compute term |
+|---|---|---|---|---|
+| float32 | 0 | | float32 | 1e-3 |
+| float16 | 2^-11 = 4.9e-4 | | float16 | 0.02 |
+| bfloat16 | 2^-8 = 3.9e-3 | | bfloat16 | 0.1 |
+| fp8_e4m3 | 2^-4 + 2^-10/448 = 0.0625 (fp8.FP8_REL_BOUND, per token) | | | |
+
+The bf16 compute term is wide because the batched and alone bf16 forwards of a deep model really differ that
+much (the benchmark measured relative L2 0.005 at layer 1 to 0.053 at layer 61 of the 27B, max abs / max |ref|
+8/157 = 0.051): in bf16 `verify` catches wrong samples, layers, masks and corrupted values, not last-bit noise.
+`--tolerance` replaces the sum.
+
+Exit codes: 0 every check passed; 1 a check failed (each failure printed as `FAIL ...`, naming the shard, or the
+sample and the layer); 2 the output cannot be verified (no manifest, no recipe, model or tokenizer fingerprint
+differs, device mismatch for random weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+STORAGE_TOLERANCE = {"float32": 0.0, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8,
+                     "fp8_e4m3": 2.0 ** -4 + 2.0 ** -10 / 448.0}
+COMPUTE_TOLERANCE = {"float32": 1e-3, "float16": 0.02, "bfloat16": 0.1}
+RECIPE_NAME = "recipe.resolved.yaml"
+
+
+class CannotVerify(RuntimeError):
+    """The output cannot be verified (exit code 2)."""
+
+
+def tolerance_for(storage_dtype: str, compute_dtype: str) -> float:
+    return STORAGE_TOLERANCE[storage_dtype] + COMPUTE_TOLERANCE[compute_dtype]
+
+
+@dataclass
+class LayerResult:
+    sample_id: str
+    layer: str  # "1", "16", ... (after-layer id) or "final (before_norm)" / "final (after_norm)"
+    num_tokens: int
+    max_abs_error: float
+    max_abs_reference: float
+    relative_error: float  # max_abs_error / max_abs_reference
+    relative_l2_error: float
+    worst_token: int
+    ok: bool
+
+    def line(self) -> str:
+        return (f"sample {self.sample_id} layer {self.layer}: max abs error {self.max_abs_error:.3g} "
+                f"(token {self.worst_token}), relative {self.relative_error:.3g}, rel L2 "
+                f"{self.relative_l2_error:.3g}, max |ref| {self.max_abs_reference:.3g}")
+
+
+@dataclass
+class VerifyReport:
+    out_dir: str
+    dtype: str
+    compute_dtype: str
+    tolerance: float
+    seed: int
+    sample_ids: list[str]
+    integrity_problems: list[str] = field(default_factory=list)
+    results: list[LayerResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def failures(self) -> list[LayerResult]:
+        return [r for r in self.results if not r.ok]
+
+    @property
+    def ok(self) -> bool:
+        return not self.integrity_problems and not self.failures and bool(self.results)
+
+    def worst_by_layer(self) -> dict[str, dict]:
+        out: dict[str, dict] = {}
+        for r in self.results:
+            w = out.setdefault(r.layer, {"max_abs_error": 0.0, "relative_error": 0.0, "relative_l2_error": 0.0})
+            w["max_abs_error"] = max(w["max_abs_error"], r.max_abs_error)
+            w["relative_error"] = max(w["relative_error"], r.relative_error)
+            w["relative_l2_error"] = max(w["relative_l2_error"], r.relative_l2_error)
+        return out
+
+    def to_json(self) -> dict:
+        return {"out_dir": self.out_dir, "ok": self.ok, "dtype": self.dtype, "compute_dtype": self.compute_dtype,
+                "tolerance": self.tolerance, "seed": self.seed, "sample_ids": self.sample_ids,
+                "integrity_problems": self.integrity_problems, "worst_by_layer": self.worst_by_layer(),
+                "failures": [r.__dict__ for r in self.failures], "results": [r.__dict__ for r in self.results],
+                "seconds": self.seconds}
+
+
+# -------------------------------------------------------------------------------------------- reference
+def _output_tensor(output) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def run_alone(model, input_ids_T: torch.Tensor, layer_ids: list[int], capture_final: str,
+              device: torch.device) -> dict[str, torch.Tensor]:
+    """One sample's states run alone: {"<layer id>": [T, H] float32, "final": [T, H]} (on the CPU)."""
+    from .layers import decoder_layers, find_decoder
+
+    decoder = find_decoder(model)
+    layers = decoder_layers(decoder)
+    states: dict[str, torch.Tensor] = {}
+
+    def keep(name):
+        def hook(module, args, output):
+            states[name] = _output_tensor(output)[0].float().cpu()
+        return hook
+
+    targets = [(str(i), layers[i]) for i in layer_ids]
+    if capture_final == "before_norm":
+        targets.append(("final", layers[len(layers) - 1]))
+    elif capture_final == "after_norm":
+        targets.append(("final", decoder.norm))
+    handles = [module.register_forward_hook(keep(name), prepend=True) for name, module in targets]
+    try:
+        with torch.inference_mode():
+            decoder(input_ids=input_ids_T.to(device)[None], use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return states
+
+
+def compare(sample_id: str, layer: str, stored_TH: torch.Tensor, reference_TH: torch.Tensor,
+            tolerance: float) -> LayerResult:
+    """Errors of one layer of one sample (both float32, [T, H])."""
+    diff = (stored_TH - reference_TH).abs()
+    max_abs = float(diff.max()) if diff.numel() else 0.0
+    ref_abs = float(reference_TH.abs().max()) if reference_TH.numel() else 0.0
+    worst = int(diff.max(dim=1).values.argmax()) if diff.numel() else 0
+    rel = max_abs / ref_abs if ref_abs > 0 else (0.0 if max_abs == 0 else float("inf"))
+    rel_l2 = float(torch.linalg.vector_norm(stored_TH - reference_TH) / torch.linalg.vector_norm(reference_TH)) \
+        if ref_abs > 0 else rel
+    finite = bool(torch.isfinite(stored_TH).all())
+    if not finite:
+        max_abs = rel = rel_l2 = float("nan")
+    return LayerResult(sample_id, layer, int(stored_TH.shape[0]), max_abs, ref_abs, rel, rel_l2, worst,
+                       ok=finite and rel <= tolerance)
+
+
+# ------------------------------------------------------------------------------------------------ verify
+def _extraction_device_type(out_dir: Path) -> str | None:
+    """"cuda" or "cpu" from the rank reports (peak GPU memory is recorded on CUDA only), None if unknown."""
+    types = set()
+    for path in (out_dir / "index").glob("rank-*.done.json"):
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        types.add("cuda" if report.get("peak_gpu_memory_bytes") is not None else "cpu")
+    return types.pop() if len(types) == 1 else None
+
+
+def choose_samples(all_ids: list[str], num_samples: int, seed: int) -> list[str]:
+    """`num_samples` ids drawn with random.Random(seed) from the sorted ids (all when N >= their number)."""
+    ids = sorted(all_ids)
+    if num_samples >= len(ids):
+        return ids
+    return sorted(random.Random(seed).sample(ids, num_samples))
+
+
+def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: list[str] | None = None,
+           device: str | None = None, tolerance: float | None = None, check_shards: bool = True,
+           log=print, progress: bool = False) -> VerifyReport:
+    """Run the checks of the module docstring; raises `CannotVerify` when they cannot run."""
+    from .export import sample_ids_by_shard
+    from .extract import RECIPE_NAME as EXTRACT_RECIPE_NAME
+    from .inspect_output import check_output
+    from .layers import num_decoder_layers, resolve_layer_ids
+    from .manifest import read_manifest
+    from .model import (drop_layers_after, load_config, load_model, load_tokenizer, model_fingerprint,
+                        tokenizer_fingerprint)
+    from .reader import OutputLayout, iter_shard, shards_of
+    from .recipe import RecipeError, load_recipe
+
+    t0 = time.perf_counter()
+    out_dir = Path(out_dir)
+    try:
+        manifest = read_manifest(out_dir)
+    except (FileNotFoundError, ValueError, json.JSONDecodeError) as e:
+        raise CannotVerify(str(e)) from None
+    layout = OutputLayout.from_manifest(manifest)
+    recipe_path = out_dir / EXTRACT_RECIPE_NAME
+    if not recipe_path.is_file():
+        raise CannotVerify(f"{recipe_path} not found: the recipe the output was made with is needed to rebuild "
+                           f"the model")
+    try:
+        recipe = load_recipe(recipe_path, overrides)
+        config = load_config(recipe.model)
+    except RecipeError as e:
+        raise CannotVerify(f"{e} (pass --set to point at the model, e.g. --set model.name_or_path=...)") from None
+    if model_fingerprint(recipe.model, config) != manifest.get("model_fingerprint"):
+        raise CannotVerify("the model of the recipe (config, weight source, compute dtype) does not match the "
+                           "manifest's model_fingerprint: this is not the model the output was made with")
+    if tokenizer_fingerprint(load_tokenizer(recipe.model)) != manifest.get("tokenizer_fingerprint"):
+        raise CannotVerify("the tokenizer of the recipe does not match the manifest's tokenizer_fingerprint")
+    num_layers = num_decoder_layers(config)
+    layer_ids = resolve_layer_ids(recipe.layers, num_layers)
+    if layer_ids != list(layout.layer_ids) or recipe.layers.capture_final != layout.capture_final:
+        raise CannotVerify(f"the recipe asks for layers {layer_ids} / final {recipe.layers.capture_final}, the "
+                           f"manifest holds {list(layout.layer_ids)} / {layout.capture_final}")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    made_on = _extraction_device_type(out_dir)
+    if recipe.model.config is not None and made_on is not None and made_on != dev.type:
+        raise CannotVerify(f"the output was extracted on {made_on} with random weights (model.config, seed "
+                           f"{recipe.model.init_seed}), which depend on the device's random generator: verify on "
+                           f"{made_on} (--device {made_on})")
+
+    tol = tolerance if tolerance is not None else tolerance_for(manifest["dtype"], recipe.model.dtype)
+    shards = shards_of(out_dir, manifest)
+    report = VerifyReport(str(out_dir), manifest["dtype"], recipe.model.dtype, tol, seed, [])
+    if check_shards:
+        log(f"verify: checking the manifest and {len(shards)} shard(s) (sizes, sha256, members)")
+        report.integrity_problems = check_output(out_dir, progress=progress)
+        for p in report.integrity_problems:
+            log(f"FAIL {p}")
+    ids_by_shard = sample_ids_by_shard(out_dir, shards)
+    chosen = choose_samples([i for ids in ids_by_shard.values() for i in ids], num_samples, seed)
+    report.sample_ids = chosen
+    log(f"verify: {len(chosen)} sample(s) drawn with seed {seed}: {', '.join(chosen)}")
+    log(f"verify: tolerance {tol:.3g} (relative to each layer's max |value|; stored {manifest['dtype']}, "
+        f"computed in {recipe.model.dtype})")
+
+    t_load = time.perf_counter()
+    model = load_model(recipe.model, config, dev)
+    drop_layers_after(model, num_layers - 1 if layout.capture_final != "none" else layer_ids[-1])
+    log(f"verify: model loaded in {time.perf_counter() - t_load:.1f}s on {dev}")
+    wanted = set(chosen)
+    H, final_name = layout.hidden_size, f"final ({layout.capture_final})"
+    for shard in shards:
+        positions = {j for j, sid in enumerate(ids_by_shard[shard.rel_path]) if sid in wanted}
+        if not positions:
+            continue
+        for sample in iter_shard(shard, layout, wanted=lambda j, p=positions: j in p, check_tokens=False,
+                                 fp8="float32"):
+            sid = sample["sample_id"]
+            if sid not in wanted:
+                raise CannotVerify(f"{shard.path}: sample order differs from the index ({sid})")
+            ref = run_alone(model, sample["input_ids"], layer_ids, layout.capture_final, dev)
+            stored = sample["hidden_states"].float()
+            for slot, layer in enumerate(layer_ids):
+                report.results.append(compare(sid, str(layer), stored[:, slot * H:(slot + 1) * H], ref[str(layer)],
+                                              tol))
+            if layout.has_final:
+                report.results.append(compare(sid, final_name, sample["final_hidden_states"].float(),
+                                              ref["final"], tol))
+    done = {r.sample_id for r in report.results}
+    if done != wanted:
+        report.integrity_problems.append(f"sample(s) not found in the shards: {sorted(wanted - done)[:5]}")
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def format_report(report: VerifyReport) -> str:
+    lines = []
+    for layer, w in report.worst_by_layer().items():
+        lines.append(f"layer {layer:>18}: max abs error {w['max_abs_error']:.3g}, relative {w['relative_error']:.3g},"
+                     f" rel L2 {w['relative_l2_error']:.3g} (worst over {len(report.sample_ids)} sample(s))")
+    for r in report.failures:
+        lines.append(f"FAIL {r.line()} > tolerance {report.tolerance:.3g}")
+    verdict = "OK" if report.ok else "FAILED"
+    lines.append(f"verify: {verdict}: {len(report.sample_ids)} sample(s) x {len(report.worst_by_layer())} layer(s) "
+                 f"checked against a run alone, tolerance {report.tolerance:.3g} ({report.dtype}); "
+                 f"{len(report.failures)} layer result(s) out of tolerance, {len(report.integrity_problems)} "
+                 f"integrity problem(s); {report.seconds:.1f}s")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------- CLI
+def build_parser(prog: str = "dflash-prep verify") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Check an output's manifest and shard hashes, then re-run "
+                                                       "random samples alone through the model and compare.")
+    p.add_argument("out", help="extraction output folder (holds manifest.json and recipe.resolved.yaml)")
+    p.add_argument("--num-samples", type=int, default=8, help="samples to re-run (default 8; all when larger)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sample draw (default 0)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="max relative error per layer (default: by stored and compute dtype, see docs)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of OUT/recipe.resolved.yaml (e.g. a moved model path)")
+    p.add_argument("--skip-hash", action="store_true", help="skip re-hashing the shards (values only)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`dflash-prep verify OUT [--num-samples N] [--seed S]`: 0 pass, 1 fail, 2 cannot verify."""
+    args = build_parser().parse_args(argv)
+    if args.num_samples < 1:
+        print("error: --num-samples must be >= 1", file=sys.stderr)
+        return 2
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # no kernel-fallback notices on the console
+    quiet = args.json
+    try:
+        report = verify(args.out, args.num_samples, args.seed, args.overrides, args.device, args.tolerance,
+                        check_shards=not args.skip_hash,
+                        log=(lambda *a: None) if quiet else (lambda *a: print(*a, flush=True)), progress=not quiet)
+    except CannotVerify as e:
+        print(f"error: cannot verify: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report))
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

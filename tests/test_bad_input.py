@@ -1,0 +1,146 @@
+"""Bad input rows: whatever a dataset holds, no row crashes the run; every bad row is skipped with exactly one
+reason, counted, and listed (id, reason) in OUT/skipped.jsonl. Property-based (hypothesis) plus one end-to-end run.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from conftest import demo_overrides
+from dflash_prep import data as D
+from dflash_prep.extract import run_extraction
+from dflash_prep.inspect_output import check_output
+from dflash_prep.model import load_tokenizer
+from dflash_prep.recipe import load_recipe
+
+REASONS = {v for k, v in vars(D).items() if k.startswith("SKIP_")}
+VOCAB = 1024  # the demo model's vocab_size
+MAX_LENGTH = 64
+GOOD = {"messages": [{"role": "user", "content": "Is the cache warm?"},
+                     {"role": "assistant", "content": "Yes, the cache is warm and the thread is fast."}]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(load_recipe(None).model)
+
+
+def make_fn(tokenizer, overlong: str = "skip") -> D.Tokenizer:
+    return D.Tokenizer(tokenizer=tokenizer, max_length=MAX_LENGTH, overlong=overlong, vocab_size=VOCAB)
+
+
+# ---------------------------------------------------------------------------------------------- strategies
+json_scalar = st.none() | st.booleans() | st.integers(-2**63, 2**63) | st.floats(allow_nan=False) | st.text(max_size=12)
+json_value = st.recursive(json_scalar, lambda inner: st.lists(inner, max_size=4)
+                          | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=8)
+roles = st.sampled_from(["system", "user", "assistant", "tool", "human", "gpt", "narrator", "", "USER"])
+content = st.text(max_size=60) | json_value
+turn = st.dictionaries(st.sampled_from(["role", "content", "from", "value", "name"]), roles | content, max_size=4)
+openai_turn = st.fixed_dictionaries({"role": roles | json_value, "content": content})
+token_ids = st.lists(st.integers(-3, VOCAB + 3), max_size=MAX_LENGTH + 8)
+row = st.one_of(
+    st.fixed_dictionaries({"messages": st.lists(openai_turn | turn, max_size=5) | json_value}),
+    st.fixed_dictionaries({"conversations": st.lists(turn, max_size=5) | json_value}),
+    st.fixed_dictionaries({"input_ids": token_ids | json_value},
+                          optional={"loss_mask": st.lists(st.integers(-1, 2), max_size=MAX_LENGTH + 8) | json_value}),
+    st.dictionaries(st.sampled_from(["messages", "conversations", "input_ids", "loss_mask", "id", "text"]),
+                    json_value, max_size=4),
+    st.just(GOOD),
+).flatmap(lambda r: st.fixed_dictionaries({}, optional={"id": json_value}).map(lambda extra: {**r, **extra}))
+
+
+def check_kept(ids, mask) -> None:
+    assert 2 <= len(ids) <= MAX_LENGTH and len(mask) == len(ids)
+    assert all(isinstance(t, int) and 0 <= t < VOCAB for t in ids)
+    assert set(mask) <= {0, 1} and D.has_supervised_pair(mask)
+
+
+# ---------------------------------------------------------------------------------------------- properties
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(r=row, overlong=st.sampled_from(["skip", "truncate"]))
+def test_any_row_is_kept_valid_or_skipped_with_a_known_reason(tokenizer, r, overlong):
+    ids, mask, reason = make_fn(tokenizer, overlong).tokenize_row(r)  # never raises
+    event(reason or "kept")
+    if reason:
+        assert reason in REASONS and ids == [] and mask == []
+    else:
+        check_kept(ids, mask)
+    if r is GOOD:
+        assert not reason
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(lines=st.lists(row.map(json.dumps) | st.text(max_size=30).filter(lambda t: t.strip() and "\n" not in t
+                                                                        and "\r" not in t)
+                      | st.sampled_from(["[1, 2]", "42", '"text"', "null", "{", "{'single': 'quotes'}"]),
+                      min_size=1, max_size=12),
+       good_at=st.integers(0, 12))
+def test_a_jsonl_file_of_junk_loads_and_every_row_gets_one_outcome(tokenizer, tmp_path_factory, lines, good_at):
+    """Through the real loader (datasets, or line by line when the file is not one Arrow table)."""
+    lines = list(lines)
+    lines.insert(min(good_at, len(lines)), json.dumps(GOOD))
+    path = tmp_path_factory.mktemp("junk") / "rows.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    section = load_recipe(None, [f"data.path={path}", f"data.max_length={MAX_LENGTH}", "data.overlong=skip"]).data
+    rows = D.load_rows(section)
+    event("read line by line" if rows.column_names == [D.RAW_JSON_COLUMN] else "loaded as one table")
+    result = D.tokenize_dataset(rows, tokenizer, section, VOCAB)
+    assert result.num_rows == len(lines)
+    kept = list(result.kept["sample_id"])
+    skipped = {r["sample_id"]: r["reason"] for r in result.skipped_rows}
+    assert len(kept) + len(skipped) == len(lines) and not set(kept) & set(skipped)
+    assert set(kept) | set(skipped) == {f"{i:010d}" for i in range(len(lines))}
+    assert set(skipped.values()) <= REASONS and sum(result.skipped_counts.values()) == len(skipped)
+    assert f"{lines.index(json.dumps(GOOD)):010d}" in kept
+    for ids, mask in zip(result.kept["input_ids"], result.kept["loss_mask"]):
+        check_kept(list(ids), list(mask))
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+BAD_ROWS = [  # (line, reason)
+    ('{"id": "no-fields", "text": "hello"}', D.SKIP_NO_CONTENT_FIELD),
+    ('{"id": "mistyped", "messages": "hello"}', D.SKIP_BAD_STRUCTURE),
+    ('{"id": "missing-role", "messages": [{"content": "hi"}, {"role": "assistant", "content": "yo"}]}',
+     D.SKIP_BAD_STRUCTURE),
+    ('{"id": "empty", "messages": []}', D.SKIP_EMPTY),
+    ('{"id": "role", "messages": [{"role": "narrator", "content": "x"}, {"role": "assistant", "content": "y"}]}',
+     D.SKIP_UNKNOWN_ROLE),
+    ('{"id": "content", "messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "y"}]}',
+     D.SKIP_BAD_CONTENT),
+    ('{"id": "no-assistant", "messages": [{"role": "user", "content": "anyone?"}]}', D.SKIP_NO_ASSISTANT),
+    ('{"id": "oov", "input_ids": [1, 2, 3, 99999], "loss_mask": [1, 1, 1, 1]}', D.SKIP_OUT_OF_VOCAB),
+    ('{"id": "negative", "input_ids": [1, -2, 3]}', D.SKIP_OUT_OF_VOCAB),
+    ('{"id": "ids-type", "input_ids": [1, "two", 3]}', D.SKIP_BAD_TOKEN_IDS),
+    ('{"id": "mask", "input_ids": [1, 2, 3], "loss_mask": [1, 1]}', D.SKIP_BAD_LOSS_MASK),
+    ('{"id": "long", "input_ids": ' + json.dumps(list(range(1, 201))) + "}", D.SKIP_TOO_LONG),
+    ('{"id": "short", "input_ids": [7]}', D.SKIP_TOO_SHORT),
+    ("this line is not JSON", D.SKIP_INVALID_JSON),
+    ("[1, 2, 3]", D.SKIP_NOT_AN_OBJECT),
+]
+
+
+def test_every_bad_row_is_skipped_listed_and_counted(tmp_path):
+    good = [json.dumps({**GOOD, "id": f"good-{i}"}) for i in range(6)]
+    lines = good[:3] + [line for line, _ in BAD_ROWS] + good[3:] + [json.dumps({"id": "pre", "input_ids": [5, 6, 7]})]
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    summary = run_extraction(load_recipe(None, demo_overrides(out, **{
+        "data.path": str(path), "data.max_length": 128, "data.overlong": "skip", "batching.num_workers": 0})))
+    expected = {f"{3 + i:010d}": reason for i, (_, reason) in enumerate(BAD_ROWS)}
+    listed = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
+    assert {r["sample_id"]: r["reason"] for r in listed} == expected
+    assert [r["source_id"] for r in listed[:13]] == [json.loads(line)["id"] for line, _ in BAD_ROWS[:13]]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["num_rows"] == len(lines) and manifest["num_skipped"] == len(BAD_ROWS)
+    counts: dict[str, int] = {}
+    for reason in expected.values():
+        counts[reason] = counts.get(reason, 0) + 1
+    assert manifest["skipped"] == summary["skipped"] == dict(sorted(counts.items()))
+    assert manifest["num_samples"] == len(good) + 1 and manifest["num_failed"] == 0
+    assert check_output(out) == []

@@ -1,0 +1,192 @@
+"""`dflash-prep plan`: its figures are the extraction's (samples, skips, tokens, batches, shapes, padding, bytes,
+shards), its byte model matches the libraries, the tokens/s default is the benchmark's headline, and the CLI.
+
+One small extraction of the demo recipe (rows skipped for length, several shards) is shared by the module.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save as safetensors_save
+
+from conftest import REPO
+from dflash_prep.plan import (bench_references, length_histogram, main, make_run_plan, safetensors_num_bytes,
+                              shard_sizes, states_tensors)
+from dflash_prep.recipe import load_recipe
+
+BASE = ["data.max_samples=60", "data.max_length=384", "data.overlong=skip", "batching.max_tokens_per_batch=2048",
+        "batching.num_workers=0", "output.max_shard_bytes=1MB"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """Tiny models: one intra-op thread is as fast, and immune to oversubscribed cores (restored after)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def planned_and_run(tmp_path_factory):
+    """(plan, manifest, summary) of the same recipe: planned first, then extracted."""
+    from dflash_prep.extract import run_extraction
+
+    out = tmp_path_factory.mktemp("plan") / "out"
+    recipe = load_recipe(None, [f"output.dir={out}", *BASE])
+    plan = make_run_plan(recipe, tokens_per_second=1000.0)
+    summary = run_extraction(recipe)
+    manifest = json.loads((out / "manifest.json").read_text())
+    return plan, manifest, summary
+
+
+def test_plan_figures_equal_what_the_extraction_reports(planned_and_run):
+    plan, manifest, summary = planned_and_run
+    assert plan["num_rows"] == manifest["num_rows"] == 60
+    assert plan["skipped"] == manifest["skipped"] and plan["skipped"].get("longer_than_max_length", 0) > 0
+    assert plan["num_skipped"] == manifest["num_skipped"]
+    assert plan["num_samples"] == manifest["num_samples"] == summary["num_samples_written"]
+    assert plan["num_tokens"] == manifest["num_tokens"] == summary["num_tokens_written"]
+    assert plan["num_batches"] == summary["num_batches"] >= 3
+    assert plan["num_shapes"] == summary["num_shapes_planned"]
+    assert plan["padding_efficiency"] == pytest.approx(summary["padding_efficiency"], rel=1e-12)
+    assert plan["layer_ids"] == manifest["layer_ids"] and plan["hidden_size"] == manifest["hidden_size"]
+    # Bytes: the issue asks for 1%; the byte model is exact for a run with the same number of processes.
+    assert abs(plan["num_bytes"] - manifest["num_bytes"]) <= 0.01 * manifest["num_bytes"]
+    assert plan["num_bytes"] == manifest["num_bytes"]
+    assert plan["disk"]["bfloat16"]["num_shards"] == len(manifest["shards"]) >= 3
+
+
+def test_bytes_per_dtype_scale_with_the_element_size(planned_and_run):
+    plan, manifest, _ = planned_and_run
+    d = plan["disk"]
+    k, H = len(manifest["layer_ids"]), manifest["hidden_size"]
+    assert d["bfloat16"]["states_bytes_per_token"] == k * H * 2 == d["float16"]["states_bytes_per_token"]
+    assert d["float32"]["states_bytes_per_token"] == k * H * 4
+    assert d["fp8_e4m3"]["states_bytes_per_token"] == k * H + 4 * k
+    assert d["bfloat16"]["num_bytes"] == d["float16"]["num_bytes"]
+    assert d["fp8_e4m3"]["num_bytes"] < 0.6 * d["bfloat16"]["num_bytes"] < d["float32"]["num_bytes"] / 3
+
+
+def test_wall_time_is_the_busiest_rank_at_the_given_rate(planned_and_run):
+    plan, _, _ = planned_and_run
+    wall = plan["wall"]
+    assert plan["throughput"]["tokens_per_second"] == 1000.0 and wall["num_gpus"] == 1
+    assert wall["seconds"] == pytest.approx(plan["num_tokens"] / 1000.0) and wall["warmup_seconds"] == 0
+
+
+def test_two_gpus_split_the_tokens(planned_and_run):
+    plan1, _, _ = planned_and_run
+    recipe = load_recipe(None, ["output.dir=/nonexistent/never-written", *BASE])
+    plan2 = make_run_plan(recipe, num_gpus=2, tokens_per_second=1000.0)
+    ranks = plan2["ranks"]
+    assert len(ranks) == 2 and sum(r["num_real_tokens"] for r in ranks) == plan1["num_tokens"]
+    assert sum(r["num_batches"] for r in ranks) == plan1["num_batches"]
+    assert plan2["wall"]["seconds"] == pytest.approx(max(r["num_real_tokens"] for r in ranks) / 1000.0)
+    assert plan2["wall"]["seconds"] < plan1["wall"]["seconds"]
+    # Two ranks each close their own last shard: a shard's worth of records can only move between files.
+    assert abs(plan2["num_bytes"] - plan1["num_bytes"]) <= 2 * 10240 * len(ranks)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "fp8_e4m3"])
+@pytest.mark.parametrize("T,final", [(2, False), (9, True), (10, False), (1000, True)])
+def test_safetensors_size_model_matches_the_library(dtype, T, final):
+    k, H = 3, 64
+    real = {}
+    for name, code, shape in states_tensors(T, k, H, dtype, final):
+        torch_dtype = {"BF16": torch.bfloat16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn}[code]
+        real[name] = torch.zeros(shape, dtype=torch.float32).to(torch_dtype)
+    assert safetensors_num_bytes(states_tensors(T, k, H, dtype, final)) == len(safetensors_save(real))
+
+
+def test_shard_roll_replays_the_stream_buffering():
+    # Batches of 5,000 bytes, shards of >= 9,000 bytes: the tar stream passes on whole 10,240-byte records only,
+    # so after batch 2 (10,000 bytes) nothing has reached the file yet and the shard closes after batch 3.
+    assert shard_sizes([[5000], [5000], [5000]], 9000) == [20480]
+    assert shard_sizes([[5000], [5000], [5000], [512]], 9000) == [20480, 10240]
+    assert shard_sizes([[10240], [1024]], 1) == [20480]  # 11,264 bytes + 1,024 end blocks -> 2 records
+
+
+def test_length_histogram_counts_every_sample():
+    lengths = [16, 17, 31, 32, 100, 2048, 2048]
+    text = length_histogram(lengths, max_length=2048)
+    rows = [line for line in text.splitlines() if re.match(r"\s*\d+-\d+\s", line)]
+    counts = {line.split()[0]: int(line.split()[-3].replace(",", "")) for line in rows}
+    assert counts == {"16-31": 3, "32-63": 1, "64-127": 1, "128-255": 0, "256-511": 0, "512-1023": 0,
+                      "1024-2047": 0, "2048-4095": 2}
+    assert "max 2,048" in text and "2 at data.max_length=2,048" in text
+
+
+def _results_md_headlines() -> dict[str, int]:
+    """The bold warm dflash-prep figures of bench/RESULTS.md, by section (27B first, then 8B)."""
+    text = (REPO / "bench" / "RESULTS.md").read_text()
+    found = re.findall(r"^\| real tokens/s, warm \|.*\*\*([\d,]+)\*\* \|$", text, flags=re.M)
+    assert len(found) == 2, found
+    return {"qwen3.6-27b": int(found[0].replace(",", "")), "llama3.1-8b": int(found[1].replace(",", ""))}
+
+
+def test_default_tokens_per_second_is_the_benchmark_headline():
+    refs = {r["model"]: r for r in bench_references() if r["compute_dtype"] == "bfloat16"}
+    headline = _results_md_headlines()
+    assert headline == {"qwen3.6-27b": 6609, "llama3.1-8b": 15486}
+    for model, figure in headline.items():
+        assert round(refs[model]["tokens_per_second"]) == figure
+
+
+@pytest.mark.parametrize("config,layers,expected", [
+    ("qwen3.6-27b.json", ["layers.preset=dflash", "layers.num_layers=5"], 6609),
+    ("llama3.1-8b.json", ["layers.preset=eagle3"], 15486),
+])
+def test_plan_of_a_benchmarked_model_uses_its_figure(config, layers, expected, tmp_path):
+    """The benchmark's own shapes (same layers run): the headline figure itself, and the wall time from it."""
+    recipe = load_recipe(None, [f"output.dir={tmp_path}", "data.max_samples=20", f"model.config={REPO}/bench/configs/"
+                                f"{config}", "model.dtype=bfloat16", *layers])
+    plan = make_run_plan(recipe, num_gpus=1)
+    t = plan["throughput"]
+    assert t["source"] == "same model" and round(t["tokens_per_second"]) == expected
+    assert t["scaled_by_decoder_params"] == pytest.approx(1.0)
+    w = plan["wall"]
+    assert w["compute_seconds"] == pytest.approx(plan["num_tokens"] / t["tokens_per_second"])
+    assert w["warmup_seconds"] == pytest.approx(plan["ranks"][0]["num_shapes"] * t["seconds_per_new_shape"])
+    # The same model capturing the final layer runs every decoder layer: fewer tokens/s, by the parameter ratio.
+    more = make_run_plan(load_recipe(None, [f"output.dir={tmp_path}", "data.max_samples=20",
+                                            f"model.config={REPO}/bench/configs/{config}", "model.dtype=bfloat16",
+                                            *layers, "layers.capture_final=after_norm"]), num_gpus=1)
+    assert more["decoder_params_run"] > plan["decoder_params_run"]
+    assert more["throughput"]["tokens_per_second"] == pytest.approx(
+        t["tokens_per_second"] * plan["decoder_params_run"] / more["decoder_params_run"])
+
+
+def test_cli_prints_the_plan_and_its_json(capsys, planned_and_run):
+    plan, _, _ = planned_and_run
+    args = ["--set", "output.dir=/nonexistent/never-written"] + [a for kv in BASE for a in ("--set", kv)]
+    assert main(args + ["--tokens-per-second", "1000", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    for key in ("num_samples", "num_tokens", "num_batches", "num_shapes", "padding_efficiency", "num_bytes", "disk"):
+        assert printed[key] == plan[key], key
+    from dflash_prep.cli import main as cli_main
+
+    assert cli_main(["plan", *args, "--num-gpus", "2", "--tokens-per-second", "500"]) == 0
+    text = capsys.readouterr().out
+    for expected in ("rows", "skipped (longer_than_max_length:", f"{plan['num_tokens']:,}", "padding     efficiency",
+                     "fp8_e4m3", "500 real tok/s per GPU", "on 2 GPU(s)", "length histogram", "p99"):
+        assert expected in text, expected
+    assert main(["--set", "batching.max_batch_size=0"]) == 2  # a bad recipe: error naming the key, exit 2
+    assert "batching.max_batch_size" in capsys.readouterr().err
+
+
+def test_no_benchmark_near_the_model_asks_for_a_figure(planned_and_run):
+    plan = make_run_plan(load_recipe(None, ["output.dir=/nonexistent/never-written", *BASE]))
+    assert plan["throughput"]["tokens_per_second"] is None and plan["wall"] is None
+    assert "no benchmark within 4x" in plan["throughput"]["source"]
+
+
+def test_unused_output_dir_is_not_created(planned_and_run, tmp_path):
+    out = tmp_path / "never"
+    make_run_plan(load_recipe(None, [f"output.dir={out}", *BASE]), tokens_per_second=1.0)
+    assert not out.exists() and not Path("/nonexistent").exists()

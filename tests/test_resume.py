@@ -1,0 +1,248 @@
+"""Resume after hard kills: SIGKILL `python extract.py` at random (seeded) moments, re-run, and the result equals
+an uninterrupted run's, sample for sample and byte for byte; the same for a 2-process run resumed as 1 process.
+
+Each killed run leaves what a dead node leaves (committed shards, maybe a `.tmp` shard, maybe a shard renamed
+but not yet in the index); the next run must discard exactly the uncommitted part and redo only what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from dflash_prep.inspect_output import check_output, unlisted_shard_files
+from dflash_prep.manifest import read_committed
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+       "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+ENV.pop("DFLASH_PREP_FAULTS", None)
+NUM_SAMPLES = 150
+# 23 batches in ~11 small shards (about two batches each), so a kill has many commit points to land
+# between, and often finds a shard half written (.tmp).
+COMMON = ["--set", f"data.max_samples={NUM_SAMPLES}", "--set", "batching.num_workers=0",
+          "--set", "batching.max_tokens_per_batch=4096", "--set", "output.max_shard_bytes=2MB"]
+MEMBERS = ("input_ids.npy", "loss_mask.npy", "hidden_states.safetensors", "meta.json")
+
+
+def extract_cmd(out: Path) -> list[str]:
+    return [sys.executable, "extract.py", "--set", f"output.dir={out}", *COMMON]
+
+
+def launch_2proc_cmd(out: Path) -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+            str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "extract.py", "--set", f"output.dir={out}", *COMMON]
+
+
+def raw_records(out_dir: Path) -> dict[str, dict[str, bytes]]:
+    """sample id -> {member: bytes} over the shards the manifest lists (plain tarfile; asserts no id twice)."""
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    records: dict[str, dict[str, bytes]] = {}
+    for shard in manifest["shards"]:
+        with tarfile.open(out_dir / shard["path"]) as tar:
+            for info in tar:
+                key, member = info.name.split(".", 1)
+                records.setdefault(key, {})
+                assert member not in records[key], f"{key}.{member} written twice"
+                records[key][member] = tar.extractfile(info).read()
+    return records
+
+
+def count_in_logs(out_dir: Path, text: str, ranks: int) -> list[int]:
+    counts = []
+    for r in range(ranks):
+        path = out_dir / "logs" / f"rank-{r:05d}.log"
+        counts.append(path.read_text().count(text) if path.exists() else 0)
+    return counts
+
+
+def descendants(pid: int) -> list[int]:
+    """All processes below `pid` (torchrun starts its workers in sessions of their own, so a process group kill
+    of the launcher would miss them)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the process and everything it started, at once (what a dead node does)."""
+    pids = [proc.pid] + descendants(proc.pid)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
+    for pid in pids[1:]:  # reap-free wait: children of the launcher are re-parented; wait until they are gone
+        deadline = time.time() + 30
+        while Path(f"/proc/{pid}").exists() and time.time() < deadline:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+            time.sleep(0.05)
+
+
+def state_of(out_dir: Path) -> dict:
+    shard_files = sorted(p for p in (out_dir / "shards").glob("rank-*/*")) if (out_dir / "shards").exists() else []
+    committed = read_committed(out_dir)
+    listed = {str(out_dir / r.path) for r in committed}
+    return {"committed_shards": len(committed), "committed_samples": sum(r.num_samples for r in committed),
+            "tmp_files": sum(p.name.endswith(".tmp") for p in shard_files),
+            "unindexed_shards": sum(p.suffix == ".tar" and str(p) not in listed for p in shard_files),
+            "finished": (out_dir / "manifest.json").exists()}
+
+
+def index_lines(out_dir: Path) -> int:
+    return sum(p.read_bytes().count(b"\n") for p in (out_dir / "index").glob("rank-*.jsonl"))
+
+
+def run_and_kill(cmd: list[str], out_dir: Path, new_shards: int, jitter: float) -> dict:
+    """Start `cmd`, wait until it has committed `new_shards` more shards (all ranks together), sleep `jitter`
+    seconds (so the kill lands anywhere: in a forward, mid-write, mid-commit), then SIGKILL it and its children."""
+    before = index_lines(out_dir) if (out_dir / "index").exists() else 0
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if (out_dir / "index").exists() and index_lines(out_dir) >= before + new_shards:
+            break
+        time.sleep(0.02)
+    time.sleep(jitter)
+    exited = proc.poll()
+    kill_tree(proc)
+    return {"after_new_shards": new_shards, "jitter_s": round(jitter, 3), "exited_before_kill": exited,
+            **state_of(out_dir)}
+
+
+@pytest.fixture(scope="module")
+def reference_out(tmp_path_factory) -> Path:
+    """An uninterrupted run of the same command."""
+    out = tmp_path_factory.mktemp("reference") / "out"
+    proc = subprocess.run(extract_cmd(out), cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(reference_out) -> dict[str, dict[str, bytes]]:
+    records = raw_records(reference_out)
+    assert len(records) == NUM_SAMPLES
+    assert len(json.loads((reference_out / "manifest.json").read_text())["shards"]) >= 8
+    return records
+
+
+def finish_and_compare(out: Path, reference: dict) -> subprocess.CompletedProcess:
+    proc = subprocess.run(extract_cmd(out), cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = raw_records(out)
+    assert set(records) == set(reference), "the sample ids differ from an uninterrupted run"
+    for key, members in reference.items():
+        for member in MEMBERS:
+            assert records[key][member] == members[member], f"{key}.{member} differs from an uninterrupted run"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["num_samples"] == NUM_SAMPLES and manifest["num_failed"] == 0
+    assert not list(out.rglob("*.tmp")), "a temporary file survived"
+    assert unlisted_shard_files(out) == [], "a shard file the manifest does not list survived"
+    assert check_output(out) == []  # `inspect --check`: sizes, hashes, counts, invariants
+    return proc
+
+
+def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_path, reference):
+    """A crash in the narrowest window of a commit (fault hook: the process dies right after a shard's rename,
+    before its index line), then three SIGKILLs at random (seeded) points, then a run to the end."""
+    out = tmp_path / "out"
+    rng = random.Random(20261129)
+    crash_shard = rng.randint(1, 4)
+    proc = subprocess.run(extract_cmd(out), cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**ENV, "DFLASH_PREP_FAULTS": json.dumps({"exit_after_rename_shard": crash_shard})})
+    crash = {"exit_after_rename_shard": crash_shard, "returncode": proc.returncode, **state_of(out)}
+    assert proc.returncode == 137 and crash["unindexed_shards"] == 1 and crash["committed_shards"] == crash_shard
+    kills = [run_and_kill(extract_cmd(out), out, new_shards=rng.randint(1, 3), jitter=rng.uniform(0.0, 0.3))
+             for _ in range(3)]
+    print("\n1 process:", crash, *kills, sep="\n  ")
+    assert all(not k["finished"] and k["exited_before_kill"] is None for k in kills), "a run ended before its kill"
+    proc = finish_and_compare(out, reference)
+    assert "resume:" in proc.stderr
+    log = (out / "logs" / "rank-00000.log").read_text()
+    assert "removed 1 uncommitted file(s)" in log  # the renamed-but-unindexed shard of the crash
+
+
+def test_two_processes_killed_then_resumed_as_one(tmp_path, reference):
+    """8 -> 4 GPUs in small: `accelerate launch` with 2 processes killed mid-run, finished by plain `python`."""
+    out = tmp_path / "out"
+    rng = random.Random(7)
+    kill = run_and_kill(launch_2proc_cmd(out), out, new_shards=rng.randint(2, 4), jitter=rng.uniform(0.0, 0.3))
+    ranks_with_shards = {Path(r.path).parent.name for r in read_committed(out)}
+    print("\n2 processes:", kill, "ranks with committed shards:", sorted(ranks_with_shards))
+    assert not kill["finished"] and kill["exited_before_kill"] is None and kill["committed_shards"] > 0
+    finish_and_compare(out, reference)
+    manifest = json.loads((out / "manifest.json").read_text())
+    # The shards the 2-process run committed are kept; the 1-process run added the rest under rank-00000.
+    assert ranks_with_shards <= {Path(s["path"]).parent.name for s in manifest["shards"]}
+    assert json.loads((out / "summary.json").read_text())["num_ranks"] == 1
+
+
+def test_resuming_into_another_jobs_output_names_what_differs(tmp_path, reference_out, capsys):
+    """No silent mixing: each content-deciding change is refused, naming the key, before any model loads."""
+    from dflash_prep.extract import EXIT_BAD_RECIPE, main
+
+    tokenizer = tmp_path / "tokenizer"
+    shutil.copytree(REPO / "recipes" / "tiny-demo" / "tokenizer", tokenizer)
+    with open(tokenizer / "chat_template.jinja", "a") as f:
+        f.write("{# another template #}")
+    data = tmp_path / "data.jsonl"
+    shutil.copy(REPO / "recipes" / "tiny-demo" / "data" / "conversations.jsonl", data)
+    base = ["--set", f"output.dir={reference_out}", *COMMON]
+    before = sorted(p.name for p in reference_out.rglob("*"))
+    for override, named in [
+        ("data.max_length=512", "data.max_length: output has 2048, this run has 512"),
+        ("layers.num_layers=2", "layer_ids: output has [1, 3, 5], this run has [1, 5]"),
+        ("output.dtype=float32", "dtype: output has 'bfloat16', this run has 'float32'"),
+        ("model.init_seed=1", "model fingerprint differs"),
+        (f"model.tokenizer={tokenizer}", "tokenizer fingerprint differs"),
+        (f"data.path={data}", "data.path: output has"),
+    ]:
+        assert main([*base, "--set", override]) == EXIT_BAD_RECIPE, override
+        err = capsys.readouterr().err
+        assert named in err and "--set output.overwrite=true" in err, (override, err[-500:])
+    assert sorted(p.name for p in reference_out.rglob("*")) == before  # nothing touched
+    log = (reference_out / "logs" / "rank-00000.log").read_text()
+    assert log.count("model loaded") == 1  # only the reference run's own
+
+
+def test_overwrite_starts_afresh_on_purpose(tmp_path, reference_out):
+    import torch
+
+    from dflash_prep.extract import main
+
+    out = tmp_path / "out"
+    shutil.copytree(reference_out, out)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(["--set", f"output.dir={out}", *COMMON, "--set", "data.max_samples=20",
+                     "--set", "layers.num_layers=2", "--set", "output.overwrite=true"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["layer_ids"] == [1, 5] and manifest["num_samples"] == 20
+    assert unlisted_shard_files(out) == [] and check_output(out) == []  # no shard of the old job is left

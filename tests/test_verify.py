@@ -1,0 +1,145 @@
+"""`dflash-prep verify`: passes on a fresh output (errors at the level of bf16 rounding), fails naming the sample
+and the layer when one stored value is altered and the shard hash updated (so only the value check can catch
+it), fails on a shard whose hash is wrong, refuses another model, and draws its samples with the printed seed.
+
+One small extraction (bf16 storage, fp32 compute, final layer after the norm) is shared by the module; each
+corruption works on its own copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import struct
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_prep.verify import STORAGE_TOLERANCE, choose_samples, main, verify
+
+NUM_ROWS = 12
+BASE = [f"data.max_samples={NUM_ROWS}", "data.max_length=192", "batching.max_tokens_per_batch=1024",
+        "batching.num_workers=0", "layers.capture_final=after_norm", "output.max_shard_bytes=100KB"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """Tiny models: one intra-op thread is as fast, and immune to oversubscribed cores (restored after)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def output(tmp_path_factory) -> Path:
+    from dflash_prep.extract import run_extraction
+    from dflash_prep.recipe import load_recipe
+
+    out = tmp_path_factory.mktemp("verify") / "out"
+    run_extraction(load_recipe(None, [f"output.dir={out}", *BASE]))
+    return out
+
+
+@pytest.fixture
+def copy(output, tmp_path) -> Path:
+    dest = tmp_path / "copy"
+    shutil.copytree(output, dest)
+    return dest
+
+
+def _quiet(*args) -> None:
+    pass
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_fresh_output_passes_with_bf16_rounding_errors(output, capsys):
+    report = verify(output, num_samples=NUM_ROWS, log=_quiet)
+    assert report.ok and report.integrity_problems == []
+    assert len(report.sample_ids) == NUM_ROWS
+    layers = {r.layer for r in report.results}
+    assert layers == {"1", "3", "5", "final (after_norm)"} and len(report.results) == NUM_ROWS * 4
+    # fp32 compute: batched == alone up to kernel noise, so what is left is bf16 storage rounding (2^-8).
+    worst = max(r.relative_error for r in report.results)
+    assert 0 < worst <= STORAGE_TOLERANCE["bfloat16"] + 1e-5, worst
+    assert main([str(output), "--num-samples", "2"]) == 0
+    assert "verify: OK" in capsys.readouterr().out
+
+
+def _alter_one_value(out: Path, sample_id: str, slot: int, token: int, column: int, factor: float) -> tuple:
+    """Add `factor` x (max |value| of that layer of that sample) to one stored bf16 value, in place in its shard,
+    and update the manifest's sha256 so that only a value check can see it. Returns (old, new) values."""
+    manifest = json.loads((out / "manifest.json").read_text())
+    H = manifest["hidden_size"]
+    for entry in manifest["shards"]:
+        path = out / entry["path"]
+        with tarfile.open(path, "r:") as tar:
+            member = next((m for m in tar if m.name == f"{sample_id}.hidden_states.safetensors"), None)
+        if member is None:
+            continue
+        data = bytearray(path.read_bytes())
+        start = member.offset_data
+        (n,) = struct.unpack("<Q", data[start:start + 8])
+        header = json.loads(data[start + 8:start + 8 + n])
+        info = header["hidden_states"]
+        T, W = info["shape"]
+        base = start + 8 + n + info["data_offsets"][0]
+        states = torch.frombuffer(bytearray(data[base:base + T * W * 2]), dtype=torch.bfloat16).view(T, W)
+        layer_max = float(states[:, slot * H:(slot + 1) * H].float().abs().max())
+        old = states[token, slot * H + column].clone()
+        new = (old.float() + factor * layer_max).to(torch.bfloat16)
+        at = base + (token * W + slot * H + column) * 2
+        data[at:at + 2] = new.reshape(1).view(torch.uint8).numpy().tobytes()
+        path.write_bytes(bytes(data))
+        entry["sha256"] = _sha256(path)
+        (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        return float(old), float(new)
+    raise AssertionError(f"sample {sample_id} not found")
+
+
+def test_one_altered_value_fails_naming_the_sample_and_the_layer(copy, capsys):
+    from dflash_prep.inspect_output import check_output
+
+    sample_id = sorted(json.loads((copy / "index" / "rank-00000.jsonl").read_text().splitlines()[0])["sample_ids"])[0]
+    old, new = _alter_one_value(copy, sample_id, slot=1, token=5, column=17, factor=0.02)
+    assert old != new
+    assert check_output(copy) == []  # hashes and format agree: inspect --check cannot see it
+    assert main([str(copy), "--num-samples", str(NUM_ROWS)]) == 1
+    out = capsys.readouterr().out
+    fails = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert len(fails) == 1, out
+    assert fails[0].startswith(f"FAIL sample {sample_id} layer 3:") and "(token 5)" in fails[0]
+    report = verify(copy, num_samples=NUM_ROWS, check_shards=False, log=_quiet)
+    assert [(r.sample_id, r.layer) for r in report.failures] == [(sample_id, "3")]
+    assert report.failures[0].max_abs_error == pytest.approx(abs(new - old), rel=0.2)
+
+
+def test_a_shard_whose_bytes_changed_fails_the_hash_check(copy, capsys):
+    shard = next(iter(sorted((copy / "shards").rglob("*.tar"))))
+    data = bytearray(shard.read_bytes())
+    data[-20000] ^= 0x01  # inside the last sample's states, hash not updated
+    shard.write_bytes(bytes(data))
+    assert main([str(copy), "--num-samples", "1"]) == 1
+    out = capsys.readouterr().out
+    assert f"FAIL {shard.relative_to(copy)}: sha256" in out and "verify: FAILED" in out
+
+
+def test_samples_are_drawn_with_the_printed_seed(output, capsys):
+    assert main([str(output), "--num-samples", "3", "--seed", "7", "--skip-hash"]) == 0
+    out = capsys.readouterr().out
+    ids = [line for line in out.splitlines() if "drawn with seed 7" in line][0].rsplit(": ", 1)[1].split(", ")
+    all_ids = [f"{i:010d}" for i in range(NUM_ROWS)]
+    assert ids == choose_samples(all_ids, 3, 7) and len(set(ids)) == 3
+    assert choose_samples(all_ids, 3, 8) != ids and choose_samples(all_ids, 99, 0) == all_ids
+
+
+def test_another_model_cannot_verify(output, capsys):
+    assert main([str(output), "--set", "model.init_seed=1"]) == 2
+    assert "model_fingerprint" in capsys.readouterr().err
+    assert main([str(output.parent / "missing")]) == 2
