@@ -165,8 +165,9 @@ class ShardWriter:
         self.next_number += 1
         f = open(final.with_name(final.name + ".tmp"), "wb")
         hashing = _HashingFile(f)
-        # mtime fixed: the same records give the same bytes (and hash) on every run.
-        tar = self._wds.TarWriter(hashing, encoder=False, mtime=0.0)
+        # mtime fixed: the same records give the same bytes (and hash) on every run. An int: a float mtime
+        # makes tarfile add a 1 KiB pax header to every member.
+        tar = self._wds.TarWriter(hashing, encoder=False, mtime=0)
         rel = str(final.relative_to(self.out_dir))
         self._open = (final, f, hashing, tar, ShardRecord(rel, 0, 0, 0, ""))
 

@@ -8,6 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# One thread: in-process forwards on tiny models are dominated by thread start-up and, on a shared 2-core
+# machine, by contention (10-100x slower with the default thread count when the other core is busy).
+torch.set_num_threads(1)
+
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "recipes" / "tiny-demo"
 
