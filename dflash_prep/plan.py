@@ -439,8 +439,6 @@ def build_parser(prog: str = "dflash-prep plan") -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """`dflash-prep plan --recipe R [--set k=v] [--num-gpus N] [--tokens-per-second X] [--json]`."""
-    import logging
-
     from .recipe import load_recipe
 
     args = build_parser().parse_args(argv)

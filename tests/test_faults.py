@@ -47,18 +47,8 @@ def failed_lines(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "failed.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread, like the subprocess tests (OMP_NUM_THREADS=1): spinning OpenMP threads crawl on a
-    busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
-def clean(tmp_path_factory, one_thread):
+def clean(tmp_path_factory):
     """A run without faults: its plan and its records (this process, so bytes compare exactly)."""
     out = tmp_path_factory.mktemp("clean") / "out"
     assert main(argv(out)) == 0

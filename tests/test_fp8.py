@@ -28,15 +28,6 @@ def _bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return A * x.abs() + B * scale + 1e-6 * x.abs() + 1e-30
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny models: one intra-op thread is as fast, and immune to oversubscribed cores (restored after)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory) -> dict[str, Path]:
     from dflash_prep.extract import run_extraction

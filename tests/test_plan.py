@@ -23,15 +23,6 @@ BASE = ["data.max_samples=60", "data.max_length=384", "data.overlong=skip", "bat
         "batching.num_workers=0", "output.max_shard_bytes=1MB"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny models: one intra-op thread is as fast, and immune to oversubscribed cores (restored after)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def planned_and_run(tmp_path_factory):
     """(plan, manifest, summary) of the same recipe: planned first, then extracted."""

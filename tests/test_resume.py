@@ -230,19 +230,12 @@ def test_resuming_into_another_jobs_output_names_what_differs(tmp_path, referenc
 
 
 def test_overwrite_starts_afresh_on_purpose(tmp_path, reference_out):
-    import torch
-
     from dflash_prep.extract import main
 
     out = tmp_path / "out"
     shutil.copytree(reference_out, out)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert main(["--set", f"output.dir={out}", *COMMON, "--set", "data.max_samples=20",
-                     "--set", "layers.num_layers=2", "--set", "output.overwrite=true"]) == 0
-    finally:
-        torch.set_num_threads(threads)
+    assert main(["--set", f"output.dir={out}", *COMMON, "--set", "data.max_samples=20",
+                 "--set", "layers.num_layers=2", "--set", "output.overwrite=true"]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["layer_ids"] == [1, 5] and manifest["num_samples"] == 20
     assert unlisted_shard_files(out) == [] and check_output(out) == []  # no shard of the old job is left

@@ -25,15 +25,6 @@ BASE = [f"data.max_samples={NUM_ROWS}", "data.max_length=192", "batching.max_tok
         "batching.num_workers=0", "layers.capture_final=after_norm", "output.max_shard_bytes=100KB"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny models: one intra-op thread is as fast, and immune to oversubscribed cores (restored after)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def output(tmp_path_factory) -> Path:
     from dflash_prep.extract import run_extraction
