@@ -962,7 +962,7 @@ def main(argv: list[str] | None = None) -> dict:
         "benchmark": "dflash-prep extraction: per-sample vs fixed-batch vs dflash-prep",
         "report_version": 1, "timestamp": timestamp,
         "command": [sys.argv[0]] + list(sys.argv[1:] if argv is None else argv),
-        "model": args.model, "config": str(CONFIG_DIR / spec.config), "layer_ids": layer_ids,
+        "model": args.model, "config": str((CONFIG_DIR / spec.config).relative_to(REPO_ROOT)), "layer_ids": layer_ids,
         "layer_rule": spec.layer_rule, "model_info": {k: v for k, v in info.items() if k != "per_layer_params"},
         "environment": environment(device),
         "settings": {"modes": modes, "device": str(device), "dtype": dtype_name,
