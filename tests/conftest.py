@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -48,3 +49,17 @@ def llama_config_file(tmp_path_factory) -> Path:
 def demo_overrides(out_dir: Path, **extra) -> list[str]:
     """`--set` overrides that send the demo recipe's output to `out_dir` (plus any extra key=value)."""
     return [f"output.dir={out_dir}"] + [f"{k}={v}" for k, v in extra.items()]
+
+
+def raw_records(out_dir: Path) -> dict[str, dict[str, bytes]]:
+    """sample id -> {member: bytes} over the shards the manifest lists (plain tarfile; asserts no id twice)."""
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    records: dict[str, dict[str, bytes]] = {}
+    for shard in manifest["shards"]:
+        with tarfile.open(out_dir / shard["path"]) as tar:
+            for info in tar:
+                key, member = info.name.split(".", 1)
+                records.setdefault(key, {})
+                assert member not in records[key], f"{key}.{member} written twice"
+                records[key][member] = tar.extractfile(info).read()
+    return records

@@ -6,14 +6,13 @@ raises the error (or writes the NaN) where the spec says.
 from __future__ import annotations
 
 import json
-import tarfile
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load as safetensors_load
 
-from conftest import demo_overrides
+from conftest import demo_overrides, raw_records
 from dflash_prep.backoff import FAIL_NON_FINITE, FAIL_OOM, is_oom
 from dflash_prep.extract import EXIT_FAILED_SAMPLES, EXIT_STOPPED, main
 from dflash_prep.faults import ENV_VAR, Faults
@@ -26,17 +25,6 @@ SETTINGS = {"data.max_samples": 64, "batching.num_workers": 0, "batching.max_tok
 
 def argv(out: Path, **extra) -> list[str]:
     return [a for kv in demo_overrides(out, **{**SETTINGS, **extra}) for a in ("--set", kv)]
-
-
-def records(out: Path) -> dict[str, dict[str, bytes]]:
-    manifest = json.loads((out / "manifest.json").read_text())
-    found: dict[str, dict[str, bytes]] = {}
-    for shard in manifest["shards"]:
-        with tarfile.open(out / shard["path"]) as tar:
-            for info in tar:
-                key, member = info.name.split(".", 1)
-                found.setdefault(key, {})[member] = tar.extractfile(info).read()
-    return found
 
 
 def states(member: bytes) -> torch.Tensor:
@@ -53,7 +41,7 @@ def clean(tmp_path_factory):
     out = tmp_path_factory.mktemp("clean") / "out"
     assert main(argv(out)) == 0
     plan = json.loads((out / "plan.json").read_text())["batches"]  # [[padded_length, [row indices]]]
-    return {"out": out, "plan": plan, "records": records(out)}
+    return {"out": out, "plan": plan, "records": raw_records(out)}
 
 
 def test_no_faults_unless_the_variable_is_set(monkeypatch):
@@ -110,7 +98,7 @@ def test_oom_splits_the_batch_lowers_the_budget_and_fails_only_what_does_not_fit
     assert summary["ranks"][0]["oom_batch_caps"][str(T)] == cap
     assert check_output(out) == []
     # Every other sample is written, with the states it gets unsplit (up to the kernels' batch-size noise).
-    got = records(out)
+    got = raw_records(out)
     assert set(got) == set(clean["records"]) - set(too_big)
     for key, members in got.items():
         assert members["input_ids.npy"] == clean["records"][key]["input_ids.npy"]
@@ -133,7 +121,7 @@ def test_nan_sample_is_recorded_as_failed_not_written(tmp_path, monkeypatch, cap
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["num_failed"] == 1 and manifest["failed"] == {FAIL_NON_FINITE: 1}
     assert [(f["sample_id"], f["reason"]) for f in failed_lines(out)] == [(bad, FAIL_NON_FINITE)]
-    got = records(out)
+    got = raw_records(out)
     assert bad not in got and set(got) == set(clean["records"]) - {bad}
     assert all(got[k] == clean["records"][k] for k in got)  # nothing else changes, byte for byte
     assert check_output(out) == []
@@ -155,7 +143,7 @@ def test_nan_policy_fatal_stops_cleanly_and_a_resume_completes(tmp_path, monkeyp
     assert all((out / r.path).is_file() for r in committed)
     monkeypatch.delenv(ENV_VAR)
     assert main(argv(out, **{"output.nan_policy": "fatal"})) == 0
-    assert records(out) == clean["records"]
+    assert raw_records(out) == clean["records"]
 
 
 def test_full_disk_stops_cleanly_with_a_clear_message_and_a_resume_completes(tmp_path, monkeypatch, capsys,
@@ -177,7 +165,7 @@ def test_full_disk_stops_cleanly_with_a_clear_message_and_a_resume_completes(tmp
     assert "Traceback" in (out / "logs" / "rank-00000.log").read_text()  # the details are in the log
     monkeypatch.delenv(ENV_VAR)
     assert main(argv(out)) == 0
-    assert records(out) == clean["records"]
+    assert raw_records(out) == clean["records"]
     assert unlisted_shard_files(out) == [] and check_output(out) == []
 
 

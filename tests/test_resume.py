@@ -14,13 +14,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, raw_records
 from dflash_prep.inspect_output import check_output, unlisted_shard_files
 from dflash_prep.manifest import read_committed
 
@@ -42,20 +41,6 @@ def extract_cmd(out: Path) -> list[str]:
 def launch_2proc_cmd(out: Path) -> list[str]:
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
             str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "extract.py", "--set", f"output.dir={out}", *COMMON]
-
-
-def raw_records(out_dir: Path) -> dict[str, dict[str, bytes]]:
-    """sample id -> {member: bytes} over the shards the manifest lists (plain tarfile; asserts no id twice)."""
-    manifest = json.loads((out_dir / "manifest.json").read_text())
-    records: dict[str, dict[str, bytes]] = {}
-    for shard in manifest["shards"]:
-        with tarfile.open(out_dir / shard["path"]) as tar:
-            for info in tar:
-                key, member = info.name.split(".", 1)
-                records.setdefault(key, {})
-                assert member not in records[key], f"{key}.{member} written twice"
-                records[key][member] = tar.extractfile(info).read()
-    return records
 
 
 def count_in_logs(out_dir: Path, text: str, ranks: int) -> list[int]:
