@@ -43,8 +43,15 @@ def load_config(section: ModelSection):
 
 
 def model_fingerprint(section: ModelSection, config) -> str:
-    """sha256 of the config and where the weights come from (path or random seed)."""
-    payload = {"config": config.to_dict(), "weights": section.name_or_path or f"random:{section.init_seed}",
+    """sha256 of the config and where the weights come from (path or random seed).
+
+    The config's own `_name_or_path` (the folder or file it was read from) is left out: the same config read
+    from another checkout is the same model.
+    """
+    def without_source(d):
+        return {k: without_source(v) if isinstance(v, dict) else v for k, v in d.items() if k != "_name_or_path"}
+
+    payload = {"config": without_source(config.to_dict()), "weights": section.name_or_path or f"random:{section.init_seed}",
                "dtype": section.dtype}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 

@@ -119,3 +119,21 @@ def test_bad_recipe_fails_before_the_model_loads_naming_the_key(tmp_path, capsys
     log = (out / "logs" / "rank-00000.log").read_text()
     assert "model loaded" not in log and "data:" not in log  # nothing loaded, nothing tokenized
     assert sorted(p.name for p in out.iterdir()) == ["logs"]  # no run_state.json to block the fixed command
+
+
+def test_model_fingerprint_depends_on_the_config_not_on_where_it_was_read(tmp_path):
+    import json
+    import shutil
+
+    from dflash_prep.model import load_config, model_fingerprint
+
+    here = load_recipe(None)
+    moved = tmp_path / "model_config.json"
+    shutil.copy(here.model.config, moved)
+    there = load_recipe(None, [f"model.config={moved}"])
+    assert model_fingerprint(there.model, load_config(there.model)) == model_fingerprint(here.model, load_config(here.model))
+
+    changed = json.loads(moved.read_text())
+    changed["rms_norm_eps"] = 1e-5 if changed.get("rms_norm_eps") != 1e-5 else 1e-6
+    moved.write_text(json.dumps(changed))
+    assert model_fingerprint(there.model, load_config(there.model)) != model_fingerprint(here.model, load_config(here.model))
