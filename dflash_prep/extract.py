@@ -50,7 +50,7 @@ from .model import (STORAGE_TORCH_DTYPES, decoder_params_in, describe_source, dr
 from .model import tokenizer_fingerprint as _tokenizer_fingerprint  # noqa: E402  (moved to model.py)
 from .planner import PlannedBatch, ShapeBuckets, plan_batches, plan_stats, split_across_ranks  # noqa: E402
 from .recipe import Recipe, RecipeError  # noqa: E402
-from .writer import AsyncShardWriter, NonFiniteStatesError, PendingBatch, ShardWriter, rank_name  # noqa: E402
+from .writer import AsyncShardWriter, NonFiniteStatesError, PendingBatch, lanes, rank_name  # noqa: E402
 
 log = logging.getLogger("dflash_prep")
 
@@ -325,9 +325,9 @@ def run_extraction(recipe: Recipe) -> dict | None:
              f" + final ({recipe.layers.capture_final})" if recipe.layers.capture_final != "none" else "")
 
     # 5. The loop.
-    writer = ShardWriter(out_dir, rank, recipe.output.max_shard_bytes,
-                         first_shard_number=next_shard_number(committed, rank_name(rank)), faults=faults)
-    async_writer = AsyncShardWriter(writer, nan_policy=recipe.output.nan_policy)
+    writer = AsyncShardWriter(
+        lanes(out_dir, rank, recipe.output.max_shard_bytes, next_shard_number(committed, rank_name(rank)),
+              recipe.output.num_writer_threads, faults), nan_policy=recipe.output.nan_policy)
     runner = None
     loader = torch.utils.data.DataLoader(
         PlannedBatches(data.kept, mine, tokenizer.pad_token_id or 0), batch_size=None, shuffle=False,
@@ -354,7 +354,7 @@ def run_extraction(recipe: Recipe) -> dict | None:
                     gpu_timer.stop()
                 hs, final, nonfinite, event = _to_host(out, device)
                 rank_stats.forward_seconds += time.perf_counter() - t_fwd
-                async_writer.submit(PendingBatch(batch.batch_id, out.samples, hs, final, event, layer_ids,
+                writer.submit(PendingBatch(batch.batch_id, out.samples, hs, final, event, layer_ids,
                                                  failed=out.failed, nonfinite_B=nonfinite))
                 rank_stats.num_batches += 1
                 rank_stats.num_samples += len(batch.samples)
@@ -366,13 +366,13 @@ def run_extraction(recipe: Recipe) -> dict | None:
                     elapsed = time.perf_counter() - t_loop
                     progress.set_postfix(tok_s=f"{rank_stats.num_real_tokens * world / elapsed:,.0f}", refresh=False)
                 t_wait = time.perf_counter()
-        async_writer.close()
+        writer.close()
     except BaseException as e:
         try:
-            async_writer.abort()  # drains the queue, drops the open shard (its .tmp)
+            writer.abort()  # drains the queue, drops the open shard (its .tmp)
         except Exception as abort_error:  # noqa: BLE001 - the original error is the one to report
             log.error("could not clean up the open shard: %s", abort_error)
-        if e is async_writer.error or isinstance(e, NonFiniteStatesError):
+        if e is writer.error or isinstance(e, NonFiniteStatesError):
             message = _stopped_message(out_dir, rank, writer, e)
             log.error("%s", message, exc_info=e, extra={"console": False})
             raise ExtractionError(message) from e
@@ -382,7 +382,7 @@ def run_extraction(recipe: Recipe) -> dict | None:
     finally:
         if progress is not None:
             progress.close()
-    rank_stats.writer_wait_seconds = async_writer.wait_seconds
+    rank_stats.writer_wait_seconds = writer.wait_seconds
     loop_seconds = time.perf_counter() - t_loop
     gpu_forward_seconds = gpu_timer.total_seconds() if gpu_timer is not None else None
 
@@ -397,8 +397,8 @@ def run_extraction(recipe: Recipe) -> dict | None:
         "bytes_written": writer.bytes_written, "shards_committed": len(writer.committed),
         "decoder_params_run": decoder_params_in(model),
         "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-        "num_failed": len(async_writer.failed),
-        "failed": dict(sorted(Counter(f["reason"] for f in async_writer.failed).items())),
+        "num_failed": len(writer.failed),
+        "failed": dict(sorted(Counter(f["reason"] for f in writer.failed).items())),
         "num_oom": runner.num_ooms if runner is not None else 0,
         "num_split_batches": runner.num_split_batches if runner is not None else 0,
         "oom_batch_caps": {str(T): n for T, n in sorted(runner.caps.items())} if runner is not None else {},
@@ -489,7 +489,7 @@ def run_extraction(recipe: Recipe) -> dict | None:
     return summary
 
 
-def _stopped_message(out_dir: Path, rank: int, writer: ShardWriter, error: BaseException) -> str:
+def _stopped_message(out_dir: Path, rank: int, writer: AsyncShardWriter, error: BaseException) -> str:
     """One paragraph for a run that stopped cleanly: what went wrong, what is committed, how to go on."""
     if isinstance(error, NonFiniteStatesError):
         what, fix = str(error), "fix the cause (or set output.nan_policy: fail_sample), then re-run the same command"

@@ -13,7 +13,7 @@ Guarantees (tests/test_plan.py checks them against real extractions):
 - bytes on disk are computed member by member from the writer's own encoders (`writer._npy_bytes`,
   `writer.sample_meta` / `meta_json_bytes`), the safetensors header layout (sizes checked against the
   library in the tests), the tar header size measured by writing one probe sample through `writer.ShardWriter`,
-  and the writer's shard-roll rule replayed on each rank's batches (tar stream buffering and end-of-archive
+  and the writer's shard-roll rule replayed on each rank's batches (per writer lane, end-of-archive
   padding included): they equal the extraction's `num_bytes` for a run with the same number of processes;
 - wall time = (real tokens of the busiest rank) / (tokens/s per GPU), + first-seen-shape warm-up when the
   benchmark measured it for this very model. The tokens/s default is the warm dflash-prep figure of the newest
@@ -88,7 +88,7 @@ def tar_member_overhead() -> dict[str, int]:
     """Tar header bytes the shard writer puts before each member's data, by member suffix.
 
     Measured, not assumed: one probe sample is written through `ShardWriter` into a temporary folder and its
-    tar is parsed (webdataset's TarWriter writes a PAX header for every member, for instance)."""
+    tar is parsed (a float mtime, for instance, would add a PAX header to every member)."""
     import torch
 
     from .collate import SampleInfo
@@ -141,22 +141,23 @@ class RecordSizer:
         return blocks * self.H * item + (4 * blocks if dtype == "fp8_e4m3" else 0)
 
 
-def shard_sizes(record_bytes_in_order: list[list[int]], max_shard_bytes: int) -> list[int]:
+def shard_sizes(record_bytes_in_order: list[list[int]], max_shard_bytes: int, num_lanes: int = 1) -> list[int]:
     """Shard files one rank writes, given its batches (in the order it runs them) as lists of record sizes.
 
-    Replays `ShardWriter`: a shard is closed after the first batch whose end brings the bytes already written to
-    the file to `max_shard_bytes` or more; the tar stream (`w|`) passes bytes on in blocks of RECORDSIZE and
-    holds back the last partial one, and closing adds two zero blocks and pads to a multiple of RECORDSIZE."""
+    Replays `ShardWriter` and its lanes: batch i goes to lane i mod `num_lanes`; a lane closes its shard after the
+    first batch that brings it to `max_shard_bytes` or more; closing adds two zero blocks and pads the file to a
+    multiple of RECORDSIZE."""
     rec = tarfile.RECORDSIZE
-    sizes, content = [], 0
-    for batch in record_bytes_in_order:
-        content += sum(batch)
-        flushed = rec * max(0, -(-content // rec) - 1)
-        if flushed >= max_shard_bytes:
+    sizes = []
+    for lane in range(num_lanes):
+        content = 0
+        for batch in record_bytes_in_order[lane::num_lanes]:
+            content += sum(batch)
+            if content >= max_shard_bytes:
+                sizes.append(-(-(content + 2 * tarfile.BLOCKSIZE) // rec) * rec)
+                content = 0
+        if content:
             sizes.append(-(-(content + 2 * tarfile.BLOCKSIZE) // rec) * rec)
-            content = 0
-    if content:
-        sizes.append(-(-(content + 2 * tarfile.BLOCKSIZE) // rec) * rec)
     return sizes
 
 
@@ -312,7 +313,7 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
         shards = []
         for share in shares:
             shards += shard_sizes([[sizer.record_bytes(lengths[i], meta_len[i], dtype) for i in p.sample_indices]
-                                   for p in share], recipe.output.max_shard_bytes)
+                                   for p in share], recipe.output.max_shard_bytes, recipe.output.num_writer_threads)
         disk[dtype] = {"num_bytes": sum(shards), "num_shards": len(shards),
                        "states_bytes_per_token": sizer.states_bytes_per_token(dtype),
                        "bytes_per_token": sum(shards) / max(stats["num_real_tokens"], 1)}

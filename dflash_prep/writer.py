@@ -1,14 +1,19 @@
-"""Atomic, size-rolled webdataset shards, one writer per rank, written by a background thread.
+"""Atomic, size-rolled webdataset shards, written per rank by background writer threads ("lanes").
 
 Layout (per rank r):
     OUT/shards/rank-{r:05d}/shard-{n:06d}.tar      committed shards (plain, uncompressed tar)
-    OUT/shards/rank-{r:05d}/shard-{n:06d}.tar.tmp  the shard being written (never read, removed on resume)
+    OUT/shards/rank-{r:05d}/shard-{n:06d}.tar.tmp  a shard being written (never read, removed on resume)
     OUT/index/rank-{r:05d}.jsonl                   one line per committed shard, appended after its rename
+
+A rank with L lanes hands its i-th batch to lane i mod L; lane j numbers its shards first + j, first + j + L, ...
+(`first` = one past the rank's highest committed shard). So the layout depends only on the rank's batch order and
+L, not on thread timing, and shard numbers never collide; they may have gaps (a lane that got no batch).
 
 Guarantees:
 - a shard becomes visible under its final name only when complete: it is written to `.tmp`, flushed, fsync'ed
   and renamed; then its index line is appended and fsync'ed. A shard without an index line is not committed;
 - shards roll at batch boundaries only (a batch never spans two shards), once they reach `max_shard_bytes`;
+- the lanes of a rank share its index file; appends are serialized by a lock, each line whole;
 - each sample is one webdataset sample keyed by its `sample_id` with members `input_ids.npy` (int32),
   `loss_mask.npy` (uint8), `hidden_states.safetensors` (`hidden_states` [T, k*H], plus `final_hidden_states`
   [T, H] when captured) and `meta.json`; no pickle anywhere;
@@ -26,6 +31,7 @@ import io
 import json
 import os
 import queue
+import tarfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -65,15 +71,57 @@ class _HashingFile:
         self.discarded = False
 
     def write(self, data) -> int:
-        if self.discarded:  # an aborted shard: the tar stream's late flushes (e.g. from __del__) go nowhere
+        if self.discarded:  # an aborted shard: late writes go nowhere
             return len(data)
-        self.sha256.update(data)
+        self.sha256.update(data)  # hashlib and file writes release the GIL on large buffers
         self.num_bytes += len(data)
         return self.f.write(data)
 
     def flush(self) -> None:
         if not self.discarded:
             self.f.flush()
+
+
+# Tar layout constants, as `tarfile` writes them (POSIX: 512-byte blocks, the archive padded to 20-block records).
+_TAR_BLOCK = tarfile.BLOCKSIZE
+_TAR_RECORD = tarfile.RECORDSIZE
+
+
+class _TarStream:
+    """Writes webdataset samples as tar members: for each member one header (encoded by `tarfile.TarInfo`) and
+    one write of the data, straight from the encoded buffer.
+
+    The bytes are those `webdataset.TarWriter(f, encoder=False, mtime=0)` writes (members of a sample in sorted
+    order, owner bigdata, mode 0444; a test checks the equality), but `tarfile`'s stream mode, under that writer,
+    copies every member through Python in 10 KiB pieces, which capped one writer near 0.3-0.5 GB/s; one write per
+    member runs at the speed of the copy into the page cache and holds the GIL for microseconds, not seconds.
+    """
+
+    def __init__(self, f):
+        self.f = f
+        self.offset = 0
+
+    def _put(self, data) -> None:
+        self.f.write(data)
+        self.offset += len(data)
+
+    def write_sample(self, sample: dict) -> None:
+        key = sample["__key__"]
+        for member in sorted(k for k in sample if not k.startswith("_")):
+            data = sample[member]
+            if isinstance(data, str):
+                data = data.encode("utf-8")
+            info = tarfile.TarInfo(f"{key}.{member}")
+            info.size, info.mtime, info.mode, info.uname, info.gname = len(data), 0, 0o444, "bigdata", "bigdata"
+            self._put(info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))
+            self._put(data)
+            if len(data) % _TAR_BLOCK:
+                self._put(bytes(_TAR_BLOCK - len(data) % _TAR_BLOCK))
+
+    def close(self) -> None:
+        """End-of-archive: two zero blocks, then zeros up to a whole record."""
+        end = self.offset + 2 * _TAR_BLOCK
+        self._put(bytes(2 * _TAR_BLOCK + (-end) % _TAR_RECORD))
 
 
 def _npy_bytes(array: np.ndarray) -> bytes:
@@ -142,10 +190,9 @@ class ShardWriter:
     """Synchronous per-rank writer; `write_batch` appends whole batches, `close` commits the last shard."""
 
     def __init__(self, out_dir: str | Path, rank: int, max_shard_bytes: int, first_shard_number: int = 0,
-                 faults=None):
-        import webdataset as wds
-
-        self._wds = wds
+                 faults=None, shard_number_step: int = 1, index_lock: threading.Lock | None = None):
+        """`shard_number_step` and a shared `index_lock` let several writers (lanes) of one rank interleave their
+        shard numbers and share the rank's index file (see `lanes`)."""
         self.out_dir = Path(out_dir)
         self.rank = rank
         self.max_shard_bytes = max_shard_bytes
@@ -154,6 +201,8 @@ class ShardWriter:
         self.shard_dir.mkdir(parents=True, exist_ok=True)
         self.index_path.parent.mkdir(parents=True, exist_ok=True)
         self.next_number = first_shard_number
+        self.shard_number_step = shard_number_step
+        self.index_lock = index_lock if index_lock is not None else threading.Lock()
         self.committed: list[ShardRecord] = []
         self.bytes_written = 0
         self.write_seconds = 0.0
@@ -162,12 +211,12 @@ class ShardWriter:
 
     def _start_shard(self) -> None:
         final = self.shard_dir / f"shard-{self.next_number:06d}.tar"
-        self.next_number += 1
-        f = open(final.with_name(final.name + ".tmp"), "wb")
+        self.next_number += self.shard_number_step
+        # A 1 MiB buffer gathers the headers and paddings; member data (larger) goes straight to the file.
+        f = open(final.with_name(final.name + ".tmp"), "wb", buffering=1 << 20)
         hashing = _HashingFile(f)
-        # mtime fixed: the same records give the same bytes (and hash) on every run. An int: a float mtime
-        # makes tarfile add a 1 KiB pax header to every member.
-        tar = self._wds.TarWriter(hashing, encoder=False, mtime=0)
+        # mtime fixed (0): the same records give the same bytes (and hash) on every run.
+        tar = _TarStream(hashing)
         rel = str(final.relative_to(self.out_dir))
         self._open = (final, f, hashing, tar, ShardRecord(rel, 0, 0, 0, ""))
 
@@ -180,7 +229,7 @@ class ShardWriter:
         final, _, hashing, tar, record = self._open
         before = hashing.num_bytes
         for members, num_tokens in encoded:
-            tar.write(members)
+            tar.write_sample(members)
             if self.faults is not None:
                 self.faults.on_shard_write(self.rank, _shard_number(final), final.with_name(final.name + ".tmp"))
             record.num_samples += 1
@@ -210,21 +259,22 @@ class ShardWriter:
         fsync_dir(final.parent)
         if self.faults is not None:
             self.faults.after_rename(_shard_number(final))
-        index_size = self.index_path.stat().st_size if self.index_path.exists() else 0
-        try:
-            with open(self.index_path, "a") as idx:
-                idx.write(json.dumps(record.to_json()) + "\n")
-                idx.flush()
-                os.fsync(idx.fileno())
-        except BaseException:
-            # Not committed: take back a partly appended line and the renamed shard (best effort; a resume
-            # would remove the unlisted shard and ignore a torn line anyway).
+        with self.index_lock:  # the rank's lanes append to one index file
+            index_size = self.index_path.stat().st_size if self.index_path.exists() else 0
             try:
-                os.truncate(self.index_path, index_size)
-                final.unlink(missing_ok=True)
-            except OSError:
-                pass
-            raise
+                with open(self.index_path, "a") as idx:
+                    idx.write(json.dumps(record.to_json()) + "\n")
+                    idx.flush()
+                    os.fsync(idx.fileno())
+            except BaseException:
+                # Not committed: take back a partly appended line and the renamed shard (best effort; a resume
+                # would remove the unlisted shard and ignore a torn line anyway).
+                try:
+                    os.truncate(self.index_path, index_size)
+                    final.unlink(missing_ok=True)
+                except OSError:
+                    pass
+                raise
         self.committed.append(record)
 
     def close(self) -> None:
@@ -316,29 +366,65 @@ def encode_batch(pending: PendingBatch) -> list[tuple[dict, int]]:
     return out
 
 
-class AsyncShardWriter:
-    """Runs a `ShardWriter` on a background thread so the GPU never waits on serialization or the disk.
+def lanes(out_dir: str | Path, rank: int, max_shard_bytes: int, first_shard_number: int, num_lanes: int,
+          faults=None) -> list[ShardWriter]:
+    """The `num_lanes` writers of one rank: lane j numbers its shards first + j, first + j + num_lanes, ..."""
+    if num_lanes < 1:
+        raise ValueError(f"num_lanes must be >= 1, got {num_lanes}")
+    lock = threading.Lock()
+    return [ShardWriter(out_dir, rank, max_shard_bytes, first_shard_number + j, faults,
+                        shard_number_step=num_lanes, index_lock=lock) for j in range(num_lanes)]
 
-    `submit` blocks only when `max_pending_batches` batches are already waiting (bounded host memory).
+
+class AsyncShardWriter:
+    """Runs one or more `ShardWriter`s (lanes), each on its own thread, so the GPU never waits on serialization or
+    the disk; the i-th submitted batch goes to lane i mod L (a layout independent of timing).
+
+    Hashing, file writes and fsync release the GIL, so lanes add write bandwidth on a machine with
+    spare cores. `submit` blocks only when the receiving lane already has `max_pending_batches` batches waiting
+    (bounded host memory: at most L x (max_pending_batches + 1) batches are held).
     """
 
-    def __init__(self, writer: ShardWriter, max_pending_batches: int = 2, nan_policy: str = "fail_sample"):
-        self.writer = writer
+    def __init__(self, writers: ShardWriter | list[ShardWriter], max_pending_batches: int = 2,
+                 nan_policy: str = "fail_sample"):
+        self.writers = [writers] if isinstance(writers, ShardWriter) else list(writers)
         self.nan_policy = nan_policy
         self.failed: list[dict] = []  # failure records of the batches written by this run
-        self._queue: queue.Queue = queue.Queue(maxsize=max_pending_batches)
+        self._queues = [queue.Queue(maxsize=max_pending_batches) for _ in self.writers]
         self._error: BaseException | None = None
+        self._num_submitted = 0
         self.wait_seconds = 0.0  # time the producer spent blocked on a full queue
-        self._thread = threading.Thread(target=self._loop, name=f"shard-writer-{writer.rank}", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._loop, args=(w, q), daemon=True,
+                                          name=f"shard-writer-{w.rank}-{j}")
+                         for j, (w, q) in enumerate(zip(self.writers, self._queues))]
+        for t in self._threads:
+            t.start()
 
-    def _loop(self) -> None:
+    @property
+    def writer(self) -> ShardWriter:
+        """The first lane (the only one of a single-lane writer)."""
+        return self.writers[0]
+
+    @property
+    def committed(self) -> list[ShardRecord]:
+        return [r for w in self.writers for r in w.committed]
+
+    @property
+    def bytes_written(self) -> int:
+        return sum(w.bytes_written for w in self.writers)
+
+    @property
+    def write_seconds(self) -> float:
+        """Busy time summed over the lanes (may exceed wall time when lanes overlap)."""
+        return sum(w.write_seconds for w in self.writers)
+
+    def _loop(self, writer: ShardWriter, q: queue.Queue) -> None:
         while True:
-            item = self._queue.get()
+            item = q.get()
             if item is None:
                 return
             if self._error is not None:
-                continue  # drain: after an error nothing more is written
+                continue  # drain: after an error (in any lane) nothing more is written
             try:
                 failed = failure_records(item)
                 nonfinite = [f for f in failed if f["reason"] == FAIL_NON_FINITE]
@@ -346,14 +432,15 @@ class AsyncShardWriter:
                     raise NonFiniteStatesError(
                         f"non-finite (NaN/Inf) hidden states in sample(s) {[f['sample_id'] for f in nonfinite]} "
                         f"of batch {item.batch_id} (output.nan_policy: fatal)")
-                self.writer.write_batch(item.batch_id, encode_batch(item), failed)
+                writer.write_batch(item.batch_id, encode_batch(item), failed)
                 self.failed.extend(failed)
             except BaseException as e:  # noqa: BLE001 - handed to the producer thread
-                self._error = e
+                if self._error is None:
+                    self._error = e
 
     @property
     def error(self) -> BaseException | None:
-        """The error that stopped the writer thread, if any."""
+        """The error that stopped the writer threads, if any (the first one)."""
         return self._error
 
     def _raise_if_failed(self) -> None:
@@ -363,23 +450,41 @@ class AsyncShardWriter:
     def submit(self, pending: PendingBatch) -> None:
         self._raise_if_failed()
         t0 = time.perf_counter()
-        self._queue.put(pending)
+        self._queues[self._num_submitted % len(self._queues)].put(pending)
+        self._num_submitted += 1
         self.wait_seconds += time.perf_counter() - t0
 
+    def _join(self) -> None:
+        for q in self._queues:
+            q.put(None)
+        for t in self._threads:
+            t.join()
+
     def close(self) -> None:
-        """Wait for every submitted batch, commit the last shard, re-raise any error of the thread."""
-        self._queue.put(None)
-        self._thread.join()
+        """Wait for every submitted batch, commit the lanes' last shards, re-raise any error of a thread."""
+        self._join()
         if self._error is not None:
-            self.writer.abort()
+            self._abort_writers()
             raise self._error
-        try:
-            self.writer.close()
-        except BaseException as e:
-            self._error = e  # a write error of the last commit is reported like one of the thread
-            raise
+        for j, w in enumerate(self.writers):
+            try:
+                w.close()
+            except BaseException as e:
+                self._error = e  # a write error of a last commit is reported like one of a thread
+                for other in self.writers[j + 1:]:
+                    other.abort()
+                raise
+
+    def _abort_writers(self) -> None:
+        errors = []
+        for w in self.writers:
+            try:
+                w.abort()
+            except OSError as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
     def abort(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-        self.writer.abort()
+        self._join()
+        self._abort_writers()

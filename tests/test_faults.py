@@ -148,9 +148,10 @@ def test_nan_policy_fatal_stops_cleanly_and_a_resume_completes(tmp_path, monkeyp
 
 def test_full_disk_stops_cleanly_with_a_clear_message_and_a_resume_completes(tmp_path, monkeypatch, capsys,
                                                                             clean):
+    """One writer lane, so that shards commit in number order: 0 and 1 commit, 2 hits the full disk."""
     monkeypatch.setenv(ENV_VAR, json.dumps({"enospc_shard": 2}))
     out = tmp_path / "out"
-    assert main(argv(out)) == EXIT_STOPPED
+    assert main(argv(out, **{"output.num_writer_threads": 1})) == EXIT_STOPPED
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in err
@@ -164,7 +165,29 @@ def test_full_disk_stops_cleanly_with_a_clear_message_and_a_resume_completes(tmp
     assert not (out / "manifest.json").exists()
     assert "Traceback" in (out / "logs" / "rank-00000.log").read_text()  # the details are in the log
     monkeypatch.delenv(ENV_VAR)
-    assert main(argv(out)) == 0
+    assert main(argv(out)) == 0  # resumed with the default number of lanes
+    assert raw_records(out) == clean["records"]
+    assert unlisted_shard_files(out) == [] and check_output(out) == []
+
+
+def test_full_disk_under_several_writer_lanes_stops_cleanly_and_a_resume_completes(tmp_path, monkeypatch, capsys,
+                                                                                  clean):
+    """3 lanes write shards 0/3/6.., 1/4/7.., 2/5/8..; the disk fills while lane 1 writes its second shard (4)
+    while the other lanes hold open shards of their own: all of those are dropped, what was committed stays."""
+    monkeypatch.setenv(ENV_VAR, json.dumps({"enospc_shard": 4}))
+    out = tmp_path / "out"
+    assert main(argv(out, **{"output.num_writer_threads": 3})) == EXIT_STOPPED
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "No space left on device" in errors[0] and "Traceback" not in err
+    committed = read_committed(out)
+    names = sorted(Path(r.path).name for r in committed)
+    assert "shard-000001.tar" in names and "shard-000004.tar" not in names
+    shard_dir = out / "shards" / "rank-00000"
+    assert sorted(p.name for p in shard_dir.iterdir()) == names  # no .tmp, nothing unlisted
+    assert not (out / "manifest.json").exists()
+    monkeypatch.delenv(ENV_VAR)
+    assert main(argv(out, **{"output.num_writer_threads": 2})) == 0  # resumed with another number of lanes
     assert raw_records(out) == clean["records"]
     assert unlisted_shard_files(out) == [] and check_output(out) == []
 

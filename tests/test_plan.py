@@ -95,12 +95,14 @@ def test_safetensors_size_model_matches_the_library(dtype, T, final):
     assert safetensors_num_bytes(states_tensors(T, k, H, dtype, final)) == len(safetensors_save(real))
 
 
-def test_shard_roll_replays_the_stream_buffering():
-    # Batches of 5,000 bytes, shards of >= 9,000 bytes: the tar stream passes on whole 10,240-byte records only,
-    # so after batch 2 (10,000 bytes) nothing has reached the file yet and the shard closes after batch 3.
-    assert shard_sizes([[5000], [5000], [5000]], 9000) == [20480]
-    assert shard_sizes([[5000], [5000], [5000], [512]], 9000) == [20480, 10240]
-    assert shard_sizes([[10240], [1024]], 1) == [20480]  # 11,264 bytes + 1,024 end blocks -> 2 records
+def test_shard_roll_replays_the_writer_lanes():
+    # One lane: a shard closes after the batch that brings it to >= 9,000 bytes; + 1,024 end blocks, padded to
+    # whole 10,240-byte records.
+    assert shard_sizes([[6000], [3000], [6000], [3000]], 9000) == [10240, 10240]
+    # Two lanes: batches 0 and 2 (12,000 bytes) in lane 0, batches 1 and 3 (6,000 bytes) in lane 1.
+    assert shard_sizes([[6000], [3000], [6000], [3000]], 9000, num_lanes=2) == [20480, 10240]
+    assert shard_sizes([[10240], [1024]], 1) == [20480, 10240]
+    assert shard_sizes([[100]], 1, num_lanes=4) == [10240]  # lanes that got no batch write no shard
 
 
 def test_length_histogram_counts_every_sample():
