@@ -774,11 +774,11 @@ def run_dflash(ctx: Ctx, out_dir: Path, repeat_of: dict | None = None) -> dict:
             "idle_gpu": loop_s - t["forward"] - t["copy"],  # loop time with neither on the GPU
             "forward_host": r["forward_seconds"],  # host time inside forward + copy enqueue (summary)
             "writer_wait": r["writer_wait_seconds"],  # loop blocked on a full writer queue
-            "write": r["write_seconds"],  # writer thread: encode + tar + fsync (overlaps the GPU)
+            "write": r["write_seconds"],  # writer threads' busy time, summed: encode + tar + fsync (overlaps the GPU)
         },
         "recipe_batching": {"max_tokens_per_batch": b.max_tokens_per_batch, "max_batch_size": b.max_batch_size,
                             "length_multiple": b.length_multiple, "length_growth": b.length_growth,
-                            "num_workers": b.num_workers},
+                            "num_workers": b.num_workers, "num_writer_threads": recipe.output.num_writer_threads},
         # extract.py's own CUDA-event sum of the forwards (newer versions): a cross-check of forward_gpu above
         "summary_gpu_forward_seconds": r.get("gpu_forward_seconds"),
         "shapes": [list(s) for s in t["shapes"]],
@@ -1079,7 +1079,7 @@ BREAKDOWN_NOTES = {
     (True, "idle_gpu"): "loop time with neither on the GPU",
     (True, "forward_host"): "host time in forward + copy enqueue (overlaps the GPU)",
     (True, "writer_wait"): "loop blocked on a full writer queue",
-    (True, "write"): "writer thread: encode, tar, fsync (overlaps the GPU)",
+    (True, "write"): "writer threads, busy time summed: encode, tar, fsync (overlaps the GPU)",
 }
 
 

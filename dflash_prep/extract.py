@@ -394,6 +394,7 @@ def run_extraction(recipe: Recipe) -> dict | None:
         "gpu_idle_seconds": None if gpu_forward_seconds is None else max(loop_seconds - gpu_forward_seconds, 0.0),
         "data_wait_seconds": rank_stats.data_wait_seconds,
         "writer_wait_seconds": rank_stats.writer_wait_seconds, "write_seconds": writer.write_seconds,
+        "num_writer_threads": len(writer.writers),
         "bytes_written": writer.bytes_written, "shards_committed": len(writer.committed),
         "decoder_params_run": decoder_params_in(model),
         "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
