@@ -43,6 +43,7 @@ from .collate import PlannedBatches  # noqa: E402
 from .data import check_data_source, load_rows, tokenize_dataset, write_skipped  # noqa: E402
 from .faults import Faults  # noqa: E402
 from .layers import num_decoder_layers, resolve_layer_ids  # noqa: E402
+from .locks import LOCKS_DIR, OutputBusyError, check_no_rank_writing, lock_rank, lock_run  # noqa: E402
 from .manifest import (STATE_NAME, atomic_write_json, build_manifest, next_shard_number,  # noqa: E402
                        read_committed, remove_uncommitted, repair_indexes, write_manifest)
 from .model import (STORAGE_TORCH_DTYPES, decoder_params_in, describe_source, drop_layers_after,  # noqa: E402
@@ -164,8 +165,8 @@ def _prepare_output(out_dir: Path, recipe: Recipe, identity: dict) -> None:
     """Main process only: overwrite or check, clean up a crashed run, save the recipe and the run state."""
     if recipe.output.overwrite and out_dir.exists():
         for child in out_dir.iterdir():
-            if child.name == "logs":
-                continue  # the live log handlers of this run write there
+            if child.name in ("logs", LOCKS_DIR):
+                continue  # the live log handlers of this run write there; this run holds its lock there
             shutil.rmtree(child) if child.is_dir() else child.unlink()
     out_dir.mkdir(parents=True, exist_ok=True)
     _check_identity(out_dir, identity)
@@ -261,7 +262,18 @@ class _GpuTimer:
 
 
 def run_extraction(recipe: Recipe) -> dict | None:
-    """Run the job of `recipe` on this process's rank. Returns the summary on the main process."""
+    """Run the job of `recipe` on this process's rank. Returns the summary on the main process.
+
+    The output folder is locked for the run (locks.py): a second run into it stops before touching anything."""
+    held: list = []
+    try:
+        return _run_extraction(recipe, held)
+    finally:
+        for lock in reversed(held):
+            lock.release()
+
+
+def _run_extraction(recipe: Recipe, held: list) -> dict | None:
     from accelerate import PartialState
 
     t_start = time.perf_counter()
@@ -286,8 +298,11 @@ def run_extraction(recipe: Recipe) -> dict | None:
     if faults is not None:
         log.warning("fault injection active (DFLASH_PREP_FAULTS): %s", faults)
     if is_main:
+        held.append(lock_run(out_dir))  # before anything in the folder is touched
+        check_no_rank_writing(out_dir)  # no orphaned worker of an earlier run still writes
         _prepare_output(out_dir, recipe, identity)
     state.wait_for_everyone()
+    held.append(lock_rank(out_dir, rank))
 
     # 2. Tokenize (cached by datasets; the main process fills the cache, the others then read it).
     with state.main_process_first():
@@ -534,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         summary = run_extraction(recipe)
-    except (RecipeError, OutputMismatchError) as e:
+    except (RecipeError, OutputMismatchError, OutputBusyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_RECIPE
     except ExtractionError as e:

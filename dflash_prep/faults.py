@@ -14,6 +14,8 @@ Unset (the normal case), `Faults.from_env()` returns None and no code path pays 
     exit_after_rename_shard N                the process dies (os._exit(137)) right after shard N is renamed into
                                              place and before its index line is written: the narrowest crash
                                              window of a commit
+    forward_delay_seconds  S                 every forward first sleeps S seconds (a slow GPU: keeps a run alive
+                                             long enough for a test to start a second one beside it)
 
 Example: DFLASH_PREP_FAULTS='{"oom_batches": [3, 5], "nan_samples": ["0000000012"], "enospc_shard": 1}'.
 It is a test hook: it never mocks the model; the forward, the writer and the commit all run for real.
@@ -27,7 +29,8 @@ import os
 from dataclasses import dataclass, field
 
 ENV_VAR = "DFLASH_PREP_FAULTS"
-KNOWN_KEYS = ("oom_batches", "oom_samples", "nan_samples", "enospc_shard", "enospc_rank", "exit_after_rename_shard")
+KNOWN_KEYS = ("oom_batches", "oom_samples", "nan_samples", "enospc_shard", "enospc_rank", "exit_after_rename_shard",
+              "forward_delay_seconds")
 
 
 @dataclass
@@ -38,6 +41,7 @@ class Faults:
     enospc_shard: int | None = None
     enospc_rank: int | None = None
     exit_after_rename_shard: int | None = None
+    forward_delay_seconds: float = 0.0
     _oom_fired: set[int] = field(default_factory=set)
 
     @classmethod
@@ -52,13 +56,18 @@ class Faults:
                    oom_samples={str(s) for s in spec.get("oom_samples", [])},
                    nan_samples={str(s) for s in spec.get("nan_samples", [])},
                    enospc_shard=spec.get("enospc_shard"), enospc_rank=spec.get("enospc_rank"),
-                   exit_after_rename_shard=spec.get("exit_after_rename_shard"))
+                   exit_after_rename_shard=spec.get("exit_after_rename_shard"),
+                   forward_delay_seconds=float(spec.get("forward_delay_seconds", 0.0)))
 
     # -- forward -------------------------------------------------------------------------------------------
     def before_forward(self, batch_id: int, sample_ids: list[str]) -> None:
-        """Raise an injected OOM where the spec asks for one."""
+        """Sleep and raise an injected OOM where the spec asks for them."""
+        import time
+
         import torch
 
+        if self.forward_delay_seconds:
+            time.sleep(self.forward_delay_seconds)
         if batch_id in self.oom_batches and batch_id not in self._oom_fired:
             self._oom_fired.add(batch_id)
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected by {ENV_VAR} on batch {batch_id})")

@@ -1,0 +1,95 @@
+"""One extraction per output folder at a time: a second run (or a worker orphaned by a killed launcher) is refused
+before it touches anything, naming the holder; a dead holder never blocks the resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import REPO, demo_overrides, raw_records
+from dflash_prep.extract import EXIT_BAD_RECIPE, main
+from dflash_prep.inspect_output import check_output
+from dflash_prep.locks import FileLock
+
+SETTINGS = {"data.max_samples": 24, "batching.num_workers": 0, "output.max_shard_bytes": "1MB"}
+
+
+def argv(out: Path, **extra) -> list[str]:
+    return [a for kv in demo_overrides(out, **{**SETTINGS, **extra}) for a in ("--set", kv)]
+
+
+def hold_lock(path: Path) -> subprocess.Popen:
+    """Another live process holding `path` (what a running extraction's main process or rank does)."""
+    code = (f"import sys, time; sys.path.insert(0, {str(REPO)!r}); from dflash_prep.locks import FileLock; "
+            f"assert FileLock({str(path)!r}).try_acquire(); print('held', flush=True); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_second_lock_on_the_same_file_is_refused_until_released(tmp_path):
+    a, b = FileLock(tmp_path / "x.lock"), FileLock(tmp_path / "x.lock")
+    assert a.try_acquire()
+    assert not b.try_acquire()
+    assert b.holder() == f"pid {os.getpid()} on {os.uname().nodename}"
+    a.release()
+    assert b.try_acquire()
+    b.release()
+
+
+def test_a_run_into_a_folder_another_run_holds_is_refused_and_touches_nothing(tmp_path, capsys):
+    out = tmp_path / "out"
+    stray = out / "shards" / "rank-00000" / "shard-000000.tar.tmp"  # the other run's shard in the making
+    stray.parent.mkdir(parents=True)
+    stray.write_bytes(b"x" * 100)
+    holder = hold_lock(out / "locks" / "run.lock")
+    try:
+        assert main(argv(out)) == EXIT_BAD_RECIPE
+        err = capsys.readouterr().err
+        assert f"another extraction is running into {out} (pid {holder.pid} on " in err
+        assert stray.read_bytes() == b"x" * 100  # not cleaned up as "uncommitted"
+        assert not (out / "plan.json").exists() and not (out / "index").exists()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    # The holder died: the kernel dropped its lock, and the same command now runs (and removes the stray file).
+    assert main(argv(out)) == 0
+    assert not stray.exists() and check_output(out) == []
+
+
+def test_an_orphaned_rank_of_an_earlier_run_is_named_and_blocks_the_cleanup(tmp_path, capsys):
+    out = tmp_path / "out"
+    stray = out / "shards" / "rank-00001" / "shard-000003.tar.tmp"
+    stray.parent.mkdir(parents=True)
+    stray.write_bytes(b"y")
+    orphan = hold_lock(out / "locks" / "rank-00001.lock")
+    try:
+        assert main(argv(out)) == EXIT_BAD_RECIPE
+        err = capsys.readouterr().err
+        assert f"rank-00001 of an earlier extraction into {out} is still running (pid {orphan.pid} on " in err
+        assert stray.exists()
+    finally:
+        orphan.send_signal(signal.SIGKILL)
+        orphan.wait()
+    assert main(argv(out)) == 0 and not stray.exists()
+
+
+def test_two_concurrent_extractions_one_runs_the_other_is_refused(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "extract.py", *argv(out)]
+    slow = {**env, "DFLASH_PREP_FAULTS": json.dumps({"forward_delay_seconds": 1.0})}  # a slow GPU
+    first = subprocess.Popen(cmd, cwd=REPO, env=slow, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (out / "plan.json").exists() and time.time() < deadline and first.poll() is None:
+        time.sleep(0.05)  # the first run is past its start-up
+    second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert first.poll() is None, "the first run ended before the second was refused: the test proved nothing"
+    assert second.returncode == EXIT_BAD_RECIPE and "another extraction is running into" in second.stderr
+    assert first.wait(timeout=300) == 0, first.stderr.read()[-2000:]
+    assert len(raw_records(out)) == 24 and check_output(out) == []
