@@ -285,23 +285,17 @@ def resolve_device(name: str) -> torch.device:
 
 def auto_token_budget(device: torch.device, config, info: dict, dtype: torch.dtype, storage_bytes: int,
                       k: int) -> tuple[int, str]:
-    """`--max-tokens-per-batch auto`: a padded-token budget from the GPU memory left after the weights.
+    """`--max-tokens-per-batch auto`: the product's own rule (`batching.max_tokens_per_batch: auto`,
+    dflash_prep/budget.py), with the weights of the whole model (the baselines hold all of it)."""
+    from dflash_prep import budget
 
-    Per padded token, a rough upper bound of the live activations of one decoder layer (12 x hidden + 4 x
-    intermediate values in the compute dtype) plus the capture buffer (k x hidden in the storage dtype); 40% of
-    (GPU memory - weights) is given to that; rounded down to a power of two in [8192, 131072]. CPU: 16384.
-    """
+    names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+    storage = {1: "fp8_e4m3", 2: "bfloat16", 4: "float32"}[storage_bytes]
     if device.type != "cuda":
-        return 16384, "cpu default"
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    elt = torch.tensor([], dtype=dtype).element_size()
-    per_token = elt * (12 * text.hidden_size + 4 * text.intermediate_size) + storage_bytes * k * text.hidden_size
-    total = torch.cuda.get_device_properties(device).total_memory
-    spare = 0.4 * (total - info["params_total"] * elt)
-    raw = max(spare / per_token, 8192)
-    budget = int(min(131072, 2 ** int(math.floor(math.log2(raw)))))
-    return budget, (f"0.4 x (GPU {total / GB:.0f} GB - weights {info['params_total'] * elt / GB:.0f} GB) / "
-                    f"{per_token / 1e3:.0f} KB per padded token = {raw:,.0f}, power of two in [8192, 131072]")
+        return budget.auto_token_budget(None, 0, 1)
+    per_token = budget.bytes_per_padded_token(config, names[dtype], storage, k)
+    weights = info["params_total"] * torch.tensor([], dtype=dtype).element_size()
+    return budget.auto_token_budget(torch.cuda.get_device_properties(device).total_memory, weights, per_token)
 
 
 # --------------------------------------------------------------------------------------- per-batch records

@@ -40,6 +40,7 @@ from . import __version__  # noqa: E402
 from .backoff import BatchRunner  # noqa: E402
 from .capture import LayerCapture  # noqa: E402
 from .collate import PlannedBatches  # noqa: E402
+from .budget import resolve_token_budget  # noqa: E402
 from .data import check_data_source, load_rows, tokenize_dataset, write_skipped  # noqa: E402
 from .faults import Faults  # noqa: E402
 from .layers import num_decoder_layers, resolve_layer_ids  # noqa: E402
@@ -290,6 +291,11 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
     config = load_config(recipe.model)
     num_layers = num_decoder_layers(config)
     layer_ids = resolve_layer_ids(recipe.layers, num_layers)
+    recipe, budget_how = resolve_token_budget(
+        recipe, config, layer_ids, num_layers,
+        torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)
+    if budget_how and is_main:
+        log.info("batching.max_tokens_per_batch: auto = %d (%s)", recipe.batching.max_tokens_per_batch, budget_how)
     tokenizer = load_tokenizer(recipe.model)
     check_data_source(recipe.data)
     hidden_size = hidden_size_of(config)

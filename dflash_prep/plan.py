@@ -273,8 +273,10 @@ def length_histogram(lengths: list[int], max_length: int, width: int = 40) -> st
 
 # ------------------------------------------------------------------------------------------------- plan
 def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | None = None,
-                  bench_dir: Path | None = BENCH_RESULTS_DIR) -> dict:
-    """Every figure of `dflash-prep plan` as a dict (see the module docstring)."""
+                  bench_dir: Path | None = BENCH_RESULTS_DIR, gpu_memory_bytes: int | None = None) -> dict:
+    """Every figure of `dflash-prep plan` as a dict (see the module docstring). `gpu_memory_bytes` sizes
+    `max_tokens_per_batch: auto` (default: this machine's GPU; without one the CPU figure)."""
+    from .budget import local_gpu_memory_bytes, resolve_token_budget
     from .data import load_rows, tokenize_dataset
     from .extract import make_plan
     from .layers import num_decoder_layers, resolve_layer_ids
@@ -290,6 +292,8 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
     config = load_config(recipe.model)
     num_layers = num_decoder_layers(config)
     layer_ids = resolve_layer_ids(recipe.layers, num_layers)
+    recipe, budget_how = resolve_token_budget(recipe, config, layer_ids, num_layers,
+                                              gpu_memory_bytes if gpu_memory_bytes else local_gpu_memory_bytes())
     hidden_size = hidden_size_of(config)
     tokenizer = load_tokenizer(recipe.model)
     t_tok = time.perf_counter()
@@ -356,6 +360,7 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
         "padding_efficiency": stats["padding_efficiency"], "batch_size_min": stats["batch_size_min"],
         "batch_size_max": stats["batch_size_max"], "batch_size_mean": stats["batch_size_mean"],
         "padded_length_min": stats["padded_length_min"], "padded_length_max": stats["padded_length_max"],
+        "max_tokens_per_batch": recipe.batching.max_tokens_per_batch, "max_tokens_per_batch_auto": budget_how,
         "dtype": recipe.output.dtype, "max_shard_bytes": recipe.output.max_shard_bytes, "disk": disk,
         "num_bytes": disk[recipe.output.dtype]["num_bytes"],
         "ranks": [{"rank": i, "num_batches": r["num_batches"], "num_samples": r["num_samples"],
@@ -398,6 +403,7 @@ def format_plan(p: dict) -> str:
                     f"{p['batch_size_max']} (mean {p['batch_size_mean'] or 0:.1f}), padded length "
                     f"{p['padded_length_min']}-{p['padded_length_max']}"),
         ("padding", f"efficiency {p['padding_efficiency'] or 0:.3f} ({p['num_padded_tokens']:,} padded tokens)"),
+        ("budget", f"{p['max_tokens_per_batch']:,} padded tokens per batch" + _auto_note(p["max_tokens_per_batch_auto"])),
     ]
     bf16 = p["disk"]["bfloat16"]["num_bytes"]
     for i, (dtype, d) in enumerate(p["disk"].items()):
@@ -424,6 +430,13 @@ def format_plan(p: dict) -> str:
         p["lengths_histogram"]
 
 
+def _auto_note(how: str | None) -> str:
+    if not how:
+        return ""
+    hint = "; pass --gpu-memory-gb to size it for the run's GPUs" if how.startswith("no GPU") else ""
+    return f" (max_tokens_per_batch: auto, {how}{hint})"
+
+
 def build_parser(prog: str = "dflash-prep plan") -> argparse.ArgumentParser:
     from .extract import add_extract_args
 
@@ -434,6 +447,8 @@ def build_parser(prog: str = "dflash-prep plan") -> argparse.ArgumentParser:
     p.add_argument("--tokens-per-second", type=float, default=None,
                    help="real tokens/s per GPU (default: the benchmark figure, bench/results/*.json)")
     p.add_argument("--bench-results", default=str(BENCH_RESULTS_DIR), help="folder of benchmark reports")
+    p.add_argument("--gpu-memory-gb", type=float, default=None,
+                   help="memory of one GPU of the run, for max_tokens_per_batch: auto (default: this machine's)")
     p.add_argument("--json", action="store_true", help="print every figure as JSON")
     return p
 
@@ -452,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         datasets.disable_progress_bars()
         recipe = load_recipe(args.recipe, args.overrides)
         plan = make_run_plan(recipe, num_gpus=args.num_gpus, tokens_per_second=args.tokens_per_second,
-                             bench_dir=Path(args.bench_results) if args.bench_results else None)
+                             bench_dir=Path(args.bench_results) if args.bench_results else None,
+                             gpu_memory_bytes=int(args.gpu_memory_gb * 1e9) if args.gpu_memory_gb else None)
     except (RecipeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -154,8 +154,9 @@ class LayersSection:
 class BatchingSection:
     """How samples are grouped into GPU batches."""
 
-    max_tokens_per_batch: int = 65536
-    """Budget of padded tokens per forward (batch size x padded length)."""
+    max_tokens_per_batch: int | str = 65536
+    """Budget of padded tokens per forward (batch size x padded length), or `auto`: sized from the GPU's memory
+    and the model config when the plan is made (dflash_prep/budget.py; 16,384 without a GPU)."""
     max_batch_size: int = 256
     length_multiple: int = 64
     """Padded lengths are multiples of this ..."""
@@ -166,6 +167,8 @@ class BatchingSection:
 
     def validate(self, p: str) -> None:
         for name in ("max_tokens_per_batch", "max_batch_size", "length_multiple"):
+            if name == "max_tokens_per_batch" and self.max_tokens_per_batch == "auto":
+                continue
             if getattr(self, name) < 1:
                 _fail(f"{p}.{name}", getattr(self, name), "must be >= 1")
         if not self.length_growth > 1.0:
@@ -298,6 +301,11 @@ def _build(cls: type, raw: Any, prefix: str, base_dir: Path | None) -> Any:
             continue
         if key == "output.max_shard_bytes":
             value = _parse_bytes(key, value)
+        if key == "batching.max_tokens_per_batch":
+            if value != "auto" and (isinstance(value, bool) or not isinstance(value, int)):
+                _fail(key, value, "expected an integer or `auto`")
+            kwargs[name] = value
+            continue
         value = _coerce(key, hint, value)
         if (prefix, name) in _PATH_KEYS and isinstance(value, str) and base_dir is not None:
             value = _resolve_path(value, base_dir)

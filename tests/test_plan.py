@@ -173,6 +173,20 @@ def test_cli_prints_the_plan_and_its_json(capsys, planned_and_run):
     assert "batching.max_batch_size" in capsys.readouterr().err
 
 
+def test_auto_budget_is_sized_for_the_gpu_memory_given(capsys):
+    args = ["--set", "output.dir=/nonexistent/never-written", *[a for kv in BASE for a in ("--set", kv)],
+            "--set", "batching.max_tokens_per_batch=auto", "--tokens-per-second", "1000"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "budget      16,384 padded tokens per batch (max_tokens_per_batch: auto, no GPU: 16384; pass " \
+           "--gpu-memory-gb" in text
+    assert main(args + ["--gpu-memory-gb", "80", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["max_tokens_per_batch"] == 131072 and "GPU 80 GB" in printed["max_tokens_per_batch_auto"]
+    assert printed["num_batches"] < make_run_plan(load_recipe(None, ["output.dir=/nonexistent/never-written",
+                                                                     *BASE]))["num_batches"]
+
+
 def test_no_benchmark_near_the_model_asks_for_a_figure(planned_and_run):
     plan = make_run_plan(load_recipe(None, ["output.dir=/nonexistent/never-written", *BASE]))
     assert plan["throughput"]["tokens_per_second"] is None and plan["wall"] is None
