@@ -50,7 +50,11 @@ class LayerCapture:
     """Context manager: `with LayerCapture(model, [1, 16], ...) as cap: out = cap.run(batch_tensors)`."""
 
     def __init__(self, model: nn.Module, layer_ids: list[int], *, capture_final: str = "none",
-                 storage_dtype: torch.dtype = torch.bfloat16):
+                 storage_dtype: torch.dtype = torch.bfloat16, padding_mask: bool = True):
+        """`padding_mask=False` calls the model without the attention mask and with positions 0..T-1 on every row
+        (padding included): the batches are right-padded and the supported decoders are causal (attention, the
+        Gated DeltaNet recurrence and its causal conv), so a real token never sees the padding after it and its
+        states are the same; the model may then take its mask-free causal kernels."""
         if list(layer_ids) != sorted(set(layer_ids)):
             raise ValueError(f"layer ids must be distinct and ascending, got {layer_ids}")
         self.decoder = find_decoder(model)
@@ -59,6 +63,7 @@ class LayerCapture:
         self.capture_final = capture_final
         self.storage_dtype = storage_dtype
         self.fp8 = storage_dtype == FP8_DTYPE
+        self.padding_mask = padding_mask
         self.hidden_size = None
         self._handles: list = []
         self._buf_NK: torch.Tensor | None = None
@@ -152,6 +157,10 @@ class LayerCapture:
             self._buf_NK = torch.empty(N, len(self.layer_ids) * H, dtype=self.storage_dtype, device=device)
             self._final_NH = (torch.empty(N, H, dtype=self.storage_dtype, device=device)
                               if self.capture_final != "none" else None)
+        if not self.padding_mask:
+            # Monotonic positions: a position reset on the padding would read as packed sequences to some kernels.
+            B, T = input_ids.shape
+            attention_mask, position_ids = None, torch.arange(T, device=device).expand(B, T)
         try:
             with torch.inference_mode():
                 self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

@@ -361,7 +361,7 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
     t_loop = time.perf_counter()
     try:
         with LayerCapture(model, layer_ids, capture_final=recipe.layers.capture_final,
-                          storage_dtype=storage_dtype) as capture:
+                          storage_dtype=storage_dtype, padding_mask=recipe.model.padding_mask) as capture:
             runner = BatchRunner(capture, faults)  # OOM: split and retry, learn per-length batch caps
             t_wait = time.perf_counter()
             for batch in loader:

@@ -74,6 +74,10 @@ class ModelSection:
     """Tokenizer folder or hub id; defaults to `name_or_path`. Required with `config`."""
     dtype: str = "bfloat16"
     """Compute dtype: float32, bfloat16 or float16."""
+    padding_mask: bool = True
+    """Pass the padding mask to the model. false: no mask, positions 0..T-1 on every row; the states of real tokens
+    are the same (right padding, causal decoders: tests/test_capture.py checks it), and attention may take its
+    mask-free causal kernels."""
     attn_implementation: str = "sdpa"
     """transformers attention backend: sdpa, eager, flash_attention_2, ..."""
     trust_remote_code: bool = False

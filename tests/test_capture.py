@@ -30,8 +30,9 @@ def _alone(model, sample, ids):
     return out.hidden_states
 
 
+@pytest.mark.parametrize("padding_mask", [True, False], ids=["mask", "no_mask"])
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_batched_capture_equals_each_sample_run_alone(arch):
+def test_batched_capture_equals_each_sample_run_alone(arch, padding_mask):
     model = build(ARCHS[arch]())
     layer_ids = [0, 2, 4]
     lengths = [3, 70, 17, 41, 5, 64, 29, 2, 55, 33]
@@ -39,7 +40,7 @@ def test_batched_capture_equals_each_sample_run_alone(arch):
     plan = plan_batches(lengths, max_tokens_per_batch=192, max_batch_size=4, buckets=ShapeBuckets(16, 1.5, 128))
     assert len(plan) > 2 and any(b.batch_size > 1 and len({lengths[i] for i in b.sample_indices}) > 1 for b in plan)
     checked = 0
-    with LayerCapture(model, layer_ids, storage_dtype=torch.float32) as cap:
+    with LayerCapture(model, layer_ids, storage_dtype=torch.float32, padding_mask=padding_mask) as cap:
         for planned in plan:
             batch = collate([samples[i] for i in planned.sample_indices], planned.padded_length, 0, planned.batch_id)
             out = cap.run(batch.input_ids, batch.attention_mask, batch.position_ids, batch.flat_index)
@@ -118,9 +119,10 @@ def test_vlm_class_layout():
     sample = _samples([19])[0]
     ref = _alone(model, sample, None)
     batch = collate([sample], 32, 0)
-    with LayerCapture(model, [5], storage_dtype=torch.float32) as cap:
-        out = cap.run(batch.input_ids, batch.attention_mask, batch.position_ids, batch.flat_index)
-    torch.testing.assert_close(out.hidden_states_NK, ref[6][0], rtol=0, atol=1e-6)
+    for padding_mask in (True, False):
+        with LayerCapture(model, [5], storage_dtype=torch.float32, padding_mask=padding_mask) as cap:
+            out = cap.run(batch.input_ids, batch.attention_mask, batch.position_ids, batch.flat_index)
+        torch.testing.assert_close(out.hidden_states_NK, ref[6][0], rtol=0, atol=1e-6)
 
 
 def test_layer_id_rules():
