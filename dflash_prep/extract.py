@@ -224,6 +224,26 @@ def _plan_settings(recipe: Recipe) -> dict:
             "max_length": recipe.data.max_length}
 
 
+def _check_free_space(out_dir: Path, lengths: list[int], todo: list[PlannedBatch], layer_ids: list[int],
+                      hidden_size: int, recipe: Recipe) -> int:
+    """Log the bytes the batches left to do will write (the writer's own record sizes, `meta.json` taken as one
+    block), and warn, before the model loads, when they exceed the free space of the output's filesystem (the
+    run would stop, cleanly and resumably, when the disk fills). Returns the estimate."""
+    from .plan import RecordSizer
+
+    sizer = RecordSizer(layer_ids, hidden_size, recipe.layers.capture_final)
+    dtype = recipe.output.dtype
+    need = sum(sizer.record_bytes(lengths[i], 1, dtype) for p in todo for i in p.sample_indices)
+    free = shutil.disk_usage(out_dir).free
+    if need > free:
+        log.warning("this run will write about %.1f GB into %s but only %.1f GB are free there: it will stop "
+                    "(cleanly, resumable) when the disk is full; free space first%s", need / 1e9, out_dir,
+                    free / 1e9, "" if dtype == "fp8_e4m3" else ", or store fp8 (output.dtype: fp8_e4m3, half the bytes)")
+    else:
+        log.info("output: about %.1f GB to write, %.1f GB free", need / 1e9, free / 1e9)
+    return need
+
+
 # ----------------------------------------------------------------------------------------------------- loop
 def _to_host(out, device: torch.device):
     """One asynchronous copy of a forward's packed states and per-sample non-finite flags into pinned host
@@ -335,6 +355,7 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
         if done_batches:
             log.info("resume: %d of %d batches already committed, %d left over %d rank(s)",
                      len(plan) - len(todo), len(plan), len(todo), world)
+        _check_free_space(out_dir, lengths, todo, layer_ids, hidden_size, recipe)
 
     # 4. The model: load, keep only the layers we read from.
     t0 = time.perf_counter()
