@@ -180,3 +180,21 @@ def test_fixed_batch_splits_a_batch_that_runs_out_of_memory(rb, tmp_path, monkey
     assert fb["sample_ids_are_prefix"] is True
     pair = report["consistency"]["pairs"]["per_sample~fixed_batch"]
     assert pair["samples_compared"] == 10 and pair["input_ids_equal"] and pair["max_rel_l2"] < 1e-4
+
+
+def test_writer_bench_runs_and_reports_each_thread_count(tmp_path):
+    spec = importlib.util.spec_from_file_location("writer_bench", REPO / "bench" / "writer_bench.py")
+    writer_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(writer_bench)
+    out = tmp_path / "w.json"
+    assert writer_bench.main(["--dir", str(tmp_path), "--threads", "1,3", "--gb", "0.002", "--tokens", "10",
+                              "--width", "64", "--batch-size", "4", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    one, three = report["results"]
+    assert (one["num_writer_threads"], three["num_writer_threads"]) == (1, 3)
+    records = 0.002e9 // (4 * 10 * 64 * 2) * 4 * 10 * 64 * 2  # states bytes of the whole batches sent
+    for r in (one, three):
+        assert r["bytes"] > records and r["gb_per_second"] > 0
+    assert (one["shards"], three["shards"]) == (1, 3)  # one open shard per thread, nothing rolled
+    assert 0 < three["bytes"] - one["bytes"] <= 2 * 10240  # the same records; two more end-of-archive paddings
+    assert list(tmp_path.iterdir()) == [out]  # its temporary folders are removed
