@@ -83,7 +83,7 @@ def test_two_concurrent_extractions_one_runs_the_other_is_refused(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "extract.py", *argv(out)]
-    slow = {**env, "DFLASH_PREP_FAULTS": json.dumps({"forward_delay_seconds": 1.0})}  # a slow GPU
+    slow = {**env, "DFLASH_PREP_FAULTS": json.dumps({"forward_delay_seconds": 2.0})}  # a slow GPU: 11 batches, ~22 s
     first = subprocess.Popen(cmd, cwd=REPO, env=slow, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not (out / "plan.json").exists() and time.time() < deadline and first.poll() is None:
