@@ -42,32 +42,24 @@ from pathlib import Path
 import numpy as np
 
 from .recipe import STORAGE_DTYPES, Recipe, RecipeError
+from .writer import ST_CODE as _ST_CODE
+from .writer import ST_ITEMSIZE as _ST_ITEMSIZE
 
 BENCH_RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
 BENCH_MODE = "dflash_prep_warm"
 BENCH_MAX_PARAM_RATIO = 4.0
-
-# safetensors: dtype code and item size per storage dtype; tensors are laid out by dtype (descending in the
-# library's Dtype enum order) then name; header = JSON padded with spaces to a multiple of 8, after an 8-byte length.
-_ST_CODE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "fp8_e4m3": "F8_E4M3"}
-_ST_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
-_ST_ORDER = {"F8_E4M3": 7, "F16": 11, "BF16": 12, "F32": 15}
 
 _MetaInfo = namedtuple("_MetaInfo", "sample_id source_row source_id num_tokens")
 
 
 # ------------------------------------------------------------------------------------------- record bytes
 def safetensors_num_bytes(tensors: list[tuple[str, str, tuple[int, ...]]]) -> int:
-    """Size of `safetensors.torch.save` of tensors given as (name, dtype code, shape), without the data."""
-    ordered = sorted(tensors, key=lambda t: (-_ST_ORDER[t[1]], t[0]))
-    offset, entries = 0, []
-    for name, code, shape in ordered:
-        n = math.prod(shape) * _ST_ITEMSIZE[code]
-        entries.append(f'"{name}":{{"dtype":"{code}","shape":[{",".join(str(d) for d in shape)}],'
-                       f'"data_offsets":[{offset},{offset + n}]}}')
-        offset += n
-    header = len("{" + ",".join(entries) + "}")
-    return 8 + header + (-header) % 8 + offset
+    """Size of `safetensors.torch.save` of tensors given as (name, dtype code, shape): the writer's own header
+    plus the data."""
+    from .writer import safetensors_header
+
+    header, _ = safetensors_header(tensors)
+    return len(header) + sum(math.prod(shape) * _ST_ITEMSIZE[code] for _, code, shape in tensors)
 
 
 def states_tensors(T: int, k: int, H: int, dtype: str, has_final: bool) -> list[tuple[str, str, tuple[int, ...]]]:

@@ -29,8 +29,10 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import queue
+import struct
 import tarfile
 import threading
 import time
@@ -39,7 +41,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save as safetensors_save
 
 from .backoff import FAIL_NON_FINITE
 from .collate import SampleInfo
@@ -103,7 +104,7 @@ class _TarStream:
 
     def _put(self, data) -> None:
         self.f.write(data)
-        self.offset += len(data)
+        self.offset += memoryview(data).nbytes
 
     def write_sample(self, sample: dict) -> None:
         key = sample["__key__"]
@@ -111,17 +112,61 @@ class _TarStream:
             data = sample[member]
             if isinstance(data, str):
                 data = data.encode("utf-8")
+            parts = data if isinstance(data, Parts) else (data,)
+            size = data.num_bytes if isinstance(data, Parts) else len(data)
             info = tarfile.TarInfo(f"{key}.{member}")
-            info.size, info.mtime, info.mode, info.uname, info.gname = len(data), 0, 0o444, "bigdata", "bigdata"
+            info.size, info.mtime, info.mode, info.uname, info.gname = size, 0, 0o444, "bigdata", "bigdata"
             self._put(info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))
-            self._put(data)
-            if len(data) % _TAR_BLOCK:
-                self._put(bytes(_TAR_BLOCK - len(data) % _TAR_BLOCK))
+            for part in parts:
+                self._put(part)
+            if size % _TAR_BLOCK:
+                self._put(bytes(_TAR_BLOCK - size % _TAR_BLOCK))
 
     def close(self) -> None:
         """End-of-archive: two zero blocks, then zeros up to a whole record."""
         end = self.offset + 2 * _TAR_BLOCK
         self._put(bytes(2 * _TAR_BLOCK + (-end) % _TAR_RECORD))
+
+
+# safetensors, laid out as the library lays it out (tests/test_writer.py checks the bytes against
+# `safetensors.torch.save`): an 8-byte little-endian header length, a compact JSON header padded with spaces to a
+# multiple of 8, then the tensors' bytes, ordered by dtype (descending in the library's Dtype enum order), then name.
+ST_CODE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "fp8_e4m3": "F8_E4M3"}
+ST_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
+_ST_ORDER = {"F8_E4M3": 7, "F16": 11, "BF16": 12, "F32": 15}
+_ST_TORCH_CODE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3"}
+
+
+def safetensors_header(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes, list[str]]:
+    """(header bytes, tensor names in data order) of a safetensors file of tensors given as (name, dtype code,
+    shape); the file is the header followed by each tensor's bytes in that order."""
+    ordered = sorted(entries, key=lambda t: (-_ST_ORDER[t[1]], t[0]))
+    offset, fields = 0, []
+    for name, code, shape in ordered:
+        n = math.prod(shape) * ST_ITEMSIZE[code]
+        fields.append(f'"{name}":{{"dtype":"{code}","shape":[{",".join(str(d) for d in shape)}],'
+                      f'"data_offsets":[{offset},{offset + n}]}}')
+        offset += n
+    text = "{" + ",".join(fields) + "}"
+    text += " " * ((-len(text)) % 8)
+    return struct.pack("<Q", len(text)) + text.encode(), [name for name, _, _ in ordered]
+
+
+class Parts(list):
+    """A tar member's bytes as several buffers written one after the other (no joining copy)."""
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(memoryview(p).nbytes for p in self)
+
+
+def safetensors_parts(tensors: dict[str, torch.Tensor]) -> Parts:
+    """The bytes of `safetensors.torch.save(tensors)`, as [header, each tensor's memory]: the states reach the
+    file straight from the host buffer, without the copy into one `bytes` object that `save` makes."""
+    tensors = {name: t.contiguous() for name, t in tensors.items()}
+    header, order = safetensors_header([(name, _ST_TORCH_CODE[t.dtype], tuple(t.shape))
+                                        for name, t in tensors.items()])
+    return Parts([header] + [tensors[name].view(torch.uint8).reshape(-1).numpy() for name in order])
 
 
 def _npy_bytes(array: np.ndarray) -> bytes:
@@ -143,7 +188,7 @@ def meta_json_bytes(meta: dict) -> bytes:
 
 
 def encode_sample(info: SampleInfo, hidden_states_TK: torch.Tensor, final_TH: torch.Tensor | None,
-                  meta: dict) -> dict[str, bytes | str]:  # __key__ is the only str
+                  meta: dict) -> dict[str, bytes | Parts | str]:  # __key__ is the only str
     """One sample's tar members (webdataset naming: `{key}.{member}`).
 
     fp8 storage: `hidden_states_TK` / `final_TH` are packed uint8 rows (dflash_prep/fp8.py); they are written as
@@ -162,7 +207,7 @@ def encode_sample(info: SampleInfo, hidden_states_TK: torch.Tensor, final_TH: to
         "__key__": info.sample_id,
         "input_ids.npy": _npy_bytes(info.input_ids.astype(np.int32, copy=False)),
         "loss_mask.npy": _npy_bytes(info.loss_mask.astype(np.uint8, copy=False)),
-        "hidden_states.safetensors": safetensors_save(tensors),
+        "hidden_states.safetensors": safetensors_parts(tensors),
         "meta.json": meta_json_bytes(meta),
     }
 

@@ -101,3 +101,32 @@ def test_an_error_in_one_lane_stops_all_and_leaves_only_committed_shards(tmp_pat
     assert "shard-000004.tar" not in on_disk and "shard-000001.tar" in on_disk
     lines = (out / "index" / "rank-00000.jsonl").read_text().splitlines()
     assert [json.loads(line)["path"] for line in lines] == [r.path for r in committed]  # whole lines only
+
+
+@pytest.mark.parametrize("tensors", [
+    {"hidden_states": torch.randn(7, 24).to(torch.bfloat16)},
+    {"hidden_states": torch.randn(3, 40).to(torch.float16), "final_hidden_states": torch.randn(3, 8).half()},
+    {"hidden_states": torch.randn(5, 16).to(torch.float8_e4m3fn), "hidden_states_scales": torch.rand(5, 2),
+     "final_hidden_states": torch.randn(5, 8).to(torch.float8_e4m3fn), "final_hidden_states_scales": torch.rand(5, 1)},
+    {"hidden_states": torch.randn(2, 3)},  # a header whose length needs padding
+])
+def test_safetensors_parts_are_the_librarys_bytes(tensors):
+    from safetensors.torch import load, save
+
+    from dflash_prep.writer import safetensors_parts
+
+    parts = safetensors_parts(tensors)
+    joined = b"".join(bytes(memoryview(p)) for p in parts)
+    assert joined == save(tensors) and parts.num_bytes == len(joined)
+    assert all(torch.equal(load(joined)[k].view(torch.uint8), v.view(torch.uint8)) for k, v in tensors.items())
+
+
+def test_states_reach_the_tar_from_the_host_buffer_without_a_joining_copy(tmp_path):
+    """The safetensors member's data parts are views of the packed host buffer (no copy before the write)."""
+    from dflash_prep.writer import encode_batch
+
+    pending = _pending(0, 2)
+    (first, _), (second, _) = encode_batch(pending)
+    parts = first["hidden_states.safetensors"]
+    assert parts[1].ctypes.data == pending.hidden_states_NK.data_ptr()
+    assert second["hidden_states.safetensors"][1].ctypes.data == pending.hidden_states_NK[5:].data_ptr()
