@@ -201,7 +201,8 @@ class OutputSection:
     """Shard writer threads per rank ("lanes"), each with its own open shard; batch i goes to lane i mod this
     (the layout does not depend on timing). More lanes, more write bandwidth when cores are spare (hashing,
     writing and fsync release the GIL): an 8B target with 3 bf16 layers at ~34k tokens/s per GPU
-    produces ~0.85 GB/s. Not part of the job's identity: a resume may use another value."""
+    produces ~0.85 GB/s. Each lane holds up to 2 batches of states in (pinned) host memory. Not part of the job's
+    identity: a resume may use another value."""
     max_failed_samples: int | None = 0
     """The run exits with code 3 when more samples than this failed (out of memory alone, non-finite states);
     the output is complete either way. null: never fail the exit code for failed samples."""
