@@ -14,6 +14,10 @@ final-layer capture, samples, tokens, shards, size, skipped and failed counts.
   `num_samples == num_rows - num_skipped - num_failed`.
 Only headers and the small id/mask members are parsed (plus one sequential read per shard for the hash).
 
+An output without a manifest (a run in progress, or interrupted) gets its progress instead: batches and
+samples committed against the plan, per rank, the time since the last commit, and whether a process holds the
+output's locks now (running) or not (interrupted: resume it); exit code 2.
+
 Exit codes: 0 = fine, 1 = a mismatch (each printed as `FAIL <shard>: <what>`), 2 = no readable manifest.
 """
 
@@ -132,6 +136,74 @@ def format_description(f: dict) -> str:
         if parts:
             lines.append(("extraction", ", ".join(parts)))
     lines.append(("format", f"version {f['format_version']}, written by dflash-prep {f['dflash_prep_version']}"))
+    width = max(len(k) for k, _ in lines)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in lines)
+
+
+# ---------------------------------------------------------------------------------------------- progress
+def describe_progress(out_dir: str | Path) -> dict | None:
+    """How far the run of an output without a manifest got, and whether a process runs into it now.
+
+    Reads `plan.json` (planned batches and samples), the rank index files (what is committed: exactly what a
+    resume keeps) and probes the locks (locks.py); reads no shard. None when the folder holds no run at all."""
+    import time
+
+    from .locks import running_holders
+    from .manifest import read_committed
+
+    out_dir = Path(out_dir)
+    plan_path, index_dir = out_dir / "plan.json", out_dir / "index"
+    if not plan_path.is_file() and not index_dir.is_dir():
+        return None
+    planned = json.loads(plan_path.read_text()) if plan_path.is_file() else None
+    committed = read_committed(out_dir)
+    by_rank: dict[str, dict] = {}
+    for r in committed:
+        rank = Path(r.path).parent.name
+        entry = by_rank.setdefault(rank, {"shards": 0, "samples": 0, "tokens": 0})
+        entry["shards"] += 1
+        entry["samples"] += r.num_samples
+        entry["tokens"] += r.num_tokens
+    indexes = list(index_dir.glob("rank-*.jsonl")) if index_dir.is_dir() else []
+    last = max((p.stat().st_mtime for p in indexes), default=None)
+    return {
+        "output_dir": str(out_dir), "finished": False,
+        "planned_batches": len(planned["batches"]) if planned else None,
+        "planned_samples": planned["num_samples"] if planned else None,
+        "committed_batches": len({b for r in committed for b in r.batch_ids}),
+        "num_samples": sum(r.num_samples for r in committed),
+        "num_failed": sum(len(r.failed) for r in committed),
+        "num_tokens": sum(r.num_tokens for r in committed),
+        "num_shards": len(committed), "num_bytes": sum(r.num_bytes for r in committed),
+        "by_rank": dict(sorted(by_rank.items())),
+        "running": running_holders(out_dir),
+        "seconds_since_last_commit": None if last is None else max(time.time() - last, 0.0),
+    }
+
+
+def format_progress(p: dict) -> str:
+    """The human-readable report of `describe_progress()`."""
+    running = p["running"]
+    if running:
+        ranks = sorted(k for k in running if k.startswith("rank-"))
+        status = ("unfinished, running now (" + (f"main process {running['run']}" if "run" in running else
+                                                 "no main process") + f"; {len(ranks)} rank(s) writing)")
+    else:
+        status = "unfinished, not running (interrupted: re-run the same command to resume)"
+    lines = [("output", p["output_dir"]), ("status", status)]
+    if p["planned_batches"]:
+        done = p["committed_batches"] / p["planned_batches"]
+        lines.append(("progress", f"{p['committed_batches']:,} of {p['planned_batches']:,} batches committed "
+                                  f"({100 * done:.1f}%)"))
+    lines.append(("samples", f"{p['num_samples']:,} written" + (f" of {p['planned_samples']:,} planned"
+                                                                if p["planned_samples"] is not None else "")
+                  + f", {p['num_failed']:,} failed"))
+    lines.append(("tokens", f"{p['num_tokens']:,}"))
+    since = p["seconds_since_last_commit"]
+    lines.append(("shards", f"{p['num_shards']:,}, {_size(p['num_bytes'])}"
+                            + (f"; last commit {since:,.0f} s ago" if since is not None else "")))
+    for rank, r in p["by_rank"].items():
+        lines.append(("", f"{rank}: {r['shards']:,} shards, {r['samples']:,} samples, {r['tokens']:,} tokens"))
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in lines)
 
@@ -339,7 +411,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         facts = describe(args.out)
     except (FileNotFoundError, ValueError, KeyError, json.JSONDecodeError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        progress = describe_progress(args.out) if not (Path(args.out) / "manifest.json").exists() else None
+        if progress is None:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        # A run that has not finished (or was interrupted): how far it got, and whether it runs now.
+        print(json.dumps(progress, indent=2) if args.json else format_progress(progress))
+        if args.check:
+            print("error: no manifest yet: --check verifies a finished output", file=sys.stderr)
         return 2
     extra = unlisted_shard_files(args.out)
     problems = check_output(args.out, progress=not args.no_progress and not args.json) if args.check else None

@@ -65,6 +65,25 @@ class FileLock:
         self._fd = fd
         return True
 
+    def held_elsewhere(self) -> bool:
+        """Whether another process holds the lock now (a probe: takes and drops it, writes nothing)."""
+        if not self.path.exists():
+            return False
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return True
+            if e.errno in _UNSUPPORTED:
+                return False
+            raise
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return False
+        finally:
+            os.close(fd)
+
     def holder(self) -> str:
         """`host pid` of the process that last took the lock (as it wrote it), or 'unknown'."""
         try:
@@ -100,11 +119,21 @@ def check_no_rank_writing(out_dir: Path) -> None:
     folder = Path(out_dir) / LOCKS_DIR
     for path in sorted(folder.glob("rank-*.lock")) if folder.is_dir() else []:
         probe = FileLock(path)
-        if not probe.try_acquire():
+        if probe.held_elsewhere():
             raise OutputBusyError(
                 f"{path.stem} of an earlier extraction into {out_dir} is still running ({probe.holder()}), e.g. a "
                 f"worker left behind when its launcher was killed: stop it, then re-run this command to resume")
-        probe.release()
+
+
+def running_holders(out_dir: Path) -> dict[str, str]:
+    """Lock name (`run`, `rank-00003`) -> holder, for each lock of `out_dir` a live process holds now."""
+    folder = Path(out_dir) / LOCKS_DIR
+    held = {}
+    for path in sorted(folder.glob("*.lock")) if folder.is_dir() else []:
+        lock = FileLock(path)
+        if lock.held_elsewhere():
+            held[path.stem] = lock.holder()
+    return held
 
 
 def lock_rank(out_dir: Path, rank: int) -> FileLock:

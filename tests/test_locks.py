@@ -93,3 +93,51 @@ def test_two_concurrent_extractions_one_runs_the_other_is_refused(tmp_path):
     assert second.returncode == EXIT_BAD_RECIPE and "another extraction is running into" in second.stderr
     assert first.wait(timeout=300) == 0, first.stderr.read()[-2000:]
     assert len(raw_records(out)) == 24 and check_output(out) == []
+
+
+def test_inspect_of_an_unfinished_output_shows_progress_and_whether_it_runs(tmp_path, monkeypatch, capsys):
+    from dflash_prep.extract import EXIT_STOPPED
+    from dflash_prep.faults import ENV_VAR
+    from dflash_prep.inspect_output import main as inspect_main
+    from dflash_prep.manifest import read_committed
+
+    out = tmp_path / "out"
+    monkeypatch.setenv(ENV_VAR, json.dumps({"enospc_shard": 3}))  # stops after shards 0-2 of one lane
+    assert main(argv(out, **{"output.num_writer_threads": 1, "output.max_shard_bytes": "100KB"})) == EXIT_STOPPED
+    monkeypatch.delenv(ENV_VAR)
+    capsys.readouterr()
+    committed = read_committed(out)
+    batches = json.loads((out / "plan.json").read_text())["batches"]
+    assert inspect_main([str(out), "--json"]) == 2
+    progress = json.loads(capsys.readouterr().out)
+    assert progress["finished"] is False and progress["running"] == {}
+    assert progress["num_shards"] == len(committed) == 3
+    assert progress["num_samples"] == sum(r.num_samples for r in committed) > 0
+    assert progress["committed_batches"] == len({b for r in committed for b in r.batch_ids})
+    assert progress["planned_batches"] == len(batches) and progress["planned_samples"] == 24
+    assert progress["by_rank"]["rank-00000"]["shards"] == 3
+    assert inspect_main([str(out)]) == 2
+    text = capsys.readouterr().out
+    assert "unfinished, not running (interrupted: re-run the same command to resume)" in text
+    assert f"{progress['committed_batches']} of {len(batches)} batches committed" in text
+
+    main_proc = hold_lock(out / "locks" / "run.lock")
+    rank_proc = hold_lock(out / "locks" / "rank-00000.lock")
+    try:
+        assert inspect_main([str(out)]) == 2
+        text = capsys.readouterr().out
+        assert f"unfinished, running now (main process pid {main_proc.pid} on " in text
+        assert "1 rank(s) writing)" in text
+    finally:
+        for proc in (main_proc, rank_proc):
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+    assert main(argv(out)) == 0  # the probes took nothing: the resume runs
+    assert inspect_main([str(out)]) == 0
+
+
+def test_inspect_of_a_folder_without_a_run_is_an_error(tmp_path, capsys):
+    from dflash_prep.inspect_output import main as inspect_main
+
+    assert inspect_main([str(tmp_path)]) == 2
+    assert "manifest.json not found" in capsys.readouterr().err
