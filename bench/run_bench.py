@@ -75,7 +75,9 @@ CONFIG_DIR = BENCH_DIR / "configs"
 # tokenizer's); dflash-prep only reads its pad id (0) and fingerprints it. The demo tokenizer ships offline.
 TOKENIZER_DIR = REPO_ROOT / "recipes" / "tiny-demo" / "tokenizer"
 
-ALL_MODES = ("per_sample", "fixed_batch", "dflash_prep", "per_sample_warm", "fixed_batch_warm", "dflash_prep_warm")
+ALL_MODES = ("per_sample", "fixed_batch", "dflash_prep", "per_sample_warm", "fixed_batch_warm", "dflash_prep_warm",
+             "dflash_prep_variant")
+VARIANT = "dflash_prep_variant"  # dflash_prep again on its samples with --variant-set on top: an A/B in one run
 DEFAULT_MODES = "per_sample,fixed_batch,dflash_prep"
 GB = 1e9
 
@@ -702,7 +704,7 @@ def write_pretokenized(path: Path, samples: Samples, n: int) -> None:
     pq.write_table(table, path)
 
 
-def dflash_recipe(ctx: Ctx, data_path: Path, out_dir: Path) -> object:
+def dflash_recipe(ctx: Ctx, data_path: Path, out_dir: Path, extra_overrides: list | None = None) -> object:
     raw = {
         "model": {"config": ctx.section.config, "init_seed": ctx.section.init_seed,
                   "tokenizer": ctx.section.tokenizer, "dtype": ctx.section.dtype,
@@ -714,7 +716,7 @@ def dflash_recipe(ctx: Ctx, data_path: Path, out_dir: Path) -> object:
         "output": {"dir": str(out_dir), "dtype": ctx.args.storage_dtype, "overwrite": True},
         "seed": ctx.args.seed,
     }
-    for key, value in ctx.args.dflash_overrides:
+    for key, value in list(ctx.args.dflash_overrides) + list(extra_overrides or []):
         node = raw
         *parents, last = key.split(".")
         for part in parents:
@@ -723,8 +725,9 @@ def dflash_recipe(ctx: Ctx, data_path: Path, out_dir: Path) -> object:
     return recipe_from_dict(raw)
 
 
-def run_dflash(ctx: Ctx, out_dir: Path, repeat_of: dict | None = None) -> dict:
-    """`run_extraction` on the longest prefix that fits the token (and disk) budget (a warm pass: the same)."""
+def run_dflash(ctx: Ctx, out_dir: Path, repeat_of: dict | None = None, extra_overrides: list | None = None) -> dict:
+    """`run_extraction` on the longest prefix that fits the token (and disk) budget (a warm pass: the same).
+    `extra_overrides` (the variant mode) go on top of `--dflash-set`."""
     from dflash_prep.extract import run_extraction
 
     out_dir.mkdir(parents=True)
@@ -736,7 +739,7 @@ def run_dflash(ctx: Ctx, out_dir: Path, repeat_of: dict | None = None) -> dict:
         capped_by_disk = True
     data_path = out_dir.parent / f"{out_dir.name}-data.parquet"
     write_pretokenized(data_path, ctx.samples, n)
-    recipe = dflash_recipe(ctx, data_path, out_dir / "extraction")
+    recipe = dflash_recipe(ctx, data_path, out_dir / "extraction", extra_overrides)
     timings = DflashTimings(ctx.device, ctx.layer_ids)
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
@@ -819,13 +822,17 @@ def run_mode(ctx: Ctx, mode: str, gemm: dict, check_ids: list[str], done: dict) 
     states: dict = {}
     print(f"[bench] {mode}: start", file=sys.stderr, flush=True)
     try:
-        kind = mode.removesuffix("_warm")
+        kind = "dflash_prep" if mode == VARIANT else mode.removesuffix("_warm")
         repeat_of = None
-        if mode.endswith("_warm"):
+        if mode.endswith("_warm") or mode == VARIANT:
             repeat_of = done.get(kind)
             if not repeat_of or repeat_of.get("status") != "ok":
                 raise RuntimeError(f"{mode} repeats {kind}, which did not run successfully before it")
-        res = RUNNERS[kind](ctx, out_dir, repeat_of)
+        if mode == VARIANT:
+            res = run_dflash(ctx, out_dir, repeat_of, ctx.args.variant_overrides)
+            res["variant_overrides"] = ctx.args.variant_set
+        else:
+            res = RUNNERS[kind](ctx, out_dir, repeat_of)
         res["status"] = "ok"
         if repeat_of is not None:
             res["stopped_by"] = f"same samples as {kind}"
@@ -876,6 +883,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens-per-batch", default="auto", help="dflash-prep padded-token budget: N or auto (default: from GPU memory)")
     p.add_argument("--dflash-set", dest="dflash_set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra dflash-prep recipe override, e.g. batching.length_growth=1.25 (repeatable)")
+    p.add_argument("--variant-set", dest="variant_set", action="append", default=[], metavar="KEY=VALUE",
+                   help=f"recipe overrides of the {VARIANT} mode, on top of --dflash-set (e.g. "
+                        f"model.padding_mask=false): dflash_prep again, same samples, same process")
     p.add_argument("--results-dir", default=str(BENCH_DIR / "results"), help="default bench/results/")
     p.add_argument("--out-dir", default=None,
                    help="where modes write (a fresh subfolder, deleted after each mode); default: the system "
@@ -908,6 +918,11 @@ def main(argv: list[str] | None = None) -> dict:
     for i, m in enumerate(modes):
         if m.endswith("_warm") and m.removesuffix("_warm") not in modes[:i]:
             raise SystemExit(f"--modes: {m} repeats {m.removesuffix('_warm')}, which must come before it")
+        if m == VARIANT and "dflash_prep" not in modes[:i]:
+            raise SystemExit(f"--modes: {VARIANT} repeats dflash_prep, which must come before it")
+    if (VARIANT in modes) != bool(args.variant_set):
+        raise SystemExit(f"--variant-set goes with the {VARIANT} mode, and the mode needs at least one")
+    args.variant_overrides = parse_overrides(args.variant_set)
     args.per_sample_max_seconds = args.per_sample_max_seconds or spec.per_sample_max_seconds
     args.fixed_batch_max_seconds = args.fixed_batch_max_seconds or spec.fixed_batch_max_seconds
     args.dflash_max_tokens = args.dflash_max_tokens or spec.dflash_max_tokens
@@ -967,7 +982,7 @@ def main(argv: list[str] | None = None) -> dict:
                      "fixed_batch_max_samples": args.fixed_batch_max_samples,
                      "fixed_batch_size": args.fixed_batch_size, "dflash_max_tokens": args.dflash_max_tokens,
                      "max_tokens_per_batch": budget, "max_tokens_per_batch_how": how,
-                     "dflash_overrides": args.dflash_set,
+                     "dflash_overrides": args.dflash_set, "variant_overrides": args.variant_set,
                      "out_dir": {**fs_info(out_root), "deleted_after_each_mode": not args.keep_outputs},
                      "samples": samples.params},
         "gemm": gemm,
@@ -1026,6 +1041,8 @@ def consistency_of(results: dict, states: dict, check_ids: list[str], k: int) ->
     # batched modes against each other.
     wanted = [(ok[0], m) for m in ok[1:]] if ok else []
     wanted += [(m.removesuffix("_warm"), m) for m in ok if m.endswith("_warm") and m.removesuffix("_warm") in ok]
+    if VARIANT in ok and "dflash_prep" in ok:
+        wanted.append(("dflash_prep", VARIANT))
     if "fixed_batch" in ok and "dflash_prep" in ok:
         wanted.append(("fixed_batch", "dflash_prep"))
     pairs = {f"{a}~{b}": compare(states[a], states[b], k) for a, b in dict.fromkeys(wanted)}

@@ -151,6 +151,31 @@ def test_samples_are_deterministic_and_prefix_by_tokens(rb):
 def test_bad_modes_are_refused(rb, tmp_path):
     with pytest.raises(SystemExit):
         rb.main(["--model", "tiny-llama", "--modes", "per_sample,nope", "--results-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="dflash_prep_variant repeats dflash_prep"):
+        rb.main(["--model", "tiny-llama", "--modes", "dflash_prep_variant", "--variant-set", "seed=1",
+                 "--results-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--variant-set goes with"):
+        rb.main(["--model", "tiny-llama", "--modes", "dflash_prep", "--variant-set", "seed=1",
+                 "--results-dir", str(tmp_path)])
+
+
+def test_variant_mode_reruns_dflash_prep_with_other_settings_on_the_same_samples(rb, tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "cpu")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    report = rb.main(["--model", "tiny-qwen3.5", "--device", "cpu", "--num-samples", "10", "--max-length", "300",
+                      "--modes", "dflash_prep,dflash_prep_variant", "--storage-dtype", "float32",
+                      "--dflash-set", "batching.num_workers=0", "--variant-set", "model.padding_mask=false",
+                      "--variant-set", "output.num_writer_threads=1", "--gemm-size", "128", "--check-samples", "0",
+                      "--results-dir", str(tmp_path / "results"), "--out-dir", str(tmp_path / "out")])
+    base, variant = report["modes"]["dflash_prep"], report["modes"]["dflash_prep_variant"]
+    assert base["status"] == variant["status"] == "ok"
+    assert variant["num_samples"] == base["num_samples"] == 10 and variant["stopped_by"] == "same samples as dflash_prep"
+    assert variant["variant_overrides"] == ["model.padding_mask=false", "output.num_writer_threads=1"]
+    assert variant["recipe_batching"]["num_writer_threads"] == 1 and base["recipe_batching"]["num_writer_threads"] == 4
+    assert report["settings"]["variant_overrides"] == variant["variant_overrides"]
+    pair = report["consistency"]["pairs"]["dflash_prep~dflash_prep_variant"]
+    assert pair["samples_compared"] == 10 and pair["input_ids_equal"] and pair["max_rel_l2"] < 1e-5
+    assert "dflash_prep_variant" in Path(report["markdown_path"]).read_text()
 
 
 def test_fixed_batch_splits_a_batch_that_runs_out_of_memory(rb, tmp_path, monkeypatch):
