@@ -3,8 +3,10 @@
 Feeds the real writer (`AsyncShardWriter` over `lanes`: encode, tar, sha256, fsync'ed commits) with batches of
 random bf16 states shaped like a target's records, into a folder on the disk under test, and reports GB/s per
 thread count. It answers "how many writer threads does this machine need so that the GPU never waits on the
-disk": compare with the GPU's rate x bytes per token (e.g. ~34k tok/s x 24.6 KB = 0.84 GB/s for the Llama-3.1-8B
-shape with 3 layers, ~12k x 51.2 KB = 0.61 GB/s for the 27B with 5).
+disk": compare the GB/s with the GPU's rate x bytes per token (e.g. ~34k tok/s x 24.6 KB = 0.84 GB/s for the
+Llama-3.1-8B shape with 3 layers, ~12k x 51.2 KB = 0.61 GB/s for the 27B with 5). It also reports how long a
+GIL round trip of the main thread takes while the writers run (each CUDA call of the extraction loop releases
+and re-takes the GIL, so a writer that holds it delays the loop and can leave the GPU idle).
 
     python3 bench/writer_bench.py --dir /data/tmp --threads 1,2,4,8 --gb 4 --width 25600 [--json out.json]
 """
@@ -28,22 +30,35 @@ from dflash_prep.collate import SampleInfo  # noqa: E402
 from dflash_prep.writer import AsyncShardWriter, PendingBatch, lanes  # noqa: E402
 
 
+def gil_round_trip_us(n: int = 200) -> float:
+    """Mean microseconds of a call that releases and re-takes the GIL (as each CUDA call of the extraction loop
+    does) on this thread: when a writer thread holds the GIL, the loop waits here."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        time.sleep(0)
+    return (time.perf_counter() - t0) / n * 1e6
+
+
 def run(folder: Path, num_threads: int, num_batches: int, batch_size: int, tokens: int, width: int,
         max_shard_bytes: int) -> dict:
     states = torch.randn(batch_size * tokens, width).to(torch.bfloat16)  # one buffer, re-sent: no RNG in the loop
     out = Path(tempfile.mkdtemp(prefix=f"writer-bench-{num_threads}-", dir=folder))
     try:
+        idle_us = gil_round_trip_us()
         writer = AsyncShardWriter(lanes(out, 0, max_shard_bytes, 0, num_threads))
         t0 = time.perf_counter()
+        probes = []
         for b in range(num_batches):
             infos = [SampleInfo(f"{b:06d}{i:04d}", b * batch_size + i, None, np.arange(tokens, dtype=np.int32),
                                 np.ones(tokens, np.uint8)) for i in range(batch_size)]
             writer.submit(PendingBatch(b, infos, states, None, None, [0]))
+            probes.append(gil_round_trip_us(20))  # what the loop's next CUDA calls would wait, writers busy
         writer.close()
         seconds = time.perf_counter() - t0
         return {"num_writer_threads": num_threads, "bytes": writer.bytes_written, "seconds": seconds,
                 "gb_per_second": writer.bytes_written / seconds / 1e9, "busy_seconds_summed": writer.write_seconds,
-                "producer_wait_seconds": writer.wait_seconds, "shards": len(writer.committed)}
+                "producer_wait_seconds": writer.wait_seconds, "shards": len(writer.committed),
+                "gil_round_trip_us_idle": idle_us, "gil_round_trip_us_while_writing": float(np.median(probes))}
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
@@ -66,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         r = run(Path(args.dir), n, num_batches, args.batch_size, args.tokens, args.width, args.max_shard_bytes)
         results.append(r)
         print(f"{n} writer thread(s): {r['bytes'] / 1e9:.2f} GB in {r['seconds']:.2f} s = {r['gb_per_second']:.2f} GB/s "
-              f"({r['shards']} shards, producer blocked {r['producer_wait_seconds']:.2f} s)", flush=True)
+              f"({r['shards']} shards, producer blocked {r['producer_wait_seconds']:.2f} s; GIL round trip of the "
+              f"loop {r['gil_round_trip_us_while_writing']:.0f} us while writing, {r['gil_round_trip_us_idle']:.0f} "
+              f"us idle)", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"settings": vars(args), "results": results}, indent=2) + "\n")
     return 0

@@ -220,6 +220,7 @@ def test_writer_bench_runs_and_reports_each_thread_count(tmp_path):
     records = 0.002e9 // (4 * 10 * 64 * 2) * 4 * 10 * 64 * 2  # states bytes of the whole batches sent
     for r in (one, three):
         assert r["bytes"] > records and r["gb_per_second"] > 0
+        assert r["gil_round_trip_us_idle"] > 0 and r["gil_round_trip_us_while_writing"] > 0
     assert (one["shards"], three["shards"]) == (1, 3)  # one open shard per thread, nothing rolled
     assert 0 < three["bytes"] - one["bytes"] <= 2 * 10240  # the same records; two more end-of-archive paddings
     assert list(tmp_path.iterdir()) == [out]  # its temporary folders are removed
