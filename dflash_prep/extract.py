@@ -369,7 +369,8 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
     # 5. The loop.
     writer = AsyncShardWriter(
         lanes(out_dir, rank, recipe.output.max_shard_bytes, next_shard_number(committed, rank_name(rank)),
-              recipe.output.num_writer_threads, faults), nan_policy=recipe.output.nan_policy)
+              recipe.output.num_writer_threads, faults), nan_policy=recipe.output.nan_policy,
+        max_pending_bytes=recipe.output.max_pending_bytes)
     runner = None
     loader = torch.utils.data.DataLoader(
         PlannedBatches(data.kept, mine, tokenizer.pad_token_id or 0), batch_size=None, shuffle=False,
@@ -436,7 +437,7 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
         "gpu_idle_seconds": None if gpu_forward_seconds is None else max(loop_seconds - gpu_forward_seconds, 0.0),
         "data_wait_seconds": rank_stats.data_wait_seconds,
         "writer_wait_seconds": rank_stats.writer_wait_seconds, "write_seconds": writer.write_seconds,
-        "num_writer_threads": len(writer.writers),
+        "num_writer_threads": len(writer.writers), "peak_pending_bytes": writer.peak_pending_bytes,
         "bytes_written": writer.bytes_written, "shards_committed": len(writer.committed),
         "decoder_params_run": decoder_params_in(model),
         "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,

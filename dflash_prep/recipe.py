@@ -203,6 +203,10 @@ class OutputSection:
     writing and fsync release the GIL): an 8B target with 3 bf16 layers at ~34k tokens/s per GPU
     produces ~0.85 GB/s. Each lane holds up to 2 batches of states in (pinned) host memory. Not part of the job's
     identity: a resume may use another value."""
+    max_pending_bytes: int = 16_000_000_000
+    """Host memory (bytes or '16GB') the states of batches captured but not yet written may hold, per rank
+    (pinned on a GPU machine): the loop waits for the writer threads beyond it. A single larger batch still goes
+    through. Not part of the job's identity."""
     max_failed_samples: int | None = 0
     """The run exits with code 3 when more samples than this failed (out of memory alone, non-finite states);
     the output is complete either way. null: never fail the exit code for failed samples."""
@@ -214,6 +218,8 @@ class OutputSection:
             _fail(f"{p}.dtype", self.dtype, f"expected one of {STORAGE_DTYPES}")
         if self.max_shard_bytes < 1:
             _fail(f"{p}.max_shard_bytes", self.max_shard_bytes, "must be >= 1 byte")
+        if self.max_pending_bytes < 1:
+            _fail(f"{p}.max_pending_bytes", self.max_pending_bytes, "must be >= 1 byte")
         if self.num_writer_threads < 1:
             _fail(f"{p}.num_writer_threads", self.num_writer_threads, "must be >= 1")
         if self.max_failed_samples is not None and self.max_failed_samples < 0:
@@ -304,7 +310,7 @@ def _build(cls: type, raw: Any, prefix: str, base_dir: Path | None) -> Any:
         if dataclasses.is_dataclass(hint):
             kwargs[name] = _build(hint, value, key, base_dir)
             continue
-        if key == "output.max_shard_bytes":
+        if key in ("output.max_shard_bytes", "output.max_pending_bytes"):
             value = _parse_bytes(key, value)
         if key == "batching.max_tokens_per_batch":
             if value != "auto" and (isinstance(value, bool) or not isinstance(value, int)):

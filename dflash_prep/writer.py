@@ -411,6 +411,12 @@ def encode_batch(pending: PendingBatch) -> list[tuple[dict, int]]:
     return out
 
 
+def _held_bytes(pending: PendingBatch) -> int:
+    """Host bytes of a batch's captured states."""
+    final = pending.final_NH.nbytes if pending.final_NH is not None else 0
+    return pending.hidden_states_NK.nbytes + final
+
+
 def lanes(out_dir: str | Path, rank: int, max_shard_bytes: int, first_shard_number: int, num_lanes: int,
           faults=None) -> list[ShardWriter]:
     """The `num_lanes` writers of one rank: lane j numbers its shards first + j, first + j + num_lanes, ..."""
@@ -426,16 +432,20 @@ class AsyncShardWriter:
     the disk; the i-th submitted batch goes to lane i mod L (a layout independent of timing).
 
     Hashing, file writes and fsync release the GIL, so lanes add write bandwidth on a machine with
-    spare cores. `submit` blocks only when the receiving lane already has `max_pending_batches` batches waiting.
-    Host memory is bounded: at most L x (max_pending_batches + 1) batches of states are held (pinned, on a GPU),
-    plus the one the loop is copying; by default 2 per lane, e.g. 8 x 2.9 GB for a Llama-3.1-8B shape with 3
-    bf16 layers, 131,072-token batches and 4 lanes.
+    spare cores. `submit` blocks when the receiving lane already has `max_pending_batches` batches waiting, or
+    when the batches submitted and not yet written hold `max_pending_bytes` of states (host memory, pinned on a
+    GPU machine: without that bound 4 lanes could hold 8 batches, e.g. 8 x 3.8 GB for a Llama-3.1-8B shape with
+    3 layers + the final one in bf16 and 131,072-token batches, per rank).
     """
 
     def __init__(self, writers: ShardWriter | list[ShardWriter], max_pending_batches: int = 1,
-                 nan_policy: str = "fail_sample"):
+                 nan_policy: str = "fail_sample", max_pending_bytes: int | None = None):
         self.writers = [writers] if isinstance(writers, ShardWriter) else list(writers)
         self.nan_policy = nan_policy
+        self.max_pending_bytes = max_pending_bytes if max_pending_bytes is not None else 1 << 62
+        self._pending = threading.Condition()
+        self._pending_bytes = 0  # states of the batches submitted and not yet written (host memory held)
+        self.peak_pending_bytes = 0
         self.failed: list[dict] = []  # failure records of the batches written by this run
         self._queues = [queue.Queue(maxsize=max_pending_batches) for _ in self.writers]
         self._error: BaseException | None = None
@@ -470,20 +480,30 @@ class AsyncShardWriter:
             item = q.get()
             if item is None:
                 return
-            if self._error is not None:
-                continue  # drain: after an error (in any lane) nothing more is written
+            nbytes = _held_bytes(item)
             try:
-                failed = failure_records(item)
-                nonfinite = [f for f in failed if f["reason"] == FAIL_NON_FINITE]
-                if nonfinite and self.nan_policy == "fatal":
-                    raise NonFiniteStatesError(
-                        f"non-finite (NaN/Inf) hidden states in sample(s) {[f['sample_id'] for f in nonfinite]} "
-                        f"of batch {item.batch_id} (output.nan_policy: fatal)")
-                writer.write_batch(item.batch_id, encode_batch(item), failed)
-                self.failed.extend(failed)
-            except BaseException as e:  # noqa: BLE001 - handed to the producer thread
-                if self._error is None:
-                    self._error = e
+                self._write(writer, item)
+            finally:
+                del item  # drop this lane's hold on the host buffers, then let a waiting producer go on
+                with self._pending:
+                    self._pending_bytes -= nbytes
+                    self._pending.notify_all()
+
+    def _write(self, writer: ShardWriter, item: PendingBatch) -> None:
+        if self._error is not None:
+            return  # drain: after an error (in any lane) nothing more is written
+        try:
+            failed = failure_records(item)
+            nonfinite = [f for f in failed if f["reason"] == FAIL_NON_FINITE]
+            if nonfinite and self.nan_policy == "fatal":
+                raise NonFiniteStatesError(
+                    f"non-finite (NaN/Inf) hidden states in sample(s) {[f['sample_id'] for f in nonfinite]} "
+                    f"of batch {item.batch_id} (output.nan_policy: fatal)")
+            writer.write_batch(item.batch_id, encode_batch(item), failed)
+            self.failed.extend(failed)
+        except BaseException as e:  # noqa: BLE001 - handed to the producer thread
+            if self._error is None:
+                self._error = e
 
     @property
     def error(self) -> BaseException | None:
@@ -495,8 +515,18 @@ class AsyncShardWriter:
             raise self._error
 
     def submit(self, pending: PendingBatch) -> None:
+        """Hand a batch to its lane; blocks while its lane's queue is full or while the batches not yet written
+        hold `max_pending_bytes` (a batch larger than that alone still goes when nothing else is pending)."""
         self._raise_if_failed()
         t0 = time.perf_counter()
+        nbytes = _held_bytes(pending)
+        with self._pending:
+            while (self._error is None and self._pending_bytes > 0
+                   and self._pending_bytes + nbytes > self.max_pending_bytes):
+                self._pending.wait()
+            self._raise_if_failed()
+            self._pending_bytes += nbytes
+            self.peak_pending_bytes = max(self.peak_pending_bytes, self._pending_bytes)
         self._queues[self._num_submitted % len(self._queues)].put(pending)
         self._num_submitted += 1
         self.wait_seconds += time.perf_counter() - t0

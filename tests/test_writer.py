@@ -130,3 +130,59 @@ def test_states_reach_the_tar_from_the_host_buffer_without_a_joining_copy(tmp_pa
     parts = first["hidden_states.safetensors"]
     assert parts[1].ctypes.data == pending.hidden_states_NK.data_ptr()
     assert second["hidden_states.safetensors"][1].ctypes.data == pending.hidden_states_NK[5:].data_ptr()
+
+
+def test_host_memory_of_pending_batches_is_bounded(tmp_path):
+    """With a bound of 1.5 batches, the loop never has more than one batch waiting on the writers (and a batch
+    larger than the bound alone still goes through)."""
+    import threading
+    import time
+
+    one = _pending(0, 2).hidden_states_NK.nbytes
+    release = threading.Event()
+
+    class Slow(ShardWriter):
+        def write_batch(self, *args, **kwargs):
+            release.wait(5)  # the writers are slow until the test says so
+            return super().write_batch(*args, **kwargs)
+
+    out = tmp_path / "out"
+    lock = threading.Lock()
+    writer = AsyncShardWriter([Slow(out, 0, 1500, j, shard_number_step=3, index_lock=lock) for j in range(3)],
+                              max_pending_bytes=int(1.5 * one))
+    writer.submit(_pending(0, 2))
+    t = threading.Thread(target=writer.submit, args=(_pending(1, 2),))
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive()  # blocked: a second batch would exceed the bound (3 lanes, queues empty)
+    release.set()
+    t.join(5)
+    assert not t.is_alive()
+    writer.submit(_pending(2, 7))  # larger than the bound: goes once nothing else is pending
+    writer.close()
+    assert writer.peak_pending_bytes == _pending(2, 7).hidden_states_NK.nbytes
+    assert sorted(b for r in read_committed(out) for b in r.batch_ids) == [0, 1, 2]
+
+
+def test_a_producer_waiting_for_memory_sees_a_writer_error(tmp_path):
+    import threading
+
+    class Failing(ShardWriter):
+        def write_batch(self, *args, **kwargs):
+            raise OSError(28, "No space left on device (test)")
+
+    writer = AsyncShardWriter(Failing(tmp_path / "out", 0, 1500), max_pending_bytes=1)
+    writer.submit(_pending(0, 2))
+    errors = []
+
+    def submit_more():
+        try:
+            writer.submit(_pending(1, 2))
+        except OSError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=submit_more)
+    t.start()
+    t.join(5)
+    assert not t.is_alive() and errors and "No space left" in str(errors[0])
+    writer.abort()
