@@ -49,6 +49,7 @@ import io  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
+import re  # noqa: E402
 import shutil  # noqa: E402
 import socket  # noqa: E402
 import sys  # noqa: E402
@@ -76,8 +77,9 @@ CONFIG_DIR = BENCH_DIR / "configs"
 TOKENIZER_DIR = REPO_ROOT / "recipes" / "tiny-demo" / "tokenizer"
 
 ALL_MODES = ("per_sample", "fixed_batch", "dflash_prep", "per_sample_warm", "fixed_batch_warm", "dflash_prep_warm",
-             "dflash_prep_variant")
+             "dflash_prep_variant", "dflash_prep_profile")
 VARIANT = "dflash_prep_variant"  # dflash_prep again on its samples with --variant-set on top: an A/B in one run
+PROFILE = "dflash_prep_profile"  # dflash_prep again on its samples under torch.profiler: where the GPU time goes
 DEFAULT_MODES = "per_sample,fixed_batch,dflash_prep"
 GB = 1e9
 
@@ -581,7 +583,7 @@ def run_fixed_batch(ctx: Ctx, out_dir: Path, repeat_of: dict | None = None) -> d
     loop_s = time.perf_counter() - t_loop
     result = baseline_result(ctx, log, loop_s, build_s, stopped_by, checksum)
     result.update(batch_size=bs, oom_splits=oom["splits"], oom_wasted_seconds=oom["wasted_seconds"])
-    del model
+    model = None  # free the weights before the next mode (forward_and_save closes over the name)
     return result
 
 
@@ -785,6 +787,43 @@ def run_dflash(ctx: Ctx, out_dir: Path, repeat_of: dict | None = None, extra_ove
     }
 
 
+# ---------------------------------------------------------------------------------------------- profile
+# Kernel name patterns, first match wins: where a forward's GPU time goes.
+KERNEL_CATEGORIES = (  # attention first: flash / mem-efficient kernels carry "cutlass" in their template names
+    ("attention", re.compile(r"flash|fmha|attention|attn|sdpa", re.I)),
+    ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|matmul|addmm|bmm|\bmm\b|linear|cublas", re.I)),
+    ("gated_deltanet", re.compile(r"chunk|delta|fla_|l2norm|solve_tril|recompute_w_u|cumsum|recurrent|"
+                                  r"merge_\d+x\d+|inverse", re.I)),
+    ("conv", re.compile(r"conv", re.I)),
+    ("memory", re.compile(r"memcpy|memset|copy|cat|index|gather|scatter|fill", re.I)),
+    ("norm", re.compile(r"norm|rsqrt", re.I)),
+)
+
+
+def kernel_profile(prof, cuda: bool, top: int = 40) -> dict:
+    """Seconds and share per kernel category and the `top` kernels (GPU: kernels by self device time; CPU: ops
+    by self CPU time), from a finished torch.profiler session."""
+    rows = []
+    for evt in prof.key_averages():
+        if cuda:
+            t = getattr(evt, "self_device_time_total", None)
+            t = getattr(evt, "self_cuda_time_total", 0) if t is None else t
+        else:
+            t = evt.self_cpu_time_total
+        if t and t > 0:
+            rows.append((evt.key, t / 1e6, evt.count))
+    total = sum(t for _, t, _ in rows) or 1.0
+    categories: dict[str, float] = {}
+    for name, t, _ in rows:
+        cat = next((c for c, pattern in KERNEL_CATEGORIES if pattern.search(name)), "other")
+        categories[cat] = categories.get(cat, 0.0) + t
+    rows.sort(key=lambda r: -r[1])
+    return {"device": "cuda" if cuda else "cpu", "total_seconds": total,
+            "categories": {c: {"seconds": t, "share": t / total}
+                           for c, t in sorted(categories.items(), key=lambda kv: -kv[1])},
+            "top": [{"name": n[:160], "seconds": t, "share": t / total, "calls": c} for n, t, c in rows[:top]]}
+
+
 # ----------------------------------------------------------------------------------------------- driver
 RUNNERS = {"per_sample": run_per_sample, "fixed_batch": run_fixed_batch, "dflash_prep": run_dflash}
 
@@ -822,15 +861,21 @@ def run_mode(ctx: Ctx, mode: str, gemm: dict, check_ids: list[str], done: dict) 
     states: dict = {}
     print(f"[bench] {mode}: start", file=sys.stderr, flush=True)
     try:
-        kind = "dflash_prep" if mode == VARIANT else mode.removesuffix("_warm")
+        kind = "dflash_prep" if mode in (VARIANT, PROFILE) else mode.removesuffix("_warm")
         repeat_of = None
-        if mode.endswith("_warm") or mode == VARIANT:
+        if mode.endswith("_warm") or mode in (VARIANT, PROFILE):
             repeat_of = done.get(kind)
             if not repeat_of or repeat_of.get("status") != "ok":
                 raise RuntimeError(f"{mode} repeats {kind}, which did not run successfully before it")
         if mode == VARIANT:
             res = run_dflash(ctx, out_dir, repeat_of, ctx.args.variant_overrides)
             res["variant_overrides"] = ctx.args.variant_set
+        elif mode == PROFILE:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA if ctx.device.type == "cuda"
+                                                    else torch.profiler.ProfilerActivity.CPU]) as prof:
+                res = run_dflash(ctx, out_dir, repeat_of)
+            res["profile"] = kernel_profile(prof, ctx.device.type == "cuda")
+            res["profile"]["note"] = "figures of this mode include the profiler's overhead; compare shares only"
         else:
             res = RUNNERS[kind](ctx, out_dir, repeat_of)
         res["status"] = "ok"
@@ -918,8 +963,8 @@ def main(argv: list[str] | None = None) -> dict:
     for i, m in enumerate(modes):
         if m.endswith("_warm") and m.removesuffix("_warm") not in modes[:i]:
             raise SystemExit(f"--modes: {m} repeats {m.removesuffix('_warm')}, which must come before it")
-        if m == VARIANT and "dflash_prep" not in modes[:i]:
-            raise SystemExit(f"--modes: {VARIANT} repeats dflash_prep, which must come before it")
+        if m in (VARIANT, PROFILE) and "dflash_prep" not in modes[:i]:
+            raise SystemExit(f"--modes: {m} repeats dflash_prep, which must come before it")
     if (VARIANT in modes) != bool(args.variant_set):
         raise SystemExit(f"--variant-set goes with the {VARIANT} mode, and the mode needs at least one")
     args.variant_overrides = parse_overrides(args.variant_set)
@@ -1181,6 +1226,17 @@ def render_markdown(r: dict) -> str:
                          f"{w['first_shape_overhead_seconds']:.1f} | {w['num_shapes']} | "
                          f"{_fmt(w['overhead_per_shape_seconds'], '.2f')} | {_fmt(w['cold_tokens_per_second'])} | "
                          f"{_fmt(w['warm_tokens_per_second'])} |")
+    for mode, m in res.items():
+        prof = m.get("profile") if isinstance(m, dict) else None
+        if not prof:
+            continue
+        unit = "GPU kernel time" if prof["device"] == "cuda" else "CPU op time"
+        lines += ["", f"Where the time goes ({mode}, torch.profiler, {unit} {prof['total_seconds']:.1f} s; "
+                      f"{prof['note']}):", "", "| category | seconds | share |", "|---|---|---|"]
+        lines += [f"| {c} | {v['seconds']:.2f} | {v['share']:.1%} |" for c, v in prof["categories"].items()]
+        lines += ["", "| top kernels | calls | seconds | share |", "|---|---|---|---|"]
+        lines += [f"| `{k['name'][:90]}` | {k['calls']} | {k['seconds']:.2f} | {k['share']:.1%} |"
+                  for k in prof["top"][:15]]
     c = r["consistency"]
     lines += ["", f"Consistency (states read back from disk, first samples; same weights in every mode: "
               f"{_fmt(c['same_weights'])}):", "",

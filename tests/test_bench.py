@@ -224,3 +224,23 @@ def test_writer_bench_runs_and_reports_each_thread_count(tmp_path):
     assert (one["shards"], three["shards"]) == (1, 3)  # one open shard per thread, nothing rolled
     assert 0 < three["bytes"] - one["bytes"] <= 2 * 10240  # the same records; two more end-of-archive paddings
     assert list(tmp_path.iterdir()) == [out]  # its temporary folders are removed
+
+
+def test_profile_mode_reports_where_the_time_goes(rb, tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "cpu")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    report = rb.main(["--model", "tiny-llama", "--device", "cpu", "--num-samples", "8", "--max-length", "200",
+                      "--modes", "dflash_prep,dflash_prep_profile", "--dflash-set", "batching.num_workers=0",
+                      "--gemm-size", "128", "--check-samples", "0",
+                      "--results-dir", str(tmp_path / "results"), "--out-dir", str(tmp_path / "out")])
+    mode = report["modes"]["dflash_prep_profile"]
+    assert mode["status"] == "ok" and mode["num_samples"] == report["modes"]["dflash_prep"]["num_samples"]
+    prof = mode["profile"]
+    assert prof["device"] == "cpu" and prof["total_seconds"] > 0
+    assert abs(sum(v["share"] for v in prof["categories"].values()) - 1) < 1e-9
+    assert prof["categories"]["gemm"]["seconds"] > 0  # the linear layers of the decoder
+    assert prof["top"] and prof["top"] == sorted(prof["top"], key=lambda k: -k["seconds"])
+    assert "Where the time goes (dflash_prep_profile" in Path(report["markdown_path"]).read_text()
+    assert rb.kernel_profile.__doc__
+    with pytest.raises(SystemExit, match="dflash_prep_profile repeats dflash_prep"):
+        rb.main(["--model", "tiny-llama", "--modes", "dflash_prep_profile", "--results-dir", str(tmp_path)])
