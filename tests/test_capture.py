@@ -135,3 +135,27 @@ def test_layer_id_rules():
     assert resolve_layer_ids(LayersSection(preset="explicit", ids=[0, 7]), 8) == [0, 7]
     with pytest.raises(RecipeError, match=r"layers.ids.*out of range.*0\.\.7"):
         resolve_layer_ids(LayersSection(preset="explicit", ids=[2, 8]), 8)
+
+
+def test_extraction_without_the_padding_mask_writes_the_same_states(tmp_path):
+    """`model.padding_mask: false` end to end: the same samples, the same states (to storage rounding)."""
+    from safetensors.torch import load
+
+    from conftest import demo_overrides, raw_records
+    from dflash_prep.extract import main
+
+    records = {}
+    for mask in ("true", "false"):
+        out = tmp_path / mask
+        argv = [a for kv in demo_overrides(out, **{"data.max_samples": 24, "batching.num_workers": 0,
+                                                   "model.padding_mask": mask, "output.dtype": "float32"})
+                for a in ("--set", kv)]
+        assert main(argv) == 0
+        records[mask] = raw_records(out)
+    assert set(records["true"]) == set(records["false"]) and len(records["true"]) > 20
+    for key, members in records["true"].items():
+        other = records["false"][key]
+        assert members["input_ids.npy"] == other["input_ids.npy"]
+        a = load(members["hidden_states.safetensors"])["hidden_states"]
+        b = load(other["hidden_states.safetensors"])["hidden_states"]
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-4 * float(a.abs().max()))
