@@ -17,8 +17,10 @@ Guarantees:
 - each sample is one webdataset sample keyed by its `sample_id` with members `input_ids.npy` (int32),
   `loss_mask.npy` (uint8), `hidden_states.safetensors` (`hidden_states` [T, k*H], plus `final_hidden_states`
   [T, H] when captured) and `meta.json`; no pickle anywhere;
-- `AsyncShardWriter` never loses an error: a failure in the thread is raised by the next `submit` or `close`;
-  the shard being written is then dropped (its `.tmp` removed), committed shards and the index stay untouched;
+- `AsyncShardWriter` never loses an error: a failure in a lane is raised by the next `submit` or `close`; the
+  shards being written (one per lane) are then dropped (their `.tmp` removed), committed shards and the index
+  stay untouched;
+- the host memory of batches captured but not yet written is bounded (`max_pending_bytes`);
 - failed samples (out of memory alone, non-finite states) are listed, with their reason, in the index line of the
   shard that commits their batch (`failed`), so they are exactly as durable as the batch's written samples; a
   batch whose every sample failed still commits (a shard may then hold zero samples).
