@@ -548,7 +548,7 @@ def _stopped_message(out_dir: Path, rank: int, writer: AsyncShardWriter, error: 
                 f"intact ({len(writer.committed)} of those shards by rank {rank} in this run)")
     except OSError:
         done = "the shards committed so far are intact"
-    return (f"rank {rank} stopped: {what}. {done}; the shard being written was discarded, nothing partial is "
+    return (f"rank {rank} stopped: {what}. {done}; the shards being written were discarded, nothing partial is "
             f"visible. To resume: {fix} (committed batches are not redone).")
 
 
