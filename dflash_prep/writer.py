@@ -307,12 +307,15 @@ class ShardWriter:
         if self.faults is not None:
             self.faults.after_rename(_shard_number(final))
         with self.index_lock:  # the rank's lanes append to one index file
-            index_size = self.index_path.stat().st_size if self.index_path.exists() else 0
+            created = not self.index_path.exists()
+            index_size = 0 if created else self.index_path.stat().st_size
             try:
                 with open(self.index_path, "a") as idx:
                     idx.write(json.dumps(record.to_json()) + "\n")
                     idx.flush()
                     os.fsync(idx.fileno())
+                if created:  # the new file's directory entry must be durable too
+                    fsync_dir(self.index_path.parent)
             except BaseException:
                 # Not committed: take back a partly appended line and the renamed shard (best effort; a resume
                 # would remove the unlisted shard and ignore a torn line anyway).
