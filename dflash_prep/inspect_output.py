@@ -141,6 +141,7 @@ def format_description(f: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- progress
+RATE_WINDOW_SECONDS = 900
 def describe_progress(out_dir: str | Path) -> dict | None:
     """How far the run of an output without a manifest got, and whether a process runs into it now.
 
@@ -166,6 +167,19 @@ def describe_progress(out_dir: str | Path) -> dict | None:
         entry["tokens"] += r.num_tokens
     indexes = list(index_dir.glob("rank-*.jsonl")) if index_dir.is_dir() else []
     last = max((p.stat().st_mtime for p in indexes), default=None)
+    running = running_holders(out_dir)
+    # Rate over the commits of the last RATE_WINDOW_SECONDS (all ranks), and the ETA of a running job.
+    now = time.time()
+    recent = [r for r in committed if r.committed_at is not None and r.committed_at >= now - RATE_WINDOW_SECONDS]
+    rate = eta = None
+    if len(recent) >= 2:
+        first = min(r.committed_at for r in recent)
+        span = now - first
+        done = sum(r.num_samples + len(r.failed) for r in recent if r.committed_at > first)
+        rate = done / span if span > 0 else None
+    if rate and running and planned:
+        left = planned["num_samples"] - sum(r.num_samples + len(r.failed) for r in committed)
+        eta = max(left, 0) / rate
     return {
         "output_dir": str(out_dir), "finished": False,
         "planned_batches": len(planned["batches"]) if planned else None,
@@ -176,9 +190,15 @@ def describe_progress(out_dir: str | Path) -> dict | None:
         "num_tokens": sum(r.num_tokens for r in committed),
         "num_shards": len(committed), "num_bytes": sum(r.num_bytes for r in committed),
         "by_rank": dict(sorted(by_rank.items())),
-        "running": running_holders(out_dir),
-        "seconds_since_last_commit": None if last is None else max(time.time() - last, 0.0),
+        "running": running,
+        "seconds_since_last_commit": None if last is None else max(now - last, 0.0),
+        "samples_per_second_recent": rate, "eta_seconds": eta,
     }
+
+
+def _hms(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
 def format_progress(p: dict) -> str:
@@ -202,6 +222,10 @@ def format_progress(p: dict) -> str:
     since = p["seconds_since_last_commit"]
     lines.append(("shards", f"{p['num_shards']:,}, {_size(p['num_bytes'])}"
                             + (f"; last commit {since:,.0f} s ago" if since is not None else "")))
+    if p["samples_per_second_recent"]:
+        lines.append(("rate", f"{p['samples_per_second_recent']:,.1f} samples/s over the last "
+                              f"{RATE_WINDOW_SECONDS // 60} min of commits"
+                              + (f"; ETA {_hms(p['eta_seconds'])}" if p["eta_seconds"] is not None else "")))
     for rank, r in p["by_rank"].items():
         lines.append(("", f"{rank}: {r['shards']:,} shards, {r['samples']:,} samples, {r['tokens']:,} tokens"))
     width = max(len(k) for k, _ in lines)

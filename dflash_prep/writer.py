@@ -226,11 +226,12 @@ class ShardRecord:
     batch_ids: list[int] = field(default_factory=list)
     sample_ids: list[str] = field(default_factory=list)
     failed: list[dict] = field(default_factory=list)  # [{sample_id, source_row, source_id, batch_id, reason}]
+    committed_at: float | None = None  # unix time of the commit (progress and ETA of a running job)
 
     def to_json(self) -> dict:
         return dict(path=self.path, num_samples=self.num_samples, num_tokens=self.num_tokens,
                     num_bytes=self.num_bytes, sha256=self.sha256, batch_ids=self.batch_ids,
-                    sample_ids=self.sample_ids, failed=self.failed)
+                    sample_ids=self.sample_ids, failed=self.failed, committed_at=self.committed_at)
 
 
 class ShardWriter:
@@ -301,6 +302,7 @@ class ShardWriter:
         f.close()
         record.num_bytes = hashing.num_bytes
         record.sha256 = hashing.sha256.hexdigest()
+        record.committed_at = time.time()
         os.replace(final.with_name(final.name + ".tmp"), final)
         self._open = None
         fsync_dir(final.parent)

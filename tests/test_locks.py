@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -116,6 +117,8 @@ def test_inspect_of_an_unfinished_output_shows_progress_and_whether_it_runs(tmp_
     assert progress["committed_batches"] == len({b for r in committed for b in r.batch_ids})
     assert progress["planned_batches"] == len(batches) and progress["planned_samples"] == 24
     assert progress["by_rank"]["rank-00000"]["shards"] == 3
+    assert all(r.committed_at is not None for r in committed)
+    assert progress["samples_per_second_recent"] > 0 and progress["eta_seconds"] is None  # not running: no ETA
     assert inspect_main([str(out)]) == 2
     text = capsys.readouterr().out
     assert "unfinished, not running (interrupted: re-run the same command to resume)" in text
@@ -128,6 +131,7 @@ def test_inspect_of_an_unfinished_output_shows_progress_and_whether_it_runs(tmp_
         text = capsys.readouterr().out
         assert f"unfinished, running now (main process pid {main_proc.pid} on " in text
         assert "1 rank(s) writing)" in text
+        assert re.search(r"rate +[\d,.]+ samples/s over the last 15 min of commits; ETA \d+m\d\ds", text), text
     finally:
         for proc in (main_proc, rank_proc):
             proc.send_signal(signal.SIGKILL)
