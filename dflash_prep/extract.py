@@ -38,9 +38,9 @@ import torch  # noqa: E402
 
 from . import __version__  # noqa: E402
 from .backoff import BatchRunner  # noqa: E402
+from .budget import resolve_token_budget  # noqa: E402
 from .capture import LayerCapture  # noqa: E402
 from .collate import PlannedBatches  # noqa: E402
-from .budget import resolve_token_budget  # noqa: E402
 from .data import check_data_source, load_rows, tokenize_dataset, write_skipped  # noqa: E402
 from .faults import Faults  # noqa: E402
 from .layers import num_decoder_layers, resolve_layer_ids  # noqa: E402
@@ -398,7 +398,7 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
                 hs, final, nonfinite, event = _to_host(out, device)
                 rank_stats.forward_seconds += time.perf_counter() - t_fwd
                 writer.submit(PendingBatch(batch.batch_id, out.samples, hs, final, event, layer_ids,
-                                                 failed=out.failed, nonfinite_B=nonfinite))
+                                           failed=out.failed, nonfinite_B=nonfinite))
                 rank_stats.num_batches += 1
                 rank_stats.num_samples += len(batch.samples)
                 rank_stats.num_real_tokens += batch.num_real_tokens
