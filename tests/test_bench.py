@@ -159,14 +159,20 @@ def test_bad_modes_are_refused(rb, tmp_path):
                  "--results-dir", str(tmp_path)])
 
 
-def test_variant_mode_reruns_dflash_prep_with_other_settings_on_the_same_samples(rb, tmp_path, monkeypatch):
+def _run_dflash_modes(rb, tmp_path, monkeypatch, model: str, modes: str, extra: list[str]) -> dict:
+    """A CPU benchmark run of dflash-prep modes only, in seconds."""
     monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "cpu")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
-    report = rb.main(["--model", "tiny-qwen3.5", "--device", "cpu", "--num-samples", "10", "--max-length", "300",
-                      "--modes", "dflash_prep,dflash_prep_variant", "--storage-dtype", "float32",
-                      "--dflash-set", "batching.num_workers=0", "--variant-set", "model.padding_mask=false",
-                      "--variant-set", "output.num_writer_threads=1", "--gemm-size", "128", "--check-samples", "0",
-                      "--results-dir", str(tmp_path / "results"), "--out-dir", str(tmp_path / "out")])
+    return rb.main(["--model", model, "--device", "cpu", "--modes", modes, "--dflash-set", "batching.num_workers=0",
+                    "--gemm-size", "128", "--check-samples", "0", "--results-dir", str(tmp_path / "results"),
+                    "--out-dir", str(tmp_path / "out"), *extra])
+
+
+def test_variant_mode_reruns_dflash_prep_with_other_settings_on_the_same_samples(rb, tmp_path, monkeypatch):
+    report = _run_dflash_modes(rb, tmp_path, monkeypatch, "tiny-qwen3.5", "dflash_prep,dflash_prep_variant",
+                               ["--num-samples", "10", "--max-length", "300", "--storage-dtype", "float32",
+                                "--variant-set", "model.padding_mask=false",
+                                "--variant-set", "output.num_writer_threads=1"])
     base, variant = report["modes"]["dflash_prep"], report["modes"]["dflash_prep_variant"]
     assert base["status"] == variant["status"] == "ok"
     assert variant["num_samples"] == base["num_samples"] == 10 and variant["stopped_by"] == "same samples as dflash_prep"
@@ -227,12 +233,8 @@ def test_writer_bench_runs_and_reports_each_thread_count(tmp_path):
 
 
 def test_profile_mode_reports_where_the_time_goes(rb, tmp_path, monkeypatch):
-    monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "cpu")
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
-    report = rb.main(["--model", "tiny-llama", "--device", "cpu", "--num-samples", "8", "--max-length", "200",
-                      "--modes", "dflash_prep,dflash_prep_profile", "--dflash-set", "batching.num_workers=0",
-                      "--gemm-size", "128", "--check-samples", "0",
-                      "--results-dir", str(tmp_path / "results"), "--out-dir", str(tmp_path / "out")])
+    report = _run_dflash_modes(rb, tmp_path, monkeypatch, "tiny-llama", "dflash_prep,dflash_prep_profile",
+                               ["--num-samples", "8", "--max-length", "200"])
     mode = report["modes"]["dflash_prep_profile"]
     assert mode["status"] == "ok" and mode["num_samples"] == report["modes"]["dflash_prep"]["num_samples"]
     prof = mode["profile"]
