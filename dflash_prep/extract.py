@@ -25,7 +25,9 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -70,6 +72,44 @@ class OutputMismatchError(RuntimeError):
 
 class ExtractionError(RuntimeError):
     """The run stopped cleanly (write error, fatal NaN): committed shards are intact; re-running resumes."""
+
+
+class _StopRequest:
+    """SIGTERM (a scheduler's preemption notice) or SIGINT (Ctrl-C) asks the run to stop at the next batch
+    boundary: the batches already captured are written and their shards committed, so a resume redoes nothing
+    that was computed; a second signal stops at once (the default handlers are back). Installed only in the
+    main thread (signal handlers can only be set there)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signal_name: str | None = None
+        self._previous: dict = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.signal_name = signal.Signals(signum).name
+        self.restore()  # a second signal acts at once
+        log.warning("%s received: finishing the batches in flight and committing their shards; send it again to "
+                    "stop at once (a resume is safe either way)", self.signal_name)
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
+def _ignore_stop_signals(worker_id: int) -> None:
+    """DataLoader workers leave SIGTERM/SIGINT to the main process (which then stops at a batch boundary and shuts
+    them down); a worker killed by the signal would otherwise make the loader fail under the loop's feet."""
+    for sig in _StopRequest.SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class _ConsoleFormatter(logging.Formatter):
@@ -375,12 +415,14 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
     loader = torch.utils.data.DataLoader(
         PlannedBatches(data.kept, mine, tokenizer.pad_token_id or 0), batch_size=None, shuffle=False,
         num_workers=recipe.batching.num_workers, pin_memory=device.type == "cuda",
-        persistent_workers=False, prefetch_factor=4 if recipe.batching.num_workers else None)
+        persistent_workers=False, prefetch_factor=4 if recipe.batching.num_workers else None,
+        worker_init_fn=_ignore_stop_signals)
     rank_stats = RankStats()
     progress = _progress(is_main, sum(len(p.sample_indices) for p in mine), world)
     storage_dtype = STORAGE_TORCH_DTYPES[recipe.output.dtype]
     gpu_timer = _GpuTimer() if device.type == "cuda" else None
     t_loop = time.perf_counter()
+    stop, stopped_early = _StopRequest(), False
     try:
         with LayerCapture(model, layer_ids, capture_final=recipe.layers.capture_final,
                           storage_dtype=storage_dtype, padding_mask=recipe.model.padding_mask) as capture:
@@ -408,6 +450,9 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
                     progress.update(len(batch.samples))
                     elapsed = time.perf_counter() - t_loop
                     progress.set_postfix(tok_s=f"{rank_stats.num_real_tokens * world / elapsed:,.0f}", refresh=False)
+                if stop.requested and not stopped_early:
+                    stopped_early = True  # the batches captured so far are written and committed below
+                    break
                 t_wait = time.perf_counter()
         writer.close()
     except BaseException as e:
@@ -423,8 +468,16 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
                       "to resume", rank)
         raise
     finally:
+        stop.restore()
         if progress is not None:
             progress.close()
+    if stopped_early:  # (a signal after the last batch just lets the run finish)
+        committed_now = read_committed(out_dir)
+        message = (f"rank {rank} stopped on {stop.signal_name}: {rank_stats.num_batches} batch(es) of this run were "
+                   f"written and committed ({sum(r.num_samples for r in committed_now)} samples committed in all); "
+                   f"re-run the same command to resume")
+        log.warning("%s", message, extra={"console": False})
+        raise ExtractionError(message)
     rank_stats.writer_wait_seconds = writer.wait_seconds
     loop_seconds = time.perf_counter() - t_loop
     gpu_forward_seconds = gpu_timer.total_seconds() if gpu_timer is not None else None

@@ -228,3 +228,32 @@ def test_overwrite_starts_afresh_on_purpose(tmp_path, reference_out):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["layer_ids"] == [1, 5] and manifest["num_samples"] == 20
     assert unlisted_shard_files(out) == [] and check_output(out) == []  # no shard of the old job is left
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_commits_the_batches_in_flight_and_the_resume_completes(tmp_path, reference, sig):
+    """A scheduler's SIGTERM (or Ctrl-C) mid-run: the run stops at the next batch boundary, writes and commits what
+    it captured (nothing half written is left), exits 1 with a message; re-running finishes the job exactly."""
+    out = tmp_path / "out"
+    cmd = extract_cmd(out) + ["--set", "batching.num_workers=2"]  # workers must not die of the signal
+    slow = {**ENV, "DFLASH_PREP_FAULTS": json.dumps({"forward_delay_seconds": 0.3})}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=slow, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if (out / "index").exists() and index_lines(out) >= 2:
+            break  # two shards committed
+        time.sleep(0.02)
+    time.sleep(0.4)  # mid-way through a forward
+    assert proc.poll() is None, "the run ended before the signal: the test proved nothing"
+    proc.send_signal(sig)
+    err = proc.communicate(timeout=120)[1]
+    state = state_of(out)
+    assert proc.returncode == 1, err[-2000:]
+    assert f"stopped on {sig.name}" in err and "re-run the same command to resume" in err and "Traceback" not in err
+    assert state["tmp_files"] == 0 and state["unindexed_shards"] == 0 and not state["finished"]
+    committed = read_committed(out)
+    done = {b for r in committed for b in r.batch_ids}
+    log = (out / "logs" / "rank-00000.log").read_text()
+    written_this_run = int(re.search(r"(\d+) batch\(es\) of this run were written and committed", log).group(1))
+    assert written_this_run == len(done) > 0  # every batch it captured was committed: none to redo
+    finish_and_compare(out, reference)
