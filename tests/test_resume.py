@@ -257,3 +257,25 @@ def test_a_stop_signal_commits_the_batches_in_flight_and_the_resume_completes(tm
     written_this_run = int(re.search(r"(\d+) batch\(es\) of this run were written and committed", log).group(1))
     assert written_this_run == len(done) > 0  # every batch it captured was committed: none to redo
     finish_and_compare(out, reference)
+
+
+def test_sigterm_to_the_launcher_stops_every_rank_cleanly(tmp_path, reference):
+    """`accelerate launch` (2 processes) gets SIGTERM: it passes it to its workers, each commits what it captured
+    and stops; nothing half written is left, and a 1-process re-run finishes the job exactly."""
+    out = tmp_path / "out"
+    slow = {**ENV, "DFLASH_PREP_FAULTS": json.dumps({"forward_delay_seconds": 0.3})}
+    proc = subprocess.Popen(launch_2proc_cmd(out), cwd=REPO, env=slow, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if (out / "index").exists() and index_lines(out) >= 2:
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before the signal: the test proved nothing"
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode != 0
+    assert "rank 0 stopped on SIGTERM" in err and "rank 1 stopped on SIGTERM" in err, err[-3000:]
+    state = state_of(out)
+    assert state["tmp_files"] == 0 and state["unindexed_shards"] == 0 and not state["finished"]
+    finish_and_compare(out, reference)
