@@ -775,6 +775,7 @@ def run_dflash(ctx: Ctx, out_dir: Path, repeat_of: dict | None = None, extra_ove
             "writer_wait": r["writer_wait_seconds"],  # loop blocked on a full writer queue
             "write": r["write_seconds"],  # writer threads' busy time, summed: encode + tar + fsync (overlaps the GPU)
         },
+        "peak_pending_bytes": r.get("peak_pending_bytes"),  # host memory held by batches awaiting the writers
         "recipe_batching": {"max_tokens_per_batch": b.max_tokens_per_batch, "max_batch_size": b.max_batch_size,
                             "length_multiple": b.length_multiple, "length_growth": b.length_growth,
                             "num_workers": b.num_workers, "num_writer_threads": recipe.output.num_writer_threads},

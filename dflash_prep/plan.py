@@ -335,7 +335,9 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
         wall = {"num_gpus": num_gpus, "seconds": max(per_rank),
                 "compute_seconds": max(r["num_real_tokens"] for r in ranks) / tps,
                 "warmup_seconds": max(per_shape * r["num_shapes"] for r in ranks),
-                "gpu_hours": sum(per_rank) / 3600}
+                "gpu_hours": sum(per_rank) / 3600,
+                # what each GPU's writer threads must sustain so the GPU never waits on the disk
+                "write_bytes_per_second_per_gpu": tps * disk[recipe.output.dtype]["bytes_per_token"]}
 
     return {
         "recipe_fingerprint": recipe.fingerprint(),
@@ -415,6 +417,8 @@ def format_plan(p: dict) -> str:
         warm = (f" + {_duration(w['warmup_seconds'])} first-seen-shape warm-up" if w["warmup_seconds"] else "")
         lines.append(("wall time", f"{_duration(w['seconds'])} on {w['num_gpus']} GPU(s) ({_duration(w['compute_seconds'])}"
                                    f" compute{warm}; {w['gpu_hours']:.2f} GPU-hours)"))
+        lines.append(("writes", f"{w['write_bytes_per_second_per_gpu'] / 1e9:.2f} GB/s per GPU at that rate "
+                                f"(bench/writer_bench.py measures what a disk and output.num_writer_threads give)"))
     else:
         lines.append(("throughput", f"unknown ({t['source']}): pass --tokens-per-second"))
     width = max(len(k) for k, _ in lines)

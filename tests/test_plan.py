@@ -162,6 +162,8 @@ def test_cli_prints_the_plan_and_its_json(capsys, planned_and_run):
     printed = json.loads(capsys.readouterr().out)
     for key in ("num_samples", "num_tokens", "num_batches", "num_shapes", "padding_efficiency", "num_bytes", "disk"):
         assert printed[key] == plan[key], key
+    bytes_per_token = plan["disk"][plan["dtype"]]["bytes_per_token"]
+    assert printed["wall"]["write_bytes_per_second_per_gpu"] == pytest.approx(1000 * bytes_per_token)
     from dflash_prep.cli import main as cli_main
 
     assert cli_main(["plan", *args, "--num-gpus", "2", "--tokens-per-second", "500"]) == 0
@@ -169,6 +171,8 @@ def test_cli_prints_the_plan_and_its_json(capsys, planned_and_run):
     for expected in ("rows", "skipped (longer_than_max_length:", f"{plan['num_tokens']:,}", "padding     efficiency",
                      "fp8_e4m3", "500 real tok/s per GPU", "on 2 GPU(s)", "length histogram", "p99"):
         assert expected in text, expected
+    per_gpu = 500 * plan["disk"][plan["dtype"]]["bytes_per_token"]
+    assert f"writes      {per_gpu / 1e9:.2f} GB/s per GPU at that rate" in text
     assert main(["--set", "batching.max_batch_size=0"]) == 2  # a bad recipe: error naming the key, exit 2
     assert "batching.max_batch_size" in capsys.readouterr().err
 
