@@ -793,8 +793,11 @@ def run_dflash(ctx: Ctx, out_dir: Path, repeat_of: dict | None = None, extra_ove
 KERNEL_CATEGORIES = (  # attention first: flash / mem-efficient kernels carry "cutlass" in their template names
     ("attention", re.compile(r"flash|fmha|attention|attn|sdpa", re.I)),
     ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|matmul|addmm|bmm|\bmm\b|linear|cublas", re.I)),
-    ("gated_deltanet", re.compile(r"chunk|delta|fla_|l2norm|solve_tril|recompute_w_u|cumsum|recurrent|"
-                                  r"merge_\d+x\d+|inverse", re.I)),
+    # flash-linear-attention's Gated DeltaNet kernels (chunk_gated_delta_rule_fwd_kernel_h_blockdim64, solve_tril,
+    # merge_16x16_to_64x64_inverse, recompute_w_u_fwd, chunk_scaled_dot_kkt_fwd, chunk_local_cumsum, l2norm_fwd,
+    # gdn_gate_fwd, chunk_fwd_kernel_o, ...)
+    ("gated_deltanet", re.compile(r"chunk|delta|fla_|l2norm|solve_tril|recompute_w_u|cumsum|recurrent|kkt|"
+                                  r"gdn|beta_sigmoid|merge_\d+x\d+|inverse", re.I)),
     ("conv", re.compile(r"conv", re.I)),
     ("memory", re.compile(r"memcpy|memset|copy|cat|index|gather|scatter|fill", re.I)),
     ("norm", re.compile(r"norm|rsqrt", re.I)),

@@ -246,3 +246,23 @@ def test_profile_mode_reports_where_the_time_goes(rb, tmp_path, monkeypatch):
     assert rb.kernel_profile.__doc__
     with pytest.raises(SystemExit, match="dflash_prep_profile repeats dflash_prep"):
         rb.main(["--model", "tiny-llama", "--modes", "dflash_prep_profile", "--results-dir", str(tmp_path)])
+
+
+@pytest.mark.parametrize("name, category", [
+    ("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "gated_deltanet"),
+    ("merge_16x16_to_64x64_inverse_kernel", "gated_deltanet"),
+    ("gdn_gate_fwd_kernel", "gated_deltanet"),
+    ("chunk_scaled_dot_kkt_fwd_kernel", "gated_deltanet"),
+    ("causal_conv1d_fwd_kernel", "conv"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_cublas", "gemm"),
+    ("nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_NTN", "gemm"),
+    ("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<256, 64, 64, 4, false, false, cutlass::bfloat16_t>>",
+     "attention"),
+    ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", "attention"),
+    ("layer_norm_gated_fwd_kernel", "norm"),
+    ("Memcpy DtoH (Device -> Pinned)", "memory"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>", "other"),
+])
+def test_kernel_categories_of_the_gpu_profile(rb, name, category):
+    """Kernel names as CUDA reports them (cuBLAS, flash attention, flash-linear-attention's Triton kernels)."""
+    assert next((c for c, pattern in rb.KERNEL_CATEGORIES if pattern.search(name)), "other") == category
