@@ -287,18 +287,16 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def auto_token_budget(device: torch.device, config, info: dict, dtype: torch.dtype, storage_bytes: int,
+def auto_token_budget(device: torch.device, config, info: dict, dtype_name: str, storage_dtype_name: str,
                       k: int) -> tuple[int, str]:
     """`--max-tokens-per-batch auto`: the product's own rule (`batching.max_tokens_per_batch: auto`,
     dflash_prep/budget.py), with the weights of the whole model (the baselines hold all of it)."""
     from dflash_prep import budget
 
-    names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-    storage = {1: "fp8_e4m3", 2: "bfloat16", 4: "float32"}[storage_bytes]
     if device.type != "cuda":
         return budget.auto_token_budget(None, 0, 1)
-    per_token = budget.bytes_per_padded_token(config, names[dtype], storage, k)
-    weights = info["params_total"] * torch.tensor([], dtype=dtype).element_size()
+    per_token = budget.bytes_per_padded_token(config, dtype_name, storage_dtype_name, k)
+    weights = info["params_total"] * DTYPES[dtype_name].itemsize
     return budget.auto_token_budget(torch.cuda.get_device_properties(device).total_memory, weights, per_token)
 
 
@@ -1004,7 +1002,7 @@ def main(argv: list[str] | None = None) -> dict:
     samples = make_samples(n, args.length_mu, args.length_sigma, args.min_length, max_length,
                            info["vocab_size"], args.seed)
     if args.max_tokens_per_batch == "auto":
-        budget, how = auto_token_budget(device, config, info, dtype, storage_dtype.itemsize, len(layer_ids))
+        budget, how = auto_token_budget(device, config, info, dtype_name, args.storage_dtype, len(layer_ids))
     else:
         budget, how = int(args.max_tokens_per_batch), "command line"
     ctx = Ctx(args, spec, device, dtype, storage_dtype, section, config, layer_ids, info, samples, out_root,

@@ -22,19 +22,19 @@ import math
 
 import torch
 
+from .model import STORAGE_TORCH_DTYPES
 from .recipe import Recipe
 
 AUTO = "auto"
 MIN_AUTO_TOKENS, MAX_AUTO_TOKENS, CPU_AUTO_TOKENS = 8192, 131072, 16384
 MEMORY_FRACTION = 0.4
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8_e4m3": 1}
 
 
 def bytes_per_padded_token(config, compute_dtype: str, storage_dtype: str, num_layers_captured: int) -> int:
     """The rule's per-padded-token bound (activations of one layer + the capture buffer), in bytes."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    compute = _DTYPE_BYTES[compute_dtype]
-    storage = _DTYPE_BYTES[storage_dtype] + (4 / text.hidden_size if storage_dtype == "fp8_e4m3" else 0)
+    compute = STORAGE_TORCH_DTYPES[compute_dtype].itemsize
+    storage = STORAGE_TORCH_DTYPES[storage_dtype].itemsize + (4 / text.hidden_size if storage_dtype == "fp8_e4m3" else 0)
     inter = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
     return int(compute * (12 * text.hidden_size + 4 * inter) + storage * num_layers_captured * text.hidden_size)
 
@@ -48,7 +48,7 @@ def resident_weight_bytes(recipe: Recipe, config, last_needed_layer: int) -> int
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
     drop_layers_after(model, last_needed_layer)
-    return sum(p.numel() for p in model.parameters()) * _DTYPE_BYTES[recipe.model.dtype]
+    return sum(p.numel() for p in model.parameters()) * STORAGE_TORCH_DTYPES[recipe.model.dtype].itemsize
 
 
 def auto_token_budget(gpu_memory_bytes: int | None, weight_bytes: int, per_token_bytes: int) -> tuple[int, str]:

@@ -34,18 +34,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from .manifest import read_manifest
 from .reader import (MEMBER_INPUT_IDS, MEMBER_LOSS_MASK, MEMBER_META, MEMBER_STATES, REQUIRED_MEMBERS, OutputLayout, ShardInfo,
                      sample_key, shards_of)
+from .writer import ST_CODE, ST_ITEMSIZE, ST_TORCH_CODE
 
 MAX_PROBLEMS_PER_SHARD = 20
-SAFETENSORS_DTYPES = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4),
-                      "fp8_e4m3": ("F8_E4M3", 1)}  # fp8: plus one F32 scale per token and layer
-_TORCH_TO_SAFETENSORS = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
-                         torch.float8_e4m3fn: "F8_E4M3"}
-_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
 
 
 # ---------------------------------------------------------------------------------------------- describe
@@ -55,7 +50,7 @@ def describe(out_dir: str | Path) -> dict:
     m = read_manifest(out_dir)
     layer_ids = [int(i) for i in m["layer_ids"]]
     H = int(m["hidden_size"])
-    bytes_per_value = SAFETENSORS_DTYPES.get(m["dtype"], ("?", 0))[1]
+    bytes_per_value = ST_ITEMSIZE.get(ST_CODE.get(m["dtype"]), 0)  # fp8: plus one F32 scale per token and layer
     capture_final = m.get("capture_final", "none")
     num_blocks = len(layer_ids) + (1 if capture_final != "none" else 0)
     values_per_token = num_blocks * H
@@ -267,13 +262,13 @@ def _safetensors_header(f, member_size: int) -> tuple[dict, int]:
 def _check_states(header: dict, data_start: int, member_size: int, T: int, layout: OutputLayout) -> str | None:
     """None when a parsed safetensors header matches the layout for a T-token sample, else what is wrong."""
     header = {k: v for k, v in header.items() if k != "__metadata__"}
-    expected = {name: (_TORCH_TO_SAFETENSORS[dtype], list(shape))
+    expected = {name: (ST_TORCH_CODE[dtype], list(shape))
                 for name, (dtype, shape) in layout.expected_tensors(T).items()}
     if set(header) != set(expected):
         return f"{MEMBER_STATES} holds {sorted(header)}, expected {sorted(expected)}"
     end = 0
     for name, (code, shape) in expected.items():
-        item = _ITEMSIZE[code]
+        item = ST_ITEMSIZE[code]
         h = header[name]
         if h.get("dtype") != code or h.get("shape") != shape:
             return f"{name} is {h.get('dtype')} {h.get('shape')}, expected {code} {shape}"

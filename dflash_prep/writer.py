@@ -136,7 +136,7 @@ class _TarStream:
 ST_CODE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "fp8_e4m3": "F8_E4M3"}
 ST_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
 _ST_ORDER = {"F8_E4M3": 7, "F16": 11, "BF16": 12, "F32": 15}
-_ST_TORCH_CODE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3"}
+ST_TORCH_CODE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3"}
 
 
 def safetensors_header(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes, list[str]]:
@@ -166,7 +166,7 @@ def safetensors_parts(tensors: dict[str, torch.Tensor]) -> Parts:
     """The bytes of `safetensors.torch.save(tensors)`, as [header, each tensor's memory]: the states reach the
     file straight from the host buffer, without the copy into one `bytes` object that `save` makes."""
     tensors = {name: t.contiguous() for name, t in tensors.items()}
-    header, order = safetensors_header([(name, _ST_TORCH_CODE[t.dtype], tuple(t.shape))
+    header, order = safetensors_header([(name, ST_TORCH_CODE[t.dtype], tuple(t.shape))
                                         for name, t in tensors.items()])
     return Parts([header] + [tensors[name].view(torch.uint8).reshape(-1).numpy() for name in order])
 
@@ -463,11 +463,6 @@ class AsyncShardWriter:
                          for j, (w, q) in enumerate(zip(self.writers, self._queues))]
         for t in self._threads:
             t.start()
-
-    @property
-    def writer(self) -> ShardWriter:
-        """The first lane (the only one of a single-lane writer)."""
-        return self.writers[0]
 
     @property
     def committed(self) -> list[ShardRecord]:
