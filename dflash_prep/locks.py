@@ -38,6 +38,20 @@ def rank_lock_name(rank: int) -> str:
     return f"rank-{rank:05d}.lock"
 
 
+def _flock_nonblocking(fd: int) -> str:
+    """Try an exclusive flock on `fd`: "taken", "held" (by another open file, i.e. another process or holder) or
+    "unsupported" (the filesystem has no flock)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return "held"
+        if e.errno in _UNSUPPORTED:
+            return "unsupported"
+        raise
+    return "taken"
+
+
 class FileLock:
     """An exclusive, non-blocking `flock` on one file, with the holder written into it."""
 
@@ -49,17 +63,13 @@ class FileLock:
         """Take the lock if it is free (True), False if another process holds it. Unsupported: warns, True."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
+        outcome = _flock_nonblocking(fd)
+        if outcome != "taken":
             os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                return False
-            if e.errno in _UNSUPPORTED:
-                log.warning("%s: the filesystem does not support file locks (%s); run one extraction per output "
-                            "folder at a time", self.path, e)
-                return True
-            raise
+            if outcome == "unsupported":
+                log.warning("%s: the filesystem does not support file locks; run one extraction per output "
+                            "folder at a time", self.path)
+            return outcome == "unsupported"
         os.ftruncate(fd, 0)
         os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
         self._fd = fd
@@ -71,16 +81,10 @@ class FileLock:
             return False
         fd = os.open(self.path, os.O_RDONLY)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                return True
-            if e.errno in _UNSUPPORTED:
-                return False
-            raise
-        else:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return False
+            outcome = _flock_nonblocking(fd)
+            if outcome == "taken":
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            return outcome == "held"
         finally:
             os.close(fd)
 
