@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import tarfile
 from pathlib import Path
 
@@ -63,3 +64,11 @@ def raw_records(out_dir: Path) -> dict[str, dict[str, bytes]]:
                 assert member not in records[key], f"{key}.{member} written twice"
                 records[key][member] = tar.extractfile(info).read()
     return records
+
+
+@pytest.fixture
+def copy(output, tmp_path) -> Path:
+    """A writable copy of the module's `output` fixture (an extraction output), for tests that alter it."""
+    dest = tmp_path / "copy"
+    shutil.copytree(output, dest)
+    return dest

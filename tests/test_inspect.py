@@ -6,7 +6,6 @@ each corruption test works on its own copy.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -27,13 +26,6 @@ def output(tmp_path_factory) -> Path:
     run_extraction(load_recipe(None, [f"output.dir={out}", *OVERRIDES]))
     assert (out / "manifest.json").is_file()
     return out
-
-
-@pytest.fixture
-def copy(output, tmp_path) -> Path:
-    dest = tmp_path / "copy"
-    shutil.copytree(output, dest)
-    return dest
 
 
 def _manifest(out: Path) -> dict:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import struct
 import tarfile
 from pathlib import Path
@@ -33,13 +32,6 @@ def output(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("verify") / "out"
     run_extraction(load_recipe(None, [f"output.dir={out}", *BASE]))
     return out
-
-
-@pytest.fixture
-def copy(output, tmp_path) -> Path:
-    dest = tmp_path / "copy"
-    shutil.copytree(output, dest)
-    return dest
 
 
 def _quiet(*args) -> None:
