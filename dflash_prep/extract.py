@@ -45,12 +45,14 @@ from .capture import LayerCapture  # noqa: E402
 from .collate import PlannedBatches  # noqa: E402
 from .data import check_data_source, load_rows, tokenize_dataset, write_skipped  # noqa: E402
 from .faults import Faults  # noqa: E402
+from .kernels import select_kernels  # noqa: E402
 from .layers import num_decoder_layers, resolve_layer_ids  # noqa: E402
 from .locks import LOCKS_DIR, OutputBusyError, check_no_rank_writing, lock_rank, lock_run  # noqa: E402
 from .manifest import (STATE_NAME, atomic_write_json, build_manifest, next_shard_number,  # noqa: E402
                        read_committed, remove_uncommitted, repair_indexes, write_manifest)
-from .model import (STORAGE_TORCH_DTYPES, decoder_params_in, describe_source, drop_layers_after,  # noqa: E402
-                    hidden_size_of, load_config, load_model, load_tokenizer, model_fingerprint, vocab_size_of)
+from .model import (STORAGE_TORCH_DTYPES, decoder_params_in, describe_source, hidden_size_of,  # noqa: E402
+                    load_config, load_model, load_tokenizer, model_fingerprint, truncate_and_apply_kernels,
+                    vocab_size_of)
 from .model import tokenizer_fingerprint as _tokenizer_fingerprint  # noqa: E402  (moved to model.py)
 from .planner import PlannedBatch, ShapeBuckets, plan_batches, plan_stats, split_across_ranks  # noqa: E402
 from .recipe import Recipe, RecipeError  # noqa: E402
@@ -62,6 +64,7 @@ PLAN_NAME = "plan.json"
 RECIPE_NAME = "recipe.resolved.yaml"
 SUMMARY_NAME = "summary.json"
 SKIPPED_NAME = "skipped.jsonl"
+KERNELS_NAME = "kernels.jsonl"  # one line per run into the output: the fused kernels it applied
 FAILED_NAME = "failed.jsonl"
 EXIT_STOPPED, EXIT_BAD_RECIPE, EXIT_FAILED_SAMPLES = 1, 2, 3
 
@@ -351,6 +354,7 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
     config = load_config(recipe.model)
     num_layers = num_decoder_layers(config)
     layer_ids = resolve_layer_ids(recipe.layers, num_layers)
+    kernels = select_kernels(recipe.model.kernels, config, device.type)
     recipe, budget_how = resolve_token_budget(
         recipe, config, layer_ids, num_layers,
         torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)
@@ -397,11 +401,13 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
                      len(plan) - len(todo), len(plan), len(todo), world)
         _check_free_space(out_dir, lengths, todo, layer_ids, hidden_size, recipe)
 
-    # 4. The model: load, keep only the layers we read from.
+    # 4. The model: load, keep only the layers we read from, apply the fused kernels.
     t0 = time.perf_counter()
     model = load_model(recipe.model, config, device)
     last_needed = num_layers - 1 if recipe.layers.capture_final != "none" else layer_ids[-1]
-    layers_run = drop_layers_after(model, last_needed)
+    layers_run = truncate_and_apply_kernels(model, last_needed, kernels)
+    if is_main:
+        _append_kernels_record(out_dir, kernels.record(), world)
     log.info("model loaded in %.1fs: %s, %d of %d decoder layers run; hooks on layers %s%s",
              time.perf_counter() - t0, describe_source(recipe.model), layers_run, num_layers, layer_ids,
              f" + final ({recipe.layers.capture_final})" if recipe.layers.capture_final != "none" else "")
@@ -499,6 +505,7 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
         "num_oom": runner.num_ooms if runner is not None else 0,
         "num_split_batches": runner.num_split_batches if runner is not None else 0,
         "oom_batch_caps": {str(T): n for T, n in sorted(runner.caps.items())} if runner is not None else {},
+        "kernels": list(kernels.names),
     }
     atomic_write_json(out_dir / "index" / f"{rank_name(rank)}.done.json", rank_report)
     log.info("rank %d done: %d samples, %d tokens in %.1fs", rank, rank_stats.num_samples,
@@ -529,6 +536,8 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
         "skipped": data.skipped_counts,
         "num_failed": 0,
         "failed": {},
+        "kernels": kernels.record(),
+        "kernels_history": _kernels_history(out_dir),
     }
     # Failed samples are recorded in the index line of the shard that committed their batch.
     failed_rows = sorted((f for r in records for f in r.failed), key=lambda f: f["sample_id"])
@@ -566,6 +575,7 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
         "bytes_written_this_run": sum(r["bytes_written"] for r in reports),
         "bytes_total": manifest["num_bytes"],
         "num_shards": len(manifest["shards"]),
+        "kernels": kernels.record(),
         "ranks": reports,
     }
     manifest["summary"] = {k: summary[k] for k in ("num_batches", "padding_efficiency", "num_ranks")}
@@ -584,6 +594,32 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
              summary["bytes_total"] / 1e9, summary["num_shards"], wall, summary["tokens_per_second"],
              out_dir / "manifest.json")
     return summary
+
+
+def _append_kernels_record(out_dir: Path, record: dict, world: int) -> None:
+    """One line per run into OUT/kernels.jsonl (main process): the kernels it applied. A resume may apply another
+    set (states then differ between its shards and the earlier ones by rounding): the manifest lists them all."""
+    line = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "num_ranks": world, **record}
+    with open(out_dir / KERNELS_NAME, "a") as f:
+        f.write(json.dumps(line) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _kernels_history(out_dir: Path) -> list[dict]:
+    """The distinct kernel sets (applied names and library versions) of the runs that wrote into this output, in
+    first-use order (OUT/kernels.jsonl; a torn last line is skipped)."""
+    seen: list[dict] = []
+    path = out_dir / KERNELS_NAME
+    for text in path.read_text().splitlines() if path.exists() else []:
+        try:
+            line = json.loads(text)
+        except json.JSONDecodeError:
+            continue
+        entry = {"applied": line["applied"], "libraries": line["libraries"]}
+        if entry not in seen:
+            seen.append(entry)
+    return seen
 
 
 def _stopped_message(out_dir: Path, rank: int, writer: AsyncShardWriter, error: BaseException) -> str:

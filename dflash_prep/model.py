@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .kernels import KernelChoice, apply_kernels
 from .layers import decoder_layers, find_decoder
 from .recipe import ModelSection, RecipeError
 
@@ -107,6 +108,15 @@ def drop_layers_after(model: nn.Module, last_needed_layer: int) -> int:
     if keep < len(layers):
         decoder.layers = nn.ModuleList(list(layers)[:keep])
     return min(keep, len(layers))
+
+
+def truncate_and_apply_kernels(model: nn.Module, last_needed_layer: int, kernels: KernelChoice) -> int:
+    """The model as extraction runs it: layers after `last_needed_layer` dropped, then the fused kernels of
+    `kernels` (kernels.select_kernels) applied to the layers kept, before any capture hook is registered. Returns
+    the number of decoder layers kept. Raises ImportError when a chosen kernel library fails to import."""
+    kept = drop_layers_after(model, last_needed_layer)
+    apply_kernels(model, kernels)
+    return kept
 
 
 def decoder_params_in(model: nn.Module, num_layers: int | None = None) -> int:

@@ -27,6 +27,8 @@ import yaml
 DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny-demo.yaml"
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+# Named fused kernels of `model.kernels` (dflash_prep/kernels.py says what each replaces, and for which models).
+KERNEL_NAMES = ("liger_rms_norm", "liger_swiglu", "liger_rope", "fla_conv")
 STORAGE_DTYPES = ("bfloat16", "float16", "float32", "fp8_e4m3")
 
 
@@ -81,6 +83,12 @@ class ModelSection:
     attn_implementation: str = "sdpa"
     """transformers attention backend: sdpa, eager, flash_attention_2, ..."""
     trust_remote_code: bool = False
+    kernels: str | list[str] = "auto"
+    """Fused kernels from liger-kernel and flash-linear-attention (dflash_prep/kernels.py): `auto` applies, on CUDA,
+    those measured exact and faster for the architecture (Llama: liger RMSNorm, SwiGLU, RoPE; Qwen3.5 hybrid: liger
+    RMSNorm, SwiGLU and fla's causal conv), eager elsewhere; `eager` applies none; a list (e.g. `[liger_rms_norm,
+    fla_conv]`) applies exactly those, for A/B runs. States differ from eager by rounding only; not part of the
+    job's identity (a resume may use another set: each run's set is recorded in the manifest)."""
 
     def validate(self, p: str) -> None:
         if (self.name_or_path is None) == (self.config is None):
@@ -90,6 +98,13 @@ class ModelSection:
             _fail(f"{p}.tokenizer", None, f"`{p}.config` builds random weights and has no tokenizer: set `{p}.tokenizer`")
         if self.dtype not in COMPUTE_DTYPES:
             _fail(f"{p}.dtype", self.dtype, f"expected one of {COMPUTE_DTYPES}")
+        kernels = self.kernels
+        if isinstance(kernels, list):
+            bad = [k for k in kernels if k not in KERNEL_NAMES]
+            if not kernels or bad or len(set(kernels)) != len(kernels):
+                _fail(f"{p}.kernels", kernels, f"a list of distinct names from {list(KERNEL_NAMES)} (or `auto`, `eager`)")
+        elif kernels not in ("auto", "eager"):
+            _fail(f"{p}.kernels", kernels, f"expected `auto`, `eager` or a list of names from {list(KERNEL_NAMES)}")
 
     @property
     def tokenizer_path(self) -> str:
@@ -242,9 +257,10 @@ class Recipe:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def fingerprint(self) -> str:
-        """sha256 of what decides record content (model, data, layers, storage dtype)."""
+        """sha256 of what decides record content (model, data, layers, storage dtype); `model.kernels` is left out
+        (fused kernels change the rounding only)."""
         d = self.to_dict()
-        content = {"model": d["model"], "data": {k: v for k, v in d["data"].items() if k != "num_proc"},
+        content = {"model": {k: v for k, v in d["model"].items() if k != "kernels"}, "data": {k: v for k, v in d["data"].items() if k != "num_proc"},
                    "layers": d["layers"], "dtype": d["output"]["dtype"]}
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
@@ -312,6 +328,9 @@ def _build(cls: type, raw: Any, prefix: str, base_dir: Path | None) -> Any:
             continue
         if key in ("output.max_shard_bytes", "output.max_pending_bytes"):
             value = _parse_bytes(key, value)
+        if key == "model.kernels":  # `auto`, `eager` or a list of names: checked by ModelSection.validate
+            kwargs[name] = list(value) if isinstance(value, (list, tuple)) else value
+            continue
         if key == "batching.max_tokens_per_batch":
             if value != "auto" and (isinstance(value, bool) or not isinstance(value, int)):
                 _fail(key, value, "expected an integer or `auto`")

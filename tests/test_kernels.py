@@ -1,0 +1,284 @@
+"""`model.kernels`: which fused kernels apply to which architecture, eager on CPU, the patches scoped to the
+instance, and the record in the summary and the manifest.
+
+liger-kernel and flash-linear-attention need Triton and a GPU: here fakes stand in for them at the import boundary
+(`sys.modules`). Each fake computes its piece by hand (no transformers code), so a batched capture through the
+patched model must equal the eager model's states of each sample run alone, in fp32.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import json
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import REPO, build, tiny_llama_config, tiny_qwen35_config
+from dflash_prep.capture import LayerCapture
+from dflash_prep.collate import SampleInfo, collate
+from dflash_prep.extract import main as extract_main
+from dflash_prep.extract import run_extraction
+from dflash_prep.kernels import KernelChoice, fla_causal_conv1d_fn, select_kernels
+from dflash_prep.layers import find_decoder
+from dflash_prep.model import truncate_and_apply_kernels
+from dflash_prep.recipe import RecipeError, load_recipe
+
+CALLS: dict[str, list] = {}
+
+
+def _count(name, value=None):
+    CALLS.setdefault(name, []).append(value)
+
+
+def _rms_norm_forward(offset):
+    def forward(self, x):  # RMSNorm by hand, in fp32, weight (+ offset) applied after the cast back
+        _count("rms_norm")
+        x32 = x.float()
+        eps = getattr(self, "variance_epsilon", None) or self.eps
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return ((offset + self.weight.float()) * normed).to(x.dtype) if offset else self.weight * normed.to(x.dtype)
+    return forward
+
+
+def _swiglu_forward(self, x):
+    _count("swiglu")
+    gate = self.gate_proj(x)
+    return self.down_proj(gate * torch.sigmoid(gate) * self.up_proj(x))
+
+
+def fake_rope(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    _count("rope")
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+
+    def rotate(x):
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
+
+
+def fake_fla_conv(x, weight, bias=None, activation=None, cu_seqlens=None, **kwargs):
+    """fla's causal_conv1d contract: x [B, T, D] -> ([B, T, D], None); a depthwise causal conv by hand."""
+    _count("conv", {"shape": tuple(x.shape), "contiguous": x.is_contiguous(), "activation": activation,
+                    "cu_seqlens": cu_seqlens})
+    assert x.shape[-1] == weight.shape[0]
+    K = weight.shape[1]
+    padded = F.pad(x, (0, 0, K - 1, 0))  # zeros before the first token
+    y = sum(padded[:, k:k + x.shape[1]] * weight[:, k] for k in range(K))
+    if bias is not None:
+        y = y + bias
+    return (y * torch.sigmoid(y) if activation in ("silu", "swish") else y), None
+
+
+def _fake_apply(modeling_name, rms_offset, rebinds):
+    def apply(rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True,
+              model=None):
+        import importlib
+
+        _count("apply", dict(rope=rope, cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy,
+                             rms_norm=rms_norm, swiglu=swiglu, model=model))
+        modeling = importlib.import_module(modeling_name)
+        for name in rebinds:  # what liger does to the modeling module (reaches models built later)
+            setattr(modeling, name, object())
+        if rope:
+            modeling.apply_rotary_pos_emb = fake_rope
+        for module in find_decoder(model).modules():
+            cls = type(module).__name__
+            if rms_norm and cls.endswith("RMSNorm"):
+                module.forward = types.MethodType(_rms_norm_forward(rms_offset), module)
+            if swiglu and cls.endswith("MLP"):
+                module.forward = types.MethodType(_swiglu_forward, module)
+    return apply
+
+
+def _module(name, **attrs):
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, loader=None)
+    module.__dict__.update(attrs)
+    return module
+
+
+@pytest.fixture
+def fake_libraries(monkeypatch):
+    """liger_kernel and fla.modules.causal_conv1d as fakes (transformers' modeling modules imported first, so the
+    fake fla is never taken for the real one by transformers' own import-time checks)."""
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    import transformers.models.qwen3_5.modeling_qwen3_5  # noqa: F401
+
+    CALLS.clear()
+    liger_transformers = _module(
+        "liger_kernel.transformers",
+        apply_liger_kernel_to_llama=_fake_apply("transformers.models.llama.modeling_llama", 0.0,
+                                                ["LlamaRMSNorm", "LlamaMLP"]),
+        apply_liger_kernel_to_qwen3_5=_fake_apply("transformers.models.qwen3_5.modeling_qwen3_5", 1.0,
+                                                  ["Qwen3_5RMSNorm", "Qwen3_5MLP"]))
+    fakes = {"liger_kernel": _module("liger_kernel"), "liger_kernel.transformers": liger_transformers,
+             "liger_kernel.transformers.rope": _module("liger_kernel.transformers.rope", liger_rotary_pos_emb=fake_rope),
+             "fla": _module("fla"), "fla.modules": _module("fla.modules"),
+             "fla.modules.causal_conv1d": _module("fla.modules.causal_conv1d", causal_conv1d=fake_fla_conv)}
+    for name, module in fakes.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    yield CALLS
+
+
+# ------------------------------------------------------------------------------------------------ selection
+def test_auto_is_eager_on_cpu_for_every_architecture():
+    for config in (tiny_llama_config(), tiny_qwen35_config()):
+        choice = select_kernels("auto", config, "cpu")
+        assert choice.names == () and "no CUDA device" in choice.reason
+    assert select_kernels("eager", tiny_llama_config(), "cuda").names == ()
+
+
+def test_auto_on_cuda_picks_the_architectures_kernels(fake_libraries):
+    assert select_kernels("auto", tiny_llama_config(), "cuda").names == ("liger_rms_norm", "liger_swiglu", "liger_rope")
+    qwen = select_kernels("auto", tiny_qwen35_config(), "cuda")
+    assert qwen.names == ("liger_rms_norm", "liger_swiglu", "fla_conv") and qwen.reason is None
+    assert set(qwen.record()["libraries"]) == {"liger-kernel", "flash-linear-attention"}
+    gelu = tiny_llama_config()
+    gelu.hidden_act = "gelu"
+    assert select_kernels("auto", gelu, "cuda").names == ("liger_rms_norm", "liger_rope")
+    from transformers import MistralConfig
+
+    other = select_kernels("auto", MistralConfig(hidden_size=64, num_hidden_layers=2), "cuda")
+    assert other.names == () and "no fused kernels known for model type 'mistral'" in other.reason
+    assert fake_libraries == {}, "selecting must not import or call the kernel libraries"
+
+
+def test_auto_on_cuda_without_the_libraries_runs_eager_and_says_so():
+    choice = select_kernels("auto", tiny_qwen35_config(), "cuda")  # neither library is installed here
+    assert choice.names == ()
+    assert choice.reason == "not installed: flash-linear-attention, liger-kernel (pip install -e '.[gpu]')"
+
+
+@pytest.mark.parametrize("requested, device, message", [
+    (["liger_rope"], "cuda", "['liger_rope'] do not apply to model type 'qwen3_5_text'"),
+    (["fla_conv"], "cpu", "fused kernels need a CUDA device, this run is on cpu"),
+])
+def test_a_named_list_that_cannot_be_honoured_is_a_recipe_error(fake_libraries, requested, device, message):
+    with pytest.raises(RecipeError, match="recipe key `model.kernels`") as e:
+        select_kernels(requested, tiny_qwen35_config(), device)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("value", ["[liger_conv]", "[]", "[fla_conv, fla_conv]", "fused", "1"])
+def test_recipe_rejects_bad_kernel_values_naming_the_key(value):
+    with pytest.raises(RecipeError, match=r"recipe key `model.kernels`"):
+        load_recipe(None, [f"model.kernels={value}"])
+
+
+def test_kernels_are_not_part_of_the_recipe_fingerprint():
+    auto = load_recipe(None)
+    assert auto.model.kernels == "auto"
+    listed = load_recipe(None, ["model.kernels=[liger_rms_norm, fla_conv]"])
+    assert listed.model.kernels == ["liger_rms_norm", "fla_conv"]
+    assert auto.fingerprint() == listed.fingerprint() == load_recipe(None, ["model.kernels=eager"]).fingerprint()
+
+
+def test_importing_the_extraction_imports_no_kernel_library():
+    code = ("import sys, dflash_prep.extract, dflash_prep.kernels, dflash_prep.verify; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('liger_kernel', 'fla', 'triton')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------------------------------------- application
+def _samples(lengths, seed=0):
+    g = np.random.default_rng(seed)
+    return [SampleInfo(f"{i:010d}", i, None, g.integers(1, 1024, n).astype(np.int32), np.ones(n, np.uint8))
+            for i, n in enumerate(lengths)]
+
+
+def _alone_states(model, sample):
+    with torch.inference_mode():
+        return find_decoder(model)(input_ids=torch.from_numpy(sample.input_ids.astype(np.int64))[None],
+                                   use_cache=False, output_hidden_states=True).hidden_states
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_fused_model_captures_what_the_eager_model_gives_each_sample_alone(fake_libraries, arch):
+    config = tiny_llama_config() if arch == "llama" else tiny_qwen35_config()
+    modeling = sys.modules[f"transformers.models.{arch}.modeling_{arch}"]
+    module_before = dict(vars(modeling))
+    eager, fused = build(config), build(config)
+    names = ("liger_rms_norm", "liger_swiglu", "liger_rope" if arch == "llama" else "fla_conv")
+    layer_ids = [0, 2, 3]
+    assert truncate_and_apply_kernels(fused, layer_ids[-1], KernelChoice(names, names, config.model_type)) == 4
+
+    (applied,) = fake_libraries["apply"]
+    assert applied["model"] is fused and not applied["cross_entropy"] and not applied["fused_linear_cross_entropy"]
+    assert applied["rope"] is False, "liger's rope patch is module-global: scoped to the instance instead"
+    assert {k: v for k, v in vars(modeling).items() if v is not module_before.get(k)} == {}, \
+        "the modeling module must be left as transformers made it"
+    lengths = [37, 5, 20]
+    samples = _samples(lengths)
+    batch = collate(samples, 48, 0)  # right-padded, with the padding mask
+    CALLS.clear()
+    with LayerCapture(fused, layer_ids, storage_dtype=torch.float32) as cap:
+        out = cap.run(batch.input_ids, batch.attention_mask, batch.position_ids, batch.flat_index)
+    fused_calls = {k: len(v) for k, v in CALLS.items()}
+    H = config.hidden_size
+    start = 0
+    for sample, n in zip(samples, lengths):
+        ref = _alone_states(eager, sample)
+        for slot, layer in enumerate(layer_ids):
+            got = out.hidden_states_NK[start:start + n, slot * H:(slot + 1) * H]
+            assert (got - ref[layer + 1][0]).abs().max().item() <= 1e-5, f"{arch} layer {layer}"
+        start += n
+    attention_layers = sum(t == "full_attention" for t in getattr(config, "layer_types", [])[:4])
+    assert fused_calls["rms_norm"] == 2 * 4 + 2 * attention_layers  # + q/k norms; no final norm: the forward stopped
+    assert fused_calls["swiglu"] == 4
+    if arch == "llama":
+        assert fused_calls["rope"] == 4
+    else:
+        conv = CALLS["conv"]
+        assert len(conv) == 3 and all(c["contiguous"] and c["activation"] == "silu" for c in conv)
+        assert conv[0]["shape"][:2] == (3, 48), "fla's conv takes [B, T, D]"
+    CALLS.clear()
+    _alone_states(eager, samples[0])
+    _alone_states(build(config), samples[0])  # built after the patch: eager too
+    assert CALLS == {}, "the eager models must not run the fused kernels"
+
+
+def test_fla_conv_gets_packed_boundaries_as_cu_seqlens():
+    CALLS.clear()
+    conv = fla_causal_conv1d_fn(fake_fla_conv)
+    x_BDT = torch.randn(1, 8, 10)
+    weight = torch.randn(8, 4)
+    cu = torch.tensor([0, 4, 10])
+    y = conv(x_BDT, weight, None, "silu", cu_seq_lens_q=cu)
+    assert y.shape == (1, 8, 10) and CALLS["conv"][0]["cu_seqlens"] is cu
+    reference = F.silu(F.conv1d(x_BDT, weight.unsqueeze(1), padding=3, groups=8)[..., :10])
+    torch.testing.assert_close(conv(x_BDT, weight, None, "silu"), reference)
+
+
+# ------------------------------------------------------------------------------------------- the run's record
+def test_cpu_run_records_eager_and_a_resume_with_another_set_is_recorded(tmp_path):
+    out = tmp_path / "out"
+    base = [f"output.dir={out}", "data.max_samples=24", "batching.num_workers=0"]
+    first = run_extraction(load_recipe(None, base))
+    assert first["kernels"] == {"requested": "auto", "applied": [], "libraries": {},
+                                "reason": "no CUDA device (cpu): eager"}
+    second = run_extraction(load_recipe(None, base + ["model.kernels=eager"]))  # allowed: not the job's identity
+    assert second["kernels"]["requested"] == "eager"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["kernels"]["requested"] == "eager"
+    assert manifest["kernels_history"] == [{"applied": [], "libraries": {}}]
+    runs = [json.loads(line) for line in (out / "kernels.jsonl").read_text().splitlines()]
+    assert [r["requested"] for r in runs] == ["auto", "eager"]
+    assert json.loads((out / "index" / "rank-00000.done.json").read_text())["kernels"] == []
+
+
+def test_named_kernels_on_cpu_stop_with_one_line_and_exit_code_2(tmp_path, capsys):
+    code = extract_main(["--set", f"output.dir={tmp_path / 'out'}", "--set", "model.kernels=[fla_conv]"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1
+    assert errors[0].startswith("error: recipe key `model.kernels` = ['fla_conv']: fused kernels need a CUDA device")
+    assert not (tmp_path / "out" / "run_state.json").exists(), "refused before the output was touched"
