@@ -259,7 +259,8 @@ def environment(device: torch.device) -> dict:
            "cpu_count": os.cpu_count(), "device": str(device),
            "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
            "TRITON_CACHE_AUTOTUNING": os.environ.get("TRITON_CACHE_AUTOTUNING")}
-    for mod in ("fla", "causal_conv1d", "triton", "datasets", "webdataset", "accelerate", "safetensors"):
+    for mod in ("fla", "causal_conv1d", "liger_kernel", "triton", "datasets", "webdataset", "accelerate",
+                "safetensors"):
         spec = importlib.util.find_spec(mod)
         if spec is None:
             env[mod] = None
@@ -267,7 +268,8 @@ def environment(device: torch.device) -> dict:
         try:
             from importlib.metadata import version
 
-            name = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}.get(mod, mod)
+            name = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d",
+                    "liger_kernel": "liger-kernel"}.get(mod, mod)
             env[mod] = version(name)
         except Exception:  # noqa: BLE001 - installed without metadata
             env[mod] = "installed"
@@ -1153,7 +1155,8 @@ def render_markdown(r: dict) -> str:
              f"{info['num_hidden_layers']} decoder layers; captured after-layer ids {r['layer_ids']} "
              f"({r['layer_rule']}), stored as {r['settings']['storage_dtype']}",
              f"- device: {env.get('gpu', r['settings']['device'])}; torch {env['torch']}, transformers "
-             f"{env['transformers']}, fla {env.get('fla')}, causal-conv1d {env.get('causal_conv1d')}",
+             f"{env['transformers']}, fla {env.get('fla')}, causal-conv1d {env.get('causal_conv1d')}, liger-kernel "
+             f"{env.get('liger_kernel')}",
              f"- samples: lognormal(mu={s['mu']}, sigma={s['sigma']}) clipped to {s['clip']}, seed {s['seed']}: "
              f"{s['num_samples']} samples, mean {s['mean']:.0f}, median {s['median']:.0f}, p99 {s['p99']:.0f}, "
              f"max {s['max']} tokens; each mode runs a prefix of this list",
@@ -1172,6 +1175,8 @@ def render_markdown(r: dict) -> str:
         ("samples", lambda m: _fmt(m.get("num_samples"))),
         ("real tokens", lambda m: _fmt(m.get("num_real_tokens"))),
         ("stopped by", lambda m: m.get("stopped_by", "-")),
+        ("kernels (`model.kernels`)", lambda m: ", ".join(m["summary"]["kernels"]["applied"]) or "eager"
+         if m.get("summary", {}).get("kernels") else "eager (baseline)"),
         ("loop seconds", lambda m: _fmt(m.get("loop_seconds"), ".1f")),
         ("**tokens/s** (real)", lambda m: _fmt(m.get("tokens_per_second"))),
         ("speed-up vs per-sample", lambda m: _fmt(m["tokens_per_second"] / ref, ".1f") + "x"

@@ -1,0 +1,155 @@
+"""GPU exactness check of `model.kernels: auto`: fused vs eager on a slice of each benchmark model, in fp32.
+
+    python3 bench/kernels_check.py [--models qwen3.6-27b,llama3.1-8b] [--layers 8] [--json OUT.json]
+
+For each model: the first `--layers` decoder layers of its benchmark config (the Qwen3.6-27B shape: 6 Gated
+DeltaNet + 2 full-attention layers; the Llama-3.1-8B shape), random fp32 weights drawn twice with the same seed
+(`dflash_prep.model.load_model`, as the extraction does), one copy eager and one with the kernels `auto` chooses
+on this GPU (`truncate_and_apply_kernels`, as the extraction does). One right-padded batch of samples of
+different lengths goes through both with the capture hooks and the padding mask (`LayerCapture`, as the
+extraction does), and each sample also runs alone through the eager copy. Per captured layer, as max abs
+difference / max |value| of the eager states (the relative error `dflash-prep verify` reports):
+
+- `fused_vs_eager`: same batch, fused vs eager: what the kernels change;
+- `eager_batched_vs_alone`: eager, batched vs each sample alone: the kernels' own noise (fla's chunk kernels use
+  tf32 dots), the level the fused difference is judged against;
+- `fused_batched_vs_eager_alone`: the invariant as the extraction sees it with kernels on.
+
+Asserted bound: `fused_vs_eager` <= 1e-3 on every layer (verify's fp32 tolerance; REFERENCE measured 6.4e-4 for
+liger + fla conv on the 27B slice). Exit code 1 when it is exceeded, 2 without CUDA or the kernel libraries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from dflash_prep.capture import LayerCapture  # noqa: E402
+from dflash_prep.collate import SampleInfo, collate  # noqa: E402
+from dflash_prep.kernels import select_kernels  # noqa: E402
+from dflash_prep.layers import find_decoder  # noqa: E402
+from dflash_prep.model import load_config, load_model, truncate_and_apply_kernels  # noqa: E402
+from dflash_prep.recipe import ModelSection  # noqa: E402
+
+BOUND = 1e-3
+LENGTHS = [384, 211, 97, 333, 17, 256, 150, 301]  # one right-padded batch of T = 384
+
+
+def slice_section(model: str, num_layers: int, tmp: Path) -> ModelSection:
+    """A ModelSection of the benchmark config cut to its first `num_layers` layers (fp32, seed 0)."""
+    cfg = json.loads((REPO / "bench" / "configs" / f"{model}.json").read_text())
+    cfg["num_hidden_layers"] = num_layers
+    cfg.pop("layer_types", None)  # re-derived from full_attention_interval for the slice
+    path = tmp / f"{model}-{num_layers}.json"
+    path.write_text(json.dumps(cfg))
+    return ModelSection(config=str(path), tokenizer=str(REPO / "recipes" / "tiny-demo" / "tokenizer"),
+                        dtype="float32")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|."""
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+
+
+def check_model(model: str, num_layers: int, device: torch.device, tmp: Path) -> dict:
+    section = slice_section(model, num_layers, tmp)
+    config = load_config(section)
+    choice = select_kernels("auto", config, device.type)
+    if not choice.names:
+        raise SystemExit(f"{model}: `auto` chose no kernels here ({choice.reason}): nothing to check")
+    # Both layer kinds of the hybrid (full attention every 4th: 3, 7). Not the last layer: HF's last hidden state,
+    # the alone reference, is after the final norm.
+    layer_ids = sorted(set(range(1, num_layers - 1, 2)) | {num_layers - 2})
+    eager = load_model(section, config, device)
+    fused = load_model(section, config, device)
+    truncate_and_apply_kernels(fused, layer_ids[-1], choice)
+    g = np.random.default_rng(0)
+    samples = [SampleInfo(f"{i:010d}", i, None, g.integers(1, config.vocab_size, n).astype(np.int32),
+                          np.ones(n, np.uint8)) for i, n in enumerate(LENGTHS)]
+    batch = collate(samples, max(LENGTHS), 0)
+    tensors = [t.to(device) for t in (batch.input_ids, batch.attention_mask, batch.position_ids, batch.flat_index)]
+    runs = {}
+    for name, m in (("eager", eager), ("fused", fused)):
+        with LayerCapture(m, layer_ids, storage_dtype=torch.float32) as cap:
+            cap.run(*tensors)  # first call: Triton compiles and autotunes
+            _sync(device)
+            t0 = time.perf_counter()
+            runs[name] = cap.run(*tensors).hidden_states_NK
+            _sync(device)
+            runs[f"{name}_seconds"] = time.perf_counter() - t0
+    return {"kernels": list(choice.names), "libraries": choice.libraries, "layer_ids": layer_ids,
+            "lengths": LENGTHS, "fp32_forward_seconds": {k: runs[f"{k}_seconds"] for k in ("eager", "fused")},
+            "layers": compare(eager, runs, samples, layer_ids, config.hidden_size, device)}
+
+
+def compare(eager, runs: dict, samples: list, layer_ids: list[int], H: int, device) -> dict:
+    """Per layer: the three relative errors of the module docstring (max over samples)."""
+    out = {str(layer): {"fused_vs_eager": 0.0, "eager_batched_vs_alone": 0.0, "fused_batched_vs_eager_alone": 0.0}
+           for layer in layer_ids}
+    start = 0
+    for s in samples:
+        n = len(s.input_ids)
+        with torch.inference_mode():
+            alone = find_decoder(eager)(input_ids=torch.from_numpy(s.input_ids.astype(np.int64))[None].to(device),
+                                        use_cache=False, output_hidden_states=True).hidden_states
+        for slot, layer in enumerate(layer_ids):
+            cols = slice(slot * H, (slot + 1) * H)
+            e, f = runs["eager"][start:start + n, cols], runs["fused"][start:start + n, cols]
+            ref = alone[layer + 1][0]
+            row = out[str(layer)]
+            row["fused_vs_eager"] = max(row["fused_vs_eager"], relative(f, e))
+            row["eager_batched_vs_alone"] = max(row["eager_batched_vs_alone"], relative(e, ref))
+            row["fused_batched_vs_eager_alone"] = max(row["fused_batched_vs_eager_alone"], relative(f, ref))
+        start += n
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="qwen3.6-27b,llama3.1-8b")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--device", default="cuda", help="cuda (a CPU has no fused kernels: `auto` is eager there)")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("kernels_check needs a CUDA device", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 GEMMs in both copies: the kernels are what differs
+    results = {"bound": BOUND, "torch": torch.__version__, "models": {},
+               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models.split(","):
+            res = check_model(model, args.layers, device, Path(tmp))
+            results["models"][model] = res
+            print(f"{model}: kernels {res['kernels']} {res['libraries']}, fp32 forward eager "
+                  f"{res['fp32_forward_seconds']['eager']:.3f}s, fused {res['fp32_forward_seconds']['fused']:.3f}s")
+            for layer, row in res["layers"].items():
+                print(f"  layer {layer:>2}: " + ", ".join(f"{k} {v:.2e}" for k, v in row.items()))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    worst = max(row["fused_vs_eager"] for m in results["models"].values() for row in m["layers"].values())
+    results["worst_fused_vs_eager"], results["ok"] = worst, worst <= BOUND
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    print(f"worst fused vs eager {worst:.2e} (bound {BOUND:.0e}): {'OK' if results['ok'] else 'EXCEEDED'}")
+    return 0 if results["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
