@@ -8,7 +8,10 @@
    extraction used (its weights depend on the device's random generator).
 3. Values: N samples, drawn with `random.Random(seed)` from all sample ids (sorted) and printed, are run ALONE
    (batch of one, no padding, a plain forward of the base decoder with `use_cache=False`; the states are taken by
-   forward hooks of this module, not by `capture.LayerCapture`) in the recipe's compute dtype, and compared with
+   forward hooks of this module, not by `capture.LayerCapture`) in the recipe's compute dtype, with the fused
+   kernels the recipe's `model.kernels` selects on this device (as the extraction does: kernels.py; a named list
+   that cannot run here falls back to eager; `--set model.kernels=eager` compares with transformers' own forward),
+   and compared with
    the stored states, per layer (and for the final layer when captured): max abs error, relative error = max abs
    error / max |reference| of that sample's layer, and relative L2 error. A layer passes when its relative error
    is <= the tolerance; the output passes when every checked layer of every checked sample passes.
@@ -26,6 +29,9 @@ difference between a sample's states in a padded batch and alone, from the kerne
 The bf16 compute term is wide because the batched and alone bf16 forwards of a deep model really differ that
 much (the benchmark measured relative L2 0.005 at layer 1 to 0.053 at layer 61 of the 27B, max abs / max |ref|
 8/157 = 0.051): in bf16 `verify` catches wrong samples, layers, masks and corrupted values, not last-bit noise.
+Fused kernels round differently from eager ones (fp32: 7.5e-4 relative on 8-layer slices, the level of the batched
+vs alone noise); in bf16 61 random-weight layers amplify that past the tolerance (fused output vs eager reference,
+27B shape, layer 61: 0.104-0.122 measured), hence the reference runs with the extraction's kernels by default.
 `--tolerance` replaces the sum.
 
 Exit codes: 0 every check passed; 1 a check failed (each failure printed as `FAIL ...`, naming the shard, or the
@@ -88,6 +94,7 @@ class VerifyReport:
     integrity_problems: list[str] = field(default_factory=list)
     results: list[LayerResult] = field(default_factory=list)
     seconds: float = 0.0
+    kernels: list[str] = field(default_factory=list)  # fused kernels of the reference run (empty: eager)
 
     @property
     def failures(self) -> list[LayerResult]:
@@ -111,7 +118,7 @@ class VerifyReport:
                 "tolerance": self.tolerance, "seed": self.seed, "sample_ids": self.sample_ids,
                 "integrity_problems": self.integrity_problems, "worst_by_layer": self.worst_by_layer(),
                 "failures": [r.__dict__ for r in self.failures], "results": [r.__dict__ for r in self.results],
-                "seconds": self.seconds}
+                "seconds": self.seconds, "kernels": self.kernels}
 
 
 # -------------------------------------------------------------------------------------------- reference
@@ -195,8 +202,8 @@ def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: 
     from .inspect_output import check_output
     from .layers import num_decoder_layers, resolve_layer_ids
     from .manifest import read_manifest
-    from .model import (drop_layers_after, load_config, load_model, load_tokenizer, model_fingerprint,
-                        tokenizer_fingerprint)
+    from .model import (load_config, load_model, load_tokenizer, model_fingerprint, tokenizer_fingerprint,
+                        truncate_and_apply_kernels)
     from .reader import OutputLayout, iter_shard, shards_of
     from .recipe import RecipeError, load_recipe
 
@@ -250,8 +257,11 @@ def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: 
 
     t_load = time.perf_counter()
     model = load_model(recipe.model, config, dev)
-    drop_layers_after(model, num_layers - 1 if layout.capture_final != "none" else layer_ids[-1])
-    log(f"verify: model loaded in {time.perf_counter() - t_load:.1f}s on {dev}")
+    kernels = _reference_kernels(recipe, config, dev)
+    truncate_and_apply_kernels(model, num_layers - 1 if layout.capture_final != "none" else layer_ids[-1], kernels)
+    report.kernels = list(kernels.names)
+    log(f"verify: model loaded in {time.perf_counter() - t_load:.1f}s on {dev}; kernels: "
+        f"{', '.join(kernels.names) or 'eager'}{f' ({kernels.reason})' if kernels.reason else ''}")
     wanted = set(chosen)
     H, final_name = layout.hidden_size, f"final ({layout.capture_final})"
     for shard in shards:
@@ -276,6 +286,18 @@ def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: 
         report.integrity_problems.append(f"sample(s) not found in the shards: {sorted(wanted - done)[:5]}")
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _reference_kernels(recipe, config, dev: torch.device):
+    """The fused kernels of the recipe's `model.kernels` on `dev`, chosen as the extraction chooses them; a named
+    list that cannot run here (no CUDA, a library missing) gives eager, with the reason."""
+    from .kernels import KernelChoice, select_kernels
+    from .recipe import RecipeError
+
+    try:
+        return select_kernels(recipe.model.kernels, config, dev.type)
+    except RecipeError as e:
+        return KernelChoice("eager", (), getattr(config, "model_type", None), f"{e}: eager reference")
 
 
 def format_report(report: VerifyReport) -> str:

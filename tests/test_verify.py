@@ -126,3 +126,12 @@ def test_another_model_cannot_verify(output, capsys):
     assert main([str(output), "--set", "model.init_seed=1"]) == 2
     assert "model_fingerprint" in capsys.readouterr().err
     assert main([str(output.parent / "missing")]) == 2
+
+
+def test_the_reference_runs_the_recipes_kernels_as_the_extraction_chooses_them(output, capsys):
+    assert main([str(output), "--num-samples", "2", "--skip-hash"]) == 0
+    assert "kernels: eager (no CUDA device (cpu): eager)" in capsys.readouterr().out
+    # a named list that cannot run here: eager reference, said so
+    assert main([str(output), "--num-samples", "2", "--skip-hash", "--set", "model.kernels=[liger_rms_norm]"]) == 0
+    out = capsys.readouterr().out
+    assert "kernels: eager (recipe key `model.kernels` = ['liger_rms_norm']: fused kernels need a CUDA device" in out
