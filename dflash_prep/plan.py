@@ -18,7 +18,7 @@ Guarantees (tests/test_plan.py checks them against real extractions):
 - wall time = (real tokens of the busiest rank) / (tokens/s per GPU), + first-seen-shape warm-up when the
   benchmark measured it for this very model. The tokens/s default is the warm dflash-prep figure of the newest
   complete benchmark report in `bench/results/*.json` (the file `bench/RESULTS.md` is written from: `modes.
-  dflash_prep_warm.tokens_per_second`; 6,609 for the Qwen3.6-27B shape, 15,486 for the Llama-3.1-8B shape),
+  dflash_prep_warm.tokens_per_second`; 9,450 for the Qwen3.6-27B shape, 34,195 for the Llama-3.1-8B shape),
   picked by model (same model_type, hidden size and depth), else the benchmarked model nearest in decoder
   parameters (within 4x), scaled by the ratio of decoder parameters run per token (FLOPs per token = 2 x those
   parameters; parameters counted on a meta-device model: no memory, no weights); `--tokens-per-second`
