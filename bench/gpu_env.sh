@@ -1,5 +1,6 @@
 # Sourced by the GPU scripts: on an offline GPU machine, install the wheels of datasets, webdataset and
-# flash-linear-attention from a folder (WHEEL_DIR, default .whl/) and put them and the checkout on PYTHONPATH.
+# flash-linear-attention and liger-kernel from a folder (WHEEL_DIR, default .whl/) and put them and the checkout on
+# PYTHONPATH.
 WHEEL_DIR=${WHEEL_DIR:-.whl}
 if [ -d "$WHEEL_DIR" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEEL_DIR"/*.whl
