@@ -636,6 +636,10 @@ def main(argv: list[str] | None = None) -> int:
     except ExtractionError as e:
         print(f"error: {e} (details in {Path(recipe.output.dir) / 'logs'})", file=sys.stderr)
         return EXIT_STOPPED
+    except KeyboardInterrupt:  # Ctrl-C outside the loop (which handles it at a batch boundary)
+        print(f"error: stopped by Ctrl-C; committed shards are intact, re-run the same command to resume",
+              file=sys.stderr)
+        return EXIT_STOPPED
     except OSError as e:
         if log.handlers:
             log.error("stopped: %s", e, exc_info=e, extra={"console": False})
