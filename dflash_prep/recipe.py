@@ -370,8 +370,14 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
     path = Path(path) if path is not None else DEFAULT_RECIPE
     if not path.is_file():
         raise RecipeError(f"recipe file {str(path)!r} not found")
-    with open(path) as f:
-        raw = yaml.safe_load(f) or {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+        what = getattr(e, "problem", None) or type(e).__name__
+        raise RecipeError(f"recipe {path}: not valid YAML{at} ({what})") from None
     if not isinstance(raw, dict):
         raise RecipeError(f"recipe {path}: expected a mapping at the top level")
     base_dir = path.resolve().parent
