@@ -6,16 +6,19 @@ without communicating, and the main process merges the rank indexes into `OUT/ma
 
 Resume: the plan is frozen in `OUT/plan.json` by the first run. Re-running the same command keeps committed
 shards, discards uncommitted files, and runs only the batches no index lists, split over however many ranks
-the new run has. An output made by a different job (model, data, layers, storage dtype) is refused unless
-`output.overwrite` is set.
+the new run has. An output made by a different job is refused unless `output.overwrite` is set: recipe keys
+(model, data, layers, storage dtype) and content (identity.py: the tokenized rows, the weights) must match. A
+committed shard whose file is missing, cut or swapped is dropped and its batches redone; a finished output
+re-runs without loading the model.
 
 Failures: a CUDA OOM in a forward splits the batch and retries (backoff.py); a sample that does not fit alone,
 or whose states hold a NaN/Inf, is recorded as failed in the index line of the shard that commits its batch, so
 a resume neither redoes nor forgets it; the manifest counts failed samples by reason and OUT/failed.jsonl lists
 them. A write error (a full disk) or `output.nan_policy: fatal` stops the run with `ExtractionError`: committed
 shards intact, nothing partial visible, a message saying what is committed and that re-running resumes.
-Exit codes of `main`: 0 done, 1 stopped (resumable), 2 bad recipe or output of another job, 3 done but more
-samples failed than `output.max_failed_samples`.
+Exit codes of `main`: 0 done, 1 stopped (resumable), 2 refused (bad recipe, an output of another job or a
+damaged one), 3 done but more samples failed than `output.max_failed_samples`. `accelerate launch` turns 2 and 3
+into 1; `dflash-prep launch` (launch.py) keeps them.
 """
 
 from __future__ import annotations
@@ -759,7 +762,23 @@ def _progress(is_main: bool, total_samples: int, world: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`extract.py` / `dflash-prep extract`: [--recipe PATH] [--set key=value ...]."""
+    """`extract.py` / `dflash-prep extract`: [--recipe PATH] [--set key=value ...]. Returns the exit code."""
+    code = _main(argv)
+    if code in (EXIT_BAD_RECIPE, EXIT_FAILED_SAMPLES) and _under_plain_accelerate_launch():
+        print(f"note: `accelerate launch` reports exit code {code} as 1 (\"stopped, resumable\"); `dflash-prep launch` "
+              f"takes the same arguments and keeps it", file=sys.stderr)
+    return code
+
+
+def _under_plain_accelerate_launch() -> bool:
+    """Started by `accelerate launch` (it sets ACCELERATE_MIXED_PRECISION), not by `dflash-prep launch`; rank 0."""
+    from .launch import LAUNCHER_ENV
+
+    return ("ACCELERATE_MIXED_PRECISION" in os.environ and LAUNCHER_ENV not in os.environ
+            and os.environ.get("RANK", "0") == "0")
+
+
+def _main(argv: list[str] | None) -> int:
     import argparse
 
     from .recipe import load_recipe

@@ -193,7 +193,8 @@ class OutputSection:
     max_shard_bytes: int = 2_000_000_000
     """A shard is closed at the first batch boundary after it reaches this size (bytes or '2GB')."""
     overwrite: bool = False
-    """Delete an existing output folder's content first."""
+    """Delete an existing output folder's content first. Refused on a folder that is not a dflash-prep output
+    (no run_state.json, plan.json or manifest.json): the user's own files are never deleted."""
     nan_policy: Literal["fail_sample", "fatal"] = "fail_sample"
     """A sample whose captured states hold a NaN or an Inf: `fail_sample` records it as failed (not written,
     listed in failed.jsonl, counted in the manifest) and goes on; `fatal` stops the run (committed shards stay)."""
