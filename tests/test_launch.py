@@ -37,6 +37,15 @@ def test_a_refusal_reaches_the_shell_as_exit_code_2_in_one_line(tmp_path, launch
     assert "were not passed to `accelerate launch`" not in proc.stderr  # no warning block
 
 
+def test_too_many_failed_samples_reach_the_shell_as_exit_code_3(tmp_path):
+    env = {**ENV, "DFLASH_PREP_FAULTS": json.dumps({"nan_samples": ["0000000002"]})}
+    proc = subprocess.run([*LAUNCH, "extract.py", "--set", f"output.dir={tmp_path / 'out'}", "--set",
+                           "data.max_samples=8", "--set", "batching.num_workers=0"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "more than output.max_failed_samples=0" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_ctrl_c_under_the_launcher_stops_cleanly_with_exit_code_1(tmp_path):
     """Ctrl-C reaches the launcher and the script (one process group): the script commits what it captured and
     exits 1 with one line; the launcher prints no KeyboardInterrupt traceback and passes the 1 on."""
