@@ -31,8 +31,9 @@ def test_a_refusal_reaches_the_shell_as_exit_code_2_in_one_line(tmp_path, launch
                           timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    ranks = 2 if launcher_args else 1
-    assert len(errors) == ranks and all(f"{missing}" in line and "no such file" in line for line in errors)
+    # each rank that got that far prints the line (torch elastic may stop rank 1 once rank 0 has exited)
+    assert 1 <= len(errors) <= (2 if launcher_args else 1), proc.stderr[-3000:]
+    assert all(f"{missing}" in line and "no such file" in line for line in errors)
     assert "Traceback" not in proc.stderr and "CalledProcessError" not in proc.stderr
     assert "were not passed to `accelerate launch`" not in proc.stderr  # no warning block
 
