@@ -68,3 +68,14 @@ def test_ctrl_c_under_the_launcher_stops_cleanly_with_exit_code_1(tmp_path):
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     assert "stopped on SIGINT" in err and "re-run the same command to resume" in err
     assert not (out / "manifest.json").exists() and not list(Path(out).rglob("*.tmp"))
+
+
+def test_plain_accelerate_launch_says_that_it_reports_a_refusal_as_1(tmp_path):
+    """accelerate's own launcher turns exit code 2 into 1 (its CalledProcessError); the script says so and names
+    the launcher that keeps the code."""
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
+                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "extract.py",
+                           "--set", f"output.dir={tmp_path / 'out'}", "--set", f"data.path={tmp_path / 'missing.jsonl'}"],
+                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1  # accelerate's, whatever the script's
+    assert "note: `accelerate launch` reports exit code 2 as 1" in proc.stderr and "dflash-prep launch" in proc.stderr
