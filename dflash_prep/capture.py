@@ -109,9 +109,6 @@ class LayerCapture:
         bad = [i for i in self.layer_ids if not 0 <= i < n]
         if bad:
             raise ValueError(f"layer ids {bad} out of range for a decoder with {n} layers")
-        if n - 1 in self.layer_ids:  # id i = HF hidden_states[i+1], which for i = n-1 is after the norm: layers.py
-            raise ValueError(f"layer id {n - 1} is the last decoder layer: capture it with capture_final "
-                             f"('before_norm' or 'after_norm'), not as a layer id")
         modules: dict[int, tuple[nn.Module, int]] = {}  # id(module) -> (module, slot)
         for slot, i in enumerate(self.layer_ids):
             modules[id(self.layers[i])] = (self.layers[i], slot)

@@ -149,7 +149,7 @@ def test_eagle3_preset_states_the_real_minimum_depth():
 
 def test_every_layer_id_equals_hf_hidden_states_of_id_plus_one():
     """The format's convention (id i = HF hidden_states[i+1]) has no exception: id L-1, whose hook output is before
-    the final norm while hidden_states[L] is after it, is refused (recipe and capture), pointing at capture_final."""
+    the final norm while hidden_states[L] is after it, is refused, pointing at capture_final."""
     L = 8
     for ids, key in (([1, 7], "layers.ids"), ([7], "layers.ids")):
         with pytest.raises(RecipeError, match=rf"`{key}`.*id 7 is the last decoder layer.*layers.capture_final"):
@@ -157,14 +157,11 @@ def test_every_layer_id_equals_hf_hidden_states_of_id_plus_one():
     with pytest.raises(RecipeError, match=r"`layers.preset`.*id 1 is the last decoder layer"):
         resolve_layer_ids(LayersSection(preset="dflash", num_layers=1), 2)  # [L//2] = [1] = L-1
     model = build(tiny_llama_config())  # 6 layers
-    with pytest.raises(ValueError, match="layer id 5 is the last decoder layer.*capture_final"):
-        with LayerCapture(model, [1, 5]):
-            pass
-    # Every id LayerCapture accepts is hidden_states[i+1] of HF's own forward.
+    # Every id the recipe accepts is hidden_states[i+1] of HF's own forward.
     sample = _samples([21])[0]
     ref = _alone(model, sample, None)
     batch = collate([sample], 32, 0)
-    ids = list(range(model.config.num_hidden_layers - 1))  # 0..4: every id the 6-layer model accepts
+    ids = resolve_layer_ids(LayersSection(preset="explicit", ids=list(range(6 - 1))), 6)  # 0..4: all it accepts
     with LayerCapture(model, ids, storage_dtype=torch.float32) as cap:
         out = cap.run(batch.input_ids, batch.attention_mask, batch.position_ids, batch.flat_index)
     H = model.config.hidden_size
