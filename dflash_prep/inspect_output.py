@@ -283,6 +283,13 @@ def _check_states(header: dict, data_start: int, member_size: int, T: int, layou
     return None
 
 
+def _read_meta(f):
+    try:
+        return json.loads(f.read())
+    except ValueError:
+        return "not JSON"
+
+
 def _check_meta(meta, key: str, T: int, header: dict, layout: OutputLayout) -> list[str]:
     """What disagrees between one sample's meta.json, its states' width and the manifest (empty: nothing)."""
     if not isinstance(meta, dict):
@@ -372,11 +379,7 @@ def check_shard(shard: ShardInfo, layout: OutputLayout, hash_bytes: bool = True)
                 elif suffix == MEMBER_STATES:
                     states = (*_safetensors_header(tar.extractfile(info), info.size), info.size)
                 elif suffix == MEMBER_META:
-                    has_meta = True
-                    try:
-                        meta = json.loads(tar.extractfile(info).read())
-                    except ValueError:
-                        meta = "not JSON"
+                    has_meta, meta = True, _read_meta(tar.extractfile(info))
             if current is not None:
                 close_sample()
     except (tarfile.TarError, ValueError, OSError, struct.error) as e:
