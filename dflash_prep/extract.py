@@ -54,6 +54,7 @@ from .model import (STORAGE_TORCH_DTYPES, decoder_params_in, describe_source, dr
 from .model import tokenizer_fingerprint as _tokenizer_fingerprint  # noqa: E402  (moved to model.py)
 from .planner import PlannedBatch, ShapeBuckets, plan_batches, plan_stats, split_across_ranks  # noqa: E402
 from .recipe import Recipe, RecipeError  # noqa: E402
+from .vocab import count_supervised_tokens, write_token_freq  # noqa: E402
 from .writer import AsyncShardWriter, NonFiniteStatesError, PendingBatch, lanes, rank_name  # noqa: E402
 
 log = logging.getLogger("dflash_prep")
@@ -540,6 +541,10 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
         raise ExtractionError(
             f"{len(lengths)} samples planned, {manifest['num_samples']} committed and {len(failed_rows)} recorded "
             f"as failed: {len(set(data.kept['sample_id']) - accounted)} missing; re-run the same command to finish")
+    # The draft vocabulary's input: supervised-token frequencies over exactly the samples the manifest lists.
+    written = {s for r in records for s in r.sample_ids}
+    manifest["token_freq"] = write_token_freq(
+        out_dir, count_supervised_tokens(data.kept, vocab_size_of(config), written), len(written))
     real = sum(r["num_real_tokens"] for r in reports)
     padded = sum(r["num_padded_tokens"] for r in reports)
     wall = time.perf_counter() - t_start
