@@ -265,3 +265,75 @@ def test_verify_refuses_a_corrupt_shard_and_leaves_no_dest(out_before, tmp_path)
     dest = tmp_path / "dest"
     assert main([str(copy), "--to", "specforge", "--dest", str(dest), "--verify", "--no-progress"]) == 1
     assert not dest.exists() and not (tmp_path / "dest.partial").exists()
+
+
+def _corrupt_copy(out: Path, dest: Path, edit=None) -> tuple[Path, str]:
+    """A copy of `out` (shards + manifest) with one byte flipped in the middle of its last shard."""
+    import shutil
+
+    dest.mkdir()
+    shutil.copytree(out / "shards", dest / "shards")
+    manifest = _manifest(out)
+    if edit is not None:
+        edit(manifest)
+    (dest / "manifest.json").write_text(json.dumps(manifest))
+    victim = manifest["shards"][-1]["path"]
+    data = bytearray((dest / victim).read_bytes())
+    data[len(data) // 2] ^= 0x80
+    (dest / victim).write_bytes(bytes(data))
+    return dest, victim
+
+
+def test_export_verifies_every_shard_by_default(out_before, tmp_path, capsys):
+    """A corrupted shard stops the export (exit 1, naming the shard) without any flag; nothing is left at DEST.
+    `--skip-hash` is the documented way to export without the check."""
+    bad, victim = _corrupt_copy(out_before, tmp_path / "bad")
+    dest = tmp_path / "dest"
+    assert main([str(bad), "--to", "specforge", "--dest", str(dest), "--no-progress"]) == 1
+    assert f"{victim}: sha256" in capsys.readouterr().err
+    assert not dest.exists() and not (tmp_path / "dest.partial").exists()
+    assert main([str(bad), "--to", "specforge", "--dest", str(dest), "--no-progress", "--skip-hash"]) == 0
+
+
+@pytest.mark.parametrize("edit", ["drop", "duplicate"])
+def test_export_refuses_a_manifest_whose_shards_do_not_add_up(out_before, tmp_path, capsys, edit):
+    def change(m):
+        if edit == "drop":
+            del m["shards"][0]
+        else:
+            m["shards"].append(dict(m["shards"][0]))
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "shards").symlink_to(out_before / "shards")
+    m = _manifest(out_before)
+    change(m)
+    (bad / "manifest.json").write_text(json.dumps(m))
+    dest = tmp_path / "dest"
+    assert main([str(bad), "--to", "specforge", "--dest", str(dest), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert ("shards add up to" if edit == "drop" else "listed 2 times") in err and not dest.exists()
+
+
+def test_one_export_per_dest_and_files_counted_after_the_rename(out_before, tmp_path, capsys):
+    """While another process holds DEST.lock a second export into DEST is refused (exit 2) and touches nothing;
+    once it is free the export's reported file count is what DEST holds (counted here by walking DEST)."""
+    import subprocess
+    import sys
+
+    dest = tmp_path / "dest"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from dflash_prep.locks import FileLock; "
+         "assert FileLock(sys.argv[1]).try_acquire(); print('held', flush=True); sys.stdin.read()",
+         str(tmp_path / "dest.lock")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert main([str(out_before), "--to", "specforge", "--dest", str(dest), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert "another export into" in err and f"pid {holder.pid}" in err
+        assert not dest.exists() and not (tmp_path / "dest.partial").exists()
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    report = export(out_before, "specforge", dest, progress=False)
+    assert report.num_files == len(_files(dest)) == NUM_ROWS + 1  # + dflash_prep_export.json
