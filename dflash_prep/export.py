@@ -7,11 +7,14 @@ Layouts (REFERENCE.md §1; T tokens, k captured layers, H hidden size; every hid
   (layers in ascending after-layer id order, SpecForge's `dflash_config.target_layer_ids` order).
 - `specforge --strategy eagle3`: same files with `input_ids`, `loss_mask`, `aux_hidden_state` [1, T, 3H] and
   `hidden_state` [1, T, H] = the final layer AFTER the final norm. Needs k == 3 and
-  `layers.capture_final: after_norm`.
+  `layers.capture_final: after_norm`, or `before_norm` (then the after-norm states are derived at export time
+  from the stored final norm, `OUT/final_norm.safetensors`: norms.py; one extraction serves every trainer).
 - `speculators` (DFlash and EAGLE-3 alike): an Arrow dataset in DIR (`datasets.save_to_disk` after
   `set_format(type="torch")`; row i = `input_ids` int64 [T], `loss_mask` int64 [T], `seq_len` int64) and
   `DIR/hidden_states/hs_{i}.safetensors` = `hidden_states` [T, k+1, H] (the k layers, then the final layer
-  BEFORE the final norm) and `token_ids` int64 [T]. Needs `layers.capture_final: before_norm`.
+  BEFORE the final norm) and `token_ids` int64 [T]. Needs `layers.capture_final: before_norm`. Also
+  `DIR/token_freq.pt`, speculators' supervised-token frequency file (a {token id: count} dict) for its
+  d2t/t2d builder, from `OUT/token_freq.safetensors`.
   From an fp8 output (`output.dtype: fp8_e4m3`) it writes speculators' fp8 layout instead: `hidden_states`
   float8_e4m3fn [T, k+1, H] + `hidden_states_scales` float32 [T, 1, 1], ONE scale per token for all k+1 layers
   (dequantize: `hidden_states.float() * hidden_states_scales`). The output stores one scale per token and layer,
@@ -27,7 +30,8 @@ Layouts (REFERENCE.md §1; T tokens, k captured layers, H hidden size; every hid
 - `modelopt` (NVIDIA Model-Optimizer): `DIR/{sample_id}.pt`, one `torch.save` dict per sample: `input_ids`
   int64 [T], `hidden_states` [T, H] (final layer AFTER the final norm, what its HF dumper stores:
   `outputs.hidden_states[-1]`), `aux_hidden_states` [T, k*H], `loss_mask` int64 [T], and `conversation_id`
-  (str, = sample_id) as its dumper writes. Needs `layers.capture_final: after_norm`.
+  (str, = sample_id) as its dumper writes. Needs `layers.capture_final: after_norm`, or `before_norm` (the
+  after-norm states derived at export time, as for EAGLE-3 above).
 
 Guarantees:
 - a requirement the output does not meet (final layer missing or of the wrong kind, k != 3 for EAGLE-3, a
@@ -74,8 +78,10 @@ from .fp8 import dequantize as fp8_dequantize
 from .fp8 import quantize_rows as fp8_quantize_rows
 from .locks import FileLock
 from .manifest import read_committed, read_manifest
+from .norms import can_derive_after_norm, read_final_norm, with_after_norm_final
 from .reader import (OutputLayout, ShardFormatError, ShardInfo, iter_shard, iter_tar_samples, manifest_shard_problems,
                      shards_of)
+from .vocab import TOKEN_FREQ_NAME, read_token_freq, token_freq_dict
 
 TARGETS = ("specforge", "speculators", "modelopt")
 STRATEGIES = ("dflash", "eagle3")
@@ -158,6 +164,8 @@ def check_exportable(manifest: dict, target: str, strategy: str = "dflash", cast
             raise ExportError(f"SpecForge EAGLE-3 needs exactly 3 auxiliary layers (`aux_hidden_state` "
                               f"[1, T, 3H]) but {source} captured {k}: {manifest['layer_ids']}; "
                               f"{_reextract_hint('layers.preset=eagle3')}")
+    if needs is not None and needs[0] == "after_norm" and can_derive_after_norm(manifest):
+        return  # derived at export time from the before-norm states and the stored final norm (norms.py)
     if needs is not None and final != needs[0]:
         got = "did not capture the final layer" if final == "none" else f"captured it {final.replace('_', ' ')}"
         raise ExportError(f"{needs[1]}, but {source} {got} (layers.capture_final={final}); "
@@ -333,6 +341,8 @@ def _export_locked(out_dir: Path, manifest: dict, target: str, dest: Path, strat
         if target == "speculators":
             _export_speculators(shards, layout, partial, rows_cache, index_of, report, bar, verify_sha256,
                                 fp8_layout=layout.is_fp8 and not cast_to_bfloat16)
+            if (out_dir / TOKEN_FREQ_NAME).is_file():  # speculators' frequency file, for its d2t/t2d builder
+                torch.save(token_freq_dict(read_token_freq(out_dir)), partial / "token_freq.pt")
         else:
             write: Callable[[dict], int]
             if target == "specforge":
@@ -342,7 +352,10 @@ def _export_locked(out_dir: Path, manifest: dict, target: str, dest: Path, strat
             else:
                 def write(sample):
                     return _save_torch(modelopt_record(sample), modelopt_path(partial, sample["sample_id"]))
-            for sample in _samples(shards, layout, verify_sha256):
+            wants_after_norm = target == "modelopt" or strategy == "eagle3"
+            final_norm = read_final_norm(out_dir) \
+                if wants_after_norm and layout.capture_final == "before_norm" else None
+            for sample in _samples(shards, layout, verify_sha256, final_norm=final_norm):
                 report.num_bytes += write(sample)
                 _count(report, sample, bar)
         if report.num_samples != len(order):
@@ -378,9 +391,12 @@ def _count_files(dest: Path, target: str, report: ExportReport) -> None:
                                     f"from it; export again with --overwrite")
 
 
-def _samples(shards: list[ShardInfo], layout: OutputLayout, verify_sha256: bool, fp8: str = "bfloat16"):
+def _samples(shards: list[ShardInfo], layout: OutputLayout, verify_sha256: bool, fp8: str = "bfloat16",
+             final_norm: dict | None = None):
+    """Every sample in shard order; with `final_norm`, its final states after that norm (norms.py)."""
     for shard in shards:
-        yield from iter_shard(shard, layout, fp8=fp8, verify_sha256=verify_sha256)
+        for sample in iter_shard(shard, layout, fp8=fp8, verify_sha256=verify_sha256):
+            yield sample if final_norm is None else with_after_norm_final(sample, final_norm)
 
 
 def _count(report: ExportReport, sample: dict, bar) -> None:
@@ -443,6 +459,8 @@ def _export_info(manifest: dict, out_dir: Path, target: str, strategy: str, orde
         "layer_ids_after_layer": after,
         "layer_ids_before_layer": [i + 1 for i in after],
         "capture_final": manifest.get("capture_final", "none"),
+        "final_norm_applied_at_export": bool((target == "modelopt" or strategy == "eagle3")
+                                             and manifest.get("capture_final") == "before_norm"),
         "source_dtype": manifest["dtype"],
         "cast_to_bfloat16": bool(cast and manifest["dtype"] != "bfloat16"),
         "hidden_states_dtype": ("float8_e4m3fn + hidden_states_scales [T, 1, 1] (one scale per token, re-quantized)"

@@ -68,6 +68,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .fp8 import FP8_DTYPE
 from .fp8 import dequantize as fp8_dequantize
 from .manifest import read_manifest
+from .norms import can_derive_after_norm, read_final_norm, with_after_norm_final
 
 MEMBER_INPUT_IDS = "input_ids.npy"
 MEMBER_LOSS_MASK = "loss_mask.npy"
@@ -79,6 +80,7 @@ TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32":
                 "fp8_e4m3": FP8_DTYPE}
 SPLIT_MODES = ("auto", "shard", "sample")
 FP8_MODES = ("bfloat16", "float32", "raw")  # what the reader returns for an fp8 output
+FINAL_MODES = ("as_stored", "before_norm", "after_norm")  # the final layer the reader returns
 
 
 class ShardFormatError(ValueError):
@@ -487,6 +489,10 @@ class ShardDataset(IterableDataset):
         include_meta: also yield `meta` (the sample's meta.json).
         fp8: for an fp8 output, "bfloat16" (default: dequantized to bf16), "float32", or "raw" (e4m3 tensors +
             their fp32 `*_scales`).
+        final: "as_stored" (default) or "after_norm": on a `capture_final: before_norm` output, the after-norm
+            final states derived with the stored final norm (norms.py; exact to the storage dtype's rounding,
+            returned in the stored dtype); "before_norm"/"after_norm" matching what is stored is a no-op.
+            Raises ValueError when the asked form cannot be had (a norm cannot be undone).
         verify_sha256: hash each shard while streaming it and raise `ShardFormatError` at its end when the
             digest differs from the manifest's (default); False skips the hash (sample and token counts are still
             checked).
@@ -497,7 +503,8 @@ class ShardDataset(IterableDataset):
 
     def __init__(self, out_dir: str | Path, *, shuffle: bool = False, seed: int = 0, shuffle_buffer: int = 256,
                  rank: int | None = None, world_size: int | None = None, split: str = "auto",
-                 include_meta: bool = False, fp8: str = "bfloat16", verify_sha256: bool = True):
+                 include_meta: bool = False, fp8: str = "bfloat16", verify_sha256: bool = True,
+                 final: str = "as_stored"):
         super().__init__()
         if fp8 not in FP8_MODES:
             raise ValueError(f"fp8 must be one of {FP8_MODES}, got {fp8!r}")
@@ -523,7 +530,26 @@ class ShardDataset(IterableDataset):
         self.split = split
         self.include_meta = include_meta
         self.fp8 = fp8
+        self.final_norm = self._final_norm_to_apply(final)
         self.epoch = 0
+
+    def _final_norm_to_apply(self, final: str) -> dict | None:
+        """The final norm to apply to `final_hidden_states` (final="after_norm" on a before-norm output), or None."""
+        if final not in FINAL_MODES:
+            raise ValueError(f"final must be one of {FINAL_MODES}, got {final!r}")
+        stored = self.layout.capture_final
+        if final == "as_stored" or final == stored:
+            return None
+        if final == "before_norm" or stored == "none":
+            raise ValueError(f"final={final!r}: the output captured the final layer as {stored!r} (the norm cannot "
+                             f"be undone); re-extract with layers.capture_final={final}")
+        if not can_derive_after_norm(self.manifest):
+            raise ValueError(f"final='after_norm': {self.out_dir} stores no supported final norm "
+                             f"(final_norm={self.manifest.get('final_norm')}); re-extract with "
+                             f"layers.capture_final=after_norm")
+        if self.layout.is_fp8 and self.fp8 == "raw":
+            raise ValueError("final='after_norm' needs values: use fp8='bfloat16' or 'float32', not 'raw'")
+        return read_final_norm(self.out_dir)
 
     # -- facts ---------------------------------------------------------------------------------------------
     @property
@@ -566,8 +592,9 @@ class ShardDataset(IterableDataset):
 
     def _iter_plan(self, plan: ConsumerPlan) -> Iterator[dict[str, Any]]:
         for i, shard in enumerate(plan.shards):
-            yield from iter_shard(shard, self.layout, plan.wanted(i), self.include_meta, fp8=self.fp8,
-                                  verify_sha256=self.verify_sha256)
+            for sample in iter_shard(shard, self.layout, plan.wanted(i), self.include_meta, fp8=self.fp8,
+                                     verify_sha256=self.verify_sha256):
+                yield sample if self.final_norm is None else with_after_norm_final(sample, self.final_norm)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         consumer, num_consumers = self._consumer()
