@@ -96,6 +96,18 @@ def apply_final_norm(states_TH: torch.Tensor, norm: dict) -> torch.Tensor:
     return rms_normalize(states_TH, norm["eps"]) * gain.to(states_TH.device)
 
 
+def can_derive_after_norm(manifest: dict) -> bool:
+    """Whether an output's after-norm final states can be derived: before-norm captured + a supported norm."""
+    entry = manifest.get("final_norm") or {}
+    return manifest.get("capture_final") == "before_norm" and entry.get("form") in FORMS
+
+
+def with_after_norm_final(sample: dict, norm: dict) -> dict:
+    """`sample` with `final_hidden_states` replaced by its after-norm value, in the stored tensor's dtype."""
+    final = sample["final_hidden_states"]
+    return {**sample, "final_hidden_states": apply_final_norm(final, norm).to(final.dtype)}
+
+
 def write_final_norm(out_dir: str | Path, norm: dict) -> dict:
     """`OUT/final_norm.safetensors` (atomic); -> its manifest entry {path, form, eps}."""
     from safetensors.torch import save_file

@@ -85,3 +85,15 @@ def test_after_norm_states_from_a_before_norm_extraction_equal_a_real_after_norm
         assert (s["final_hidden_states"].float() - want).abs().max() > 0.1 * want.abs().max()
         checked += 1
     assert checked == len(stored_after) == 24
+
+
+def test_the_reader_derives_after_norm_final_states_on_request(outputs):
+    before, after = outputs["before_norm"], outputs["after_norm"]
+    stored_after = {s["sample_id"]: s["final_hidden_states"] for s in ShardDataset(after)}
+    for s in ShardDataset(before, final="after_norm"):
+        want = stored_after[s["sample_id"]]
+        assert s["final_hidden_states"].dtype == want.dtype == torch.bfloat16
+        assert ((s["final_hidden_states"].float() - want.float()).abs() <= 2 ** -7 * want.float().abs() + 1e-6).all()
+    assert sum(1 for _ in ShardDataset(after, final="after_norm")) == 24  # what is stored: a no-op
+    with pytest.raises(ValueError, match="cannot be undone"):
+        ShardDataset(after, final="before_norm")
