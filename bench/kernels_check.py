@@ -5,7 +5,7 @@
 For each model: the first `--layers` decoder layers of its benchmark config (the Qwen3.6-27B shape: 6 Gated
 DeltaNet + 2 full-attention layers; the Llama-3.1-8B shape), random fp32 weights drawn twice with the same seed
 (`dflash_prep.model.load_model`, as the extraction does), one copy eager and one with the kernels `auto` chooses
-on this GPU (`truncate_and_apply_kernels`, as the extraction does). One right-padded batch of samples of
+on this GPU (`drop_layers_after`, then `apply_kernels`, as the extraction does). One right-padded batch of samples of
 different lengths goes through both with the capture hooks and the padding mask (`LayerCapture`, as the
 extraction does), and each sample also runs alone through the eager copy. Per captured layer, as max abs
 difference / max |value| of the eager states (the relative error `dflash-prep verify` reports):
@@ -36,9 +36,9 @@ sys.path.insert(0, str(REPO))
 
 from dflash_prep.capture import LayerCapture  # noqa: E402
 from dflash_prep.collate import SampleInfo, collate  # noqa: E402
-from dflash_prep.kernels import select_kernels  # noqa: E402
+from dflash_prep.kernels import apply_kernels, select_kernels  # noqa: E402
 from dflash_prep.layers import find_decoder  # noqa: E402
-from dflash_prep.model import load_config, load_model, truncate_and_apply_kernels  # noqa: E402
+from dflash_prep.model import drop_layers_after, load_config, load_model  # noqa: E402
 from dflash_prep.recipe import ModelSection  # noqa: E402
 
 BOUND = 1e-3
@@ -77,7 +77,8 @@ def check_model(model: str, num_layers: int, device: torch.device, tmp: Path) ->
     layer_ids = sorted(set(range(1, num_layers - 1, 2)) | {num_layers - 2})
     eager = load_model(section, config, device)
     fused = load_model(section, config, device)
-    truncate_and_apply_kernels(fused, layer_ids[-1], choice)
+    drop_layers_after(fused, layer_ids[-1])
+    apply_kernels(fused, choice)
     g = np.random.default_rng(0)
     samples = [SampleInfo(f"{i:010d}", i, None, g.integers(1, config.vocab_size, n).astype(np.int32),
                           np.ones(n, np.uint8)) for i, n in enumerate(LENGTHS)]

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .kernels import KernelChoice, apply_kernels
 from .layers import decoder_layers, find_decoder
+from .norms import randomize_norm_gains
 from .recipe import ModelSection, RecipeError
 
 log = logging.getLogger(__name__)
@@ -38,9 +38,14 @@ def load_config(section: ModelSection):
     source = section.config or section.name_or_path
     key = "model.config" if section.config else "model.name_or_path"
     try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # older huggingface_hub: configs are not validated on load
+        StrictDataclassError = ValueError  # noqa: N806
+    try:
         return AutoConfig.from_pretrained(source, trust_remote_code=section.trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise RecipeError(f"recipe key `{key}` = {source!r}: cannot load a model config ({e})") from None
+    except (OSError, ValueError, TypeError, StrictDataclassError) as e:  # TypeError, StrictDataclassError: a value
+        why = " ".join(str(e).split())  # transformers' config validation rejects (one line)
+        raise RecipeError(f"recipe key `{key}` = {source!r}: cannot load a model config ({why})") from None
 
 
 def model_fingerprint(section: ModelSection, config) -> str:
@@ -79,7 +84,7 @@ def load_model(section: ModelSection, config, device: torch.device) -> nn.Module
     """The CausalLM in eval mode, frozen, on `device`, in the recipe's compute dtype.
 
     Random weights (`model.config`) are drawn on `device` with `init_seed`, so every rank of a run builds the
-    same model.
+    same model; their norm gains are drawn too (norms.randomize_norm_gains), not left at unit gain.
     """
     from transformers import AutoModelForCausalLM
 
@@ -90,6 +95,7 @@ def load_model(section: ModelSection, config, device: torch.device) -> nn.Module
         torch.manual_seed(section.init_seed)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, **kwargs)
+        randomize_norm_gains(model, section.init_seed)  # unit gains would hide a before/after-norm mix-up
     else:
         model = AutoModelForCausalLM.from_pretrained(section.name_or_path, device_map={"": device}, **kwargs)
     model.eval().requires_grad_(False)
@@ -108,15 +114,6 @@ def drop_layers_after(model: nn.Module, last_needed_layer: int) -> int:
     if keep < len(layers):
         decoder.layers = nn.ModuleList(list(layers)[:keep])
     return min(keep, len(layers))
-
-
-def truncate_and_apply_kernels(model: nn.Module, last_needed_layer: int, kernels: KernelChoice) -> int:
-    """The model as extraction runs it: layers after `last_needed_layer` dropped, then the fused kernels of
-    `kernels` (kernels.select_kernels) applied to the layers kept, before any capture hook is registered. Returns
-    the number of decoder layers kept. Raises ImportError when a chosen kernel library fails to import."""
-    kept = drop_layers_after(model, last_needed_layer)
-    apply_kernels(model, kernels)
-    return kept
 
 
 def decoder_params_in(model: nn.Module, num_layers: int | None = None) -> int:

@@ -24,9 +24,9 @@ from dflash_prep.capture import LayerCapture
 from dflash_prep.collate import SampleInfo, collate
 from dflash_prep.extract import main as extract_main
 from dflash_prep.extract import run_extraction
-from dflash_prep.kernels import KernelChoice, fla_causal_conv1d_fn, select_kernels
+from dflash_prep.kernels import KernelChoice, apply_kernels, fla_causal_conv1d_fn, select_kernels
 from dflash_prep.layers import find_decoder
-from dflash_prep.model import truncate_and_apply_kernels
+from dflash_prep.model import drop_layers_after
 from dflash_prep.recipe import RecipeError, load_recipe
 
 CALLS: dict[str, list] = {}
@@ -208,7 +208,8 @@ def test_fused_model_captures_what_the_eager_model_gives_each_sample_alone(fake_
     eager, fused = build(config), build(config)
     names = ("liger_rms_norm", "liger_swiglu", "liger_rope" if arch == "llama" else "fla_conv")
     layer_ids = [0, 2, 3]
-    assert truncate_and_apply_kernels(fused, layer_ids[-1], KernelChoice(names, names, config.model_type)) == 4
+    assert drop_layers_after(fused, layer_ids[-1]) == 4  # as the extraction: truncate, then the kernels
+    apply_kernels(fused, KernelChoice(names, names, config.model_type))
 
     (applied,) = fake_libraries["apply"]
     assert applied["model"] is fused and not applied["cross_entropy"] and not applied["fused_linear_cross_entropy"]
@@ -264,8 +265,16 @@ def test_cpu_run_records_eager_and_a_resume_with_another_set_is_recorded(tmp_pat
     first = run_extraction(load_recipe(None, base))
     assert first["kernels"] == {"requested": "auto", "applied": [], "libraries": {},
                                 "reason": "no CUDA device (cpu): eager"}
+    # An interrupted run: its last shard was never committed (no index line, no manifest yet).
+    index = out / "index" / "rank-00000.jsonl"
+    lines = index.read_text().splitlines(keepends=True)
+    assert len(lines) > 1
+    index.write_text("".join(lines[:-1]))
+    (out / "manifest.json").unlink()
     second = run_extraction(load_recipe(None, base + ["model.kernels=eager"]))  # allowed: not the job's identity
-    assert second["kernels"]["requested"] == "eager"
+    assert second["kernels"]["requested"] == "eager" and second["num_samples_this_run"] > 0
+    third = run_extraction(load_recipe(None, base))  # nothing left to run: the model is not loaded
+    assert third["kernels"]["applied"] == [] and "nothing to run" in third["kernels"]["reason"]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["kernels"]["requested"] == "eager"
     assert manifest["kernels_history"] == [{"applied": [], "libraries": {}}]
