@@ -70,10 +70,10 @@ def test_bad_paths_and_templates_fail_naming_the_key(tmp_path, tokenizer):
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(RecipeError, match="`data.path`"):
         load_rows(DataSection(path=str(tmp_path / "notes.txt")))
-    tokenizer_without_generation = tokenizer.__class__.from_pretrained(DEMO / "tokenizer")
-    tokenizer_without_generation.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer_without_template = tokenizer.__class__.from_pretrained(DEMO / "tokenizer")
+    tokenizer_without_template.chat_template = None
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps({"messages": CONV}) + "\n")
-    with pytest.raises(RecipeError, match="generation"):
-        tokenize_dataset(load_rows(DataSection(path=str(path))), tokenizer_without_generation,
+    with pytest.raises(RecipeError, match="no chat template"):
+        tokenize_dataset(load_rows(DataSection(path=str(path))), tokenizer_without_template,
                          DataSection(path=str(path)), 1024)
