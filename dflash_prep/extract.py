@@ -43,14 +43,15 @@ from .backoff import BatchRunner  # noqa: E402
 from .budget import resolve_token_budget  # noqa: E402
 from .capture import LayerCapture  # noqa: E402
 from .collate import PlannedBatches  # noqa: E402
-from .data import check_data_source, load_rows, tokenize_dataset, write_skipped  # noqa: E402
+from .data import check_data_source, check_data_verdict, load_rows, tokenize_dataset, write_skipped  # noqa: E402
 from .faults import Faults  # noqa: E402
 from .layers import num_decoder_layers, resolve_layer_ids  # noqa: E402
 from .locks import LOCKS_DIR, OutputBusyError, check_no_rank_writing, lock_rank, lock_run  # noqa: E402
 from .manifest import (STATE_NAME, atomic_write_json, build_manifest, next_shard_number,  # noqa: E402
                        read_committed, remove_uncommitted, repair_indexes, write_manifest)
 from .model import (STORAGE_TORCH_DTYPES, decoder_params_in, describe_source, drop_layers_after,  # noqa: E402
-                    hidden_size_of, load_config, load_model, load_tokenizer, model_fingerprint, vocab_size_of)
+                    hidden_size_of, load_config, load_model, load_tokenizer, model_fingerprint, padding_token_id,
+                    vocab_size_of)
 from .model import tokenizer_fingerprint as _tokenizer_fingerprint  # noqa: E402  (moved to model.py)
 from .planner import PlannedBatch, ShapeBuckets, plan_batches, plan_stats, split_across_ranks  # noqa: E402
 from .recipe import Recipe, RecipeError  # noqa: E402
@@ -378,6 +379,7 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
         write_skipped(out_dir / SKIPPED_NAME, data.skipped_rows)
         log.info("data: %d rows, %d kept, %d skipped%s", data.num_rows, len(data.kept),
                  sum(data.skipped_counts.values()), f" {data.skipped_counts}" if data.skipped_counts else "")
+    check_data_verdict(data, recipe.data)  # nothing kept, or too much skipped: exit 2 before any model loads
     lengths = [int(n) for n in data.kept["num_tokens"]]
 
     # 3. Global plan, minus what is committed, split over this run's ranks.
@@ -413,8 +415,8 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
         max_pending_bytes=recipe.output.max_pending_bytes)
     runner = None
     loader = torch.utils.data.DataLoader(
-        PlannedBatches(data.kept, mine, tokenizer.pad_token_id or 0), batch_size=None, shuffle=False,
-        num_workers=recipe.batching.num_workers, pin_memory=device.type == "cuda",
+        PlannedBatches(data.kept, mine, padding_token_id(tokenizer, vocab_size_of(config))), batch_size=None,
+        shuffle=False, num_workers=recipe.batching.num_workers, pin_memory=device.type == "cuda",
         persistent_workers=False, prefetch_factor=4 if recipe.batching.num_workers else None,
         worker_init_fn=_ignore_stop_signals)
     rank_stats = RankStats()

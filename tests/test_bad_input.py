@@ -131,7 +131,8 @@ def test_every_bad_row_is_skipped_listed_and_counted(tmp_path):
     path.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out"
     summary = run_extraction(load_recipe(None, demo_overrides(out, **{
-        "data.path": str(path), "data.max_length": 128, "data.overlong": "skip", "batching.num_workers": 0})))
+        "data.path": str(path), "data.max_length": 128, "data.overlong": "skip", "batching.num_workers": 0,
+        "data.max_skipped_fraction": 1.0})))  # most rows here are bad on purpose
     expected = {f"{3 + i:010d}": reason for i, (_, reason) in enumerate(BAD_ROWS)}
     listed = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
     assert {r["sample_id"]: r["reason"] for r in listed} == expected
