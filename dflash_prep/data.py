@@ -1,21 +1,30 @@
 """Rows in, token ids and assistant-only loss masks out.
 
-Accepted rows (one of):
-- OpenAI style: `messages: [{role, content}]`, roles system/user/assistant/tool;
+Accepted rows (one of; chat.py turns the first three into messages for the template):
+- OpenAI style: `messages: [{role, content}]`, roles system/user/assistant/tool; content a string, a list of text
+  parts, or null beside `tool_calls`; `reasoning_content` / `reasoning` on assistant turns; a `tools` column;
 - ShareGPT style: `conversations: [{from, value}]`, from system/human/user/gpt/assistant/tool;
+- SpecForge / speculators style: `conversations: [{role, content}]`;
 - pre-tokenized: `input_ids: [int]`, optional `loss_mask: [0/1]` (all ones when absent).
 
-A JSON/JSONL file that does not load as one Arrow table (a line that is not JSON, a row that is not an object)
-is read line by line instead: each line is one row, and a line that does not parse becomes a skipped row.
+A JSON/JSONL file that does not load as one Arrow table (a line that is not JSON, a row that is not an object,
+bytes that are not UTF-8), or whose table would change what a row says (ids typed as floats, tool arguments typed
+as structs), is read line by line instead: each line is one row, and a line that does not parse becomes a skipped
+row. A source with no row, or parquet files that cannot be read or disagree on columns, is a RecipeError naming
+the file (exit code 2).
 
 Guarantees:
 - every row of the source (after `max_samples`) ends up either kept or skipped with exactly one reason; none
   is dropped silently and none raises inside the loop (a bad row becomes a skip reason);
 - `sample_id` is a stable, dot-free key derived from the row's position in the source (`{row:010d}`), so the
   same recipe always gives the same ids; the row's own id (if any) is kept as `source_id`;
-- `loss_mask` is 1 exactly on the tokens the chat template marks with `{% generation %}` (assistant text);
+- `input_ids` of a conversation are exactly the tokenization of the chat template's rendering
+  (`apply_chat_template` with `data.chat_template_kwargs`); `loss_mask` is 1 exactly on the tokens the assistant
+  generates (chat.py; docs/FORMAT.md states the convention), for any template;
 - kept rows have 2 <= num_tokens <= max_length and at least two consecutive supervised tokens (DFlash trains
-  on anchors p with p and p+1 supervised: a row without one is useless to it).
+  on anchors p with p and p+1 supervised: a row without one is useless to it);
+- `check_data_verdict` stops a run (exit code 2, before any model loads) that would keep no row or skip more than
+  `data.max_skipped_fraction` of them.
 """
 
 from __future__ import annotations

@@ -472,12 +472,14 @@ def show_sample(recipe: Recipe, row_index: int) -> str:
     if out["skip_reason"][0]:
         return f"{head}: skipped, {out['skip_reason'][0]}"
     ids, mask = out["input_ids"][0], out["loss_mask"][0]
-    pieces, table = [], []
-    for t, (token_id, m) in enumerate(zip(ids, mask)):
-        text = tokenizer.decode([token_id])
-        opens, closes = m and (t == 0 or not mask[t - 1]), m and (t == len(ids) - 1 or not mask[t + 1])
-        pieces.append(("[[" if opens else "") + text + ("]]" if closes else ""))
-        table.append(f"{t:>6} {token_id:>8} {'*' if m else ' '} {text!r}")
+    pieces, start = [], 0  # text runs decoded whole (a token may hold part of a character)
+    for t in range(1, len(ids) + 1):
+        if t == len(ids) or mask[t] != mask[start]:
+            text = tokenizer.decode(ids[start:t])
+            pieces.append(f"[[{text}]]" if mask[start] else text)
+            start = t
+    table = [f"{t:>6} {token_id:>8} {'*' if m else ' '} {tokenizer.decode([token_id])!r}"
+             for t, (token_id, m) in enumerate(zip(ids, mask))]
     return (f"{head}: {len(ids)} tokens, {sum(mask)} supervised (between [[ and ]], * below)\n"
             + "".join(pieces) + "\n\n   pos       id   token\n" + "\n".join(table))
 

@@ -259,6 +259,9 @@ class Recipe:
         d = self.to_dict()
         data = {k: v for k, v in d["data"].items() if k not in ("num_proc", "max_skipped_fraction")
                 and not (k == "chat_template" and v is None)}
+        template = self.data.chat_template
+        if template is not None and "{%" not in template and "{{" not in template and Path(template).is_file():
+            data["chat_template"] = hashlib.sha256(Path(template).read_bytes()).hexdigest()  # the file's content
         content = {"model": d["model"], "data": data,
                    "layers": d["layers"], "dtype": d["output"]["dtype"]}
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()

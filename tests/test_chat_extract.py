@@ -172,3 +172,18 @@ def test_a_pad_token_past_the_embedding_table_does_not_reach_the_model(tmp_path)
     a, b = raw_records(tmp_path / "pad"), raw_records(tmp_path / "base")
     assert {k: r["hidden_states.safetensors"] for k, r in a.items()} == \
         {k: r["hidden_states.safetensors"] for k, r in b.items()}
+
+
+def test_readme_own_data_row_shows_as_the_readme_says(tmp_path, capsys):
+    """The README's row, as written, through `plan --show-sample 0` with a Qwen3.6-style template."""
+    section = (REPO / "README.md").read_text().split("## Your own data")[1].split("\n## ")[0]
+    blocks = section.split("```")[1::2]  # the fenced blocks, each from its language tag on
+    (row_text,) = [b[len("json\n"):] for b in blocks if b.startswith("json\n")]
+    (excerpt,) = [b[1:] for b in blocks if b.startswith("\n")]
+    data, template = tmp_path / "chat.jsonl", tmp_path / "template.jinja"
+    data.write_text(json.dumps(json.loads(row_text)) + "\n")
+    template.write_text(T.QWEN36)
+    assert plan.main(["--show-sample", "0", "--set", f"data.path={data}", "--set", f"data.chat_template={template}",
+                      "--set", "data.chat_template_kwargs={enable_thinking: false}"]) == 0
+    out = capsys.readouterr().out
+    assert excerpt in out and out.startswith("row 0 (sample 0000000000, id 'weather-1'): ")
