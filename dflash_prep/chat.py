@@ -26,9 +26,9 @@ located in the one full rendering, with no knowledge of the model family:
 
 Templates that are not prefix-stable (Qwen3 drops earlier turns' reasoning once a later user turn exists; gpt-oss
 drops earlier analysis) render an earlier message differently in `R_i` than in the full conversation; `locate_end`
-then aligns the text after the first difference (`difflib` on word/space/punctuation pieces, a window of the full
-text) and maps the end of `R_i` through the alignment. A span that cannot be located, or spans out of order, skip
-the row (`assistant_span_not_found`) rather than guess.
+then takes the place in the full rendering that ends like `R_i` and differs from it by the least text (the
+dropped or added blocks). A span that cannot be located, or spans out of order, skip the row (`assistant_span_not_found`)
+rather than guess.
 """
 
 from __future__ import annotations
@@ -196,25 +196,55 @@ def _common_prefix_length(a: str, b: str) -> int:
     return lo
 
 
-def locate_end(part: str, full: str) -> int | None:
+def _unaligned_chars(a: str, b: str) -> int:
+    """Characters of a and b outside their alignment: common prefix and suffix, then difflib on the pieces (words,
+    spaces, punctuation) of what lies between."""
+    head = _common_prefix_length(a, b)
+    a, b = a[head:], b[head:]
+    tail = _common_prefix_length(a[::-1], b[::-1])
+    a, b = a[: len(a) - tail], b[: len(b) - tail]
+    if not a or not b:
+        return len(a) + len(b)
+    pa, pb = _PIECES.findall(a), _PIECES.findall(b)
+    blocks = difflib.SequenceMatcher(None, pa, pb, autojunk=False).get_matching_blocks()
+    return len(a) + len(b) - 2 * sum(len("".join(pa[m.a: m.a + m.size])) for m in blocks)
+
+
+def locate_end(part: str, full: str, context: int = 256, key_chars: int = 8) -> int | None:
     """Where the end of `part` (a rendering of the first messages of a conversation) falls in `full` (the
     rendering of the whole conversation), in characters; None when it cannot be located.
 
-    `len(part)` when `full` starts with `part`. Otherwise the texts agree up to a first difference p; the rest of
-    `part` is aligned with a window of `full` after p (difflib on word/space/punctuation pieces, so an inserted
-    or dropped block, such as a reasoning block one rendering keeps and the other drops, aligns around it), and
-    the end is mapped through the alignment: the last aligned block must reach the end of `part`."""
+    `len(part)` when `full` starts with `part`. Otherwise the texts agree up to a first difference p (blocks one
+    rendering keeps and the other drops, such as earlier turns' reasoning) and `part` ends the way `full` does at
+    its end e: each e where `full` (from `context` characters before p) repeats the last `key_chars` of `part`
+    (fewer when no such run occurs), ending past p, is a candidate, and the one taken has `full[p:e]` differ least
+    from `part[p:]`: the fewest characters outside their difflib alignment (on words, spaces and punctuation), so
+    dropped or added blocks count once, an earlier end leaves out the rest of `part`, and a later repetition of the
+    same text brings in all the text in between; the nearest to `len(part)` on a tie. Candidates are tried by
+    their length difference, a lower bound of their cost, so the search stops early."""
     if full.startswith(part):
         return len(part)
     p = _common_prefix_length(part, full)
-    tail = _PIECES.findall(part, p)
-    window = _PIECES.findall(full[p: p + 2 * (len(part) - p) + 256])
-    matcher = difflib.SequenceMatcher(None, tail, window, autojunk=False)
-    blocks = [b for b in matcher.get_matching_blocks() if b.size]
-    if not blocks or blocks[-1].a + blocks[-1].size != len(tail):
-        return None
-    last = blocks[-1]
-    return p + sum(len(piece) for piece in window[: last.b + last.size])
+    start = max(0, p - context)
+    window = full[start: p + 2 * (len(part) - p) + context]
+    key = part[max(start, len(part) - key_chars):]
+    first = max(0, p - start - len(key) + 1)
+    while key and window.find(key, first) < 0:
+        key, first = key[1:], first + 1
+    ends, at = [], window.find(key, first) if key else -1
+    while at >= 0:
+        ends.append(start + at + len(key))
+        at = window.find(key, at + 1)
+    if len(ends) <= 1:
+        return ends[0] if ends else None
+    best, best_cost = None, None
+    for end in sorted(ends, key=lambda e: (abs(e - len(part)), e)):
+        if best_cost is not None and abs(end - len(part)) >= best_cost:
+            break
+        cost = _unaligned_chars(part[p:], full[p:end])
+        if best_cost is None or cost < best_cost:
+            best, best_cost = end, cost
+    return best
 
 
 def prompt_length_present(prompt: str, text: str, markers: tuple[str, ...] = ()) -> int:
@@ -248,8 +278,9 @@ class ChatRenderer:
         self.template = template
         self.kwargs = {k: v for k, v in (template_kwargs or {}).items() if k != "add_generation_prompt"}
         self.generation_tagged = has_generation_block(template or "")
+        # the tokenizer's added tokens that the template writes (Llama-3 has 256, its template uses 4)
         self.markers = tuple(sorted({t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
-                                     if t.content.strip()}))
+                                     if t.content.strip() and t.content in (template or "")}))
 
     def render(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=tools, chat_template=self.template, tokenize=False,

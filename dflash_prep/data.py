@@ -305,6 +305,7 @@ class Tokenizer:
     id_column: str | None = None
     chat_template_kwargs: dict | None = None
     chat_template: str | None = None
+    rules_version: int = 2  # part of the `datasets.map` cache key: bump when tokenization or masking rules change
 
     def __post_init__(self):
         self.renderer = chat.ChatRenderer(self.tokenizer, self.chat_template, self.chat_template_kwargs)

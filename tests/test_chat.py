@@ -166,3 +166,68 @@ def test_rows_that_cannot_be_conversations_get_their_own_reason(row, reason):
     with pytest.raises(chat.SkipRow) as e:
         chat.row_to_chat(row)
     assert e.value.args[0] == reason
+
+
+def test_a_long_agent_conversation_follows_qwen3s_reasoning_rule_turn_by_turn():
+    """36 assistant turns (tool calls, tool results, reasoning on each) under Qwen3's template, which keeps a turn's
+    reasoning only after the last user query: the expected text of each turn is built from that rule, by hand."""
+    tokenizer = family_tokenizer("qwen3")
+    messages = [ROW["messages"][0]]
+    for k in range(12):
+        messages += [{**m, "content": m["content"] + f" ({k})"} if isinstance(m["content"], str) and
+                     m["role"] != "tool" else dict(m) for m in ROW["messages"][1:]]
+    messages, tools = chat.row_to_chat({"messages": messages, "tools": TOOLS})
+    ids, mask = chat.ChatRenderer(tokenizer, T.QWEN3).tokenize(messages, tools)
+    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    expected = []
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            text = f"<think>\n{m['reasoning_content']}\n</think>\n\n" if i > last_user else ""
+            text += m["content"] or '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
+            expected.append(text + "<|im_end|>")
+    assert len(expected) == 36 and supervised_runs(tokenizer, ids, mask) == expected
+
+
+def _qwen3_tagged() -> str:
+    """QWEN3 with the assistant header hoisted out of its branches and the rest of the turn, through <|im_end|>, in
+    {% generation %}: the same rendering, with transformers marking the generated text itself."""
+    branch = T.QWEN3.split('{%- elif message.role == "assistant" %}')[1].split('{%- elif message.role == "tool" %}')[0]
+    tagged = (branch.replace("{%- if loop.index0 > ns.last_query_index %}",
+                             "{{- '<|im_start|>' + message.role + '\\n' }}{%- generation %}"
+                             "{%- if loop.index0 > ns.last_query_index %}", 1)
+              .replace("'<|im_start|>' + message.role + '\\n<think>\\n'", "'<think>\\n'")
+              .replace("{{- '<|im_start|>' + message.role + '\\n' + content }}", "{{- content }}")
+              .replace("{{- '<|im_end|>\\n' }}", "{{- '<|im_end|>' }}{%- endgeneration %}{{- '\\n' }}"))
+    assert tagged.count("generation %}") == 2 and tagged.count("<|im_start|>") == 1
+    return T.QWEN3.replace(branch, tagged)
+
+
+def test_random_agent_conversations_match_transformers_generation_mask_of_a_tagged_copy():
+    """200 random conversations (tool calls, several tool results, reasoning or not, repeated messages) under Qwen3's
+    template, which is not prefix-stable: the located spans equal transformers' {% generation %} mask of a tagged
+    copy of the template that renders the same text."""
+    import random
+
+    tokenizer = family_tokenizer("qwen3")
+    plain, tagged = chat.ChatRenderer(tokenizer, T.QWEN3), chat.ChatRenderer(tokenizer, _qwen3_tagged())
+    assert tagged.generation_tagged and not plain.generation_tagged
+    rng = random.Random(0)
+    words = ["ok", "yes", "Zürich", "東京", "done", "\n", "the tool", "21 °C"]
+    for _ in range(200):
+        messages = [{"role": "system", "content": "Be terse."}] if rng.random() < 0.5 else []
+        for _turn in range(rng.randint(1, 4)):
+            messages.append({"role": "user", "content": rng.choice(words)})
+            while True:
+                reply = {"role": "assistant", "content": rng.choice(words + [None])}
+                if rng.random() < 0.6:
+                    reply["reasoning_content"] = rng.choice(words)
+                if reply["content"] is None or rng.random() < 0.3:
+                    reply["tool_calls"] = [{"function": {"name": "get_weather", "arguments": {"city": rng.choice(words)}}}
+                                           for _ in range(rng.randint(1, 2))]
+                messages.append(reply)
+                if "tool_calls" not in reply:
+                    break
+                messages += [{"role": "tool", "content": rng.choice(words)} for _ in reply["tool_calls"]]
+        conversation = chat.row_to_chat({"messages": messages, "tools": TOOLS if rng.random() < 0.5 else None})
+        ids, mask = plain.tokenize(*conversation)
+        assert (ids, mask) == tagged.tokenize(*conversation), messages
