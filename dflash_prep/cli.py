@@ -5,6 +5,7 @@
     dflash-prep inspect OUT [--check]
     dflash-prep plan [--recipe PATH] [--set key=value ...] [--num-gpus N] [--tokens-per-second X]
     dflash-prep verify OUT [--num-samples N] [--seed S]
+    dflash-prep vocab OUT --size N [--layout speculators|specforge|all] [--dest DIR]
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
                    add_help=False)
     sub.add_parser("verify", help="check hashes, then re-run random samples alone and compare the stored states",
                    add_help=False)
+    sub.add_parser("vocab", help="draft-vocabulary mapping (d2t/t2d) from the output's supervised-token counts",
+                   add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "export":
         from .export import main as export_main
@@ -44,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         from .verify import main as verify_main
 
         return verify_main(rest)
+    if args.command == "vocab":
+        from .vocab import main as vocab_main
+
+        return vocab_main(rest)
     if args.command == "extract":
         from .extract import main as extract_main
 

@@ -7,22 +7,31 @@ Layouts (REFERENCE.md §1; T tokens, k captured layers, H hidden size; every hid
   (layers in ascending after-layer id order, SpecForge's `dflash_config.target_layer_ids` order).
 - `specforge --strategy eagle3`: same files with `input_ids`, `loss_mask`, `aux_hidden_state` [1, T, 3H] and
   `hidden_state` [1, T, H] = the final layer AFTER the final norm. Needs k == 3 and
-  `layers.capture_final: after_norm`.
+  `layers.capture_final: after_norm`, or `before_norm` (then the after-norm states are derived at export time
+  from the stored final norm, `OUT/final_norm.safetensors`: norms.py; one extraction serves every trainer).
 - `speculators` (DFlash and EAGLE-3 alike): an Arrow dataset in DIR (`datasets.save_to_disk` after
   `set_format(type="torch")`; row i = `input_ids` int64 [T], `loss_mask` int64 [T], `seq_len` int64) and
   `DIR/hidden_states/hs_{i}.safetensors` = `hidden_states` [T, k+1, H] (the k layers, then the final layer
-  BEFORE the final norm) and `token_ids` int64 [T]. Needs `layers.capture_final: before_norm`.
+  BEFORE the final norm) and `token_ids` int64 [T]. Needs `layers.capture_final: before_norm`. Also
+  `DIR/token_freq.pt`, speculators' supervised-token frequency file (a {token id: count} dict) for its
+  d2t/t2d builder, from `OUT/token_freq.safetensors`.
   From an fp8 output (`output.dtype: fp8_e4m3`) it writes speculators' fp8 layout instead: `hidden_states`
   float8_e4m3fn [T, k+1, H] + `hidden_states_scales` float32 [T, 1, 1], ONE scale per token for all k+1 layers
   (dequantize: `hidden_states.float() * hidden_states_scales`). The output stores one scale per token and layer,
   so each token is re-quantized from its dequantized values with S = max of its layer scales: the layer(s) with
   the largest scale are copied exactly, the others rounded a second time (per element
   |x'' - x| <= (2^-3 + 2^-8)|x| + (2 + 2^-4) 2^-10 S against the original x; fp8.requantize_error_bound).
-  `--cast-to-bfloat16` writes the bf16 layout from the dequantized values instead.
+  speculators' default reader (`--hidden-states-backend file`) loads those files as they are and hands the
+  trainer the raw e4m3 codes without their scales (values up to 448), with no warning; only its `fp8` backend
+  (`--hidden-states-backend fp8`: `hs_connectors.transfer.FP8Backend` / `FP8Transfer`) dequantizes. So the fp8
+  layout is written only when the export is given `--hidden-states-backend fp8`, which then goes into the
+  trainer config of `dflash_prep_export.json`; without it the export is refused.
+  `--cast-to-bfloat16` writes the bf16 layout from the dequantized values instead (any backend reads it).
 - `modelopt` (NVIDIA Model-Optimizer): `DIR/{sample_id}.pt`, one `torch.save` dict per sample: `input_ids`
   int64 [T], `hidden_states` [T, H] (final layer AFTER the final norm, what its HF dumper stores:
   `outputs.hidden_states[-1]`), `aux_hidden_states` [T, k*H], `loss_mask` int64 [T], and `conversation_id`
-  (str, = sample_id) as its dumper writes. Needs `layers.capture_final: after_norm`.
+  (str, = sample_id) as its dumper writes. Needs `layers.capture_final: after_norm`, or `before_norm` (the
+  after-norm states derived at export time, as for EAGLE-3 above).
 
 Guarantees:
 - a requirement the output does not meet (final layer missing or of the wrong kind, k != 3 for EAGLE-3, a
@@ -35,14 +44,20 @@ Guarantees:
 - streaming: one sample in memory at a time (plus, for speculators, the Arrow rows in a temporary datasets
   cache on disk); tensors equal the shard's bit for bit (the only conversion is int32/uint8 -> int64 ids and
   masks, the explicit bf16 cast when asked, and the fp8 dequantization / speculators re-quantization above);
+- integrity: the manifest's shard list must name each path once and add up to `num_samples`, and every shard's
+  sha256 is verified as it is streamed (`--skip-hash` to skip): a corrupted shard stops the export (exit 1)
+  before DIR exists;
+- one export per DIR at a time: `DIR.lock` (beside DIR, flock'ed, released by the kernel when the process dies)
+  is held from before DIR is looked at until the rename; a second export into DIR is refused (exit 2);
 - the export is written to `DIR.partial` and renamed to DIR at the end: DIR never holds a partial export.
-  An existing non-empty DIR is refused unless `--overwrite`.
+  After the rename the files in DIR are counted: the report's `num_files` is that count, and a per-sample file
+  count different from the samples exported fails (exit 1). An existing non-empty DIR is refused unless
+  `--overwrite`.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -61,17 +76,30 @@ from safetensors.torch import save_file as safetensors_save_file
 from . import __version__
 from .fp8 import dequantize as fp8_dequantize
 from .fp8 import quantize_rows as fp8_quantize_rows
+from .locks import FileLock
 from .manifest import read_committed, read_manifest
-from .reader import OutputLayout, ShardFormatError, ShardInfo, iter_shard, iter_tar_samples, shards_of
+from .norms import can_derive_after_norm, read_final_norm, with_after_norm_final
+from .reader import (OutputLayout, ShardFormatError, ShardInfo, iter_shard, iter_tar_samples, manifest_shard_problems,
+                     shards_of)
+from .vocab import TOKEN_FREQ_NAME, read_token_freq, token_freq_dict
 
 TARGETS = ("specforge", "speculators", "modelopt")
 STRATEGIES = ("dflash", "eagle3")
+HIDDEN_STATES_BACKENDS = ("file", "fp8")  # speculators' `--hidden-states-backend` values that read these files
 EXPORT_INFO_NAME = "dflash_prep_export.json"
 SPECFORGE_GROUP_SIZE = 2000
 
 
 class ExportError(RuntimeError):
     """The output cannot be exported to the requested layout; the message says what to change."""
+
+
+class ExportBusyError(ExportError):
+    """Another export holds the lock of the destination."""
+
+
+class ExportIncompleteError(RuntimeError):
+    """After the final rename the destination does not hold one file per exported sample."""
 
 
 @dataclass
@@ -93,8 +121,16 @@ def _reextract_hint(key_value: str) -> str:
 
 
 def check_exportable(manifest: dict, target: str, strategy: str = "dflash", cast_to_bfloat16: bool = False,
-                     source: str = "the output") -> None:
-    """Raise `ExportError` when `manifest` lacks what `target` (+ `strategy`) needs; say which recipe key to set."""
+                     source: str = "the output", hidden_states_backend: str = "file") -> None:
+    """Raise `ExportError` when `manifest` lacks what `target` (+ `strategy`) needs; say which recipe key to set.
+
+    `hidden_states_backend` is the speculators `--hidden-states-backend` the export will be trained with; an
+    fp8 output goes to speculators (without `cast_to_bfloat16`) only with `fp8`, the backend that dequantizes."""
+    if hidden_states_backend not in HIDDEN_STATES_BACKENDS:
+        raise ExportError(f"unknown --hidden-states-backend {hidden_states_backend!r}; choose one of "
+                          f"{HIDDEN_STATES_BACKENDS}")
+    if hidden_states_backend != "file" and target != "speculators":
+        raise ExportError("--hidden-states-backend applies to --to speculators only")
     if target not in TARGETS:
         raise ExportError(f"unknown export target {target!r}; choose one of {TARGETS}")
     if strategy not in STRATEGIES:
@@ -110,6 +146,11 @@ def check_exportable(manifest: dict, target: str, strategy: str = "dflash", cast
                if manifest["dtype"] == "fp8_e4m3" else "rounds")
         raise ExportError(f"{target} reads bf16 hidden states but {source} stores {manifest['dtype']}: "
                           f"{_reextract_hint('output.dtype=bfloat16')}, or pass --cast-to-bfloat16 ({how})")
+    if fp8_native and not cast_to_bfloat16 and hidden_states_backend != "fp8":
+        raise ExportError(f"{source} stores fp8_e4m3: speculators' default reader (--hidden-states-backend file) "
+                          f"would hand the trainer the raw e4m3 codes without their scales (values up to 448); "
+                          f"pass --hidden-states-backend fp8 and train with speculators' --hidden-states-backend "
+                          f"fp8 (its reader dequantizes), or pass --cast-to-bfloat16 (bf16 files, any backend)")
     needs = None
     if target == "speculators":
         needs = ("before_norm", "speculators stores the final layer as the last of its K = k+1 layers and wants "
@@ -123,6 +164,8 @@ def check_exportable(manifest: dict, target: str, strategy: str = "dflash", cast
             raise ExportError(f"SpecForge EAGLE-3 needs exactly 3 auxiliary layers (`aux_hidden_state` "
                               f"[1, T, 3H]) but {source} captured {k}: {manifest['layer_ids']}; "
                               f"{_reextract_hint('layers.preset=eagle3')}")
+    if needs is not None and needs[0] == "after_norm" and can_derive_after_norm(manifest):
+        return  # derived at export time from the before-norm states and the stored final norm (norms.py)
     if needs is not None and final != needs[0]:
         got = "did not capture the final layer" if final == "none" else f"captured it {final.replace('_', ' ')}"
         raise ExportError(f"{needs[1]}, but {source} {got} (layers.capture_final={final}); "
@@ -237,22 +280,42 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ export
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+def lock_dest(dest: Path) -> FileLock:
+    """Hold `DEST.lock` (beside DEST) for this export; raises `ExportBusyError` when another export holds it."""
+    dest = dest.resolve()
+    lock = FileLock(dest.with_name(dest.name + ".lock"))
+    if not lock.try_acquire():
+        raise ExportBusyError(f"another export into {dest} is running ({lock.holder()}): wait for it to end, or "
+                              f"choose another --dest")
+    return lock
 
 
 def export(out_dir: str | Path, target: str, dest: str | Path, *, strategy: str = "dflash",
-           overwrite: bool = False, cast_to_bfloat16: bool = False, verify: bool = False,
-           progress: bool = True) -> ExportReport:
-    """Export the output at `out_dir` to `dest` in `target`'s layout (see the module docstring)."""
-    t0 = time.perf_counter()
+           overwrite: bool = False, cast_to_bfloat16: bool = False, verify_sha256: bool = True,
+           hidden_states_backend: str = "file", progress: bool = True) -> ExportReport:
+    """Export the output at `out_dir` to `dest` in `target`'s layout (see the module docstring).
+
+    Raises `ExportError` (a refused export; `ExportBusyError` when another export holds `dest`),
+    `ShardFormatError` (the output is inconsistent or a shard corrupted) or `ExportIncompleteError`."""
     out_dir, dest = Path(out_dir), Path(dest)
     manifest = read_manifest(out_dir)
-    check_exportable(manifest, target, strategy, cast_to_bfloat16, source=str(out_dir))
+    check_exportable(manifest, target, strategy, cast_to_bfloat16, source=str(out_dir),
+                     hidden_states_backend=hidden_states_backend)
+    problems = manifest_shard_problems(manifest)
+    if problems:
+        raise ShardFormatError(f"{out_dir / 'manifest.json'}: {'; '.join(problems[:5])}")
+    lock = lock_dest(dest)
+    try:
+        return _export_locked(out_dir, manifest, target, dest, strategy, overwrite, cast_to_bfloat16, verify_sha256,
+                              hidden_states_backend, progress)
+    finally:
+        lock.release()
+
+
+def _export_locked(out_dir: Path, manifest: dict, target: str, dest: Path, strategy: str, overwrite: bool,
+                   cast_to_bfloat16: bool, verify_sha256: bool, hidden_states_backend: str,
+                   progress: bool) -> ExportReport:
+    t0 = time.perf_counter()
     if dest.exists() and not (dest.is_dir() and not any(dest.iterdir())):
         if not overwrite:
             raise ExportError(f"{dest} exists and is not empty; choose another --dest or pass --overwrite")
@@ -276,8 +339,10 @@ def export(out_dir: str | Path, target: str, dest: str | Path, *, strategy: str 
     rows_cache = partial / ".rows-cache"
     try:
         if target == "speculators":
-            _export_speculators(shards, layout, partial, rows_cache, index_of, report, bar, verify,
+            _export_speculators(shards, layout, partial, rows_cache, index_of, report, bar, verify_sha256,
                                 fp8_layout=layout.is_fp8 and not cast_to_bfloat16)
+            if (out_dir / TOKEN_FREQ_NAME).is_file():  # speculators' frequency file, for its d2t/t2d builder
+                torch.save(token_freq_dict(read_token_freq(out_dir)), partial / "token_freq.pt")
         else:
             write: Callable[[dict], int]
             if target == "specforge":
@@ -287,12 +352,15 @@ def export(out_dir: str | Path, target: str, dest: str | Path, *, strategy: str 
             else:
                 def write(sample):
                     return _save_torch(modelopt_record(sample), modelopt_path(partial, sample["sample_id"]))
-            for sample in _samples(shards, layout, verify):
+            wants_after_norm = target == "modelopt" or strategy == "eagle3"
+            final_norm = read_final_norm(out_dir) \
+                if wants_after_norm and layout.capture_final == "before_norm" else None
+            for sample in _samples(shards, layout, verify_sha256, final_norm=final_norm):
                 report.num_bytes += write(sample)
                 _count(report, sample, bar)
         if report.num_samples != len(order):
             raise ExportError(f"exported {report.num_samples} samples, expected {len(order)}")
-        info = _export_info(manifest, out_dir, target, strategy, order, cast_to_bfloat16)
+        info = _export_info(manifest, out_dir, target, strategy, order, cast_to_bfloat16, hidden_states_backend)
         (partial / EXPORT_INFO_NAME).write_text(json.dumps(info, indent=2) + "\n")
         if dest.exists():
             shutil.rmtree(dest) if dest.is_dir() else dest.unlink()
@@ -304,21 +372,36 @@ def export(out_dir: str | Path, target: str, dest: str | Path, *, strategy: str 
         raise
     if bar is not None:
         bar.close()
+    _count_files(dest, target, report)
     report.seconds = time.perf_counter() - t0
     return report
 
 
-def _samples(shards: list[ShardInfo], layout: OutputLayout, verify: bool, fp8: str = "bfloat16"):
+PER_SAMPLE_FILES = {"specforge": "rows_*/data_*.ckpt", "speculators": "hidden_states/hs_*.safetensors",
+                    "modelopt": "*.pt"}
+
+
+def _count_files(dest: Path, target: str, report: ExportReport) -> None:
+    """Count what DEST holds after the rename: `num_files` = every file; one per-sample file per sample."""
+    report.num_files = sum(1 for p in dest.rglob("*") if p.is_file())
+    per_sample = sum(1 for p in dest.glob(PER_SAMPLE_FILES[target]) if p.is_file())
+    if per_sample != report.num_samples:
+        raise ExportIncompleteError(f"{dest} holds {per_sample} per-sample files after the rename, "
+                                    f"{report.num_samples} were exported: something else wrote into or removed "
+                                    f"from it; export again with --overwrite")
+
+
+def _samples(shards: list[ShardInfo], layout: OutputLayout, verify_sha256: bool, fp8: str = "bfloat16",
+             final_norm: dict | None = None):
+    """Every sample in shard order; with `final_norm`, its final states after that norm (norms.py)."""
     for shard in shards:
-        if verify and _sha256_file(shard.path) != shard.sha256:
-            raise ShardFormatError(f"{shard.path}: sha256 differs from the manifest (corrupt or replaced shard)")
-        yield from iter_shard(shard, layout, fp8=fp8)
+        for sample in iter_shard(shard, layout, fp8=fp8, verify_sha256=verify_sha256):
+            yield sample if final_norm is None else with_after_norm_final(sample, final_norm)
 
 
 def _count(report: ExportReport, sample: dict, bar) -> None:
     report.num_samples += 1
     report.num_tokens += int(sample["input_ids"].shape[0])
-    report.num_files += 1
     if bar is not None:
         bar.update(1)
 
@@ -361,7 +444,8 @@ def _export_speculators(shards, layout: OutputLayout, partial: Path, rows_cache:
     shutil.rmtree(rows_cache, ignore_errors=True)
 
 
-def _export_info(manifest: dict, out_dir: Path, target: str, strategy: str, order: list[str], cast: bool) -> dict:
+def _export_info(manifest: dict, out_dir: Path, target: str, strategy: str, order: list[str], cast: bool,
+                 hidden_states_backend: str = "file") -> dict:
     after = [int(i) for i in manifest["layer_ids"]]
     info = {
         "exported_by": f"dflash-prep {__version__}",
@@ -375,6 +459,8 @@ def _export_info(manifest: dict, out_dir: Path, target: str, strategy: str, orde
         "layer_ids_after_layer": after,
         "layer_ids_before_layer": [i + 1 for i in after],
         "capture_final": manifest.get("capture_final", "none"),
+        "final_norm_applied_at_export": bool((target == "modelopt" or strategy == "eagle3")
+                                             and manifest.get("capture_final") == "before_norm"),
         "source_dtype": manifest["dtype"],
         "cast_to_bfloat16": bool(cast and manifest["dtype"] != "bfloat16"),
         "hidden_states_dtype": ("float8_e4m3fn + hidden_states_scales [T, 1, 1] (one scale per token, re-quantized)"
@@ -388,7 +474,11 @@ def _export_info(manifest: dict, out_dir: Path, target: str, strategy: str, orde
         info["trainer_config"] = {"dflash_config.target_layer_ids": after} if strategy == "dflash" else {}
     elif target == "speculators":
         info["trainer_config"] = {"--target-layer-ids": [i + 1 for i in after],
+                                  "--hidden-states-backend": hidden_states_backend,
                                   "note": "before-layer ids; the final layer is the extra last slot of hidden_states"}
+        if hidden_states_backend == "fp8":
+            info["trainer_config"]["note"] += ("; --hidden-states-backend fp8: speculators' reader dequantizes the "
+                                               "fp8 files (its default `file` reader would not)")
     else:
         info["trainer_config"] = {"aux layer ids (after-layer, HF hidden_states[i+1])": after}
     info["sample_ids"] = order
@@ -415,21 +505,28 @@ def build_parser(prog: str = "dflash-prep export") -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty DEST")
     p.add_argument("--cast-to-bfloat16", action="store_true",
                    help="accept an output stored as float16/float32 and round its states to bf16")
-    p.add_argument("--verify", action="store_true", help="re-hash each shard against the manifest before use")
+    p.add_argument("--hidden-states-backend", default="file", choices=HIDDEN_STATES_BACKENDS,
+                   help="speculators only: the --hidden-states-backend you will train with; an fp8 output needs "
+                        "`fp8` (speculators' reader that dequantizes), written into the trainer config")
+    p.add_argument("--skip-hash", action="store_true",
+                   help="do not verify each shard's sha256 while streaming it (verified by default)")
+    p.add_argument("--verify", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`dflash-prep export OUT --to TARGET --dest DIR`; 0 on success, 2 on a refused export, 1 on bad data."""
+    """`dflash-prep export OUT --to TARGET --dest DIR`; 0 on success, 2 on a refused export (or DIR busy), 1 on
+    bad data (a corrupt or inconsistent output, or DIR changed under the export)."""
     args = build_parser().parse_args(argv)
     try:
         report = export(args.out, args.target, args.dest, strategy=args.strategy, overwrite=args.overwrite,
-                        cast_to_bfloat16=args.cast_to_bfloat16, verify=args.verify, progress=not args.no_progress)
+                        cast_to_bfloat16=args.cast_to_bfloat16, verify_sha256=not args.skip_hash,
+                        hidden_states_backend=args.hidden_states_backend, progress=not args.no_progress)
     except (ExportError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except ShardFormatError as e:
+    except (ShardFormatError, ExportIncompleteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"exported {report.num_samples} samples ({report.num_tokens} tokens) to {report.dest} as "

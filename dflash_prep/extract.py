@@ -45,16 +45,18 @@ from .capture import LayerCapture  # noqa: E402
 from .collate import PlannedBatches  # noqa: E402
 from .data import check_data_source, check_data_verdict, load_rows, tokenize_dataset, write_skipped  # noqa: E402
 from .faults import Faults  # noqa: E402
-from .layers import num_decoder_layers, resolve_layer_ids  # noqa: E402
+from .layers import find_decoder, num_decoder_layers, resolve_layer_ids  # noqa: E402
 from .locks import LOCKS_DIR, OutputBusyError, check_no_rank_writing, lock_rank, lock_run  # noqa: E402
 from .manifest import (STATE_NAME, atomic_write_json, build_manifest, next_shard_number,  # noqa: E402
                        read_committed, remove_uncommitted, repair_indexes, write_manifest)
 from .model import (STORAGE_TORCH_DTYPES, decoder_params_in, describe_source, drop_layers_after,  # noqa: E402
                     hidden_size_of, load_config, load_model, load_tokenizer, model_fingerprint, padding_token_id,
                     vocab_size_of)
+from .norms import describe_final_norm, write_final_norm  # noqa: E402
 from .model import tokenizer_fingerprint as _tokenizer_fingerprint  # noqa: E402  (moved to model.py)
 from .planner import PlannedBatch, ShapeBuckets, plan_batches, plan_stats, split_across_ranks  # noqa: E402
 from .recipe import Recipe, RecipeError  # noqa: E402
+from .vocab import count_supervised_tokens, write_token_freq  # noqa: E402
 from .writer import AsyncShardWriter, NonFiniteStatesError, PendingBatch, lanes, rank_name  # noqa: E402
 
 log = logging.getLogger("dflash_prep")
@@ -404,6 +406,9 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
     model = load_model(recipe.model, config, device)
     last_needed = num_layers - 1 if recipe.layers.capture_final != "none" else layer_ids[-1]
     layers_run = drop_layers_after(model, last_needed)
+    # Before-norm final states + the norm's parameters give the after-norm ones at read time (norms.py).
+    final_norm = write_final_norm(out_dir, describe_final_norm(find_decoder(model).norm)) \
+        if is_main and recipe.layers.capture_final == "before_norm" else None
     log.info("model loaded in %.1fs: %s, %d of %d decoder layers run; hooks on layers %s%s",
              time.perf_counter() - t0, describe_source(recipe.model), layers_run, num_layers, layer_ids,
              f" + final ({recipe.layers.capture_final})" if recipe.layers.capture_final != "none" else "")
@@ -526,6 +531,7 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
         "hidden_size": hidden_size,
         "dtype": recipe.output.dtype,
         "capture_final": recipe.layers.capture_final,
+        "final_norm": final_norm,
         "num_rows": data.num_rows,
         "num_skipped": sum(data.skipped_counts.values()),
         "skipped": data.skipped_counts,
@@ -542,6 +548,10 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
         raise ExtractionError(
             f"{len(lengths)} samples planned, {manifest['num_samples']} committed and {len(failed_rows)} recorded "
             f"as failed: {len(set(data.kept['sample_id']) - accounted)} missing; re-run the same command to finish")
+    # The draft vocabulary's input: supervised-token frequencies over exactly the samples the manifest lists.
+    written = {s for r in records for s in r.sample_ids}
+    manifest["token_freq"] = write_token_freq(
+        out_dir, count_supervised_tokens(data.kept, vocab_size_of(config), written), len(written))
     real = sum(r["num_real_tokens"] for r in reports)
     padded = sum(r["num_padded_tokens"] for r in reports)
     wall = time.perf_counter() - t_start

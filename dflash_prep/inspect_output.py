@@ -9,7 +9,9 @@ final-layer capture, samples, tokens, shards, size, skipped and failed counts.
   `hidden_states.safetensors` whose header lists exactly `hidden_states` [T, k*H] (+ `final_hidden_states`
   [T, H] when captured) in the manifest's dtype (fp8_e4m3: F8_E4M3 plus the F32 `*_scales` [T, k] / [T, 1]),
   with data sizes that add up; no sample id appears twice (in a shard or across shards);
-- every sample also has its `meta.json`;
+- every sample also has its `meta.json`, whose `layer_ids` equal the manifest's, `sample_id` the member key and
+  `num_tokens` the sample's T; the width of its `hidden_states` equals len(meta `layer_ids`) x the manifest's
+  `hidden_size` (so an edited `layer_ids` or `hidden_size` in the manifest is caught even when k x H is unchanged);
 - its sample and token counts equal the manifest's, the manifest's totals equal the sums over shards, and
   `num_samples == num_rows - num_skipped - num_failed`.
 Only headers and the small id/mask members are parsed (plus one sequential read per shard for the hash).
@@ -281,6 +283,33 @@ def _check_states(header: dict, data_start: int, member_size: int, T: int, layou
     return None
 
 
+def _read_meta(f):
+    try:
+        return json.loads(f.read())
+    except ValueError:
+        return "not JSON"
+
+
+def _check_meta(meta, key: str, T: int, header: dict, layout: OutputLayout) -> list[str]:
+    """What disagrees between one sample's meta.json, its states' width and the manifest (empty: nothing)."""
+    if not isinstance(meta, dict):
+        return [f"{MEMBER_META} is {meta if isinstance(meta, str) else 'not a JSON object'}"]
+    problems = []
+    meta_ids = meta.get("layer_ids")
+    if meta_ids != list(layout.layer_ids):
+        problems.append(f"{MEMBER_META} layer_ids {meta_ids} differ from the manifest's {list(layout.layer_ids)}")
+    if meta.get("sample_id") != key:
+        problems.append(f"{MEMBER_META} sample_id {meta.get('sample_id')!r} differs from the member key")
+    if meta.get("num_tokens") != T:
+        problems.append(f"{MEMBER_META} num_tokens {meta.get('num_tokens')} differs from the {T} tokens stored")
+    shape = header.get("hidden_states", {}).get("shape")
+    if isinstance(meta_ids, list) and meta_ids and isinstance(shape, list) and len(shape) == 2:
+        if shape[1] != len(meta_ids) * layout.hidden_size:
+            problems.append(f"hidden_states is {shape[1]} wide = {len(meta_ids)} layers (meta.json) x "
+                            f"{shape[1] / len(meta_ids):g}, but the manifest's hidden_size is {layout.hidden_size}")
+    return problems
+
+
 def _load_npy(f) -> np.ndarray:
     return np.load(io.BytesIO(f.read()), allow_pickle=False)
 
@@ -305,6 +334,7 @@ def check_shard(shard: ShardInfo, layout: OutputLayout, hash_bytes: bool = True)
             lengths: dict[str, int] = {}  # member suffix -> T of this sample's npy members
             states = None  # (header, data_start, member_size) of this sample's safetensors member
             has_meta = False
+            meta = None  # this sample's parsed meta.json
 
             def close_sample() -> None:
                 missing = [m for m in REQUIRED_MEMBERS if m not in lengths and m != MEMBER_STATES]
@@ -323,6 +353,7 @@ def check_shard(shard: ShardInfo, layout: OutputLayout, hash_bytes: bool = True)
                 why = _check_states(*states, T, layout)
                 if why:
                     problems.append(f"sample {current!r}: {why}")
+                problems.extend(f"sample {current!r}: {p}" for p in _check_meta(meta, current, T, states[0], layout))
 
             while (info := tar.next()) is not None:
                 tar.members.clear()
@@ -336,7 +367,7 @@ def check_shard(shard: ShardInfo, layout: OutputLayout, hash_bytes: bool = True)
                         problems.append(f"sample id {key!r} appears twice")
                     seen.add(key)
                     result.sample_ids.append(key)
-                    current, lengths, states, has_meta = key, {}, None, False
+                    current, lengths, states, has_meta, meta = key, {}, None, False, None
                     result.num_samples += 1
                 if suffix in (MEMBER_INPUT_IDS, MEMBER_LOSS_MASK):
                     array = _load_npy(tar.extractfile(info))
@@ -348,7 +379,7 @@ def check_shard(shard: ShardInfo, layout: OutputLayout, hash_bytes: bool = True)
                 elif suffix == MEMBER_STATES:
                     states = (*_safetensors_header(tar.extractfile(info), info.size), info.size)
                 elif suffix == MEMBER_META:
-                    has_meta = True
+                    has_meta, meta = True, _read_meta(tar.extractfile(info))
             if current is not None:
                 close_sample()
     except (tarfile.TarError, ValueError, OSError, struct.error) as e:

@@ -3,6 +3,11 @@
 This project speaks one convention: *after-layer, 0-based* ids. Id i is the output of decoder layer i, which
 equals HF `outputs.hidden_states[i + 1]` (index 0 there is the embeddings). SGLang, vLLM and speculators use
 *before-layer* ids (after-layer id + 1); convert with `to_before_layer_ids` when exporting.
+
+Ids run from 0 to L-2 for a model of L decoder layers. Id L-1 (the last layer) is refused: its output is not
+HF's `hidden_states[L]` (transformers 5 puts the final norm's output there), and vLLM's before-layer id L names
+the output BEFORE the norm, so either reading of it would be wrong for some consumer. The last layer is stored
+with `layers.capture_final` instead, which says which one: `before_norm` or `after_norm` (= `hidden_states[L]`).
 """
 
 from __future__ import annotations
@@ -32,12 +37,28 @@ def dflash_layer_ids(num_hidden_layers: int, num_target_layers: int) -> list[int
     return ids
 
 
+def _eagle3_rule(L: int) -> list[int]:
+    return [1, L // 2 - 1, L - 4]
+
+
+def _eagle3_valid(ids: list[int], L: int) -> bool:
+    return ids == sorted(set(ids)) and ids[0] >= 0 and ids[-1] <= L - 2
+
+
+# The smallest depth whose EAGLE-3 ids are distinct, ascending and valid: L = 6 gives [1, 2, 2], L = 7 [1, 2, 3]
+# (1 < L//2 - 1 needs L >= 6; L//2 - 1 < L - 4 needs L >= 7). Found by the same test the rule is checked with.
+EAGLE3_MIN_LAYERS = next(L for L in range(1, 64) if _eagle3_valid(_eagle3_rule(L), L))
+
+
 def eagle3_layer_ids(num_hidden_layers: int) -> list[int]:
-    """EAGLE-3's low/mid/high layers as after-layer ids: [1, L//2 - 1, L - 4] (HF tuple [2, L//2, L-3])."""
+    """EAGLE-3's low/mid/high layers as after-layer ids: [1, L//2 - 1, L - 4] (HF tuple [2, L//2, L-3]).
+
+    Raises ValueError for a model shallower than `EAGLE3_MIN_LAYERS` (7), where the three ids collide."""
     L = num_hidden_layers
-    ids = [1, L // 2 - 1, L - 4]
-    if L < 6 or len(set(ids)) != 3:
-        raise ValueError(f"EAGLE-3 needs at least 6 decoder layers, the model has {L}")
+    ids = _eagle3_rule(L)
+    if not _eagle3_valid(ids, L):
+        raise ValueError(f"EAGLE-3 needs at least {EAGLE3_MIN_LAYERS} decoder layers (its ids [1, L//2-1, L-4] must "
+                         f"be distinct and ascending; {L} layers give {ids}), the model has {L}")
     return ids
 
 
@@ -47,7 +68,10 @@ def to_before_layer_ids(after_layer_ids: list[int]) -> list[int]:
 
 
 def resolve_layer_ids(section: LayersSection, num_hidden_layers: int) -> list[int]:
-    """The after-layer ids a recipe asks for, checked against the model's depth (RecipeError if out of range)."""
+    """The after-layer ids a recipe asks for, checked against the model's depth.
+
+    Raises RecipeError naming the key for an id out of 0..L-1, and for id L-1 (the last decoder layer: see the
+    module docstring; `layers.capture_final` stores it)."""
     try:
         if section.preset == "dflash":
             ids = dflash_layer_ids(num_hidden_layers, section.num_layers)
@@ -60,7 +84,16 @@ def resolve_layer_ids(section: LayersSection, num_hidden_layers: int) -> list[in
     bad = [i for i in ids if not 0 <= i < num_hidden_layers]
     if bad:
         raise RecipeError(f"recipe key `layers.ids` = {ids}: ids {bad} out of range; the model has "
-                          f"{num_hidden_layers} decoder layers, so after-layer ids are 0..{num_hidden_layers - 1}")
+                          f"{num_hidden_layers} decoder layers, so after-layer ids are 0..{num_hidden_layers - 2} "
+                          f"(the last layer is `layers.capture_final`)")
+    last = num_hidden_layers - 1
+    if last in ids:
+        key = "layers.ids" if section.preset == "explicit" else "layers.preset"
+        raise RecipeError(
+            f"recipe key `{key}` gives ids {ids}: id {last} is the last decoder layer, whose output HF's "
+            f"hidden_states[{num_hidden_layers}] holds AFTER the final norm; store it with `layers.capture_final: "
+            f"before_norm` (the layer's own output, vLLM/speculators' final layer) or `after_norm` "
+            f"(= hidden_states[{num_hidden_layers}]) and list ids 0..{last - 1} only")
     return ids
 
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .layers import decoder_layers, find_decoder
+from .norms import randomize_norm_gains
 from .recipe import ModelSection, RecipeError
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ def load_model(section: ModelSection, config, device: torch.device) -> nn.Module
     """The CausalLM in eval mode, frozen, on `device`, in the recipe's compute dtype.
 
     Random weights (`model.config`) are drawn on `device` with `init_seed`, so every rank of a run builds the
-    same model.
+    same model; their norm gains are drawn too (norms.randomize_norm_gains), not left at unit gain.
     """
     from transformers import AutoModelForCausalLM
 
@@ -100,6 +101,7 @@ def load_model(section: ModelSection, config, device: torch.device) -> nn.Module
         torch.manual_seed(section.init_seed)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, **kwargs)
+        randomize_norm_gains(model, section.init_seed)  # unit gains would hide a before/after-norm mix-up
     else:
         model = AutoModelForCausalLM.from_pretrained(section.name_or_path, device_map={"": device}, **kwargs)
     model.eval().requires_grad_(False)

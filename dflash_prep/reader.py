@@ -19,6 +19,15 @@ Guarantees of `ShardDataset`:
   `np.load(allow_pickle=False)`: no pickle, no code execution; `meta.json` is parsed only with `include_meta`;
 - a shard whose content disagrees with the manifest or the format (missing member, wrong dtype or shape,
   repeated key, sample count different from the manifest) raises `ShardFormatError` naming the shard;
+- integrity (`verify_sha256=True`, the default): at construction, the manifest's shard list must name each
+  path once and its sample counts must add up to `num_samples` (else `ShardFormatError`, before any shard is
+  opened); while a shard is streamed, every byte of it (also the bytes of samples another consumer keeps, and
+  the tar's end blocks) goes through sha256, and at the end of the shard a size or digest different from the
+  manifest's raises `ShardFormatError` naming the shard. The check cannot come before the shard's samples
+  (that would read every shard twice): a corrupted sample is yielded, then the error ends the iteration, so a
+  training loop or an export stops instead of going on. Cost: one sha256 pass over the bytes read (about
+  1-2 GB/s per consumer); with sample striding every consumer reads every shard's bytes instead of seeking over
+  the others'. `verify_sha256=False` skips the digest (the counts are still checked);
 - work split ("consumers" = distributed ranks x DataLoader workers; rank/world from the explicit arguments,
   else from `torch.distributed` when it is initialized, else 0/1; the worker from
   `torch.utils.data.get_worker_info()`): all consumers of an epoch together yield every sample of the
@@ -40,6 +49,8 @@ Guarantees of `ShardDataset`:
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import io
 import json
 import random
@@ -57,6 +68,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .fp8 import FP8_DTYPE
 from .fp8 import dequantize as fp8_dequantize
 from .manifest import read_manifest
+from .norms import can_derive_after_norm, read_final_norm, with_after_norm_final
 
 MEMBER_INPUT_IDS = "input_ids.npy"
 MEMBER_LOSS_MASK = "loss_mask.npy"
@@ -68,6 +80,7 @@ TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32":
                 "fp8_e4m3": FP8_DTYPE}
 SPLIT_MODES = ("auto", "shard", "sample")
 FP8_MODES = ("bfloat16", "float32", "raw")  # what the reader returns for an fp8 output
+FINAL_MODES = ("as_stored", "before_norm", "after_norm")  # the final layer the reader returns
 
 
 class ShardFormatError(ValueError):
@@ -131,6 +144,20 @@ class OutputLayout:
                    dtype_name=dtype_name)
 
 
+def manifest_shard_problems(manifest: dict) -> list[str]:
+    """What is wrong with the manifest's shard list on its own (no shard read): a path listed more than once, or
+    shard sample / token counts that do not add up to `num_samples` / `num_tokens`. Empty: consistent."""
+    problems = []
+    paths = [s["path"] for s in manifest["shards"]]
+    for p in sorted({p for p in paths if paths.count(p) > 1}):
+        problems.append(f"{p}: listed {paths.count(p)} times in the manifest")
+    for name in ("num_samples", "num_tokens"):
+        total = sum(int(s[name]) for s in manifest["shards"])
+        if name in manifest and int(manifest[name]) != total:
+            problems.append(f"manifest.json: {name} is {manifest[name]}, its shards add up to {total}")
+    return problems
+
+
 def shards_of(out_dir: str | Path, manifest: dict) -> list[ShardInfo]:
     """The manifest's shard list, in manifest order, with absolute paths."""
     out_dir = Path(out_dir)
@@ -150,13 +177,71 @@ def sample_key(member_name: str) -> tuple[str, str]:
     return member_name[:dot], member_name[dot + 1:]
 
 
+class HashingReader(io.RawIOBase):
+    """A read-only file that passes every byte it reads through sha256; a forward seek reads over the bytes
+    instead of skipping them, so the digest covers the whole file once it is drained (`finish()`).
+
+    Why not `hashlib.file_digest` before reading: that is a second pass over each shard (2x the I/O of a
+    multi-GB shard); this hashes the bytes the tar reader reads anyway. Backward seeks raise (tarfile reading a
+    shard sequentially never makes one)."""
+
+    def __init__(self, path: str | Path, chunk_bytes: int = 8 << 20):
+        super().__init__()
+        self._f = open(path, "rb")
+        self._sha = hashlib.sha256()
+        self._pos = 0
+        self._chunk = chunk_bytes
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._f.read() if size is None or size < 0 else self._f.read(size)
+        self._sha.update(data)
+        self._pos += len(data)
+        return data
+
+    def readinto(self, buffer) -> int:
+        data = self.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        target = {io.SEEK_SET: offset, io.SEEK_CUR: self._pos + offset}.get(whence)
+        if target is None or target < self._pos:
+            raise io.UnsupportedOperation("HashingReader reads forward only")
+        while self._pos < target and self.read(min(self._chunk, target - self._pos)):
+            pass
+        return self._pos
+
+    def finish(self) -> tuple[str, int]:
+        """Read the rest of the file; (sha256 hex, size in bytes) of the whole file."""
+        while self.read(self._chunk):
+            pass
+        return self._sha.hexdigest(), self._pos
+
+    def close(self) -> None:
+        self._f.close()
+        super().close()
+
+
 def iter_tar_samples(path: str | Path, wanted=None, member_names: Iterable[str] | None = None,
+                     expected_sha256: str | None = None, expected_bytes: int | None = None,
                      ) -> Iterator[tuple[int, str, dict[str, bytes] | None]]:
     """Yield `(position, key, members)` for each sample of one tar, in file order.
 
     `position` counts samples from 0. `members` maps member suffix (e.g. `input_ids.npy`) to its bytes; only
     suffixes in `member_names` are read (all when None). When `wanted(position)` is false the sample's bytes
-    are not read at all (the tar reader seeks over them) and `members` is None.
+    are not decoded (without `expected_sha256` the tar reader seeks over them) and `members` is None.
+
+    With `expected_sha256` every byte of the file is hashed as it is read (`HashingReader`), and after the last
+    sample a digest (or a size, with `expected_bytes`) that differs raises `ShardFormatError`.
 
     Raises `ShardFormatError` when a key appears in two separate runs of members (a sample split in two) or
     the tar cannot be parsed.
@@ -166,8 +251,11 @@ def iter_tar_samples(path: str | Path, wanted=None, member_names: Iterable[str] 
     position = -1
     current: str | None = None
     members: dict[str, bytes] | None = None
+    hashing = HashingReader(path) if expected_sha256 is not None else None
     try:
-        with tarfile.open(path, mode="r:") as tar:  # "r:" = seekable, uncompressed: skipping data seeks
+        # "r:" = seekable, uncompressed: skipping data seeks (or, hashing, reads through the hash)
+        with hashing if hashing is not None else contextlib.nullcontext(), \
+                tarfile.open(path if hashing is None else None, mode="r:", fileobj=hashing) as tar:
             while True:
                 info = tar.next()
                 if info is None:
@@ -193,8 +281,19 @@ def iter_tar_samples(path: str | Path, wanted=None, member_names: Iterable[str] 
                     members[suffix] = f.read() if f is not None else b""
             if current is not None:
                 yield position, current, members
+            if hashing is not None:
+                _check_digest(path, hashing.finish(), expected_sha256, expected_bytes)
     except tarfile.TarError as e:
         raise ShardFormatError(f"{path}: not a readable tar ({e})") from e
+
+
+def _check_digest(path, digest_size: tuple[str, int], sha256: str, num_bytes: int | None) -> None:
+    digest, size = digest_size
+    if num_bytes is not None and size != num_bytes:
+        raise ShardFormatError(f"{path}: {size} bytes, the manifest says {num_bytes} (truncated or replaced shard)")
+    if digest != sha256:
+        raise ShardFormatError(f"{path}: sha256 {digest[:16]}... differs from the manifest's {sha256[:16]}... "
+                               f"(corrupt or replaced shard)")
 
 
 # --------------------------------------------------------------------------------------------- sample level
@@ -258,16 +357,19 @@ def decode_sample(members: dict[str, bytes], key: str, layout: OutputLayout, sha
 
 
 def iter_shard(shard: ShardInfo, layout: OutputLayout, wanted=None, include_meta: bool = False,
-               check_tokens: bool = True, fp8: str = "bfloat16") -> Iterator[dict[str, Any]]:
+               check_tokens: bool = True, fp8: str = "bfloat16", verify_sha256: bool = True,
+               ) -> Iterator[dict[str, Any]]:
     """Decoded samples of one shard (those with `wanted(position)`, all when None), in file order.
 
-    At the end of the shard, raises `ShardFormatError` when its sample count (or, when every sample was
-    decoded and `check_tokens`, its token count) differs from the manifest's.
+    At the end of the shard, raises `ShardFormatError` when its size or sha256 (`verify_sha256`, hashed while
+    streaming), its sample count or (when every sample was decoded and `check_tokens`) its token count differs
+    from the manifest's.
     """
     names = REQUIRED_MEMBERS + ((MEMBER_META,) if include_meta else ())
     count = tokens = 0
     decoded_all = True
-    for position, key, members in iter_tar_samples(shard.path, wanted, names):
+    digest = dict(expected_sha256=shard.sha256, expected_bytes=shard.num_bytes) if verify_sha256 else {}
+    for position, key, members in iter_tar_samples(shard.path, wanted, names, **digest):
         count = position + 1
         if members is None:
             decoded_all = False
@@ -387,11 +489,22 @@ class ShardDataset(IterableDataset):
         include_meta: also yield `meta` (the sample's meta.json).
         fp8: for an fp8 output, "bfloat16" (default: dequantized to bf16), "float32", or "raw" (e4m3 tensors +
             their fp32 `*_scales`).
+        final: "as_stored" (default) or "after_norm": on a `capture_final: before_norm` output, the after-norm
+            final states derived with the stored final norm (norms.py; exact to the storage dtype's rounding,
+            returned in the stored dtype); "before_norm"/"after_norm" matching what is stored is a no-op.
+            Raises ValueError when the asked form cannot be had (a norm cannot be undone).
+        verify_sha256: hash each shard while streaming it and raise `ShardFormatError` at its end when the
+            digest differs from the manifest's (default); False skips the hash (sample and token counts are still
+            checked).
+
+    Raises `ShardFormatError` at construction when the manifest names a shard twice or its shards' sample
+    counts do not add up to `num_samples`.
     """
 
     def __init__(self, out_dir: str | Path, *, shuffle: bool = False, seed: int = 0, shuffle_buffer: int = 256,
                  rank: int | None = None, world_size: int | None = None, split: str = "auto",
-                 include_meta: bool = False, fp8: str = "bfloat16"):
+                 include_meta: bool = False, fp8: str = "bfloat16", verify_sha256: bool = True,
+                 final: str = "as_stored"):
         super().__init__()
         if fp8 not in FP8_MODES:
             raise ValueError(f"fp8 must be one of {FP8_MODES}, got {fp8!r}")
@@ -404,7 +517,11 @@ class ShardDataset(IterableDataset):
         self.out_dir = Path(out_dir)
         self.manifest = read_manifest(self.out_dir)
         self.layout = OutputLayout.from_manifest(self.manifest)
+        problems = manifest_shard_problems(self.manifest)
+        if problems:
+            raise ShardFormatError(f"{self.out_dir / 'manifest.json'}: {'; '.join(problems[:5])}")
         self.shards = shards_of(self.out_dir, self.manifest)
+        self.verify_sha256 = verify_sha256
         self.shuffle = shuffle
         self.seed = seed
         self.shuffle_buffer = shuffle_buffer
@@ -413,7 +530,26 @@ class ShardDataset(IterableDataset):
         self.split = split
         self.include_meta = include_meta
         self.fp8 = fp8
+        self.final_norm = self._final_norm_to_apply(final)
         self.epoch = 0
+
+    def _final_norm_to_apply(self, final: str) -> dict | None:
+        """The final norm to apply to `final_hidden_states` (final="after_norm" on a before-norm output), or None."""
+        if final not in FINAL_MODES:
+            raise ValueError(f"final must be one of {FINAL_MODES}, got {final!r}")
+        stored = self.layout.capture_final
+        if final == "as_stored" or final == stored:
+            return None
+        if final == "before_norm" or stored == "none":
+            raise ValueError(f"final={final!r}: the output captured the final layer as {stored!r} (the norm cannot "
+                             f"be undone); re-extract with layers.capture_final={final}")
+        if not can_derive_after_norm(self.manifest):
+            raise ValueError(f"final='after_norm': {self.out_dir} stores no supported final norm "
+                             f"(final_norm={self.manifest.get('final_norm')}); re-extract with "
+                             f"layers.capture_final=after_norm")
+        if self.layout.is_fp8 and self.fp8 == "raw":
+            raise ValueError("final='after_norm' needs values: use fp8='bfloat16' or 'float32', not 'raw'")
+        return read_final_norm(self.out_dir)
 
     # -- facts ---------------------------------------------------------------------------------------------
     @property
@@ -456,7 +592,9 @@ class ShardDataset(IterableDataset):
 
     def _iter_plan(self, plan: ConsumerPlan) -> Iterator[dict[str, Any]]:
         for i, shard in enumerate(plan.shards):
-            yield from iter_shard(shard, self.layout, plan.wanted(i), self.include_meta, fp8=self.fp8)
+            for sample in iter_shard(shard, self.layout, plan.wanted(i), self.include_meta, fp8=self.fp8,
+                                     verify_sha256=self.verify_sha256):
+                yield sample if self.final_norm is None else with_after_norm_final(sample, self.final_norm)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         consumer, num_consumers = self._consumer()

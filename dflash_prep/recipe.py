@@ -149,7 +149,7 @@ class LayersSection:
     num_layers: int = 5
     """k, for the `dflash` preset."""
     ids: list[int] | None = None
-    """The explicit list (preset `explicit`), ascending."""
+    """The explicit list (preset `explicit`), ascending, each in 0..L-2 (the last layer, L-1, is `capture_final`)."""
     capture_final: Literal["none", "before_norm", "after_norm"] = "none"
     """Also store the final decoder output: `before_norm` (output of the last decoder layer, what
     speculators/vLLM call the final layer) or `after_norm` (after the final norm, what EAGLE-3 in SpecForge

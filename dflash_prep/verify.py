@@ -7,11 +7,16 @@
    weights are loaded; a random-weight model (`model.config`) is rebuilt from its seed on the device type the
    extraction used (its weights depend on the device's random generator).
 3. Values: N samples, drawn with `random.Random(seed)` from all sample ids (sorted) and printed, are run ALONE
-   (batch of one, no padding, a plain forward of the base decoder with `use_cache=False`; the states are taken by
-   forward hooks of this module, not by `capture.LayerCapture`) in the recipe's compute dtype, and compared with
-   the stored states, per layer (and for the final layer when captured): max abs error, relative error = max abs
-   error / max |reference| of that sample's layer, and relative L2 error. A layer passes when its relative error
-   is <= the tolerance; the output passes when every checked layer of every checked sample passes.
+   (batch of one, no padding, the whole base decoder with `use_cache=False`) in the recipe's compute dtype, and
+   compared with the stored states, per layer (and for the final layer when captured): max abs error, relative
+   error = max abs error / max |reference| of that sample's layer, and relative L2 error. A layer passes when its
+   relative error is <= the tolerance; the output passes when every checked layer of every checked sample passes.
+   The reference is transformers' own, not a hook: `output_hidden_states=True`, so layer id i is checked against
+   HF `hidden_states[i + 1]` (the format's definition), `after_norm` against `hidden_states[L]` (after the final
+   norm) and `before_norm` against the last layer's output before the norm, which transformers gives as
+   `hidden_states[L]` when the config's `tie_last_hidden_states` is False (set for the reference forward only).
+   An output whose layer ids include L-1 (refused since; older outputs stored the last layer's output before the
+   norm there) is checked against `hidden_states[L]` like any other id, so it fails.
 
 Tolerance = storage term (the stored dtype's rounding, relative to the layer's max |value|) + compute term (the
 difference between a sample's states in a padded batch and alone, from the kernels' numerics in the compute dtype):
@@ -115,37 +120,44 @@ class VerifyReport:
 
 
 # -------------------------------------------------------------------------------------------- reference
-def _output_tensor(output) -> torch.Tensor:
-    return output[0] if isinstance(output, (tuple, list)) else output
-
-
 def run_alone(model, input_ids_T: torch.Tensor, layer_ids: list[int], capture_final: str,
               device: torch.device) -> dict[str, torch.Tensor]:
-    """One sample's states run alone: {"<layer id>": [T, H] float32, "final": [T, H]} (on the CPU)."""
-    from .layers import decoder_layers, find_decoder
+    """One sample's reference states, run alone through transformers with `output_hidden_states=True`:
+    {"<layer id>": [T, H] float32 = HF hidden_states[id + 1], "final": [T, H]} (on the CPU).
+
+    One forward with the config's `tie_last_hidden_states` off: then `hidden_states[L]` is the last layer's own
+    output (before the norm) and `last_hidden_state` the final norm's output, which is what transformers puts in
+    `hidden_states[L]` by default; so id L-1 gets the default `hidden_states[L]`. Raises `CannotVerify` when the
+    installed transformers ignores the switch and the pre-norm state is needed."""
+    from .layers import find_decoder
 
     decoder = find_decoder(model)
-    layers = decoder_layers(decoder)
-    states: dict[str, torch.Tensor] = {}
-
-    def keep(name):
-        def hook(module, args, output):
-            states[name] = _output_tensor(output)[0].float().cpu()
-        return hook
-
-    targets = [(str(i), layers[i]) for i in layer_ids]
-    if capture_final == "before_norm":
-        targets.append(("final", layers[len(layers) - 1]))
-    elif capture_final == "after_norm":
-        targets.append(("final", decoder.norm))
-    handles = [module.register_forward_hook(keep(name), prepend=True) for name, module in targets]
+    config = decoder.config
+    saved = config.__dict__.get("tie_last_hidden_states", _UNSET)
+    config.tie_last_hidden_states = False
     try:
         with torch.inference_mode():
-            decoder(input_ids=input_ids_T.to(device)[None], use_cache=False)
+            out = decoder(input_ids=input_ids_T.to(device)[None], use_cache=False, output_hidden_states=True)
     finally:
-        for h in handles:
-            h.remove()
+        if saved is _UNSET:
+            del config.tie_last_hidden_states
+        else:
+            config.tie_last_hidden_states = saved
+    hidden_states, after_norm = out.hidden_states, out.last_hidden_state
+    L = len(hidden_states) - 1
+    default = [*hidden_states[:L], after_norm]  # HF's default tuple: index L is after the final norm
+    states = {str(i): default[i + 1][0].float().cpu() for i in layer_ids}
+    if capture_final == "after_norm":
+        states["final"] = after_norm[0].float().cpu()
+    elif capture_final == "before_norm":
+        if torch.equal(hidden_states[L], after_norm):
+            raise CannotVerify("this transformers version gives no pre-norm final state (tie_last_hidden_states is "
+                               "ignored): the before_norm final layer cannot be checked")
+        states["final"] = hidden_states[L][0].float().cpu()
     return states
+
+
+_UNSET = object()
 
 
 def compare(sample_id: str, layer: str, stored_TH: torch.Tensor, reference_TH: torch.Tensor,
@@ -178,6 +190,21 @@ def _extraction_device_type(out_dir: Path) -> str | None:
     return types.pop() if len(types) == 1 else None
 
 
+def _recipe_layer_ids(section, num_layers: int) -> list[int]:
+    """The layer ids the recipe asked for. An explicit list with id L-1 (refused by extraction since, accepted by
+    older versions) is still verified, against HF hidden_states[L]; any other refusal cannot be verified."""
+    from .layers import resolve_layer_ids
+    from .recipe import RecipeError
+
+    try:
+        return resolve_layer_ids(section, num_layers)
+    except RecipeError as e:
+        ids = list(section.ids or [])
+        if section.preset == "explicit" and num_layers - 1 in ids and all(0 <= i < num_layers for i in ids):
+            return ids
+        raise CannotVerify(str(e)) from None
+
+
 def choose_samples(all_ids: list[str], num_samples: int, seed: int) -> list[str]:
     """`num_samples` ids drawn with random.Random(seed) from the sorted ids (all when N >= their number)."""
     ids = sorted(all_ids)
@@ -193,10 +220,9 @@ def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: 
     from .export import sample_ids_by_shard
     from .extract import RECIPE_NAME as EXTRACT_RECIPE_NAME
     from .inspect_output import check_output
-    from .layers import num_decoder_layers, resolve_layer_ids
+    from .layers import num_decoder_layers
     from .manifest import read_manifest
-    from .model import (drop_layers_after, load_config, load_model, load_tokenizer, model_fingerprint,
-                        tokenizer_fingerprint)
+    from .model import load_config, load_model, load_tokenizer, model_fingerprint, tokenizer_fingerprint
     from .reader import OutputLayout, iter_shard, shards_of
     from .recipe import RecipeError, load_recipe
 
@@ -222,7 +248,7 @@ def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: 
     if tokenizer_fingerprint(load_tokenizer(recipe.model)) != manifest.get("tokenizer_fingerprint"):
         raise CannotVerify("the tokenizer of the recipe does not match the manifest's tokenizer_fingerprint")
     num_layers = num_decoder_layers(config)
-    layer_ids = resolve_layer_ids(recipe.layers, num_layers)
+    layer_ids = _recipe_layer_ids(recipe.layers, num_layers)
     if layer_ids != list(layout.layer_ids) or recipe.layers.capture_final != layout.capture_final:
         raise CannotVerify(f"the recipe asks for layers {layer_ids} / final {recipe.layers.capture_final}, the "
                            f"manifest holds {list(layout.layer_ids)} / {layout.capture_final}")
@@ -249,8 +275,7 @@ def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: 
         f"computed in {recipe.model.dtype})")
 
     t_load = time.perf_counter()
-    model = load_model(recipe.model, config, dev)
-    drop_layers_after(model, num_layers - 1 if layout.capture_final != "none" else layer_ids[-1])
+    model = load_model(recipe.model, config, dev)  # all layers: the reference is the whole HF forward
     log(f"verify: model loaded in {time.perf_counter() - t_load:.1f}s on {dev}")
     wanted = set(chosen)
     H, final_name = layout.hidden_size, f"final ({layout.capture_final})"
@@ -259,7 +284,7 @@ def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: 
         if not positions:
             continue
         for sample in iter_shard(shard, layout, wanted=lambda j, p=positions: j in p, check_tokens=False,
-                                 fp8="float32"):
+                                 fp8="float32", verify_sha256=False):  # hashes: check_output above
             sid = sample["sample_id"]
             if sid not in wanted:
                 raise CannotVerify(f"{shard.path}: sample order differs from the index ({sid})")

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash_prep.norms import randomize_norm_gains
+
 # One thread: in-process forwards on tiny models are dominated by thread start-up and, on a shared 2-core
 # machine, by contention (10-100x slower with the default thread count when the other core is busy).
 torch.set_num_threads(1)
@@ -37,6 +39,7 @@ def build(config, seed: int = 0, dtype=torch.float32):
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    randomize_norm_gains(model, seed)  # as model.load_model does for random weights: real, non-unit norm gains
     return model.eval().requires_grad_(False)
 
 

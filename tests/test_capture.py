@@ -73,7 +73,8 @@ def test_hooks_equal_output_hidden_states_and_final_modes(arch):
         torch.testing.assert_close(out.hidden_states_NK[:, :H], ref[2][0], rtol=0, atol=1e-6)
         torch.testing.assert_close(out.hidden_states_NK[:, H:], ref[4][0], rtol=0, atol=1e-6)
         if final == "after_norm":  # transformers 5.x: hidden_states[-1] is after the final norm
-            torch.testing.assert_close(out.final_hidden_states_NH, ref[L][0], rtol=0, atol=1e-6)
+            # fp32 rounding of the padded vs alone forward, scaled by the norm's (non-unit) gain: 1 ulp relative
+            torch.testing.assert_close(out.final_hidden_states_NH, ref[L][0], rtol=1e-6, atol=1e-6)
         else:  # the last decoder layer's own output, before the norm
             with torch.inference_mode():
                 dec = find_decoder(model)
@@ -132,9 +133,41 @@ def test_layer_id_rules():
     assert dflash_layer_ids(64, 1) == [32]
     assert eagle3_layer_ids(32) == [1, 15, 28]
     assert resolve_layer_ids(LayersSection(preset="dflash", num_layers=3), 8) == [1, 3, 5]
-    assert resolve_layer_ids(LayersSection(preset="explicit", ids=[0, 7]), 8) == [0, 7]
-    with pytest.raises(RecipeError, match=r"layers.ids.*out of range.*0\.\.7"):
+    assert resolve_layer_ids(LayersSection(preset="explicit", ids=[0, 6]), 8) == [0, 6]
+    with pytest.raises(RecipeError, match=r"layers.ids.*out of range.*0\.\.6"):
         resolve_layer_ids(LayersSection(preset="explicit", ids=[2, 8]), 8)
+
+
+def test_eagle3_preset_states_the_real_minimum_depth():
+    """[1, L//2-1, L-4]: L = 6 gives [1, 2, 2] (ids collide), L = 7 gives [1, 2, 3]: the minimum is 7 (by hand)."""
+    assert eagle3_layer_ids(7) == [1, 2, 3] and eagle3_layer_ids(8) == [1, 3, 4]
+    for L in (3, 5, 6):
+        with pytest.raises(ValueError, match=f"at least 7 decoder layers.*the model has {L}$"):
+            eagle3_layer_ids(L)
+    with pytest.raises(RecipeError, match="`layers.preset` = 'eagle3'.*at least 7 decoder layers.*has 6"):
+        resolve_layer_ids(LayersSection(preset="eagle3"), 6)
+
+
+def test_every_layer_id_equals_hf_hidden_states_of_id_plus_one():
+    """The format's convention (id i = HF hidden_states[i+1]) has no exception: id L-1, whose hook output is before
+    the final norm while hidden_states[L] is after it, is refused, pointing at capture_final."""
+    L = 8
+    for ids, key in (([1, 7], "layers.ids"), ([7], "layers.ids")):
+        with pytest.raises(RecipeError, match=rf"`{key}`.*id 7 is the last decoder layer.*layers.capture_final"):
+            resolve_layer_ids(LayersSection(preset="explicit", ids=ids), L)
+    with pytest.raises(RecipeError, match=r"`layers.preset`.*id 1 is the last decoder layer"):
+        resolve_layer_ids(LayersSection(preset="dflash", num_layers=1), 2)  # [L//2] = [1] = L-1
+    model = build(tiny_llama_config())  # 6 layers
+    # Every id the recipe accepts is hidden_states[i+1] of HF's own forward.
+    sample = _samples([21])[0]
+    ref = _alone(model, sample, None)
+    batch = collate([sample], 32, 0)
+    ids = resolve_layer_ids(LayersSection(preset="explicit", ids=list(range(6 - 1))), 6)  # 0..4: all it accepts
+    with LayerCapture(model, ids, storage_dtype=torch.float32) as cap:
+        out = cap.run(batch.input_ids, batch.attention_mask, batch.position_ids, batch.flat_index)
+    H = model.config.hidden_size
+    for slot, i in enumerate(ids):
+        torch.testing.assert_close(out.hidden_states_NK[:, slot * H:(slot + 1) * H], ref[i + 1][0], rtol=0, atol=1e-6)
 
 
 def test_extraction_without_the_padding_mask_writes_the_same_states(tmp_path):

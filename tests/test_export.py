@@ -125,8 +125,14 @@ def test_speculators_layout(out_before, tmp_path):
     hs_files = {f"hidden_states/hs_{i}.safetensors" for i in range(NUM_ROWS)}
     files = _files(dest)
     assert hs_files <= files
-    assert files - hs_files - {EXPORT_INFO_NAME} == {"state.json", "dataset_info.json",
-                                                     "data-00000-of-00001.arrow"}  # save_to_disk's files only
+    assert files - hs_files - {EXPORT_INFO_NAME, "token_freq.pt"} == {
+        "state.json", "dataset_info.json", "data-00000-of-00001.arrow"}  # save_to_disk's files only
+    # speculators' frequency file: {token id: count} of the supervised tokens, counted here from the samples
+    freq: dict[int, int] = {}
+    for s in samples:
+        for t in s["input_ids"][s["loss_mask"] == 1].tolist():
+            freq[t] = freq.get(t, 0) + 1
+    assert torch.load(dest / "token_freq.pt", weights_only=True) == freq
     ds = datasets.load_from_disk(str(dest))
     assert ds.format["type"] == "torch" and len(ds) == NUM_ROWS
     assert ds.column_names == ["input_ids", "loss_mask", "seq_len"]
@@ -171,17 +177,42 @@ def test_modelopt_layout(out_after, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ refusals
-@pytest.mark.parametrize(("fixture", "target", "strategy", "wanted"), [
-    ("out_after", "speculators", "dflash", "layers.capture_final=before_norm"),
-    ("out_before", "modelopt", "dflash", "layers.capture_final=after_norm"),
-    ("out_before", "specforge", "eagle3", "layers.capture_final=after_norm"),
-])
-def test_wrong_final_layer_fails_at_once_naming_the_key(request, tmp_path, fixture, target, strategy, wanted):
-    out = request.getfixturevalue(fixture)
+def test_wrong_final_layer_fails_at_once_naming_the_key(out_after, tmp_path):
     dest = tmp_path / "dest"
-    with pytest.raises(ExportError, match=wanted.replace(".", r"\.")):
-        export(out, target, dest, strategy=strategy, progress=False)
+    with pytest.raises(ExportError, match=r"layers\.capture_final=before_norm"):
+        export(out_after, "speculators", dest, progress=False)
     assert not dest.exists() and not dest.with_name("dest.partial").exists()
+
+
+@pytest.mark.parametrize(("target", "strategy"), [("modelopt", "dflash"), ("specforge", "eagle3")])
+def test_before_norm_without_a_stored_final_norm_is_refused_for_after_norm_targets(out_before, target, strategy):
+    """An output written before final_norm.safetensors existed (or with an unsupported norm) cannot derive it."""
+    manifest = _manifest(out_before)
+    for final_norm in (None, {**manifest["final_norm"], "form": "unsupported"}):
+        with pytest.raises(ExportError, match=r"layers\.capture_final=after_norm"):
+            check_exportable(dict(manifest, final_norm=final_norm), target, strategy)
+
+
+@pytest.mark.parametrize(("target", "strategy"), [("modelopt", "dflash"), ("specforge", "eagle3")])
+def test_after_norm_export_from_a_before_norm_extraction_equals_a_real_after_norm_one(out_before, out_after,
+                                                                                      tmp_path, target, strategy):
+    """One extraction serves every final-layer convention: Model-Optimizer's and SpecForge EAGLE-3's after-norm
+    final layer, derived from a before_norm output with its stored final norm, equals an after_norm extraction's
+    export within bf16 rounding (two roundings: the stored before-norm states, the derived result)."""
+    exported = {}
+    for name, out in (("before", out_before), ("after", out_after)):
+        export(out, target, tmp_path / name, strategy=strategy, progress=False)
+        exported[name] = tmp_path / name
+    key = "hidden_states" if target == "modelopt" else "hidden_state"
+    pattern = "*.pt" if target == "modelopt" else "rows_*/data_*.ckpt"
+    files = sorted(p.relative_to(exported["after"]) for p in exported["after"].glob(pattern))
+    assert len(files) == NUM_ROWS
+    for rel in files:
+        derived = torch.load(exported["before"] / rel, weights_only=True)[key].float()
+        real = torch.load(exported["after"] / rel, weights_only=True)[key].float()
+        assert ((derived - real).abs() <= 2 ** -7 * real.abs() + 1e-6).all(), rel
+    info = json.loads((exported["before"] / EXPORT_INFO_NAME).read_text())
+    assert info["final_norm_applied_at_export"] is True
 
 
 @pytest.mark.parametrize(("target", "wanted"), [("speculators", "before_norm"), ("modelopt", "after_norm")])
@@ -226,8 +257,9 @@ def test_cli_refuses_a_non_empty_dest_and_overwrites_on_request(out_before, tmp_
     assert main(args + ["--overwrite"]) == 0
     assert "exported 24 samples" in capsys.readouterr().err
     assert not (dest / "keep.txt").exists() and (dest / "rows_0-2000" / "data_23.ckpt").is_file()
-    assert main([str(out_before), "--to", "modelopt", "--dest", str(tmp_path / "mo"), "--no-progress"]) == 2
-    assert "layers.capture_final=after_norm" in capsys.readouterr().err
+    assert main([str(out_before), "--to", "modelopt", "--dest", str(tmp_path / "mo"), "--no-progress",
+                 "--cast-to-bfloat16", "--hidden-states-backend", "fp8"]) == 2
+    assert "--hidden-states-backend applies to --to speculators only" in capsys.readouterr().err
     assert not (tmp_path / "mo").exists()
 
 
@@ -265,3 +297,75 @@ def test_verify_refuses_a_corrupt_shard_and_leaves_no_dest(out_before, tmp_path)
     dest = tmp_path / "dest"
     assert main([str(copy), "--to", "specforge", "--dest", str(dest), "--verify", "--no-progress"]) == 1
     assert not dest.exists() and not (tmp_path / "dest.partial").exists()
+
+
+def _corrupt_copy(out: Path, dest: Path, edit=None) -> tuple[Path, str]:
+    """A copy of `out` (shards + manifest) with one byte flipped in the middle of its last shard."""
+    import shutil
+
+    dest.mkdir()
+    shutil.copytree(out / "shards", dest / "shards")
+    manifest = _manifest(out)
+    if edit is not None:
+        edit(manifest)
+    (dest / "manifest.json").write_text(json.dumps(manifest))
+    victim = manifest["shards"][-1]["path"]
+    data = bytearray((dest / victim).read_bytes())
+    data[len(data) // 2] ^= 0x80
+    (dest / victim).write_bytes(bytes(data))
+    return dest, victim
+
+
+def test_export_verifies_every_shard_by_default(out_before, tmp_path, capsys):
+    """A corrupted shard stops the export (exit 1, naming the shard) without any flag; nothing is left at DEST.
+    `--skip-hash` is the documented way to export without the check."""
+    bad, victim = _corrupt_copy(out_before, tmp_path / "bad")
+    dest = tmp_path / "dest"
+    assert main([str(bad), "--to", "specforge", "--dest", str(dest), "--no-progress"]) == 1
+    assert f"{victim}: sha256" in capsys.readouterr().err
+    assert not dest.exists() and not (tmp_path / "dest.partial").exists()
+    assert main([str(bad), "--to", "specforge", "--dest", str(dest), "--no-progress", "--skip-hash"]) == 0
+
+
+@pytest.mark.parametrize("edit", ["drop", "duplicate"])
+def test_export_refuses_a_manifest_whose_shards_do_not_add_up(out_before, tmp_path, capsys, edit):
+    def change(m):
+        if edit == "drop":
+            del m["shards"][0]
+        else:
+            m["shards"].append(dict(m["shards"][0]))
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "shards").symlink_to(out_before / "shards")
+    m = _manifest(out_before)
+    change(m)
+    (bad / "manifest.json").write_text(json.dumps(m))
+    dest = tmp_path / "dest"
+    assert main([str(bad), "--to", "specforge", "--dest", str(dest), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert ("shards add up to" if edit == "drop" else "listed 2 times") in err and not dest.exists()
+
+
+def test_one_export_per_dest_and_files_counted_after_the_rename(out_before, tmp_path, capsys):
+    """While another process holds DEST.lock a second export into DEST is refused (exit 2) and touches nothing;
+    once it is free the export's reported file count is what DEST holds (counted here by walking DEST)."""
+    import subprocess
+    import sys
+
+    dest = tmp_path / "dest"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from dflash_prep.locks import FileLock; "
+         "assert FileLock(sys.argv[1]).try_acquire(); print('held', flush=True); sys.stdin.read()",
+         str(tmp_path / "dest.lock")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert main([str(out_before), "--to", "specforge", "--dest", str(dest), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert "another export into" in err and f"pid {holder.pid}" in err
+        assert not dest.exists() and not (tmp_path / "dest.partial").exists()
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    report = export(out_before, "specforge", dest, progress=False)
+    assert report.num_files == len(_files(dest)) == NUM_ROWS + 1  # + dflash_prep_export.json

@@ -60,7 +60,8 @@ def test_default_job_output_tree(demo_out):
     assert [f for f in files if not f.startswith("shards/")] == [
         "failed.jsonl", "index/rank-00000.done.json", "index/rank-00000.jsonl", "locks/rank-00000.lock",
         "locks/run.lock", "logs/rank-00000.log",
-        "manifest.json", "plan.json", "recipe.resolved.yaml", "run_state.json", "skipped.jsonl", "summary.json"]
+        "manifest.json", "plan.json", "recipe.resolved.yaml", "run_state.json", "skipped.jsonl", "summary.json",
+            "token_freq.safetensors"]
     assert not any(f.endswith(".tmp") for f in files)
 
 

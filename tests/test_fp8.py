@@ -142,8 +142,8 @@ def test_speculators_export_writes_its_fp8_layout(outputs, tmp_path):
     k, H = len(m["layer_ids"]), m["hidden_size"]
     with pytest.raises(ExportError, match="--cast-to-bfloat16"):
         check_exportable(m, "specforge")
-    check_exportable(m, "speculators")  # its own fp8 layout: no cast needed
-    export(src, "speculators", tmp_path / "spec", progress=False)
+    check_exportable(m, "speculators", hidden_states_backend="fp8")  # its own fp8 layout: no cast needed
+    export(src, "speculators", tmp_path / "spec", progress=False, hidden_states_backend="fp8")
     info = json.loads((tmp_path / "spec" / "dflash_prep_export.json").read_text())
     assert info["hidden_states_dtype"].startswith("float8_e4m3fn")
     truth = _by_id(outputs["float32"])
@@ -201,3 +201,23 @@ def test_capture_quantizes_on_the_device_side_buffer():
     qf, sf = fp8.unpack_rows(got.final_hidden_states_NH, 1)
     assert (fp8.dequantize(qf, sf) - ref.final_hidden_states_NH).abs().le(
         _bound(ref.final_hidden_states_NH, sf)).all()
+
+
+def test_fp8_goes_to_speculators_only_with_its_dequantizing_reader(outputs, tmp_path, capsys):
+    """speculators' default reader returns the raw e4m3 codes (up to 448) without the scales: an fp8 export is
+    refused unless `--hidden-states-backend fp8` (its reader that dequantizes) is passed, and that flag is written
+    into the trainer config."""
+    from dflash_prep.export import main
+
+    src = outputs["fp8_e4m3"]
+    dest = tmp_path / "spec"
+    assert main([str(src), "--to", "speculators", "--dest", str(dest), "--no-progress"]) == 2
+    assert "--hidden-states-backend fp8" in capsys.readouterr().err and not dest.exists()
+    assert main([str(src), "--to", "speculators", "--dest", str(dest), "--no-progress",
+                 "--hidden-states-backend", "fp8"]) == 0
+    info = json.loads((dest / "dflash_prep_export.json").read_text())
+    assert info["trainer_config"]["--hidden-states-backend"] == "fp8"
+    f = load_file(str(dest / "hidden_states" / "hs_0.safetensors"))
+    assert f["hidden_states"].dtype == torch.float8_e4m3fn and "hidden_states_scales" in f
+    assert main([str(src), "--to", "specforge", "--dest", str(tmp_path / "sf"), "--no-progress",
+                 "--hidden-states-backend", "fp8", "--cast-to-bfloat16"]) == 2  # a speculators-only flag

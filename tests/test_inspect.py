@@ -122,3 +122,23 @@ def test_report_lists_skipped_reasons(copy, capsys):
     assert f"{NUM_ROWS} of 23 rows (3 skipped, 0 failed)" in text
     assert "longer_than_max_length: 1, no_assistant_turn: 2" in text
     assert check_output(copy) == []  # 23 - 3 - 0 == 20: consistent
+
+
+@pytest.mark.parametrize("edit", ["layer_ids", "layer_ids_and_hidden_size"])
+def test_check_fails_a_manifest_whose_layers_or_width_were_edited(copy, capsys, edit):
+    """A manifest edited so that k x H still matches the tensors ([1, 3, 5] -> [1, 3, 6]; or 3 x 64 -> 6 x 32) is
+    caught by comparing with every sample's meta.json and the stored width."""
+    m = _manifest(copy)
+    assert m["layer_ids"] == [1, 3, 5] and m["hidden_size"] == 64 and m["capture_final"] == "none"
+    if edit == "layer_ids":
+        m["layer_ids"] = [1, 3, 6]
+    else:
+        m.update(layer_ids=[0, 1, 2, 3, 4, 5], hidden_size=32)
+    (copy / "manifest.json").write_text(json.dumps(m))
+    assert main([str(copy), "--check", "--no-progress"]) == 1
+    fails = [line for line in capsys.readouterr().out.splitlines() if line.startswith("FAIL")]
+    meta = [line for line in fails if "meta.json layer_ids [1, 3, 5] differ from the manifest's" in line]
+    width = [line for line in fails if "192 wide = 3 layers (meta.json) x 64, but the manifest's hidden_size is 32"
+             in line]
+    assert len(meta) == NUM_ROWS and len(width) == (0 if edit == "layer_ids" else NUM_ROWS)
+    assert len(fails) == len(meta) + len(width)  # nothing else is wrong with the output

@@ -234,8 +234,9 @@ def _copy_with_manifest(out: Path, dest: Path, edit) -> Path:
 def test_sample_count_mismatch_names_the_shard(extraction, tmp_path):
     out, _, _ = extraction
 
-    def edit(m):
+    def edit(m):  # the totals still add up (else the reader refuses the manifest at construction)
         m["shards"][2]["num_samples"] += 1
+        m["num_samples"] += 1
 
     bad = _copy_with_manifest(out, tmp_path / "bad", edit)
     shard = json.loads((bad / "manifest.json").read_text())["shards"][2]["path"]
@@ -251,6 +252,63 @@ def test_wrong_layer_count_is_refused(extraction, tmp_path):
 
     with pytest.raises(ShardFormatError, match="hidden_states is torch.bfloat16"):
         next(iter(ShardDataset(_copy_with_manifest(out, tmp_path / "bad", edit))))
+
+
+def _flip_a_state_byte(shard: Path) -> str:
+    """XOR one byte in the middle of the first sample's `hidden_states` tensor data (not a header: every decoder
+    still accepts the sample); returns that sample's id."""
+    import struct
+    import tarfile
+
+    with tarfile.open(shard) as tar:
+        info = next(i for i in tar if i.name.endswith(".hidden_states.safetensors"))
+    data = bytearray(shard.read_bytes())
+    (n,) = struct.unpack("<Q", data[info.offset_data:info.offset_data + 8])
+    header = json.loads(data[info.offset_data + 8:info.offset_data + 8 + n])
+    a, b = header["hidden_states"]["data_offsets"]
+    data[info.offset_data + 8 + n + (a + b) // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+    return info.name.split(".", 1)[0]
+
+
+def test_no_consumer_gets_a_corrupted_state_silently(extraction, tmp_path):
+    """One flipped byte inside a stored state: the reader (DataLoader workers on) stops with an error naming the
+    shard; only `verify_sha256=False` reads it, and then the state really differs (the corruption is silent to
+    every other check)."""
+    import shutil
+
+    out, _, manifest = extraction
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    victim = manifest["shards"][3]["path"]
+    sample_id = _flip_a_state_byte(bad / victim)
+    loader = DataLoader(ShardDataset(bad, rank=0, world_size=1), batch_size=None, num_workers=2)
+    with pytest.raises(ShardFormatError, match=rf"{victim.replace('.', '[.]')}: sha256 .* differs from the manifest"):
+        for _ in loader:
+            pass
+    read = {s["sample_id"]: s for s in ShardDataset(bad, verify_sha256=False)}
+    clean = {s["sample_id"]: s for s in ShardDataset(out)}
+    assert len(read) == NUM_ROWS
+    assert [sid for sid in clean if _bits(clean[sid]["hidden_states"]) != _bits(read[sid]["hidden_states"])] \
+        == [sample_id]
+
+
+@pytest.mark.parametrize("edit", ["drop", "duplicate"])
+def test_shard_counts_add_up_to_num_samples_and_paths_are_unique(extraction, tmp_path, edit):
+    """A manifest entry dropped or duplicated (num_samples left as it was) is refused before any sample is read,
+    instead of yielding fewer or more samples than `num_samples` says."""
+    out, _, _ = extraction
+
+    def change(m):
+        if edit == "drop":
+            del m["shards"][1]
+        else:
+            m["shards"].insert(2, dict(m["shards"][1]))
+
+    bad = _copy_with_manifest(out, tmp_path / "bad", change)
+    why = "num_samples is 60, its shards add up to" if edit == "drop" else "listed 2 times in the manifest"
+    with pytest.raises(ShardFormatError, match=why):
+        ShardDataset(bad)
 
 
 def test_missing_manifest(tmp_path):

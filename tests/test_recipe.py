@@ -100,7 +100,9 @@ def test_fingerprint_ignores_where_and_how_but_not_what():
 
 
 @pytest.mark.parametrize("override, key, fix", [
-    ("layers.ids=[1, 40]", "layers.ids", "after-layer ids are 0..7"),  # out of range: needs the model config
+    ("layers.ids=[1, 40]", "layers.ids", "after-layer ids are 0..6"),  # out of range: needs the model config
+    # id L-1 (the 8-layer demo's last layer) is not HF hidden_states[8] (after the norm): capture_final stores it
+    ("layers.ids=[1, 7]", "layers.ids", "`layers.capture_final: before_norm`"),
     ("data.path=/nonexistent/chat.jsonl", "data.path", "no such file or folder"),
     ("data.path=nonexistent/chat.jsonl", "data.path", "no such file or folder"),  # not taken for a hub id
     ("model.config=/nonexistent/config.json", "model.config", "cannot load a model config"),

@@ -7,6 +7,7 @@ but not yet in the index); the next run must discard exactly the uncommitted par
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -16,9 +17,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from conftest import REPO, raw_records
 from dflash_prep.inspect_output import check_output, unlisted_shard_files
@@ -149,6 +153,11 @@ def finish_and_compare(out: Path, reference: dict) -> subprocess.CompletedProces
     assert not list(out.rglob("*.tmp")), "a temporary file survived"
     assert unlisted_shard_files(out) == [], "a shard file the manifest does not list survived"
     assert check_output(out) == []  # `inspect --check`: sizes, hashes, counts, invariants
+    # The draft vocabulary's frequencies cover exactly the written samples, whatever the kills and rank counts.
+    stored = load_file(str(out / "token_freq.safetensors"))["token_freq"]
+    expected = Counter(int(t) for m in reference.values()
+                       for t in np.load(io.BytesIO(m["input_ids.npy"]))[np.load(io.BytesIO(m["loss_mask.npy"])) == 1])
+    assert {int(t): int(stored[t]) for t in np.flatnonzero(stored)} == dict(expected)
     return proc
 
 

@@ -126,3 +126,60 @@ def test_another_model_cannot_verify(output, capsys):
     assert main([str(output), "--set", "model.init_seed=1"]) == 2
     assert "model_fingerprint" in capsys.readouterr().err
     assert main([str(output.parent / "missing")]) == 2
+
+
+def _rewrite_as_last_layer_id(src: Path, dest: Path) -> None:
+    """Rewrite a `capture_final: before_norm` output of the 8-layer demo model as versions that accepted id L-1
+    wrote `layers.ids: [1, 3, 5, 7]`: id 7 = the last layer's hook output, i.e. BEFORE the final norm (while the
+    format says id i = HF hidden_states[i+1], which for i = 7 is after it); no final layer."""
+    import io
+    import shutil
+
+    import yaml
+    from safetensors.torch import load as st_load
+    from safetensors.torch import save as st_save
+
+    shutil.copytree(src, dest)
+    manifest = json.loads((dest / "manifest.json").read_text())
+    ids = manifest["layer_ids"] + [manifest["num_hidden_layers"] - 1]
+    for entry in manifest["shards"]:
+        path = dest / entry["path"]
+        with tarfile.open(path) as tar:
+            members = [(info, tar.extractfile(info).read()) for info in tar]
+        with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+            for info, data in members:
+                if info.name.endswith(".hidden_states.safetensors"):
+                    t = st_load(data)
+                    data = st_save({"hidden_states": torch.cat([t["hidden_states"], t["final_hidden_states"]], 1)})
+                elif info.name.endswith(".meta.json"):
+                    data = json.dumps(dict(json.loads(data), layer_ids=ids)).encode()
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        entry.update(sha256=_sha256(path), num_bytes=path.stat().st_size)
+    manifest.update(layer_ids=ids, capture_final="none", num_bytes=sum(e["num_bytes"] for e in manifest["shards"]))
+    (dest / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    recipe = yaml.safe_load((dest / "recipe.resolved.yaml").read_text())
+    recipe["layers"].update(preset="explicit", ids=ids, capture_final="none")
+    (dest / "recipe.resolved.yaml").write_text(yaml.safe_dump(recipe))
+
+
+def test_verify_compares_with_hf_hidden_states_not_with_our_hooks(tmp_path, capsys):
+    """The reference is transformers' output_hidden_states on the sample alone: a before_norm output passes
+    (its final layer = the pre-norm hidden_states[L]); the same states relabelled as layer id 7 = L-1 (what
+    versions that accepted that id stored) fail on layer 7 only, since HF's hidden_states[8] is after the norm."""
+    from dflash_prep.extract import run_extraction
+    from dflash_prep.inspect_output import check_output
+    from dflash_prep.recipe import load_recipe
+
+    src = tmp_path / "before"
+    run_extraction(load_recipe(None, [f"output.dir={src}", *BASE, "layers.capture_final=before_norm"]))
+    report = verify(src, num_samples=3, log=_quiet)
+    assert report.ok and {r.layer for r in report.results} == {"1", "3", "5", "final (before_norm)"}
+    relabelled = tmp_path / "last-layer-id"
+    _rewrite_as_last_layer_id(src, relabelled)
+    assert check_output(relabelled) == []  # a well-formed output: only the values can tell
+    assert main([str(relabelled), "--num-samples", "3"]) == 1
+    fails = [line for line in capsys.readouterr().out.splitlines() if line.startswith("FAIL")]
+    assert len(fails) == 3 and all(" layer 7:" in line for line in fails)
+    report = verify(relabelled, num_samples=3, check_shards=False, log=_quiet)
+    assert {r.layer for r in report.failures} == {"7"} and min(r.relative_error for r in report.failures) > 0.5
