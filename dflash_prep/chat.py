@@ -27,8 +27,8 @@ located in the one full rendering, with no knowledge of the model family:
 Templates that are not prefix-stable (Qwen3 drops earlier turns' reasoning once a later user turn exists; gpt-oss
 drops earlier analysis) render an earlier message differently in `R_i` than in the full conversation; `locate_end`
 then takes the place in the full rendering that ends like `R_i` and differs from it by the least text (the
-dropped or added blocks). A span that cannot be located, or spans out of order, skip the row (`assistant_span_not_found`)
-rather than guess.
+dropped or added blocks). A span that cannot be located, or spans out of order, skip the row
+(`assistant_span_not_found`) rather than guess.
 """
 
 from __future__ import annotations
@@ -299,7 +299,8 @@ class ChatRenderer:
             if boundary is None:
                 raise SkipRow(SPAN_NOT_FOUND)
             start = boundary + prompt_length_present(prompted[cut:], full[boundary:], self.markers)
-            end = len(full) if i == len(messages) - 1 else self._turn_end(messages[: i + 1], tools, full, prompted[cut:])
+            last = i == len(messages) - 1
+            end = len(full) if last else self._turn_end(messages[: i + 1], tools, full, prompted[cut:])
             if end is None:
                 raise SkipRow(SPAN_NOT_FOUND)
             while end > start and full[end - 1].isspace():

@@ -457,9 +457,10 @@ class NothingToExtractError(RecipeError):
 
 
 def check_data_verdict(data: TokenizedData, section: DataSection) -> str:
-    """The one-line verdict on the tokenized data; raises NothingToExtractError when no row is kept (a row whose
-    mask is all zero is never kept: `no_two_consecutive_supervised_tokens`), or when more than `data.max_skipped_fraction` of the rows were skipped. The
-    message names the top skip reasons, each with an example row (sample id and the row's own id)."""
+    """The one-line verdict on the tokenized data. Raises NothingToExtractError when no row is kept (a row whose
+    mask is all zero is never kept: `no_two_consecutive_supervised_tokens`), or when more than
+    `data.max_skipped_fraction` of the rows were skipped; the message names the top skip reasons, each with an
+    example row (sample id and the row's own id)."""
     num_skipped = sum(data.skipped_counts.values())
     fraction = num_skipped / max(data.num_rows, 1)
     problem = None

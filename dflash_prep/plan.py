@@ -22,7 +22,10 @@ Guarantees (tests/test_plan.py checks them against real extractions):
   picked by model (same model_type, hidden size and depth), else the benchmarked model nearest in decoder
   parameters (within 4x), scaled by the ratio of decoder parameters run per token (FLOPs per token = 2 x those
   parameters; parameters counted on a meta-device model: no memory, no weights); `--tokens-per-second`
-  overrides it. No default when no benchmark is near: the plan says so.
+  overrides it. No default when no benchmark is near: the plan says so;
+- the data verdict is the extraction's own (`data.check_data_verdict`): no kept row, or more than
+  `data.max_skipped_fraction` skipped, is the same one-line error and exit code 2; `--show-sample N` first prints
+  row N as the extraction tokenizes it, supervised tokens marked (`show_sample`).
 """
 
 from __future__ import annotations
