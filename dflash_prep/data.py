@@ -245,6 +245,9 @@ def load_rows(section: DataSection):
         except Exception as e:  # noqa: BLE001 - a file datasets cannot read is a bad input, not a crash
             raise RecipeError(f"recipe key `data.path` = {section.path!r}: cannot read {kind} files {source[:3]}"
                               f"{' ...' if len(source) > 3 else ''} ({type(e).__name__}: {str(e)[:160]})") from None
+    if kind != "json" and _table_is_lossy(ds):
+        log.warning("data: %s types tool schemas or tool-call arguments as structs: keys one row lacks are null in "
+                    "it and the template renders them; store them as JSON strings (or use JSON Lines)", section.path)
     if len(ds) == 0:
         where = source if isinstance(source, str) else ", ".join(source[:3]) + (" ..." if len(source) > 3 else "")
         raise RecipeError(f"recipe key `data.path` = {section.path!r}: no rows in {where} (empty or blank lines only)")

@@ -73,6 +73,23 @@ def test_any_row_is_kept_valid_or_skipped_with_a_known_reason(tokenizer, r, over
         assert not reason
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(r=row)
+def test_any_row_is_kept_valid_or_skipped_with_a_known_reason_under_a_template_without_generation(tokenizer, r):
+    """The located-span mask (no {% generation %} block): the same outcome set, never an exception."""
+    template = tokenizer.chat_template.replace("{%- generation %}", "").replace("{%- endgeneration %}", "")
+    fn = D.Tokenizer(tokenizer=tokenizer, max_length=MAX_LENGTH, overlong="truncate", vocab_size=VOCAB,
+                     chat_template=template)
+    ids, mask, reason = fn.tokenize_row(r)
+    event(reason or "kept")
+    if reason:
+        assert reason in REASONS and ids == [] and mask == []
+    else:
+        check_kept(ids, mask)
+    if r is GOOD:
+        assert not reason
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                    HealthCheck.function_scoped_fixture])
 @given(lines=st.lists(row.map(json.dumps) | st.text(max_size=30).filter(lambda t: t.strip() and "\n" not in t
