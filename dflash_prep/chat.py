@@ -20,8 +20,8 @@ located in the one full rendering, with no knowledge of the model family:
   `<think></think>` block that earlier turns do not render: `prompt_length_present`);
 - end: where the rendering of the messages up to and including it (`R_{i+1}`) ends in the full rendering (the
   whole text for the last message; see `_turn_end` for templates that render a last message differently), less
-  trailing whitespace (the `\\n` a template writes after `<|im_end|>` or
-  `<end_of_turn>` is the template's, not the model's);
+  trailing whitespace (the `\\n` a template writes after `<|im_end|>` or `<end_of_turn>` is the template's, not
+  the model's);
 - a token is supervised when its characters overlap a span (the rule transformers uses for `{% generation %}`).
 
 Templates that are not prefix-stable (Qwen3 drops earlier turns' reasoning once a later user turn exists; gpt-oss
@@ -303,11 +303,12 @@ class ChatRenderer:
             end = len(full) if last else self._turn_end(messages[: i + 1], tools, full, prompted[cut:])
             if end is None:
                 raise SkipRow(SPAN_NOT_FOUND)
+            if end < start or (spans and start < spans[-1][1]):
+                raise SkipRow(SPAN_NOT_FOUND)
             while end > start and full[end - 1].isspace():
                 end -= 1
-            if end <= start or (spans and start < spans[-1][1]):
-                raise SkipRow(SPAN_NOT_FOUND)
-            spans.append((start, end))
+            if end > start:  # an empty reply a template renders as nothing supervises nothing
+                spans.append((start, end))
         return spans
 
     def _turn_end(self, head: list[dict], tools: list[dict] | None, full: str, prompt: str) -> int | None:
