@@ -202,32 +202,56 @@ def _qwen3_tagged() -> str:
     return T.QWEN3.replace(branch, tagged)
 
 
-def test_random_agent_conversations_match_transformers_generation_mask_of_a_tagged_copy():
-    """200 random conversations (tool calls, several tool results, reasoning or not, repeated messages) under Qwen3's
-    template, which is not prefix-stable: the located spans equal transformers' {% generation %} mask of a tagged
-    copy of the template that renders the same text."""
+def _gpt_oss_tagged() -> str:
+    """GPT_OSS with `<|start|>assistant` hoisted before the branches and the rest of the turn in {% generation %}."""
+    old = T.GPT_OSS.split("{%- elif message.role == 'assistant' %}")[1].split("{%- elif message.role == 'tool' %}")[0]
+    new = (old.replace("{%- if message.thinking", "{{- '<|start|>assistant' }}{%- generation %}{%- if message.thinking", 1)
+           .replace("'<|start|>assistant<|channel|>analysis<|message|>' + message.thinking + '<|end|>'",
+                    "'<|channel|>analysis<|message|>' + message.thinking + '<|end|><|start|>assistant'")
+           .replace("'<|start|>assistant<|channel|>commentary", "'<|channel|>commentary")
+           .replace("'<|start|>assistant<|channel|>final", "'<|channel|>final")
+           .rstrip("\n") + "{%- endgeneration %}\n")
+    assert new.count("<|start|>assistant") == 2 and new.count("generation %}") == 2
+    return T.GPT_OSS.replace(old, new)
+
+
+def _random_conversation(rng, max_calls: int) -> list[dict]:
+    words = ["ok", "yes", "Zürich", "東京", "done", "\n", "the tool", "21 °C"]  # few: messages repeat
+    messages = [{"role": "system", "content": "Be terse."}] if rng.random() < 0.5 else []
+    for _turn in range(rng.randint(1, 4)):
+        messages.append({"role": "user", "content": rng.choice(words)})
+        while True:
+            reply = {"role": "assistant", "content": rng.choice(words + [None])}
+            if rng.random() < 0.6:
+                reply["reasoning_content"] = rng.choice(words)
+            if reply["content"] is None or rng.random() < 0.3:
+                reply["tool_calls"] = [{"function": {"name": "get_weather", "arguments": {"city": rng.choice(words)}}}
+                                       for _ in range(rng.randint(1, max_calls))]
+            messages.append(reply)
+            if "tool_calls" not in reply:
+                break
+            messages += [{"role": "tool", "content": rng.choice(words)} for _ in reply["tool_calls"]]
+    return messages
+
+
+@pytest.mark.parametrize("family, tagged_template, max_calls", [("qwen3", _qwen3_tagged, 2),
+                                                                ("gpt_oss", _gpt_oss_tagged, 1)])
+def test_random_agent_conversations_match_transformers_generation_mask_of_a_tagged_copy(family, tagged_template,
+                                                                                        max_calls):
+    """200 random conversations (tool calls, tool results, reasoning or not, repeated messages) under templates that
+    are not prefix-stable (Qwen3 drops reasoning before the last user query; gpt-oss drops analysis and ends the last
+    message with <|return|>): the located spans equal transformers' {% generation %} mask of a tagged copy of the
+    template that renders the same text."""
     import random
 
-    tokenizer = family_tokenizer("qwen3")
-    plain, tagged = chat.ChatRenderer(tokenizer, T.QWEN3), chat.ChatRenderer(tokenizer, _qwen3_tagged())
+    tokenizer = family_tokenizer(family)
+    template = {"qwen3": T.QWEN3, "gpt_oss": T.GPT_OSS}[family]
+    plain, tagged = chat.ChatRenderer(tokenizer, template), chat.ChatRenderer(tokenizer, tagged_template())
     assert tagged.generation_tagged and not plain.generation_tagged
     rng = random.Random(0)
-    words = ["ok", "yes", "Zürich", "東京", "done", "\n", "the tool", "21 °C"]
     for _ in range(200):
-        messages = [{"role": "system", "content": "Be terse."}] if rng.random() < 0.5 else []
-        for _turn in range(rng.randint(1, 4)):
-            messages.append({"role": "user", "content": rng.choice(words)})
-            while True:
-                reply = {"role": "assistant", "content": rng.choice(words + [None])}
-                if rng.random() < 0.6:
-                    reply["reasoning_content"] = rng.choice(words)
-                if reply["content"] is None or rng.random() < 0.3:
-                    reply["tool_calls"] = [{"function": {"name": "get_weather", "arguments": {"city": rng.choice(words)}}}
-                                           for _ in range(rng.randint(1, 2))]
-                messages.append(reply)
-                if "tool_calls" not in reply:
-                    break
-                messages += [{"role": "tool", "content": rng.choice(words)} for _ in reply["tool_calls"]]
+        messages = _random_conversation(rng, max_calls)
         conversation = chat.row_to_chat({"messages": messages, "tools": TOOLS if rng.random() < 0.5 else None})
-        ids, mask = plain.tokenize(*conversation)
-        assert (ids, mask) == tagged.tokenize(*conversation), messages
+        rendered = plain.render(*conversation, False)
+        assert rendered == tagged.render(*conversation, False)
+        assert plain.tokenize(*conversation) == tagged.tokenize(*conversation), rendered
