@@ -100,15 +100,17 @@ def test_no_kept_row_stops_before_the_model_loads_with_exit_2_and_plan_says_the_
         {"id": "b", "messages": [{"role": "user", "content": "hello?"}]},
         {"id": "c", "messages": []}]))
     out = tmp_path / "out"
-    # `python extract.py` (= `dflash-prep extract`): accelerate's one-process launcher turns any non-zero exit into 1
-    proc = subprocess.run([sys.executable, "extract.py", "--set", f"data.path={data}", "--set", f"output.dir={out}"],
-                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    # `dflash-prep launch extract.py`, the README's command (plain `accelerate launch` turns any failure into 1)
+    proc = subprocess.run([sys.executable, "-m", "dflash_prep.cli", "launch", "extract.py", "--set", f"data.path={data}",
+                           "--set", f"output.dir={out}"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2, proc.stderr[-3000:]
     message = proc.stderr.strip().splitlines()[-1]
     assert message.startswith("error: no row kept: all 3 skipped - no_assistant_turn: 2 (e.g. row 0000000000, id 'a')")
     assert "empty_conversation: 1 (e.g. row 0000000002, id 'c')" in message and "Traceback" not in proc.stderr
-    assert "model loaded" not in (out / "logs" / "rank-00000.log").read_text()
+    log = out / "logs" / "rank-00000.log"
+    assert not log.exists() or "model loaded" not in log.read_text()
     assert not (out / "shards").exists() and not (out / "manifest.json").exists()
+    assert not (out / "run_state.json").exists()  # the output is not claimed: fixing the data and re-running works
     assert plan.main(["--set", f"data.path={data}", "--set", f"output.dir={tmp_path / 'plan'}"]) == 2
     assert capsys.readouterr().err.strip() == message
 
