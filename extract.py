@@ -1,4 +1,5 @@
-"""Entry point for `accelerate launch extract.py [--recipe PATH] [--set key=value ...]`.
+"""Entry point for `dflash-prep launch [accelerate launch options] extract.py [--recipe PATH] [--set key=value ...]`
+(also `accelerate launch extract.py ...`, which reports every failure as exit code 1, or `python extract.py ...`).
 
 Without --recipe it runs recipes/tiny-demo.yaml, a CPU-sized demo that needs no network.
 """

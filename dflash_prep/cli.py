@@ -1,6 +1,7 @@
 """`dflash-prep` command line.
 
     dflash-prep extract [--recipe PATH] [--set key=value ...]
+    dflash-prep launch [accelerate launch options] extract.py [--recipe PATH] [--set key=value ...]
     dflash-prep export OUT --to specforge|speculators|modelopt --dest DIR
     dflash-prep inspect OUT [--check]
     dflash-prep plan [--recipe PATH] [--set key=value ...] [--num-gpus N] [--tokens-per-second X]
@@ -21,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p_extract = sub.add_parser("extract", help="run an extraction recipe (also: accelerate launch extract.py)")
     add_extract_args(p_extract)
+    sub.add_parser("launch", help="`accelerate launch` that keeps the script's exit code (2, 3) and a clean console",
+                   add_help=False)
     sub.add_parser("export", help="write an output in a trainer's layout (specforge, speculators, modelopt)",
                    add_help=False)
     sub.add_parser("inspect", help="show what an output holds; --check re-hashes every shard", add_help=False)
@@ -31,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("vocab", help="draft-vocabulary mapping (d2t/t2d) from the output's supervised-token counts",
                    add_help=False)
     args, rest = parser.parse_known_args(argv)
+    if args.command == "launch":
+        from .launch import main as launch_main
+
+        return launch_main(rest)
     if args.command == "export":
         from .export import main as export_main
 

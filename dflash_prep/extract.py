@@ -6,21 +6,25 @@ without communicating, and the main process merges the rank indexes into `OUT/ma
 
 Resume: the plan is frozen in `OUT/plan.json` by the first run. Re-running the same command keeps committed
 shards, discards uncommitted files, and runs only the batches no index lists, split over however many ranks
-the new run has. An output made by a different job (model, data, layers, storage dtype) is refused unless
-`output.overwrite` is set.
+the new run has. An output made by a different job is refused unless `output.overwrite` is set: recipe keys
+(model, data, layers, storage dtype) and content (identity.py: the tokenized rows, the weights) must match. A
+committed shard whose file is missing, cut or swapped is dropped and its batches redone; a finished output
+re-runs without loading the model.
 
 Failures: a CUDA OOM in a forward splits the batch and retries (backoff.py); a sample that does not fit alone,
 or whose states hold a NaN/Inf, is recorded as failed in the index line of the shard that commits its batch, so
 a resume neither redoes nor forgets it; the manifest counts failed samples by reason and OUT/failed.jsonl lists
 them. A write error (a full disk) or `output.nan_policy: fatal` stops the run with `ExtractionError`: committed
 shards intact, nothing partial visible, a message saying what is committed and that re-running resumes.
-Exit codes of `main`: 0 done, 1 stopped (resumable), 2 bad recipe or output of another job, 3 done but more
-samples failed than `output.max_failed_samples`.
+Exit codes of `main`: 0 done, 1 stopped (resumable), 2 refused (bad recipe, an output of another job or a
+damaged one), 3 done but more samples failed than `output.max_failed_samples`. `accelerate launch` turns 2 and 3
+into 1; `dflash-prep launch` (launch.py) keeps them.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import os
@@ -43,15 +47,17 @@ from .backoff import BatchRunner  # noqa: E402
 from .budget import resolve_token_budget  # noqa: E402
 from .capture import LayerCapture  # noqa: E402
 from .collate import PlannedBatches  # noqa: E402
-from .data import check_data_source, load_rows, tokenize_dataset, write_skipped  # noqa: E402
+from .data import check_data_source, load_rows, tokenize_dataset  # noqa: E402
 from .faults import Faults  # noqa: E402
+from .identity import describe_weights_change, rows_fingerprint, weights_fingerprint  # noqa: E402
 from .layers import find_decoder, num_decoder_layers, resolve_layer_ids  # noqa: E402
 from .locks import LOCKS_DIR, OutputBusyError, check_no_rank_writing, lock_rank, lock_run  # noqa: E402
-from .manifest import (STATE_NAME, atomic_write_json, build_manifest, next_shard_number,  # noqa: E402
-                       read_committed, remove_uncommitted, repair_indexes, write_manifest)
+from .manifest import (MANIFEST_NAME, STATE_NAME, OutputStateError, atomic_write_json,  # noqa: E402
+                       atomic_write_jsonl, build_manifest, damaged_shards, drop_records, next_shard_number,
+                       read_committed, read_state_json, remove_uncommitted, repair_indexes, write_manifest)
 from .model import (STORAGE_TORCH_DTYPES, decoder_params_in, describe_source, drop_layers_after,  # noqa: E402
                     hidden_size_of, load_config, load_model, load_tokenizer, model_fingerprint, vocab_size_of)
-from .norms import describe_final_norm, write_final_norm  # noqa: E402
+from .norms import FINAL_NORM_NAME, describe_final_norm, read_final_norm, write_final_norm  # noqa: E402
 from .model import tokenizer_fingerprint as _tokenizer_fingerprint  # noqa: E402  (moved to model.py)
 from .planner import PlannedBatch, ShapeBuckets, plan_batches, plan_stats, split_across_ranks  # noqa: E402
 from .recipe import Recipe, RecipeError  # noqa: E402
@@ -107,11 +113,36 @@ class _StopRequest:
         self._previous = {}
 
 
-def _ignore_stop_signals(worker_id: int) -> None:
-    """DataLoader workers leave SIGTERM/SIGINT to the main process (which then stops at a batch boundary and shuts
-    them down); a worker killed by the signal would otherwise make the loader fail under the loop's feet."""
+def _init_worker(lock_fds: tuple[int, ...], worker_id: int) -> None:
+    """A DataLoader worker (forked from the rank):
+    - drops its copies of the output's lock descriptors (a forked child shares the parent's flock, which would
+      outlive a main process killed alone, e.g. by the OOM killer, and block every resume), and dies with the rank
+      (PR_SET_PDEATHSIG, Linux) instead of lingering;
+    - leaves SIGTERM/SIGINT to the main process (which then stops at a batch boundary and shuts the workers
+      down); a worker killed by the signal would otherwise make the loader fail under the loop's feet."""
+    for fd in lock_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _die_with_parent()
     for sig in _StopRequest.SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when the thread that forked it ends (Linux prctl; elsewhere a no-op)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the call
+        os._exit(1)
 
 
 class _ConsoleFormatter(logging.Formatter):
@@ -159,11 +190,13 @@ def _setup_logging(out_dir: Path, rank: int, is_main: bool) -> None:
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
-def _run_identity(recipe: Recipe, config, layer_ids: list[int], tokenizer) -> dict:
-    """What must match between an output and a run that resumes into it."""
+def _run_identity(recipe: Recipe, config, layer_ids: list[int], tokenizer, is_main: bool) -> dict:
+    """What must match between an output and a run that resumes into it. The weights' fingerprint (identity.py)
+    is read by the main process only; the tokenized rows' fingerprint (`data_rows`) is added once they exist."""
     return {
         "model": model_fingerprint(recipe.model, config),
         "model_source": describe_source(recipe.model),
+        "weights": weights_fingerprint(recipe.model) if is_main else None,
         "tokenizer": _tokenizer_fingerprint(tokenizer),
         "data": {k: v for k, v in recipe.to_dict()["data"].items() if k != "num_proc"},
         "layer_ids": layer_ids,
@@ -184,28 +217,95 @@ def _identity_diffs(previous: dict, current: dict, prefix: str = "") -> list[str
     return diffs
 
 
+def _difference(key: str, previous: dict, current: dict) -> str:
+    """How `key` of the identity differs, in words."""
+    if key in ("model", "tokenizer"):
+        return f"{key} fingerprint differs"
+    if key == "weights":
+        return f"model weights differ ({describe_weights_change(previous[key], current[key])})"
+    if key == "data_rows":
+        return (f"data rows differ: the tokenized rows of data.path are not the ones the output was made from "
+                f"({previous[key]['num_rows']} kept rows then, {current[key]['num_rows']} now; edited, shuffled "
+                f"or replaced in place)")
+
+    def value(d, dotted):
+        for part in dotted.split("."):
+            d = d.get(part) if isinstance(d, dict) else None
+        return d
+    return f"{key}: output has {value(previous, key)!r}, this run has {value(current, key)!r}"
+
+
 def _check_identity(out_dir: Path, identity: dict) -> None:
+    """Refuse (OutputMismatchError, one line) when `out_dir` holds the output of another job. Keys this run has not
+    computed (None) and keys an older output did not record are not compared."""
     path = out_dir / STATE_NAME
     if not path.exists():
         return
-    with open(path) as f:
-        previous = json.load(f)["identity"]
-    diffs = _identity_diffs(previous, identity)
+    previous = read_state_json(path)["identity"]
+    atomic_keys = ("weights", "data_rows")  # compared whole, described by _difference
+    diffs = []
+    for key in sorted(set(previous) | set(identity)):
+        if previous.get(key) is None or identity.get(key) is None:
+            continue
+        if key in atomic_keys or not (isinstance(previous[key], dict) and isinstance(identity[key], dict)):
+            diffs += [key] if previous[key] != identity[key] else []
+        else:
+            diffs += _identity_diffs(previous[key], identity[key], f"{key}.")
     if diffs:
-        def value(d, key):
-            for part in key.split("."):
-                d = d.get(part) if isinstance(d, dict) else None
-            return d
-        details = "; ".join(
-            f"{k}: output has {value(previous, k)!r}, this run has {value(identity, k)!r}"
-            if k not in ("model", "tokenizer") else f"{k} fingerprint differs" for k in diffs)
+        details = "; ".join(_difference(k, previous, identity) for k in diffs)
         raise OutputMismatchError(
             f"{out_dir} holds an extraction of a different job ({details}). Use another output.dir, or "
             f"--set output.overwrite=true to start afresh.")
 
 
-def _prepare_output(out_dir: Path, recipe: Recipe, identity: dict) -> None:
-    """Main process only: overwrite or check, clean up a crashed run, save the recipe and the run state."""
+_OUTPUT_MARKERS = (STATE_NAME, PLAN_NAME, MANIFEST_NAME)
+
+
+def _refuse_unsafe_output_dir(recipe: Recipe) -> None:
+    """Before anything is created: `output.overwrite` on a folder that is not an output of this tool would delete
+    the user's files, and an output inside the data (`data.path` a folder holding it, or a glob matching the
+    files a run writes there) would be read back as rows. Both raise RecipeError."""
+    out_dir = Path(recipe.output.dir)
+    if recipe.output.overwrite and out_dir.is_dir():
+        names = {p.name for p in out_dir.iterdir()}
+        if names - {"logs", LOCKS_DIR} and not names & set(_OUTPUT_MARKERS):
+            raise RecipeError(
+                f"recipe key `output.overwrite` = True: {out_dir} is not a dflash-prep output (no "
+                f"{', '.join(_OUTPUT_MARKERS)}; it holds {', '.join(sorted(names)[:5])}...): refusing to delete "
+                f"its files; set output.dir to a new or empty folder")
+    hit = _written_path_matching_data(recipe.data.path, out_dir)
+    if hit is not None:
+        raise RecipeError(
+            f"recipe key `output.dir` = {str(out_dir)!r}: it lies inside the data (`data.path` = "
+            f"{recipe.data.path!r} would read {hit} as rows); put the output outside the data")
+
+
+def _written_path_matching_data(data_path: str, out_dir: Path) -> Path | None:
+    """A file the run writes under `out_dir` that `data_path` (a folder or a glob) would read, or None."""
+    import fnmatch
+
+    data = Path(data_path).expanduser()
+    out_dir = out_dir.resolve()
+    written = [out_dir / n for n in (SKIPPED_NAME, FAILED_NAME, SUMMARY_NAME, PLAN_NAME, STATE_NAME, MANIFEST_NAME,
+                                     "index/rank-00000.jsonl", "index/rank-00000.done.json",
+                                     "shards/rank-00000/shard-000000.tar")]
+    if not any(c in data_path for c in "*?["):
+        return written[0] if data.is_dir() and out_dir.is_relative_to(data.resolve()) else None
+
+    def matches(parts: list[str], pattern: list[str]) -> bool:
+        if not pattern:
+            return not parts
+        if pattern[0] == "**":
+            return any(matches(parts[i:], pattern[1:]) for i in range(len(parts) + 1))
+        return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and matches(parts[1:], pattern[1:])
+
+    pattern = Path(os.path.abspath(data)).parts
+    return next((w for w in written if matches(list(w.parts), list(pattern))), None)
+
+
+def _open_output(out_dir: Path, recipe: Recipe, identity: dict) -> None:
+    """Main process, holding the run lock, before the data is read: start afresh (`output.overwrite`) or check
+    that the output is this job's (all but the data rows, which are not tokenized yet)."""
     if recipe.output.overwrite and out_dir.exists():
         for child in out_dir.iterdir():
             if child.name in ("logs", LOCKS_DIR):
@@ -213,14 +313,30 @@ def _prepare_output(out_dir: Path, recipe: Recipe, identity: dict) -> None:
             shutil.rmtree(child) if child.is_dir() else child.unlink()
     out_dir.mkdir(parents=True, exist_ok=True)
     _check_identity(out_dir, identity)
+
+
+def _prepare_output(out_dir: Path, recipe: Recipe, identity: dict) -> None:
+    """Main process, once the rows are tokenized: check the data rows, clean up a crashed run, drop committed
+    shards whose file is missing or damaged (their batches are redone), save the recipe and the run state."""
+    _check_identity(out_dir, identity)
     for index in repair_indexes(out_dir):
         log.warning("%s ended in a torn line (a crash while appending): cut back to its last complete line", index)
     committed = read_committed(out_dir)
+    damaged = damaged_shards(out_dir, committed)
+    for path, why in damaged.items():
+        log.warning("committed shard %s is damaged (%s): its batches are redone", path, why)
+    if damaged:
+        drop_records(out_dir, set(damaged))
+        committed = read_committed(out_dir)
     removed = remove_uncommitted(out_dir, committed)
     if removed:
         log.info("removed %d uncommitted file(s) left by an interrupted run", len(removed))
     (out_dir / RECIPE_NAME).write_text(recipe.to_yaml())
-    atomic_write_json(out_dir / STATE_NAME, {"identity": identity, "dflash_prep_version": __version__})
+    state_path = out_dir / STATE_NAME
+    runs = read_state_json(state_path).get("runs", []) if state_path.exists() else []
+    runs.append({"started_at": time.time(), "dflash_prep_version": __version__,
+                 "attn_implementation": recipe.model.attn_implementation})
+    atomic_write_json(state_path, {"identity": identity, "dflash_prep_version": __version__, "runs": runs})
 
 
 # ----------------------------------------------------------------------------------------------------- plan
@@ -230,8 +346,7 @@ def _load_or_make_plan(out_dir: Path, lengths: list[int], recipe: Recipe, is_mai
     path = out_dir / PLAN_NAME
     if is_main:
         if path.exists():
-            with open(path) as f:
-                stored = json.load(f)
+            stored = read_state_json(path)
             if stored["num_samples"] != len(lengths):
                 raise OutputMismatchError(f"{path} plans {stored['num_samples']} samples but the data has "
                                           f"{len(lengths)}: the dataset changed; use --set output.overwrite=true")
@@ -243,8 +358,7 @@ def _load_or_make_plan(out_dir: Path, lengths: list[int], recipe: Recipe, is_mai
             atomic_write_json(path, {"batching": _plan_settings(recipe), "num_samples": len(lengths),
                                      "batches": [[p.padded_length, list(p.sample_indices)] for p in plan]})
     state.wait_for_everyone()
-    with open(path) as f:
-        stored = json.load(f)
+    stored = read_state_json(path)
     return [PlannedBatch(batch_id=i, sample_indices=tuple(idx), padded_length=T,
                          num_real_tokens=sum(lengths[j] for j in idx))
             for i, (T, idx) in enumerate(stored["batches"])]
@@ -345,6 +459,7 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
     rank, world, is_main = state.process_index, state.num_processes, state.is_main_process
     device = state.device
     out_dir = Path(recipe.output.dir)
+    _refuse_unsafe_output_dir(recipe)
     out_dir.mkdir(parents=True, exist_ok=True)
     _setup_logging(out_dir, rank, is_main)
     log.info("dflash-prep %s: rank %d of %d on %s", __version__, rank, world, device)
@@ -361,14 +476,14 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
     tokenizer = load_tokenizer(recipe.model)
     check_data_source(recipe.data)
     hidden_size = hidden_size_of(config)
-    identity = _run_identity(recipe, config, layer_ids, tokenizer)
+    identity = _run_identity(recipe, config, layer_ids, tokenizer, is_main)
     faults = Faults.from_env()  # test-only fault injection (faults.py); None unless DFLASH_PREP_FAULTS is set
     if faults is not None:
         log.warning("fault injection active (DFLASH_PREP_FAULTS): %s", faults)
     if is_main:
         held.append(lock_run(out_dir))  # before anything in the folder is touched
         check_no_rank_writing(out_dir)  # no orphaned worker of an earlier run still writes
-        _prepare_output(out_dir, recipe, identity)
+        _open_output(out_dir, recipe, identity)
     state.wait_for_everyone()
     held.append(lock_rank(out_dir, rank))
 
@@ -377,7 +492,9 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
         rows = load_rows(recipe.data)
         data = tokenize_dataset(rows, tokenizer, recipe.data, vocab_size_of(config))
     if is_main:
-        write_skipped(out_dir / SKIPPED_NAME, data.skipped_rows)
+        identity["data_rows"] = rows_fingerprint(data.kept)
+        _prepare_output(out_dir, recipe, identity)  # refuses rows that differ from the output's
+        atomic_write_jsonl(out_dir / SKIPPED_NAME, data.skipped_rows)
         log.info("data: %d rows, %d kept, %d skipped%s", data.num_rows, len(data.kept),
                  sum(data.skipped_counts.values()), f" {data.skipped_counts}" if data.skipped_counts else "")
     lengths = [int(n) for n in data.kept["num_tokens"]]
@@ -399,11 +516,120 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
                      len(plan) - len(todo), len(plan), len(todo), world)
         _check_free_space(out_dir, lengths, todo, layer_ids, hidden_size, recipe)
 
-    # 4. The model: load, keep only the layers we read from.
+    # 4-5. The model and the loop; nothing to do (a finished output re-run): the model is not even loaded.
+    if todo:
+        rank_report = _run_batches(recipe, config, device, state, out_dir, layer_ids, num_layers, committed, mine,
+                                   data, tokenizer, faults, tuple(lock.fd for lock in held if lock.fd is not None))
+    else:
+        log.info("every batch of the plan is committed: nothing to run, the model is not loaded")
+        rank_report = _idle_rank_report(rank)
+    atomic_write_json(out_dir / "index" / f"{rank_name(rank)}.done.json", rank_report)
+    log.info("rank %d done: %d samples, %d tokens in %.1fs", rank, rank_report["num_samples"],
+             rank_report["num_real_tokens"], rank_report["loop_seconds"])
+    state.wait_for_everyone()
+    if not is_main:
+        return None
+
+    # 6. The main process merges: manifest last.
+    reports = [json.loads(p.read_text()) for p in sorted((out_dir / "index").glob("rank-*.done.json"))]
+    reports = [r for r in reports if r["rank"] < world]
+    records = read_committed(out_dir)
+    info = {
+        "dflash_prep_version": __version__,
+        "model": describe_source(recipe.model),
+        "model_fingerprint": identity["model"],
+        "tokenizer_fingerprint": identity["tokenizer"],
+        "weights_fingerprint": identity["weights"],
+        "data_rows_fingerprint": identity["data_rows"],
+        "attn_implementation": recipe.model.attn_implementation,
+        "recipe_fingerprint": recipe.fingerprint(),
+        "model_type": getattr(config, "model_type", None),
+        "num_hidden_layers": num_layers,
+        "layer_ids": layer_ids,
+        "layer_id_convention": "after-layer, 0-based (id i = HF hidden_states[i+1])",
+        "hidden_size": hidden_size,
+        "dtype": recipe.output.dtype,
+        "capture_final": recipe.layers.capture_final,
+        "final_norm": _final_norm_entry(out_dir, recipe),
+        "num_rows": data.num_rows,
+        "num_skipped": sum(data.skipped_counts.values()),
+        "skipped": data.skipped_counts,
+        "num_failed": 0,
+        "failed": {},
+    }
+    # Failed samples are recorded in the index line of the shard that committed their batch.
+    failed_rows = sorted((f for r in records for f in r.failed), key=lambda f: f["sample_id"])
+    info["num_failed"] = len(failed_rows)
+    info["failed"] = dict(sorted(Counter(f["reason"] for f in failed_rows).items()))
+    manifest = build_manifest(records, info)
+    accounted = {s for r in records for s in r.sample_ids} | {f["sample_id"] for f in failed_rows}
+    if accounted != set(data.kept["sample_id"]):
+        raise ExtractionError(
+            f"{len(lengths)} samples planned, {manifest['num_samples']} committed and {len(failed_rows)} recorded "
+            f"as failed: {len(set(data.kept['sample_id']) - accounted)} missing; re-run the same command to finish")
+    # The draft vocabulary's input: supervised-token frequencies over exactly the samples the manifest lists.
+    written = {s for r in records for s in r.sample_ids}
+    manifest["token_freq"] = write_token_freq(
+        out_dir, count_supervised_tokens(data.kept, vocab_size_of(config), written), len(written))
+    real = sum(r["num_real_tokens"] for r in reports)
+    padded = sum(r["num_padded_tokens"] for r in reports)
+    wall = time.perf_counter() - t_start
+    summary = {
+        "output_dir": str(out_dir),
+        "num_rows": data.num_rows,
+        "num_samples_written": manifest["num_samples"],
+        "num_tokens_written": manifest["num_tokens"],
+        "num_samples_this_run": sum(r["num_samples"] for r in reports),
+        "num_tokens_this_run": real,
+        "num_skipped": info["num_skipped"],
+        "skipped": data.skipped_counts,
+        "num_failed": info["num_failed"],
+        "failed": info["failed"],
+        "num_failed_this_run": sum(r.get("num_failed", 0) for r in reports),
+        "num_oom": sum(r.get("num_oom", 0) for r in reports),
+        "num_batches": stats["num_batches"],
+        "num_shapes_planned": stats["num_shapes"],
+        "padding_efficiency": real / padded if padded else None,
+        "planned_padding_efficiency": stats["padding_efficiency"],
+        "num_ranks": world,
+        "wall_seconds": wall,
+        "tokens_per_second": real / max(max((r["loop_seconds"] for r in reports), default=0.0), 1e-9),
+        "bytes_written_this_run": sum(r["bytes_written"] for r in reports),
+        "bytes_total": manifest["num_bytes"],
+        "num_shards": len(manifest["shards"]),
+        "ranks": reports,
+    }
+    manifest["summary"] = {k: summary[k] for k in ("num_batches", "padding_efficiency", "num_ranks")}
+    try:
+        atomic_write_jsonl(out_dir / FAILED_NAME, failed_rows)
+        atomic_write_json(out_dir / SUMMARY_NAME, summary)
+        write_manifest(out_dir, manifest)
+    except OSError as e:
+        raise ExtractionError(f"writing the manifest failed ({e}); every shard is committed: re-run the same "
+                              f"command (nothing is recomputed) to write it") from e
+    log.info("done: %d samples, %d tokens written (%d skipped%s, %d failed%s), padding efficiency %s, %.1f GB in "
+             "%d shards, %.1fs wall, %.0f tok/s -> %s", summary["num_samples_written"], summary["num_tokens_written"],
+             summary["num_skipped"], f" {data.skipped_counts}" if data.skipped_counts else "",
+             summary["num_failed"], f" {summary['failed']}" if summary["failed"] else "",
+             f"{summary['padding_efficiency']:.3f}" if summary["padding_efficiency"] else "n/a",
+             summary["bytes_total"] / 1e9, summary["num_shards"], wall, summary["tokens_per_second"],
+             out_dir / "manifest.json")
+    return summary
+
+
+def _run_batches(recipe: Recipe, config, device, state, out_dir: Path, layer_ids: list[int], num_layers: int,
+                 committed: list, mine: list[PlannedBatch], data, tokenizer, faults, lock_fds: tuple) -> dict:
+    """Load the model and run this rank's batches `mine` through it into the writer; returns the rank's report.
+    Raises ExtractionError when the run stops cleanly (write error, fatal NaN, SIGTERM/Ctrl-C)."""
+    rank, world, is_main = state.process_index, state.num_processes, state.is_main_process
+    # The model: load, keep only the layers we read from.
     t0 = time.perf_counter()
     model = load_model(recipe.model, config, device)
     last_needed = num_layers - 1 if recipe.layers.capture_final != "none" else layer_ids[-1]
     layers_run = drop_layers_after(model, last_needed)
+    # Before-norm final states + the norm's parameters give the after-norm ones at read time (norms.py).
+    if is_main and recipe.layers.capture_final == "before_norm":
+        write_final_norm(out_dir, describe_final_norm(find_decoder(model).norm))
     # Before-norm final states + the norm's parameters give the after-norm ones at read time (norms.py).
     final_norm = write_final_norm(out_dir, describe_final_norm(find_decoder(model).norm)) \
         if is_main and recipe.layers.capture_final == "before_norm" else None
@@ -411,7 +637,7 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
              time.perf_counter() - t0, describe_source(recipe.model), layers_run, num_layers, layer_ids,
              f" + final ({recipe.layers.capture_final})" if recipe.layers.capture_final != "none" else "")
 
-    # 5. The loop.
+    # The loop.
     writer = AsyncShardWriter(
         lanes(out_dir, rank, recipe.output.max_shard_bytes, next_shard_number(committed, rank_name(rank)),
               recipe.output.num_writer_threads, faults), nan_policy=recipe.output.nan_policy,
@@ -421,7 +647,7 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
         PlannedBatches(data.kept, mine, tokenizer.pad_token_id or 0), batch_size=None, shuffle=False,
         num_workers=recipe.batching.num_workers, pin_memory=device.type == "cuda",
         persistent_workers=False, prefetch_factor=4 if recipe.batching.num_workers else None,
-        worker_init_fn=_ignore_stop_signals)
+        worker_init_fn=functools.partial(_init_worker, lock_fds))
     rank_stats = RankStats()
     progress = _progress(is_main, sum(len(p.sample_indices) for p in mine), world)
     storage_dtype = STORAGE_TORCH_DTYPES[recipe.output.dtype]
@@ -505,95 +731,31 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
         "num_split_batches": runner.num_split_batches if runner is not None else 0,
         "oom_batch_caps": {str(T): n for T, n in sorted(runner.caps.items())} if runner is not None else {},
     }
-    atomic_write_json(out_dir / "index" / f"{rank_name(rank)}.done.json", rank_report)
-    log.info("rank %d done: %d samples, %d tokens in %.1fs", rank, rank_stats.num_samples,
-             rank_stats.num_real_tokens, loop_seconds)
-    state.wait_for_everyone()
-    if not is_main:
-        return None
+    return rank_report
 
-    # 6. The main process merges: manifest last.
-    reports = [json.loads(p.read_text()) for p in sorted((out_dir / "index").glob("rank-*.done.json"))]
-    reports = [r for r in reports if r["rank"] < world]
-    records = read_committed(out_dir)
-    info = {
-        "dflash_prep_version": __version__,
-        "model": describe_source(recipe.model),
-        "model_fingerprint": identity["model"],
-        "tokenizer_fingerprint": identity["tokenizer"],
-        "recipe_fingerprint": recipe.fingerprint(),
-        "model_type": getattr(config, "model_type", None),
-        "num_hidden_layers": num_layers,
-        "layer_ids": layer_ids,
-        "layer_id_convention": "after-layer, 0-based (id i = HF hidden_states[i+1])",
-        "hidden_size": hidden_size,
-        "dtype": recipe.output.dtype,
-        "capture_final": recipe.layers.capture_final,
-        "final_norm": final_norm,
-        "num_rows": data.num_rows,
-        "num_skipped": sum(data.skipped_counts.values()),
-        "skipped": data.skipped_counts,
-        "num_failed": 0,
-        "failed": {},
-    }
-    # Failed samples are recorded in the index line of the shard that committed their batch.
-    failed_rows = sorted((f for r in records for f in r.failed), key=lambda f: f["sample_id"])
-    info["num_failed"] = len(failed_rows)
-    info["failed"] = dict(sorted(Counter(f["reason"] for f in failed_rows).items()))
-    manifest = build_manifest(records, info)
-    accounted = {s for r in records for s in r.sample_ids} | {f["sample_id"] for f in failed_rows}
-    if accounted != set(data.kept["sample_id"]):
-        raise ExtractionError(
-            f"{len(lengths)} samples planned, {manifest['num_samples']} committed and {len(failed_rows)} recorded "
-            f"as failed: {len(set(data.kept['sample_id']) - accounted)} missing; re-run the same command to finish")
-    # The draft vocabulary's input: supervised-token frequencies over exactly the samples the manifest lists.
-    written = {s for r in records for s in r.sample_ids}
-    manifest["token_freq"] = write_token_freq(
-        out_dir, count_supervised_tokens(data.kept, vocab_size_of(config), written), len(written))
-    real = sum(r["num_real_tokens"] for r in reports)
-    padded = sum(r["num_padded_tokens"] for r in reports)
-    wall = time.perf_counter() - t_start
-    summary = {
-        "output_dir": str(out_dir),
-        "num_rows": data.num_rows,
-        "num_samples_written": manifest["num_samples"],
-        "num_tokens_written": manifest["num_tokens"],
-        "num_samples_this_run": sum(r["num_samples"] for r in reports),
-        "num_tokens_this_run": real,
-        "num_skipped": info["num_skipped"],
-        "skipped": data.skipped_counts,
-        "num_failed": info["num_failed"],
-        "failed": info["failed"],
-        "num_failed_this_run": sum(r.get("num_failed", 0) for r in reports),
-        "num_oom": sum(r.get("num_oom", 0) for r in reports),
-        "num_batches": stats["num_batches"],
-        "num_shapes_planned": stats["num_shapes"],
-        "padding_efficiency": real / padded if padded else None,
-        "planned_padding_efficiency": stats["padding_efficiency"],
-        "num_ranks": world,
-        "wall_seconds": wall,
-        "tokens_per_second": real / max(max((r["loop_seconds"] for r in reports), default=0.0), 1e-9),
-        "bytes_written_this_run": sum(r["bytes_written"] for r in reports),
-        "bytes_total": manifest["num_bytes"],
-        "num_shards": len(manifest["shards"]),
-        "ranks": reports,
-    }
-    manifest["summary"] = {k: summary[k] for k in ("num_batches", "padding_efficiency", "num_ranks")}
+
+def _final_norm_entry(out_dir: Path, recipe: Recipe) -> dict | None:
+    """The manifest's `final_norm` ({path, form, eps}) from OUT/final_norm.safetensors, written by the run that
+    loaded the model (a finished output re-run does not load it); None unless capture_final is before_norm."""
+    if recipe.layers.capture_final != "before_norm":
+        return None
     try:
-        write_skipped(out_dir / FAILED_NAME, failed_rows)
-        atomic_write_json(out_dir / SUMMARY_NAME, summary)
-        write_manifest(out_dir, manifest)
-    except OSError as e:
-        raise ExtractionError(f"writing the manifest failed ({e}); every shard is committed: re-run the same "
-                              f"command (nothing is recomputed) to write it") from e
-    log.info("done: %d samples, %d tokens written (%d skipped%s, %d failed%s), padding efficiency %s, %.1f GB in "
-             "%d shards, %.1fs wall, %.0f tok/s -> %s", summary["num_samples_written"], summary["num_tokens_written"],
-             summary["num_skipped"], f" {data.skipped_counts}" if data.skipped_counts else "",
-             summary["num_failed"], f" {summary['failed']}" if summary["failed"] else "",
-             f"{summary['padding_efficiency']:.3f}" if summary["padding_efficiency"] else "n/a",
-             summary["bytes_total"] / 1e9, summary["num_shards"], wall, summary["tokens_per_second"],
-             out_dir / "manifest.json")
-    return summary
+        norm = read_final_norm(out_dir)
+    except FileNotFoundError:
+        return None
+    return {"path": FINAL_NORM_NAME, "form": norm["form"], "eps": norm["eps"]}
+
+
+def _idle_rank_report(rank: int) -> dict:
+    """The report of a rank that had nothing to run."""
+    report = {key: 0 for key in ("num_batches", "num_samples", "num_real_tokens", "num_padded_tokens", "num_shapes",
+                                 "num_failed", "num_oom", "num_split_batches", "bytes_written", "shards_committed",
+                                 "num_writer_threads", "peak_pending_bytes", "decoder_params_run")}
+    report.update({key: 0.0 for key in ("loop_seconds", "forward_seconds", "data_wait_seconds",
+                                        "writer_wait_seconds", "write_seconds")})
+    report.update(rank=rank, gpu_forward_seconds=None, gpu_idle_seconds=None, peak_gpu_memory_bytes=None,
+                  failed={}, oom_batch_caps={})
+    return report
 
 
 def _stopped_message(out_dir: Path, rank: int, writer: AsyncShardWriter, error: BaseException) -> str:
@@ -625,7 +787,23 @@ def _progress(is_main: bool, total_samples: int, world: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`extract.py` / `dflash-prep extract`: [--recipe PATH] [--set key=value ...]."""
+    """`extract.py` / `dflash-prep extract`: [--recipe PATH] [--set key=value ...]. Returns the exit code."""
+    code = _main(argv)
+    if code in (EXIT_BAD_RECIPE, EXIT_FAILED_SAMPLES) and _under_plain_accelerate_launch():
+        print(f"note: `accelerate launch` reports exit code {code} as 1 (\"stopped, resumable\"); `dflash-prep launch` "
+              f"takes the same arguments and keeps it", file=sys.stderr)
+    return code
+
+
+def _under_plain_accelerate_launch() -> bool:
+    """Started by `accelerate launch` (it sets ACCELERATE_MIXED_PRECISION), not by `dflash-prep launch`; rank 0."""
+    from .launch import LAUNCHER_ENV
+
+    return ("ACCELERATE_MIXED_PRECISION" in os.environ and LAUNCHER_ENV not in os.environ
+            and os.environ.get("RANK", "0") == "0")
+
+
+def _main(argv: list[str] | None) -> int:
     import argparse
 
     from .recipe import load_recipe
@@ -640,11 +818,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         summary = run_extraction(recipe)
-    except (RecipeError, OutputMismatchError, OutputBusyError) as e:
+    except (RecipeError, OutputMismatchError, OutputBusyError, OutputStateError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_RECIPE
     except ExtractionError as e:
         print(f"error: {e} (details in {Path(recipe.output.dir) / 'logs'})", file=sys.stderr)
+        return EXIT_STOPPED
+    except KeyboardInterrupt:  # Ctrl-C outside the loop (which handles it at a batch boundary)
+        print(f"error: stopped by Ctrl-C; committed shards are intact, re-run the same command to resume",
+              file=sys.stderr)
         return EXIT_STOPPED
     except OSError as e:
         if log.handlers:

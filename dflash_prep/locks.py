@@ -75,6 +75,11 @@ class FileLock:
         self._fd = fd
         return True
 
+    @property
+    def fd(self) -> int | None:
+        """The descriptor holding the lock (None when not held); a forked child must close its copy."""
+        return self._fd
+
     def held_elsewhere(self) -> bool:
         """Whether another process holds the lock now (a probe: takes and drops it, writes nothing)."""
         if not self.path.exists():

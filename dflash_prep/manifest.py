@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import tarfile
 from pathlib import Path
 
 from .writer import INDEX_DIR, SHARDS_DIR, ShardRecord, fsync_dir
@@ -65,6 +66,69 @@ def repair_indexes(out_dir: str | Path) -> list[str]:
     return repaired
 
 
+class OutputStateError(RuntimeError):
+    """A state file of the output (plan.json, run_state.json) cannot be read: damaged or truncated."""
+
+
+def read_state_json(path: Path) -> dict:
+    """A JSON state file of the output; raises OutputStateError (one line: the file and the way out) when it is
+    not valid JSON (truncated by a copy, a full disk, an edit)."""
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read())
+    except (ValueError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
+        raise OutputStateError(
+            f"{path} is damaged ({type(e).__name__}: {e}); the output cannot be resumed from it: start afresh with "
+            f"--set output.overwrite=true, or use another output.dir") from None
+
+
+def damaged_shards(out_dir: str | Path, committed: list[ShardRecord]) -> dict[str, str]:
+    """Committed shards whose file is not what its index record says -> why: missing, another size than the
+    record's `num_bytes`, or a first member that is not the record's first sample (a file swapped in). Costs one
+    stat and one 512-byte read per shard (no hashing: `inspect --check` re-hashes)."""
+    out_dir = Path(out_dir)
+    bad = {}
+    for record in committed:
+        path = out_dir / record.path
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            bad[record.path] = "missing"
+            continue
+        if size != record.num_bytes:
+            bad[record.path] = f"{size} bytes, its index record says {record.num_bytes}"
+            continue
+        if record.sample_ids:
+            try:
+                with tarfile.open(path, "r:") as tar:
+                    first = tar.next()
+                name = first.name if first is not None else ""
+            except (tarfile.TarError, OSError):
+                name = ""
+            if name.split(".", 1)[0] != record.sample_ids[0]:
+                bad[record.path] = f"starts with {name!r}, not with sample {record.sample_ids[0]}"
+    return bad
+
+
+def drop_records(out_dir: str | Path, paths: set[str]) -> None:
+    """Remove the index lines of the shards `paths` (and those files): their batches are then not committed and
+    a run redoes them. Each rank index is rewritten atomically. Main process only, no rank writing."""
+    out_dir = Path(out_dir)
+    for index in sorted((out_dir / INDEX_DIR).glob("rank-*.jsonl")):
+        lines = index.read_bytes().splitlines(keepends=True)
+        kept = [line for line in lines if not line.strip() or json.loads(line).get("path") not in paths]
+        if len(kept) != len(lines):
+            tmp = index.with_name(index.name + ".tmp")
+            with open(tmp, "wb") as f:
+                f.writelines(kept)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, index)
+            fsync_dir(index.parent)
+    for rel in paths:
+        (out_dir / rel).unlink(missing_ok=True)
+
+
 def remove_uncommitted(out_dir: str | Path, committed: list[ShardRecord]) -> list[Path]:
     """Delete `.tmp` files and shard files no index lists (left by a crash). Returns what was removed."""
     out_dir = Path(out_dir)
@@ -88,6 +152,18 @@ def atomic_write_json(path: Path, obj) -> None:
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=False)
         f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def atomic_write_jsonl(path: Path, rows: list[dict]) -> None:
+    """One JSON object per line, written like `atomic_write_json` (a kill leaves the old file or the new one)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -38,9 +38,14 @@ def load_config(section: ModelSection):
     source = section.config or section.name_or_path
     key = "model.config" if section.config else "model.name_or_path"
     try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # older huggingface_hub: configs are not validated on load
+        StrictDataclassError = ValueError  # noqa: N806
+    try:
         return AutoConfig.from_pretrained(source, trust_remote_code=section.trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise RecipeError(f"recipe key `{key}` = {source!r}: cannot load a model config ({e})") from None
+    except (OSError, ValueError, TypeError, StrictDataclassError) as e:  # TypeError, StrictDataclassError: a value
+        why = " ".join(str(e).split())  # transformers' config validation rejects (one line)
+        raise RecipeError(f"recipe key `{key}` = {source!r}: cannot load a model config ({why})") from None
 
 
 def model_fingerprint(section: ModelSection, config) -> str:

@@ -193,7 +193,8 @@ class OutputSection:
     max_shard_bytes: int = 2_000_000_000
     """A shard is closed at the first batch boundary after it reaches this size (bytes or '2GB')."""
     overwrite: bool = False
-    """Delete an existing output folder's content first."""
+    """Delete an existing output folder's content first. Refused on a folder that is not a dflash-prep output
+    (no run_state.json, plan.json or manifest.json): the user's own files are never deleted."""
     nan_policy: Literal["fail_sample", "fatal"] = "fail_sample"
     """A sample whose captured states hold a NaN or an Inf: `fail_sample` records it as failed (not written,
     listed in failed.jsonl, counted in the manifest) and goes on; `fatal` stops the run (committed shards stay)."""
@@ -370,8 +371,14 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
     path = Path(path) if path is not None else DEFAULT_RECIPE
     if not path.is_file():
         raise RecipeError(f"recipe file {str(path)!r} not found")
-    with open(path) as f:
-        raw = yaml.safe_load(f) or {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+        what = getattr(e, "problem", None) or type(e).__name__
+        raise RecipeError(f"recipe {path}: not valid YAML{at} ({what})") from None
     if not isinstance(raw, dict):
         raise RecipeError(f"recipe {path}: expected a mapping at the top level")
     base_dir = path.resolve().parent

@@ -96,6 +96,57 @@ def test_two_concurrent_extractions_one_runs_the_other_is_refused(tmp_path):
     assert len(raw_records(out)) == 24 and check_output(out) == []
 
 
+def children_of(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_dataloader_workers_neither_hold_the_locks_nor_outlive_a_main_process_killed_alone(tmp_path, capsys):
+    """The kernel's OOM killer kills the rank's main process only: its DataLoader workers must not keep the output
+    locked (every resume would be refused naming the dead pid) and must not linger."""
+    from dflash_prep.locks import running_holders
+
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+           "DFLASH_PREP_FAULTS": json.dumps({"forward_delay_seconds": 0.5})}
+    cmd = [sys.executable, "extract.py", *argv(out, **{"batching.num_workers": 2, "batching.max_tokens_per_batch": 2048})]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        workers: list[int] = []
+        while time.time() < deadline and proc.poll() is None and len(workers) < 2:
+            workers = children_of(proc.pid)  # the DataLoader's workers, once the loop runs
+            time.sleep(0.05)
+        assert len(workers) == 2 and proc.poll() is None, "no workers seen while the run ran: nothing proved"
+        os.kill(proc.pid, signal.SIGKILL)  # the main process only
+        proc.wait(timeout=30)
+        deadline = time.time() + 3
+        while time.time() < deadline and any(alive(w) for w in workers):
+            time.sleep(0.05)
+        assert running_holders(out) == {}, "a worker of the killed run still holds the output's locks"
+        assert not any(alive(w) for w in workers), "a worker outlived its killed main process"
+    finally:
+        for pid in [proc.pid, *children_of(proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert main(argv(out)) == 0 and len(raw_records(out)) == 24 and check_output(out) == []  # the resume runs
+
+
 def test_inspect_of_an_unfinished_output_shows_progress_and_whether_it_runs(tmp_path, monkeypatch, capsys):
     from dflash_prep.extract import EXIT_STOPPED
     from dflash_prep.faults import ENV_VAR

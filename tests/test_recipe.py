@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import json
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,26 @@ def test_model_fingerprint_depends_on_the_config_not_on_where_it_was_read(tmp_pa
     changed["rms_norm_eps"] = 1e-5 if changed.get("rms_norm_eps") != 1e-5 else 1e-6
     moved.write_text(json.dumps(changed))
     assert model_fingerprint(there.model, load_config(there.model)) != model_fingerprint(here.model, load_config(here.model))
+
+
+def test_a_malformed_recipe_file_is_one_line_naming_it(tmp_path, capsys):
+    from dflash_prep.extract import main
+
+    path = tmp_path / "broken.yaml"
+    path.write_text("model:\n  config: x\n data: [\n")
+    assert main(["--recipe", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"error: recipe {path}: not valid YAML at line 3, column 2 (expected <block end>, but " \
+                          f"found '<block mapping start>')"
+
+
+def test_a_model_config_value_transformers_rejects_names_the_key(tmp_path, capsys):
+    from dflash_prep.extract import main
+
+    config = json.loads((REPO / "recipes" / "tiny-demo" / "model_config.json").read_text())
+    config["hidden_size"] = "big"
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert main(["--set", f"model.config={path}", "--set", f"output.dir={tmp_path / 'out'}"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"`model.config` = '{path}'" in errors[0] and "hidden_size" in errors[0]

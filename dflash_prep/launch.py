@@ -1,0 +1,100 @@
+"""`dflash-prep launch`: accelerate's own launcher, run in this process, keeping the script's exit code.
+
+    dflash-prep launch [accelerate launch options] extract.py [--recipe PATH] [--set key=value ...]
+
+takes exactly the arguments of `accelerate launch` and calls accelerate's `launch_command` with them. Why not
+`accelerate launch` itself (accelerate 1.x, `commands/launch.py`): its single-process launcher raises
+`CalledProcessError` and its multi-process one (torch elastic) `ChildFailedError` when the script exits non-zero;
+both end the launcher with a traceback and exit code 1. Exit code 2 (refused: bad recipe or input, an output of
+another job) and 3 (too many failed samples) then read as 1 ("stopped, resumable"), and a retry-on-1 wrapper
+loops forever on a permanent refusal. Here:
+
+- the exit code of the script reaches the shell: with several processes the most telling one of the ranks
+  (2 before 3 before 1; a rank killed by a signal counts as 1), and no launcher traceback is printed;
+- Ctrl-C is left to the script (it stops at a batch boundary, commits what it captured and exits 1): the
+  launcher waits for it instead of printing a KeyboardInterrupt traceback;
+- without `--config_file` and without a default accelerate config, the values accelerate would warn about
+  (`--num_processes`, `--num_machines`, `--mixed_precision`, `--dynamo_backend`) are set to what accelerate would
+  choose (one process per GPU, one without GPUs), so the console shows no warning block.
+
+Errors: a launcher argument accelerate rejects is one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+
+EXIT_STOPPED, EXIT_REFUSED, EXIT_FAILED_SAMPLES = 1, 2, 3
+LAUNCHER_ENV = "DFLASH_PREP_LAUNCHER"  # set for the script: it runs under this launcher (codes are kept)
+
+
+def rank_exit_code(codes: list[int]) -> int:
+    """One exit code for the ranks' `codes` (negative: killed by that signal): 2 before 3 before 1, 0 if all 0."""
+    for wanted in (EXIT_REFUSED, EXIT_FAILED_SAMPLES):
+        if wanted in codes:
+            return wanted
+    return EXIT_STOPPED if any(c != 0 for c in codes) else 0
+
+
+def _fill_quiet_defaults(args) -> None:
+    """Without an accelerate config, set what accelerate would otherwise set with a warning block."""
+    from accelerate.commands.config import default_config_file
+
+    if args.config_file is not None or os.path.isfile(default_config_file):
+        return
+    if args.num_processes is None:
+        import torch
+
+        args.num_processes = max(torch.cuda.device_count(), 1)
+        if args.num_processes > 1:
+            args.multi_gpu = True
+    if args.num_machines is None:
+        args.num_machines = 1
+    if args.mixed_precision is None:
+        args.mixed_precision = "no"
+    if args.dynamo_backend is None:
+        args.dynamo_backend = "no"
+
+
+def _ignore_interrupt(signum, frame) -> None:
+    """The launcher's Ctrl-C: the terminal sent it to the script too, which stops cleanly; keep waiting for it.
+    (A Python handler, not SIG_IGN: children start with the default disposition again.)"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    parser = launch_command_parser()
+    parser.prog = "dflash-prep launch"
+    args = parser.parse_args(argv)
+    _fill_quiet_defaults(args)
+    os.environ[LAUNCHER_ENV] = "1"
+    # torch elastic logs each failed rank with its own block; the ranks printed their one-line errors already.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    previous = signal.signal(signal.SIGINT, _ignore_interrupt)
+    try:
+        launch_command(args)
+    except subprocess.CalledProcessError as e:
+        return rank_exit_code([e.returncode])
+    except ChildFailedError as e:
+        return rank_exit_code([f.exitcode for f in e.failures.values()])
+    except (SignalException, KeyboardInterrupt):
+        return EXIT_STOPPED
+    except ValueError as e:  # accelerate's own argument checks
+        print(f"error: dflash-prep launch: {e}", file=sys.stderr)
+        return EXIT_REFUSED
+    except SystemExit as e:  # the `--quiet` path of accelerate's simple launcher: sys.exit(1)
+        return e.code if isinstance(e.code, int) else EXIT_STOPPED
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

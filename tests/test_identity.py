@@ -1,0 +1,134 @@
+"""What is committed is what this job would write now: a resume refuses data rows or weights that changed in place
+(exit code 2, one line naming what changed), redoes the batches of a committed shard whose file is gone, cut or
+swapped, re-runs a finished output without loading the model, and refuses output folders that are unsafe to use."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import DEMO, build, raw_records, tiny_qwen35_config
+from dflash_prep.extract import EXIT_BAD_RECIPE, main
+from dflash_prep.inspect_output import check_output
+
+SETTINGS = ["--set", "batching.num_workers=0", "--set", "batching.max_tokens_per_batch=4096",
+            "--set", "output.max_shard_bytes=1MB"]
+NUM_ROWS = 24
+
+
+def argv(out: Path, data: Path, *extra: str) -> list[str]:
+    return ["--set", f"output.dir={out}", "--set", f"data.path={data}", *SETTINGS, *extra]
+
+
+def models_loaded(out: Path) -> int:
+    return (out / "logs" / "rank-00000.log").read_text().count("model loaded")
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    """The first NUM_ROWS conversations of the demo, as a file of their own (tests edit copies of it)."""
+    path = tmp_path_factory.mktemp("data") / "rows.jsonl"
+    lines = (DEMO / "data" / "conversations.jsonl").read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:NUM_ROWS]))
+    return path
+
+
+@pytest.fixture(scope="module")
+def output(tmp_path_factory, data_file) -> Path:
+    out = tmp_path_factory.mktemp("identity") / "out"
+    assert main(argv(out, data_file)) == 0
+    assert len(json.loads((out / "manifest.json").read_text())["shards"]) >= 3
+    return out
+
+
+def test_data_rows_edited_or_shuffled_in_place_are_refused_naming_the_rows(output, copy, data_file, tmp_path, capsys):
+    lines = data_file.read_text().splitlines(keepends=True)
+    edited = tmp_path / "edited.jsonl"
+    row = json.loads(lines[5])
+    row["messages"][-1]["content"] += " (edited)"
+    edited.write_text("".join(lines[:5] + [json.dumps(row) + "\n"] + lines[6:]))
+    shuffled = tmp_path / "shuffled.jsonl"
+    shuffled.write_text("".join(reversed(lines)))
+    original = data_file.read_bytes()
+    for changed in (edited, shuffled):
+        out = tmp_path / f"out-{changed.stem}"
+        shutil.copytree(copy, out)
+        shutil.copy(changed, data_file)  # the same path and recipe as the output's run, other content
+        try:
+            code = main(argv(out, data_file))
+        finally:
+            data_file.write_bytes(original)
+        err = capsys.readouterr().err
+        assert code == EXIT_BAD_RECIPE, err[-2000:]
+        assert "data rows differ" in err and "output.overwrite=true" in err and "Traceback" not in err
+        assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1
+        assert models_loaded(out) == 1  # the output's own run only
+
+
+def test_weights_overwritten_in_place_are_refused_naming_the_file(tmp_path, data_file, capsys):
+    checkpoint = tmp_path / "checkpoint"
+    build(tiny_qwen35_config(), seed=0).save_pretrained(checkpoint)
+    out = tmp_path / "out"
+    model = ["--set", "model.config=null", "--set", f"model.name_or_path={checkpoint}", "--set", "data.max_samples=4"]
+    assert main(argv(out, data_file, *model)) == 0
+    build(tiny_qwen35_config(), seed=1).save_pretrained(checkpoint)  # same path, same config, other weights
+    capsys.readouterr()
+    assert main(argv(out, data_file, *model)) == EXIT_BAD_RECIPE
+    err = capsys.readouterr().err
+    assert "model weights differ (model.safetensors: sampled bytes differ(s))" in err, err[-2000:]
+    assert models_loaded(out) == 1
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["attn_implementation"] == "sdpa"
+    assert set(manifest["weights_fingerprint"]["files"]) == {"model.safetensors"}
+
+
+def test_a_finished_output_re_runs_without_loading_the_model(output, copy, data_file, capsys):
+    assert main(argv(copy, data_file)) == 0
+    assert models_loaded(copy) == 1
+    assert check_output(copy) == []
+
+
+def test_committed_shards_deleted_truncated_or_swapped_are_redone(output, copy, data_file, capsys):
+    manifest = json.loads((copy / "manifest.json").read_text())
+    paths = [copy / s["path"] for s in manifest["shards"]]
+    paths[0].unlink()
+    with open(paths[1], "r+b") as f:
+        f.truncate(paths[1].stat().st_size // 2)
+    paths[2].write_bytes((output / manifest["shards"][0]["path"]).read_bytes())  # another shard's bytes
+    assert main(argv(copy, data_file)) == 0
+    log = (copy / "logs" / "rank-00000.log").read_text()
+    assert log.count("is damaged") == 3 and "missing" in log and "its index record says" in log
+    assert check_output(copy) == []  # every shard the manifest lists is there, whole, with its hash
+    assert raw_records(copy) == raw_records(output)  # the same samples, byte for byte
+
+
+@pytest.mark.parametrize("name", ["plan.json", "run_state.json"])
+def test_a_truncated_state_file_is_one_line_naming_it(output, copy, data_file, name, capsys):
+    path = copy / name
+    path.write_bytes(path.read_bytes()[:40])
+    assert main(argv(copy, data_file)) == EXIT_BAD_RECIPE
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"{path} is damaged" in errors[0] and "output.overwrite=true" in errors[0]
+
+
+def test_overwrite_refuses_a_folder_that_is_not_an_output(tmp_path, data_file, capsys):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("the user's own file")
+    assert main(argv(folder, data_file, "--set", "output.overwrite=true")) == EXIT_BAD_RECIPE
+    assert "is not a dflash-prep output" in capsys.readouterr().err
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]  # nothing deleted, nothing created
+
+
+@pytest.mark.parametrize("pattern", ["**/*.jsonl", "*"], ids=["glob", "folder"])
+def test_an_output_inside_the_data_is_refused(tmp_path, data_file, pattern, capsys):
+    shutil.copy(data_file, tmp_path / "rows.jsonl")
+    data = tmp_path / pattern if pattern != "*" else tmp_path
+    assert main(argv(tmp_path / "out", data, "--set", "data.max_samples=4")) == EXIT_BAD_RECIPE
+    err = capsys.readouterr().err
+    assert "it lies inside the data" in err and "`output.dir`" in err
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,81 @@
+"""The README's launch command keeps the script's exit codes and a clean console: a refusal is exit code 2 in the
+shell (not accelerate's 1, "stopped, resumable"), Ctrl-C is a one-line stop with exit code 1, and the quick start
+prints no accelerate warning block."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+       "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+ENV.pop("DFLASH_PREP_FAULTS", None)
+LAUNCH = [sys.executable, "-m", "dflash_prep.cli", "launch"]  # what `dflash-prep launch` runs
+CPU_2PROC = ["--config_file", str(REPO / "accelerate_configs" / "cpu_2proc.yaml")]
+
+
+@pytest.mark.parametrize("launcher_args", [[], CPU_2PROC], ids=["1 process", "2 processes"])
+def test_a_refusal_reaches_the_shell_as_exit_code_2_in_one_line(tmp_path, launcher_args):
+    missing = tmp_path / "missing.jsonl"
+    proc = subprocess.run([*LAUNCH, *launcher_args, "extract.py", "--set", f"output.dir={tmp_path / 'out'}",
+                           "--set", f"data.path={missing}"], cwd=REPO, env=ENV, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    # each rank that got that far prints the line (torch elastic may stop rank 1 once rank 0 has exited)
+    assert 1 <= len(errors) <= (2 if launcher_args else 1), proc.stderr[-3000:]
+    assert all(f"{missing}" in line and "no such file" in line for line in errors)
+    assert "Traceback" not in proc.stderr and "CalledProcessError" not in proc.stderr
+    assert "were not passed to `accelerate launch`" not in proc.stderr  # no warning block
+
+
+def test_too_many_failed_samples_reach_the_shell_as_exit_code_3(tmp_path):
+    env = {**ENV, "DFLASH_PREP_FAULTS": json.dumps({"nan_samples": ["0000000002"]})}
+    proc = subprocess.run([*LAUNCH, "extract.py", "--set", f"output.dir={tmp_path / 'out'}", "--set",
+                           "data.max_samples=8", "--set", "batching.num_workers=0"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "more than output.max_failed_samples=0" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_ctrl_c_under_the_launcher_stops_cleanly_with_exit_code_1(tmp_path):
+    """Ctrl-C reaches the launcher and the script (one process group): the script commits what it captured and
+    exits 1 with one line; the launcher prints no KeyboardInterrupt traceback and passes the 1 on."""
+    out = tmp_path / "out"
+    env = {**ENV, "DFLASH_PREP_FAULTS": json.dumps({"forward_delay_seconds": 0.3})}
+    proc = subprocess.Popen([*LAUNCH, "extract.py", "--set", f"output.dir={out}", "--set", "data.max_samples=150",
+                             "--set", "batching.max_tokens_per_batch=4096", "--set", "batching.num_workers=0",
+                             "--set", "output.max_shard_bytes=1MB"],
+                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None and not any(
+            p.read_bytes().count(b"\n") for p in out.glob("index/rank-*.jsonl")):  # a shard committed
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before Ctrl-C: the test proved nothing"
+    os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: the whole foreground group
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 1, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert "stopped on SIGINT" in err and "re-run the same command to resume" in err
+    assert not (out / "manifest.json").exists() and not list(Path(out).rglob("*.tmp"))
+
+
+def test_plain_accelerate_launch_says_that_it_reports_a_refusal_as_1(tmp_path):
+    """accelerate's own launcher turns exit code 2 into 1 (its CalledProcessError); the script says so and names
+    the launcher that keeps the code."""
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
+                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "extract.py",
+                           "--set", f"output.dir={tmp_path / 'out'}", "--set", f"data.path={tmp_path / 'missing.jsonl'}"],
+                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1  # accelerate's, whatever the script's
+    assert "note: `accelerate launch` reports exit code 2 as 1" in proc.stderr and "dflash-prep launch" in proc.stderr
