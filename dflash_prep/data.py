@@ -1,21 +1,30 @@
 """Rows in, token ids and assistant-only loss masks out.
 
-Accepted rows (one of):
-- OpenAI style: `messages: [{role, content}]`, roles system/user/assistant/tool;
+Accepted rows (one of; chat.py turns the first three into messages for the template):
+- OpenAI style: `messages: [{role, content}]`, roles system/user/assistant/tool; content a string, a list of text
+  parts, or null beside `tool_calls`; `reasoning_content` / `reasoning` on assistant turns; a `tools` column;
 - ShareGPT style: `conversations: [{from, value}]`, from system/human/user/gpt/assistant/tool;
+- SpecForge / speculators style: `conversations: [{role, content}]`;
 - pre-tokenized: `input_ids: [int]`, optional `loss_mask: [0/1]` (all ones when absent).
 
-A JSON/JSONL file that does not load as one Arrow table (a line that is not JSON, a row that is not an object)
-is read line by line instead: each line is one row, and a line that does not parse becomes a skipped row.
+A JSON/JSONL file that does not load as one Arrow table (a line that is not JSON, a row that is not an object,
+bytes that are not UTF-8), or whose table would change what a row says (ids typed as floats, tool arguments typed
+as structs), is read line by line instead: each line is one row, and a line that does not parse becomes a skipped
+row. A source with no row, or parquet files that cannot be read or disagree on columns, is a RecipeError naming
+the file (exit code 2).
 
 Guarantees:
 - every row of the source (after `max_samples`) ends up either kept or skipped with exactly one reason; none
   is dropped silently and none raises inside the loop (a bad row becomes a skip reason);
 - `sample_id` is a stable, dot-free key derived from the row's position in the source (`{row:010d}`), so the
   same recipe always gives the same ids; the row's own id (if any) is kept as `source_id`;
-- `loss_mask` is 1 exactly on the tokens the chat template marks with `{% generation %}` (assistant text);
+- `input_ids` of a conversation are exactly the tokenization of the chat template's rendering
+  (`apply_chat_template` with `data.chat_template_kwargs`); `loss_mask` is 1 exactly on the tokens the assistant
+  generates (chat.py; docs/FORMAT.md states the convention), for any template;
 - kept rows have 2 <= num_tokens <= max_length and at least two consecutive supervised tokens (DFlash trains
-  on anchors p with p and p+1 supervised: a row without one is useless to it).
+  on anchors p with p and p+1 supervised: a row without one is useless to it);
+- `check_data_verdict` stops a run (exit code 2, before any model loads) that would keep no row or skip more than
+  `data.max_skipped_fraction` of them.
 """
 
 from __future__ import annotations
@@ -30,21 +39,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import chat
 from .recipe import DataSection, RecipeError
 
 log = logging.getLogger(__name__)
 
-ROLE_ALIASES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
-                "tool": "tool", "function": "tool"}
-
 # Skip reasons (stable strings: they appear in summaries, the manifest and skipped.jsonl).
-SKIP_NO_CONTENT_FIELD = "no_messages_conversations_or_input_ids"
-SKIP_BAD_STRUCTURE = "malformed_conversation"
-SKIP_EMPTY = "empty_conversation"
-SKIP_UNKNOWN_ROLE = "unknown_role"
-SKIP_BAD_CONTENT = "non_string_content"
-SKIP_NO_ASSISTANT = "no_assistant_turn"
-SKIP_TEMPLATE_ERROR = "chat_template_error"
+SKIP_NO_CONTENT_FIELD = chat.NO_CONTENT_FIELD
+SKIP_BAD_STRUCTURE = chat.BAD_STRUCTURE
+SKIP_EMPTY = chat.EMPTY
+SKIP_UNKNOWN_ROLE = chat.UNKNOWN_ROLE
+SKIP_BAD_CONTENT = chat.BAD_CONTENT
+SKIP_MEDIA_CONTENT = chat.MEDIA_CONTENT
+SKIP_BAD_TOOL_CALLS = chat.BAD_TOOL_CALLS
+SKIP_BAD_TOOLS = chat.BAD_TOOLS
+SKIP_NO_ASSISTANT = chat.NO_ASSISTANT
+SKIP_TEMPLATE_ERROR = chat.TEMPLATE_ERROR
+SKIP_SPAN_NOT_FOUND = chat.SPAN_NOT_FOUND
 SKIP_BAD_TOKEN_IDS = "bad_input_ids"
 SKIP_OUT_OF_VOCAB = "token_id_out_of_vocab"
 SKIP_BAD_LOSS_MASK = "bad_loss_mask"
@@ -53,6 +64,7 @@ SKIP_TOO_SHORT = "fewer_than_2_tokens"
 SKIP_NO_SUPERVISED_PAIR = "no_two_consecutive_supervised_tokens"
 SKIP_INVALID_JSON = "invalid_json"
 SKIP_NOT_AN_OBJECT = "row_not_an_object"
+SKIP_INVALID_UTF8 = "invalid_utf8"  # a line whose bytes are not UTF-8, or a string with a lone surrogate
 SKIP_ROW_ERROR = "unreadable_row"  # anything else that goes wrong on one row (logged at debug level)
 
 RAW_JSON_COLUMN = "__dflash_prep_raw_json__"  # the one column of a JSON file read line by line
@@ -108,23 +120,34 @@ def check_data_source(section: DataSection) -> None:
     _detect_format(section.path, section.format)
 
 
+INVALID_UTF8_LINE = "\x00invalid utf-8\x00"  # stands for a line whose bytes are not UTF-8 (no JSON text is this)
+
+
 def _load_json_lines(files: list[str]):
-    """JSON/JSONL files as one string column, one row per line (per element of a top-level JSON array)."""
+    """JSON/JSONL files as one string column, one row per line (per element of a top-level JSON array). A line whose
+    bytes are not UTF-8 becomes `INVALID_UTF8_LINE` (a skipped row), never text with U+FFFD in it."""
     import datasets
 
     raw = []
     for name in files:
-        text = Path(name).read_text(encoding="utf-8-sig", errors="replace")
+        data = Path(name).read_bytes()
+        data = data[3:] if data.startswith(b"\xef\xbb\xbf") else data
         if Path(name).suffix == ".json":
             try:
-                whole = json.loads(text)
+                whole = json.loads(data.decode("utf-8"))
             except (ValueError, RecursionError):
                 whole = None
             if isinstance(whole, list):
                 raw += [json.dumps(row) for row in whole]
                 continue
-        raw += [line for line in text.split("\n") if line.strip()]  # JSON Lines: only \n ends a line
-    return datasets.Dataset.from_dict({RAW_JSON_COLUMN: raw})
+        for line in data.split(b"\n"):  # JSON Lines: only \n ends a line
+            if line.strip():
+                try:
+                    raw.append(line.decode("utf-8"))
+                except UnicodeDecodeError:
+                    raw.append(INVALID_UTF8_LINE)
+    return datasets.Dataset.from_dict({RAW_JSON_COLUMN: raw}, features=datasets.Features(
+        {RAW_JSON_COLUMN: datasets.Value("string")}))
 
 
 _LINE_NOT_AN_OBJECT = re.compile(rb"^[ \t\r\f\v]*[^\s{]", re.MULTILINE)
@@ -158,8 +181,49 @@ def _lines_are_objects(files: list[str], chunk_bytes: int = 16 << 20) -> bool:
     return True
 
 
+def _check_parquet_files(files: list[str]) -> None:
+    """Fail (RecipeError naming the file) on a parquet file that cannot be read or whose columns differ from the
+    first file's; reads the footers only."""
+    import pyarrow.parquet as pq
+
+    first = None
+    for name in files:
+        try:
+            names = pq.read_schema(name).names
+        except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ...: all mean "not readable"
+            raise RecipeError(f"recipe key `data.path`: {name} is not a readable parquet file "
+                              f"({type(e).__name__}: {str(e)[:120]})") from None
+        if first is None:
+            first = (name, names)
+        elif sorted(names) != sorted(first[1]):
+            raise RecipeError(f"recipe key `data.path`: {name} has columns {sorted(names)}, {first[0]} has "
+                              f"{sorted(first[1])}; all files of one dataset need the same columns")
+
+
+def _table_is_lossy(ds) -> bool:
+    """True when a JSON file loaded as one Arrow table lost what a row said: token ids or masks typed as floats
+    (one 5.5 or 2**64 in a file turns every id into a float), or tool schemas and call arguments typed as structs
+    (Arrow unions the keys of all rows and fills the missing ones with null, which the template would render)."""
+    import datasets
+
+    def float_list(feature) -> bool:
+        inner = getattr(feature, "feature", None)
+        return inner is not None and not (isinstance(inner, datasets.Value) and "int" in inner.dtype)
+
+    features = ds.features
+    if any(c in features and float_list(features[c]) for c in ("input_ids", "loss_mask")):
+        return True
+    if "tools" in features and not isinstance(features["tools"], datasets.Value):
+        return True
+    turns = repr(features.get("messages", features.get("conversations")))
+    return "tool_calls" in turns and not re.search(r"'arguments': Value\('(large_)?string'\)", turns)
+
+
 def load_rows(section: DataSection):
-    """Load the raw rows as a `datasets.Dataset` (first `max_samples` rows only)."""
+    """Load the raw rows as a `datasets.Dataset` (first `max_samples` rows only).
+
+    Raises RecipeError (one line, naming the file) for a source without any row and for parquet files that cannot
+    be read or disagree on columns; a JSON file whose table would lose information is read line by line."""
     import datasets
 
     kind, source = _detect_format(section.path, section.format)
@@ -172,46 +236,45 @@ def load_rows(section: DataSection):
     elif kind == "hub":
         ds = datasets.load_dataset(source, split=section.split)
     elif kind == "json":
-        try:
-            if not _lines_are_objects(source):
-                raise ValueError("a line is not a JSON object")
-            ds = datasets.load_dataset(kind, data_files=source, split="train")
-        except (ValueError, TypeError, datasets.exceptions.DatasetGenerationError) as e:
-            log.warning("data: %s does not load as one table (%s: %s); reading it line by line, bad lines are "
-                        "skipped with a reason", section.path, type(e).__name__, str(e)[:200])
-            ds = _load_json_lines(source)
+        ds = _load_json(section, source)
     else:
-        ds = datasets.load_dataset(kind, data_files=source, split="train")
+        if kind == "parquet":
+            _check_parquet_files(source)
+        try:
+            ds = datasets.load_dataset(kind, data_files=source, split="train")
+        except Exception as e:  # noqa: BLE001 - a file datasets cannot read is a bad input, not a crash
+            raise RecipeError(f"recipe key `data.path` = {section.path!r}: cannot read {kind} files {source[:3]}"
+                              f"{' ...' if len(source) > 3 else ''} ({type(e).__name__}: {str(e)[:160]})") from None
+    if kind != "json" and _table_is_lossy(ds):
+        log.warning("data: %s types tool schemas or tool-call arguments as structs: keys one row lacks are null in "
+                    "it and the template renders them; store them as JSON strings (or use JSON Lines)", section.path)
+    if len(ds) == 0:
+        where = source if isinstance(source, str) else ", ".join(source[:3]) + (" ..." if len(source) > 3 else "")
+        raise RecipeError(f"recipe key `data.path` = {section.path!r}: no rows in {where} (empty or blank lines only)")
     if section.max_samples is not None and section.max_samples < len(ds):
         ds = ds.select(range(section.max_samples))
     return ds
 
 
-def _normalize_messages(row: dict) -> tuple[list[dict] | None, str]:
-    """-> (messages, "") or (None, skip reason)."""
-    if row.get("messages") is not None:
-        raw, role_key, text_key = row["messages"], "role", "content"
-    elif row.get("conversations") is not None:
-        raw, role_key, text_key = row["conversations"], "from", "value"
-    else:
-        return None, SKIP_NO_CONTENT_FIELD
-    if not isinstance(raw, list):
-        return None, SKIP_BAD_STRUCTURE
-    if not raw:
-        return None, SKIP_EMPTY
-    messages = []
-    for turn in raw:
-        if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
-            return None, SKIP_BAD_STRUCTURE
-        role = ROLE_ALIASES.get(turn[role_key]) if isinstance(turn[role_key], str) else None
-        if role is None:
-            return None, SKIP_UNKNOWN_ROLE
-        if not isinstance(turn[text_key], str):
-            return None, SKIP_BAD_CONTENT
-        messages.append({"role": role, "content": turn[text_key]})
-    if not any(m["role"] == "assistant" for m in messages):
-        return None, SKIP_NO_ASSISTANT
-    return messages, ""
+def _load_json(section: DataSection, files: list[str]):
+    """JSON/JSONL files as one table when that is exact, else line by line (see `_table_is_lossy`)."""
+    import datasets
+
+    if all(os.path.getsize(f) == 0 for f in files):
+        return _load_json_lines(files)
+    try:
+        if not _lines_are_objects(files):
+            raise ValueError("a line is not a JSON object")
+        ds = datasets.load_dataset("json", data_files=files, split="train")
+    except (ValueError, TypeError, datasets.exceptions.DatasetGenerationError) as e:
+        log.warning("data: %s does not load as one table (%s: %s); reading it line by line, bad lines are "
+                    "skipped with a reason", section.path, type(e).__name__, str(e)[:200])
+        return _load_json_lines(files)
+    if _table_is_lossy(ds):
+        log.info("data: %s: token ids typed as floats, or tool schemas/arguments typed as structs; reading it line "
+                 "by line so each row keeps its own values", section.path)
+        return _load_json_lines(files)
+    return ds
 
 
 def has_supervised_pair(loss_mask) -> bool:
@@ -219,9 +282,24 @@ def has_supervised_pair(loss_mask) -> bool:
     return any(a and b for a, b in zip(loss_mask, loss_mask[1:]))
 
 
+def _is_int_list(values: Any, allowed: tuple[int, ...] | None = None) -> bool:
+    return isinstance(values, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) and (allowed is None or v in allowed) for v in values)
+
+
+def _has_lone_surrogate(row: dict) -> bool:
+    try:
+        json.dumps(row, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 @dataclass
 class Tokenizer:
-    """Row -> tokenized record; a picklable callable for `datasets.map(batched=True, with_indices=True)`."""
+    """Row -> tokenized record; a picklable callable for `datasets.map(batched=True, with_indices=True)`.
+
+    `chat_template`: the template text replacing the tokenizer's own (`data.chat_template`, already read)."""
 
     tokenizer: Any
     max_length: int
@@ -229,31 +307,30 @@ class Tokenizer:
     vocab_size: int
     id_column: str | None = None
     chat_template_kwargs: dict | None = None
+    chat_template: str | None = None
+    rules_version: int = 2  # part of the `datasets.map` cache key: bump when tokenization or masking rules change
+
+    def __post_init__(self):
+        self.renderer = chat.ChatRenderer(self.tokenizer, self.chat_template, self.chat_template_kwargs)
 
     def tokenize_row(self, row: dict) -> tuple[list[int], list[int], str]:
         """-> (input_ids, loss_mask, skip_reason); skip_reason is "" for a kept row."""
         if row.get("input_ids") is not None and row.get("messages") is None and row.get("conversations") is None:
             ids = row["input_ids"]
-            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            if not _is_int_list(ids):
                 return [], [], SKIP_BAD_TOKEN_IDS
             mask = row.get("loss_mask")
             if mask is None:
                 mask = [1] * len(ids)
-            elif (not isinstance(mask, list) or len(mask) != len(ids)
-                  or not all(m in (0, 1) and not isinstance(m, float) for m in mask)):
+            elif not _is_int_list(mask, (0, 1)) or len(mask) != len(ids):
                 return [], [], SKIP_BAD_LOSS_MASK
         else:
-            messages, reason = _normalize_messages(row)
-            if reason:
-                return [], [], reason
             try:
-                out = self.tokenizer.apply_chat_template(
-                    messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
-                    **(self.chat_template_kwargs or {}))
-            except Exception as e:  # a template may reject a role order etc.: skip that row, with its reason
-                log.debug("chat template failed on a row: %s", e)
-                return [], [], SKIP_TEMPLATE_ERROR
-            ids, mask = list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
+                ids, mask = self.renderer.tokenize(*chat.row_to_chat(row))
+            except chat.SkipRow as e:
+                if e.__cause__ is not None:
+                    log.debug("chat template failed on a row: %s", e.__cause__)
+                return [], [], e.args[0]
         if any(t < 0 or t >= self.vocab_size for t in ids):
             return [], [], SKIP_OUT_OF_VOCAB
         if len(ids) > self.max_length:
@@ -267,13 +344,20 @@ class Tokenizer:
         return [int(t) for t in ids], [int(m) for m in mask], ""
 
     def _row_of(self, batch: dict, columns: list[str], j: int) -> tuple[dict, str]:
-        """-> (row, "") or ({}, skip reason) for a line that is not a JSON object."""
+        """-> (row, "") or ({}, skip reason) for a line that is not a JSON object, or not UTF-8."""
         if columns == [RAW_JSON_COLUMN]:
+            line = batch[RAW_JSON_COLUMN][j]
+            if line == INVALID_UTF8_LINE:
+                return {}, SKIP_INVALID_UTF8
             try:
-                row = json.loads(batch[RAW_JSON_COLUMN][j])
+                row = json.loads(line)
             except (ValueError, RecursionError):
                 return {}, SKIP_INVALID_JSON
-            return (row, "") if isinstance(row, dict) else ({}, SKIP_NOT_AN_OBJECT)
+            if not isinstance(row, dict):
+                return {}, SKIP_NOT_AN_OBJECT
+            if ("\\ud" in line or "\\uD" in line) and _has_lone_surrogate(row):
+                return {}, SKIP_INVALID_UTF8
+            return row, ""
         return {c: batch[c][j] for c in columns}, ""
 
     def __call__(self, batch: dict, indices: list[int]) -> dict:
@@ -301,19 +385,16 @@ class Tokenizer:
         return out
 
 
-def check_chat_template(tokenizer) -> None:
-    """Fail early when the tokenizer cannot produce an assistant mask (the mask would be silently all zero)."""
-    template = getattr(tokenizer, "chat_template", None)
+def check_chat_template(tokenizer, chat_template: str | None = None) -> None:
+    """Fail early when conversations cannot be rendered: neither `data.chat_template` nor the tokenizer has a
+    template. Any template works otherwise (chat.py locates the assistant text; `{% generation %}` optional)."""
+    template = chat_template or getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):
         template = template.get("default")
     if not template:
         raise RecipeError("recipe key `model.tokenizer`: the tokenizer has no chat template; conversations cannot "
-                          "be tokenized (use pre-tokenized rows with `input_ids`/`loss_mask`, or a tokenizer with "
-                          "a template)")
-    if "generation" not in template:
-        raise RecipeError("recipe key `model.tokenizer`: the chat template has no {% generation %} block, so the "
-                          "assistant loss mask would be all zero; use a template that wraps assistant text in "
-                          "{% generation %}...{% endgeneration %}")
+                          "be tokenized (set `data.chat_template` to a template file or string, or use "
+                          "pre-tokenized rows with `input_ids`/`loss_mask`)")
 
 
 @dataclass
@@ -328,14 +409,15 @@ class TokenizedData:
 
 def tokenize_dataset(rows, tokenizer, section: DataSection, vocab_size: int) -> TokenizedData:
     """Tokenize every row through `datasets.map` (cached on disk; call on the main process first)."""
+    template = read_chat_template(section)
     needs_template = "messages" in rows.column_names or "conversations" in rows.column_names or (
         rows.column_names == [RAW_JSON_COLUMN]
         and any('"messages"' in r or '"conversations"' in r for r in rows[RAW_JSON_COLUMN]))
     if needs_template:
-        check_chat_template(tokenizer)
+        check_chat_template(tokenizer, template)
     fn = Tokenizer(tokenizer=tokenizer, max_length=section.max_length, overlong=section.overlong,
                    vocab_size=vocab_size, id_column=section.id_column,
-                   chat_template_kwargs=dict(section.chat_template_kwargs))
+                   chat_template_kwargs=dict(section.chat_template_kwargs), chat_template=template)
     try:
         tokenized = rows.map(fn, batched=True, batch_size=256, with_indices=True, remove_columns=rows.column_names,
                              num_proc=section.num_proc, desc="tokenize", features=_tokenized_features())
@@ -362,6 +444,46 @@ def tokenize_dataset(rows, tokenizer, section: DataSection, vocab_size: int) -> 
     kept = tokenized.select(kept_idx) if skipped_idx else tokenized
     return TokenizedData(kept=kept, num_rows=len(tokenized), skipped_counts=dict(sorted(counts.items())),
                          skipped_rows=skipped_rows)
+
+
+def read_chat_template(section: DataSection) -> str | None:
+    """`data.chat_template` as template text (the file read), or None. Raises RecipeError naming the key."""
+    try:
+        return chat.load_chat_template(section.chat_template)
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecipeError(f"recipe key `data.chat_template` = {section.chat_template!r}: cannot read it as a "
+                          f"template file ({type(e).__name__}: {e})") from None
+
+
+class NothingToExtractError(RecipeError):
+    """The data would give an empty or mostly skipped run (exit code 2, before any model loads)."""
+
+
+def check_data_verdict(data: TokenizedData, section: DataSection) -> str:
+    """The one-line verdict on the tokenized data. Raises NothingToExtractError when no row is kept (a row whose
+    mask is all zero is never kept: `no_two_consecutive_supervised_tokens`), or when more than
+    `data.max_skipped_fraction` of the rows were skipped; the message names the top skip reasons, each with an
+    example row (sample id and the row's own id)."""
+    num_skipped = sum(data.skipped_counts.values())
+    fraction = num_skipped / max(data.num_rows, 1)
+    problem = None
+    if len(data.kept) == 0:
+        problem = f"no row kept: all {data.num_rows} skipped"
+    elif fraction > section.max_skipped_fraction:
+        problem = (f"{num_skipped} of {data.num_rows} rows skipped ({fraction:.0%}), more than "
+                   f"data.max_skipped_fraction={section.max_skipped_fraction}")
+    verdict = f"{data.num_rows} rows: {len(data.kept)} kept, {num_skipped} skipped"
+    if problem is None:
+        return verdict
+    example = {}
+    for r in data.skipped_rows:
+        example.setdefault(r["reason"], r)
+    top = sorted(data.skipped_counts.items(), key=lambda kv: -kv[1])[:3]
+    reasons = "; ".join(f"{reason}: {n} (e.g. row {example[reason]['sample_id']}"
+                        + (f", id {example[reason]['source_id']!r}" if example[reason]["source_id"] is not None else "")
+                        + ")" for reason, n in top)
+    raise NothingToExtractError(f"{problem}{' - ' + reasons if reasons else ''}. Nothing was extracted; see "
+                                f"`dflash-prep plan --show-sample N` for how a row is tokenized and masked")
 
 
 def write_skipped(path: Path, skipped_rows: list[dict]) -> None:

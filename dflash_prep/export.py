@@ -175,7 +175,7 @@ def check_exportable(manifest: dict, target: str, strategy: str = "dflash", cast
 # ----------------------------------------------------------------------------------------- export order
 def sample_ids_by_shard(out_dir: Path, shards: list[ShardInfo]) -> dict[str, list[str]]:
     """Each shard's sample ids (tar order): from the rank indexes when they agree with the manifest (path,
-    sha256, count), else from the tar headers (no tensor bytes are read)."""
+    sha256, count), else from the tar (read through, no tensor decoded)."""
     records = {r.path: r for r in read_committed(out_dir)}
     out: dict[str, list[str]] = {}
     for s in shards:

@@ -47,7 +47,7 @@ from .backoff import BatchRunner  # noqa: E402
 from .budget import resolve_token_budget  # noqa: E402
 from .capture import LayerCapture  # noqa: E402
 from .collate import PlannedBatches  # noqa: E402
-from .data import check_data_source, load_rows, tokenize_dataset  # noqa: E402
+from .data import check_data_source, check_data_verdict, load_rows, tokenize_dataset  # noqa: E402
 from .faults import Faults  # noqa: E402
 from .identity import describe_weights_change, rows_fingerprint, weights_fingerprint  # noqa: E402
 from .kernels import KernelChoice, apply_kernels, select_kernels  # noqa: E402
@@ -57,7 +57,8 @@ from .manifest import (MANIFEST_NAME, STATE_NAME, OutputStateError, atomic_write
                        atomic_write_jsonl, build_manifest, damaged_shards, drop_records, next_shard_number,
                        read_committed, read_state_json, remove_uncommitted, repair_indexes, write_manifest)
 from .model import (STORAGE_TORCH_DTYPES, decoder_params_in, describe_source, drop_layers_after,  # noqa: E402
-                    hidden_size_of, load_config, load_model, load_tokenizer, model_fingerprint, vocab_size_of)
+                    hidden_size_of, load_config, load_model, load_tokenizer, model_fingerprint, padding_token_id,
+                    vocab_size_of)
 from .norms import FINAL_NORM_NAME, describe_final_norm, read_final_norm, write_final_norm  # noqa: E402
 from .model import tokenizer_fingerprint as _tokenizer_fingerprint  # noqa: E402  (moved to model.py)
 from .planner import PlannedBatch, ShapeBuckets, plan_batches, plan_stats, split_across_ranks  # noqa: E402
@@ -494,6 +495,7 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
     with state.main_process_first():
         rows = load_rows(recipe.data)
         data = tokenize_dataset(rows, tokenizer, recipe.data, vocab_size_of(config))
+    check_data_verdict(data, recipe.data)  # nothing kept, or too much skipped: exit 2, before the output is claimed
     if is_main:
         identity["data_rows"] = rows_fingerprint(data.kept)
         _prepare_output(out_dir, recipe, identity)  # refuses rows that differ from the output's
@@ -657,8 +659,8 @@ def _run_batches(recipe: Recipe, config, device, state, out_dir: Path, layer_ids
         max_pending_bytes=recipe.output.max_pending_bytes)
     runner = None
     loader = torch.utils.data.DataLoader(
-        PlannedBatches(data.kept, mine, tokenizer.pad_token_id or 0), batch_size=None, shuffle=False,
-        num_workers=recipe.batching.num_workers, pin_memory=device.type == "cuda",
+        PlannedBatches(data.kept, mine, padding_token_id(tokenizer, vocab_size_of(config))), batch_size=None,
+        shuffle=False, num_workers=recipe.batching.num_workers, pin_memory=device.type == "cuda",
         persistent_workers=False, prefetch_factor=4 if recipe.batching.num_workers else None,
         worker_init_fn=functools.partial(_init_worker, lock_fds))
     rank_stats = RankStats()

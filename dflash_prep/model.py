@@ -75,6 +75,17 @@ def vocab_size_of(config) -> int:
     return int(text.vocab_size)
 
 
+def padding_token_id(tokenizer, vocab_size: int) -> int:
+    """An id to pad batches with that the embedding table holds (0 <= id < vocab_size). Padding is never stored and
+    never attended to by real tokens, so any such id gives the same states; the tokenizer's pad token is used when
+    it is inside the table, else its eos token, else 0 (a pad token added to a tokenizer past the model's
+    embedding rows would make the embedding lookup fail)."""
+    for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if isinstance(token_id, int) and 0 <= token_id < vocab_size:
+            return token_id
+    return 0
+
+
 def hidden_size_of(config) -> int:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return int(text.hidden_size)

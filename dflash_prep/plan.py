@@ -22,7 +22,10 @@ Guarantees (tests/test_plan.py checks them against real extractions):
   picked by model (same model_type, hidden size and depth), else the benchmarked model nearest in decoder
   parameters (within 4x), scaled by the ratio of decoder parameters run per token (FLOPs per token = 2 x those
   parameters; parameters counted on a meta-device model: no memory, no weights); `--tokens-per-second`
-  overrides it. No default when no benchmark is near: the plan says so.
+  overrides it. No default when no benchmark is near: the plan says so;
+- the data verdict is the extraction's own (`data.check_data_verdict`): no kept row, or more than
+  `data.max_skipped_fraction` skipped, is the same one-line error and exit code 2; `--show-sample N` first prints
+  row N as the extraction tokenizes it, supervised tokens marked (`show_sample`).
 """
 
 from __future__ import annotations
@@ -269,7 +272,7 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
     """Every figure of `dflash-prep plan` as a dict (see the module docstring). `gpu_memory_bytes` sizes
     `max_tokens_per_batch: auto` (default: this machine's GPU; without one the CPU figure)."""
     from .budget import local_gpu_memory_bytes, resolve_token_budget
-    from .data import load_rows, tokenize_dataset
+    from .data import check_data_verdict, load_rows, tokenize_dataset
     from .extract import make_plan
     from .layers import num_decoder_layers, resolve_layer_ids
     from .model import describe_source, hidden_size_of, load_config, load_tokenizer, vocab_size_of
@@ -291,6 +294,7 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
     t_tok = time.perf_counter()
     data = tokenize_dataset(load_rows(recipe.data), tokenizer, recipe.data, vocab_size_of(config))
     tokenize_seconds = time.perf_counter() - t_tok
+    check_data_verdict(data, recipe.data)  # the extraction's own stop: nothing kept, or too much skipped
     cols = data.kept.select_columns(["sample_id", "source_row", "source_id", "num_tokens"]).to_dict()
     lengths = [int(n) for n in cols["num_tokens"]]
     plan = make_plan(lengths, recipe)
@@ -446,11 +450,48 @@ def build_parser(prog: str = "dflash-prep plan") -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-gb", type=float, default=None,
                    help="memory of one GPU of the run, for max_tokens_per_batch: auto (default: this machine's)")
     p.add_argument("--json", action="store_true", help="print every figure as JSON")
+    p.add_argument("--show-sample", type=int, default=None, metavar="N",
+                   help="first print input row N (0-based) as the extraction tokenizes it, supervised tokens marked")
     return p
 
 
+def show_sample(recipe: Recipe, row_index: int) -> str:
+    """Row `row_index` of the data as the extraction tokenizes it: its text with the supervised (loss_mask 1) runs
+    between `[[` and `]]`, then one line per token (position, id, text, `*` when supervised); or its skip
+    reason. Loads the tokenizer and the rows only."""
+    from .data import Tokenizer, load_rows, read_chat_template
+    from .model import load_config, load_tokenizer, vocab_size_of
+
+    rows = load_rows(recipe.data)
+    if not 0 <= row_index < len(rows):
+        raise ValueError(f"--show-sample {row_index}: the data has rows 0..{len(rows) - 1}")
+    tokenizer = load_tokenizer(recipe.model)
+    fn = Tokenizer(tokenizer=tokenizer, max_length=recipe.data.max_length, overlong=recipe.data.overlong,
+                   vocab_size=vocab_size_of(load_config(recipe.model)), id_column=recipe.data.id_column,
+                   chat_template_kwargs=dict(recipe.data.chat_template_kwargs),
+                   chat_template=read_chat_template(recipe.data))
+    out = fn(rows[row_index: row_index + 1], [row_index])
+    head = f"row {row_index} (sample {out['sample_id'][0]}, id {out['source_id'][0]!r})"
+    if out["skip_reason"][0]:
+        return f"{head}: skipped, {out['skip_reason'][0]}"
+    ids, mask = out["input_ids"][0], out["loss_mask"][0]
+    pieces, start = [], 0  # text runs decoded whole (a token may hold part of a character)
+    for t in range(1, len(ids) + 1):
+        if t == len(ids) or mask[t] != mask[start]:
+            text = tokenizer.decode(ids[start:t])
+            pieces.append(f"[[{text}]]" if mask[start] else text)
+            start = t
+    table = [f"{t:>6} {token_id:>8} {'*' if m else ' '} {tokenizer.decode([token_id])!r}"
+             for t, (token_id, m) in enumerate(zip(ids, mask))]
+    return (f"{head}: {len(ids)} tokens, {sum(mask)} supervised (between [[ and ]], * below)\n"
+            + "".join(pieces) + "\n\n   pos       id   token\n" + "\n".join(table))
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`dflash-prep plan --recipe R [--set k=v] [--num-gpus N] [--tokens-per-second X] [--json]`."""
+    """`dflash-prep plan --recipe R [--set k=v] [--num-gpus N] [--tokens-per-second X] [--json] [--show-sample N]`.
+
+    Exit code 2 when the recipe is invalid or the data would give an empty or mostly skipped run (the message the
+    extraction stops with, before any model loads)."""
     from .recipe import load_recipe
 
     args = build_parser().parse_args(argv)
@@ -462,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
 
         datasets.disable_progress_bars()
         recipe = load_recipe(args.recipe, args.overrides)
+        if args.show_sample is not None:
+            print(show_sample(recipe, args.show_sample) + "\n", flush=True)
         plan = make_run_plan(recipe, num_gpus=args.num_gpus, tokens_per_second=args.tokens_per_second,
                              bench_dir=Path(args.bench_results) if args.bench_results else None,
                              gpu_memory_bytes=int(args.gpu_memory_gb * 1e9) if args.gpu_memory_gb else None)

@@ -127,8 +127,15 @@ class DataSection:
     overlong: Literal["truncate", "skip"] = "truncate"
     id_column: str | None = None
     """Column holding a row's own id (kept in meta.json as `source_id`); default: `id` when present."""
+    chat_template: str | None = None
+    """A Jinja chat template replacing the tokenizer's own: a file path (relative to the recipe) or the template
+    itself (a string holding `{%` or `{{`). Any template works; `{% generation %}` blocks are optional (docs/FORMAT.md,
+    loss mask)."""
     chat_template_kwargs: dict = field(default_factory=dict)
     """Extra keyword arguments of `apply_chat_template`, e.g. {enable_thinking: false}."""
+    max_skipped_fraction: float = 0.5
+    """Stop before any model loads (exit code 2) when more than this fraction of the rows is skipped (1.0: never;
+    no kept row always stops)."""
     num_proc: int | None = None
     """Processes of `datasets.map` for tokenization (None: one)."""
 
@@ -141,6 +148,12 @@ class DataSection:
             _fail(f"{p}.max_length", self.max_length, "must be >= 2 tokens")
         if self.num_proc is not None and self.num_proc < 1:
             _fail(f"{p}.num_proc", self.num_proc, "must be >= 1 (or null)")
+        if not 0.0 <= self.max_skipped_fraction <= 1.0:
+            _fail(f"{p}.max_skipped_fraction", self.max_skipped_fraction, "must be between 0 and 1")
+        if self.chat_template is not None and not ("{%" in self.chat_template or "{{" in self.chat_template):
+            if not Path(self.chat_template).is_file():
+                _fail(f"{p}.chat_template", self.chat_template,
+                      "no such file (a template given inline must hold `{%` or `{{`)")
 
 
 @dataclass(frozen=True)
@@ -261,14 +274,19 @@ class Recipe:
         """sha256 of what decides record content (model, data, layers, storage dtype); `model.kernels` is left out
         (fused kernels change the rounding only)."""
         d = self.to_dict()
-        content = {"model": {k: v for k, v in d["model"].items() if k != "kernels"},
-                   "data": {k: v for k, v in d["data"].items() if k != "num_proc"},
+        data = {k: v for k, v in d["data"].items() if k not in ("num_proc", "max_skipped_fraction")
+                and not (k == "chat_template" and v is None)}
+        template = self.data.chat_template
+        if template is not None and "{%" not in template and "{{" not in template and Path(template).is_file():
+            data["chat_template"] = hashlib.sha256(Path(template).read_bytes()).hexdigest()  # the file's content
+        content = {"model": {k: v for k, v in d["model"].items() if k != "kernels"}, "data": data,
                    "layers": d["layers"], "dtype": d["output"]["dtype"]}
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
 # Inputs named in a recipe resolve against the recipe's folder; `output.dir` resolves against the cwd.
-_PATH_KEYS = {("model", "name_or_path"), ("model", "config"), ("model", "tokenizer"), ("data", "path")}
+_PATH_KEYS = {("model", "name_or_path"), ("model", "config"), ("model", "tokenizer"), ("data", "path"),
+              ("data", "chat_template")}  # chat_template only when it is not an inline template
 
 
 def _coerce(key: str, hint: Any, value: Any) -> Any:
@@ -339,7 +357,8 @@ def _build(cls: type, raw: Any, prefix: str, base_dir: Path | None) -> Any:
             kwargs[name] = value
             continue
         value = _coerce(key, hint, value)
-        if (prefix, name) in _PATH_KEYS and isinstance(value, str) and base_dir is not None:
+        if ((prefix, name) in _PATH_KEYS and isinstance(value, str) and base_dir is not None
+                and not ("{%" in value or "{{" in value)):
             value = _resolve_path(value, base_dir)
         kwargs[name] = value
     missing = [f.name for f in dataclasses.fields(cls)
@@ -404,7 +423,7 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
     base_dir = path.resolve().parent
     # Overrides are relative to the cwd (where the user typed them), recipe paths to the recipe's folder.
     for key, value in parse_overrides(overrides):
-        if tuple(key.split(".")) in _PATH_KEYS and isinstance(value, str):
+        if tuple(key.split(".")) in _PATH_KEYS and isinstance(value, str) and "{" not in value:
             if Path(value).expanduser().exists():
                 value = str(Path(value).expanduser().resolve())
         _set_dotted(raw, key, value)

@@ -73,6 +73,23 @@ def test_any_row_is_kept_valid_or_skipped_with_a_known_reason(tokenizer, r, over
         assert not reason
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(r=row)
+def test_any_row_is_kept_valid_or_skipped_with_a_known_reason_under_a_template_without_generation(tokenizer, r):
+    """The located-span mask (no {% generation %} block): the same outcome set, never an exception."""
+    template = tokenizer.chat_template.replace("{%- generation %}", "").replace("{%- endgeneration %}", "")
+    fn = D.Tokenizer(tokenizer=tokenizer, max_length=MAX_LENGTH, overlong="truncate", vocab_size=VOCAB,
+                     chat_template=template)
+    ids, mask, reason = fn.tokenize_row(r)
+    event(reason or "kept")
+    if reason:
+        assert reason in REASONS and ids == [] and mask == []
+    else:
+        check_kept(ids, mask)
+    if r is GOOD:
+        assert not reason
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                    HealthCheck.function_scoped_fixture])
 @given(lines=st.lists(row.map(json.dumps) | st.text(max_size=30).filter(lambda t: t.strip() and "\n" not in t
@@ -131,7 +148,8 @@ def test_every_bad_row_is_skipped_listed_and_counted(tmp_path):
     path.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out"
     summary = run_extraction(load_recipe(None, demo_overrides(out, **{
-        "data.path": str(path), "data.max_length": 128, "data.overlong": "skip", "batching.num_workers": 0})))
+        "data.path": str(path), "data.max_length": 128, "data.overlong": "skip", "batching.num_workers": 0,
+        "data.max_skipped_fraction": 1.0})))  # most rows here are bad on purpose
     expected = {f"{3 + i:010d}": reason for i, (_, reason) in enumerate(BAD_ROWS)}
     listed = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
     assert {r["sample_id"]: r["reason"] for r in listed} == expected

@@ -70,10 +70,46 @@ def test_bad_paths_and_templates_fail_naming_the_key(tmp_path, tokenizer):
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(RecipeError, match="`data.path`"):
         load_rows(DataSection(path=str(tmp_path / "notes.txt")))
-    tokenizer_without_generation = tokenizer.__class__.from_pretrained(DEMO / "tokenizer")
-    tokenizer_without_generation.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer_without_template = tokenizer.__class__.from_pretrained(DEMO / "tokenizer")
+    tokenizer_without_template.chat_template = None
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps({"messages": CONV}) + "\n")
-    with pytest.raises(RecipeError, match="generation"):
-        tokenize_dataset(load_rows(DataSection(path=str(path))), tokenizer_without_generation,
+    with pytest.raises(RecipeError, match="no chat template"):
+        tokenize_dataset(load_rows(DataSection(path=str(path))), tokenizer_without_template,
                          DataSection(path=str(path)), 1024)
+
+
+# ------------------------------------------------------------------------------- bad input: only the bad row
+def _outcomes(path, tokenizer) -> tuple[list[str], dict[str, str]]:
+    section = DataSection(path=str(path))
+    out = tokenize_dataset(load_rows(section), tokenizer, section, 1024)
+    return list(out.kept["source_id"]), {r["source_id"]: r["reason"] for r in out.skipped_rows}
+
+
+def test_a_line_that_is_not_utf8_is_skipped_never_repaired(tmp_path, tokenizer):
+    good = json.dumps({"id": "good", "messages": CONV}).encode()
+    bad = json.dumps({"id": "bad", "messages": CONV}).encode().replace(b"Be brief.", b"Be \xff brief.")
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(good + b"\n" + bad + b"\n" + good.replace(b'"good"', b'"good2"') + b"\n")
+    kept, skipped = _outcomes(path, tokenizer)
+    assert kept == ["good", "good2"] and skipped == {None: "invalid_utf8"}  # the bad line's id is unreadable too
+
+
+def test_a_lone_surrogate_in_a_row_skips_that_row_only(tmp_path, tokenizer):
+    lines = [json.dumps({"id": "good", "messages": CONV}), '{"id": "x\\udc00", "messages": ' + json.dumps(CONV) + "}",
+             json.dumps({"id": "pair \ud83d\ude00", "messages": CONV})]  # a valid surrogate pair is an emoji
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    kept, skipped = _outcomes(path, tokenizer)
+    assert kept == ["good", "pair 😀"] and list(skipped.values()) == ["invalid_utf8"]
+
+
+def test_one_bad_token_id_or_mask_value_skips_only_its_row(tmp_path, tokenizer):
+    good = [{"id": f"g{i}", "input_ids": [5, 6, 7 + i % 100], "loss_mask": [0, 1, 1]} for i in range(300)]
+    bad = [{"id": "float", "input_ids": [5, 5.5, 7]}, {"id": "huge", "input_ids": [5, 2**64, 7]},
+           {"id": "half", "input_ids": [5, 6, 7], "loss_mask": [0, 0.5, 1]}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in good[:150] + bad + good[150:]))
+    kept, skipped = _outcomes(path, tokenizer)
+    assert kept == [r["id"] for r in good]
+    assert skipped == {"float": "bad_input_ids", "huge": "token_id_out_of_vocab", "half": "bad_loss_mask"}

@@ -44,13 +44,22 @@ def test_readme_reading_example(output, monkeypatch):
     assert len(scope["seen"]) + scope["dropped"] == manifest["num_samples"] > 100
 
 
+def _free_port() -> int:
+    """A port no one listens on now (a fixed one collides with other test runs on the same machine)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_training_example_runs_under_torchrun_with_two_ranks(output, tmp_path):
     (block,) = [b for b in python_blocks(REPO / "docs" / "TRAINING.md") if "train_dflash.py" in b]
     script = tmp_path / "train_dflash.py"
     script.write_text(block)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", "29517", str(script), str(output)],
+                           "--master_port", str(_free_port()), str(script), str(output)],
                           capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     dataset = ShardDataset(output, split="sample", rank=0, world_size=1)

@@ -19,7 +19,7 @@ from safetensors.torch import load as safetensors_load
 from torch.utils.data import DataLoader
 
 from dflash_prep.reader import (DFlashCollator, ShardDataset, ShardFormatError, has_supervised_pair,
-                                plan_consumer, resolve_rank_world, shards_of)
+                                iter_tar_samples, plan_consumer, resolve_rank_world, shards_of)
 
 NUM_ROWS = 60
 OVERRIDES = [f"data.max_samples={NUM_ROWS}", "data.max_length=384", "batching.max_tokens_per_batch=1536",
@@ -221,6 +221,49 @@ def test_shuffle_changes_order_not_content(extraction):
     assert sorted(seen) == sorted(plain)
 
 
+def test_seeded_order_is_reproducible_with_dataloader_workers(extraction):
+    """Shuffled, 2 workers: the same (seed, epoch) gives the same sequence in a fresh loader; another epoch another
+    sequence of the same samples; every sample once."""
+    out, _, _ = extraction
+
+    def read(epoch):
+        ds = ShardDataset(out, shuffle=True, seed=11, shuffle_buffer=8, rank=0, world_size=1)
+        ds.set_epoch(epoch)
+        return [s["sample_id"] for s in DataLoader(ds, batch_size=None, num_workers=2)]
+
+    e0, e0_again, e1 = read(0), read(0), read(1)
+    assert e0 == e0_again
+    assert e0 != e1 and sorted(e0) == sorted(e1) and len(set(e0)) == NUM_ROWS
+
+
+def test_reads_only_what_the_manifest_lists(extraction, tmp_path, monkeypatch):
+    """Manifest-only start: a stray complete shard and a `.tmp` beside the listed ones are never read, no folder
+    is listed (listing raises here), and a listed shard is opened only when reached: removing the last one in
+    manifest order lets construction and the other shards' samples through, then fails naming it."""
+    import os
+    import shutil
+
+    out, _, manifest = extraction
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    first, last = manifest["shards"][0]["path"], manifest["shards"][-1]["path"]
+    shutil.copy(copy / first, (copy / first).with_name("shard-999999.tar"))
+    shutil.copy(copy / first, (copy / first).with_name("shard-999998.tar.tmp"))
+    (copy / last).unlink()
+
+    def no_listing(*args, **kwargs):
+        raise AssertionError(f"a folder was listed: {args}")
+
+    monkeypatch.setattr(os, "scandir", no_listing)
+    monkeypatch.setattr(os, "listdir", no_listing)
+    ds = ShardDataset(copy)
+    ids = []
+    with pytest.raises(FileNotFoundError, match=last.replace(".", "[.]")):
+        for s in ds:
+            ids.append(s["sample_id"])
+    assert len(ids) == len(set(ids)) == NUM_ROWS - manifest["shards"][-1]["num_samples"]
+
+
 # ------------------------------------------------------------------------------------------ format errors
 def _copy_with_manifest(out: Path, dest: Path, edit) -> Path:
     dest.mkdir()
@@ -309,6 +352,61 @@ def test_shard_counts_add_up_to_num_samples_and_paths_are_unique(extraction, tmp
     why = "num_samples is 60, its shards add up to" if edit == "drop" else "listed 2 times in the manifest"
     with pytest.raises(ShardFormatError, match=why):
         ShardDataset(bad)
+
+
+def _tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
+    """A tar holding `members` in this order, written with the standard library (independent of the reader)."""
+    import tarfile
+
+    with tarfile.open(path, "w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_tar_samples_and_their_errors(tmp_path):
+    good = _tar(tmp_path / "good.tar", [("a.x.npy", b"1"), ("a.y", b"22"), ("b.x.npy", b"333")])
+    assert [(p, k, m) for p, k, m in iter_tar_samples(good)] == [(0, "a", {"x.npy": b"1", "y": b"22"}),
+                                                                 (1, "b", {"x.npy": b"333"})]
+    assert [m for _, _, m in iter_tar_samples(good, wanted=lambda j: j == 1, member_names=["x.npy"])] \
+        == [None, {"x.npy": b"333"}]
+    digest = hashlib.sha256(good.read_bytes()).hexdigest()
+    assert len(list(iter_tar_samples(good, expected_sha256=digest, expected_bytes=good.stat().st_size))) == 2
+    with pytest.raises(ShardFormatError, match="good.tar: sha256 .* differs"):
+        list(iter_tar_samples(good, expected_sha256="0" * 64))
+
+    split = _tar(tmp_path / "split.tar", [("a.x.npy", b"1"), ("b.x.npy", b"2"), ("a.y", b"3")])
+    with pytest.raises(ShardFormatError, match=r"split\.tar: sample key 'a' appears twice"):
+        list(iter_tar_samples(split))
+    twice = _tar(tmp_path / "twice.tar", [("a.x.npy", b"1"), ("a.x.npy", b"2")])
+    with pytest.raises(ShardFormatError, match=r"twice\.tar: sample 'a' has two 'x\.npy' members"):
+        list(iter_tar_samples(twice))
+    empty = _tar(tmp_path / "empty.tar", [])  # a shard may hold zero samples (docs/FORMAT.md)
+    assert list(iter_tar_samples(empty, expected_sha256=hashlib.sha256(empty.read_bytes()).hexdigest())) == []
+    not_a_tar = tmp_path / "junk.tar"
+    not_a_tar.write_bytes(b"this is not a tar archive" * 100)
+    with pytest.raises(ShardFormatError, match=r"junk\.tar: not a readable tar"):
+        list(iter_tar_samples(not_a_tar))
+
+
+@pytest.mark.parametrize("verify_sha256", [True, False])
+def test_truncated_shard_is_one_error_naming_it(extraction, tmp_path, verify_sha256):
+    """A shard cut in the middle of a member (a copy that stopped early): one `ShardFormatError` naming the shard,
+    its message one readable line, with or without the hash."""
+    import shutil
+
+    out, _, manifest = extraction
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    victim = manifest["shards"][2]["path"]
+    data = (bad / victim).read_bytes()
+    (bad / victim).write_bytes(data[:len(data) // 2 + 7])
+    with pytest.raises(ShardFormatError) as caught:
+        list(ShardDataset(bad, verify_sha256=verify_sha256))
+    message = str(caught.value)
+    assert message.startswith(str(bad / victim)) and "\n" not in message and "<" not in message, message
 
 
 def test_missing_manifest(tmp_path):

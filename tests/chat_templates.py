@@ -1,0 +1,193 @@
+"""Chat templates written for the tests, each reproducing one model family's public format (none has a
+`{% generation %}` block, like the official ones). Shortened where the text does not matter (tool instructions),
+faithful where it does: headers, end-of-turn markers, reasoning blocks and which turns keep them, tool calls.
+"""
+
+# Qwen3: ChatML; reasoning (<think>) kept only for assistant turns after the last real user query, always
+# rendered (possibly empty) for the last message; tool calls as JSON in <tool_call>; tool results as user turns.
+QWEN3 = r"""
+{%- if tools %}{{- '<|im_start|>system\n' }}{%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
+{{- "# Tools\n\nYou may call one or more functions.\n\n<tools>" }}{%- for tool in tools %}{{- "\n" }}{{- tool | tojson }}{%- endfor %}
+{{- "\n</tools><|im_end|>\n" }}
+{%- else %}{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}{%- endif %}{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}
+{%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}{%- endfor %}
+{%- for message in messages %}
+{%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+{%- elif message.role == "assistant" %}
+{%- if message.content is string %}{%- set content = message.content %}{%- else %}{%- set content = '' %}{%- endif %}
+{%- set reasoning_content = '' %}
+{%- if message.reasoning_content is string %}{%- set reasoning_content = message.reasoning_content %}
+{%- elif '</think>' in content %}{%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+{%- set content = content.split('</think>')[-1].lstrip('\n') %}{%- endif %}
+{%- if loop.index0 > ns.last_query_index %}
+{%- if loop.last or (not loop.last and reasoning_content) %}
+{{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+{%- else %}{{- '<|im_start|>' + message.role + '\n' + content }}{%- endif %}
+{%- else %}{{- '<|im_start|>' + message.role + '\n' + content }}{%- endif %}
+{%- if message.tool_calls %}{%- for tool_call in message.tool_calls %}
+{%- if (loop.first and content) or (not loop.first) %}{{- '\n' }}{%- endif %}
+{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}
+{{- '<tool_call>\n{"name": "' }}{{- tool_call.name }}{{- '", "arguments": ' }}
+{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
+{{- '}\n</tool_call>' }}{%- endfor %}{%- endif %}
+{{- '<|im_end|>\n' }}
+{%- elif message.role == "tool" %}
+{%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\n<tool_response>\n' }}{{- message.content }}{{- '\n</tool_response>' }}
+{%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}{{- '<|im_end|>\n' }}{%- endif %}
+{%- endif %}{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}{%- endif %}
+"""
+
+# Qwen3.5 / Qwen3.6: ChatML, the same reasoning rule as Qwen3, tool calls as XML (<function=...><parameter=...>).
+QWEN36 = r"""
+{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\n' + messages[0].content }}
+{%- if tools %}{{- '\n\n# Tools\n\n<tools>' }}{%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}{{- '\n</tools>' }}{%- endif %}
+{{- '<|im_end|>\n' }}{%- endif %}
+{%- set ns = namespace(last_query_index=messages|length - 1, found=false) %}
+{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}
+{%- if not ns.found and message.role == "user" %}{%- set ns.found = true %}{%- set ns.last_query_index = index %}{%- endif %}{%- endfor %}
+{%- for message in messages %}
+{%- if message.role == "user" %}{{- '<|im_start|>user\n' + message.content + '<|im_end|>\n' }}
+{%- elif message.role == "assistant" %}
+{%- set content = message.content if message.content is string else '' %}
+{%- set reasoning_content = message.reasoning_content if message.reasoning_content is string else '' %}
+{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) %}
+{{- '<|im_start|>assistant\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+{%- else %}{{- '<|im_start|>assistant\n' + content }}{%- endif %}
+{%- if message.tool_calls %}{%- for tool_call in message.tool_calls %}
+{%- if (loop.first and content) or (not loop.first) %}{{- '\n\n' }}{%- endif %}
+{%- set tool_call = tool_call.function %}
+{{- '<tool_call>\n<function=' + tool_call.name + '>\n' }}
+{%- for name, value in tool_call.arguments.items() %}{{- '<parameter=' + name + '>\n' }}
+{{- value if value is string else value | tojson }}{{- '\n</parameter>\n' }}{%- endfor %}
+{{- '</function>\n</tool_call>' }}{%- endfor %}{%- endif %}
+{{- '<|im_end|>\n' }}
+{%- elif message.role == "tool" %}
+{%- if messages[loop.index0 - 1].role != "tool" %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != "tool" %}{{- '<|im_end|>\n' }}{%- endif %}
+{%- endif %}{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- else %}{{- '<think>\n' }}{%- endif %}{%- endif %}
+"""
+
+# Llama-3.1: header ids, <|eot_id|>, a dated system block, JSON tool calls, `ipython` tool results.
+LLAMA31 = r"""
+{{- '<|begin_of_text|>' }}
+{%- if messages[0].role == 'system' %}{%- set system_message = messages[0].content %}{%- set messages = messages[1:] %}{%- else %}{%- set system_message = '' %}{%- endif %}
+{{- '<|start_header_id|>system<|end_header_id|>\n\n' }}{{- 'Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n' }}
+{%- if tools %}{{- 'You have access to the following functions.\n\n' }}{%- for t in tools %}{{- t | tojson(indent=4) }}{{- '\n\n' }}{%- endfor %}{%- endif %}
+{{- system_message + '<|eot_id|>' }}
+{%- for message in messages %}
+{%- if message.role == 'assistant' and message.tool_calls %}
+{%- set tool_call = message.tool_calls[0].function %}
+{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{{- '{"name": "' + tool_call.name + '", "parameters": ' + tool_call.arguments | tojson + '}' + '<|eot_id|>' }}
+{%- elif message.role == 'tool' %}{{- '<|start_header_id|>ipython<|end_header_id|>\n\n' + message.content + '<|eot_id|>' }}
+{%- else %}{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\n\n' + message.content | trim + '<|eot_id|>' }}
+{%- endif %}{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}
+"""
+
+# Mistral (v7 / Magistral style): [INST] ... [/INST], </s> ends an answer, [THINK] reasoning, [TOOL_CALLS],
+# [TOOL_RESULTS]; the system prompt in [SYSTEM_PROMPT]; no generation prompt at all.
+MISTRAL = r"""
+{{- '<s>' }}
+{%- if messages[0].role == 'system' %}{{- '[SYSTEM_PROMPT]' + messages[0].content + '[/SYSTEM_PROMPT]' }}{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}
+{%- for message in loop_messages %}
+{%- if message.role == 'user' %}
+{%- if tools and loop.first %}{{- '[AVAILABLE_TOOLS]' + tools | tojson + '[/AVAILABLE_TOOLS]' }}{%- endif %}
+{{- '[INST]' + message.content + '[/INST]' }}
+{%- elif message.role == 'assistant' %}
+{%- if message.reasoning_content %}{{- '[THINK]' + message.reasoning_content + '[/THINK]' }}{%- endif %}
+{%- if message.content %}{{- message.content }}{%- endif %}
+{%- if message.tool_calls %}{{- '[TOOL_CALLS]' }}{%- for tc in message.tool_calls %}{{- tc.function.name + '[ARGS]' + tc.function.arguments | tojson }}{%- endfor %}{%- endif %}
+{{- '</s>' }}
+{%- elif message.role == 'tool' %}{{- '[TOOL_RESULTS]' + message.content + '[/TOOL_RESULTS]' }}
+{%- endif %}{%- endfor %}
+"""
+
+# Gemma: <start_of_turn>user / model, <end_of_turn>; the system prompt goes into the first user turn.
+GEMMA = r"""
+{{- '<bos>' }}
+{%- if messages[0].role == 'system' %}{%- set first_user_prefix = messages[0].content + '\n\n' %}{%- set loop_messages = messages[1:] %}
+{%- else %}{%- set first_user_prefix = '' %}{%- set loop_messages = messages %}{%- endif %}
+{%- for message in loop_messages %}
+{%- if (message.role == 'user') != (loop.index0 % 2 == 0) %}{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif %}
+{%- set role = 'model' if message.role == 'assistant' else message.role %}
+{{- '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') + message.content | trim + '<end_of_turn>\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<start_of_turn>model\n' }}{%- endif %}
+"""
+
+# DeepSeek (V3.1 style): <｜User｜> / <｜Assistant｜>, <｜end▁of▁sentence｜>; the turn after the last user message
+# keeps its reasoning (<think>...</think>), earlier ones render `</think>` only; the generation prompt opens
+# `<think>`; tool calls and outputs in DeepSeek's own markers.
+DEEPSEEK = r"""
+{%- set ns = namespace(system_prompt='', last_user=-1) %}
+{%- for message in messages %}{%- if message.role == 'system' %}{%- set ns.system_prompt = message.content %}{%- endif %}
+{%- if message.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}
+{{- '<｜begin▁of▁sentence｜>' + ns.system_prompt }}
+{%- for message in messages %}
+{%- if message.role == 'user' %}{{- '<｜User｜>' + message.content }}
+{%- elif message.role == 'assistant' %}
+{{- '<｜Assistant｜>' }}
+{%- if loop.index0 > ns.last_user %}{{- '<think>' + (message.reasoning_content or '') + '</think>' }}{%- else %}{{- '</think>' }}{%- endif %}
+{{- message.content or '' }}
+{%- if message.tool_calls %}{{- '<｜tool▁calls▁begin｜>' }}{%- for tc in message.tool_calls %}
+{{- '<｜tool▁call▁begin｜>' + tc.function.name + '<｜tool▁sep｜>' + tc.function.arguments | tojson + '<｜tool▁call▁end｜>' }}
+{%- endfor %}{{- '<｜tool▁calls▁end｜>' }}{%- endif %}
+{{- '<｜end▁of▁sentence｜>' }}
+{%- elif message.role == 'tool' %}{{- '<｜tool▁output▁begin｜>' + message.content + '<｜tool▁output▁end｜>' }}
+{%- endif %}{%- endfor %}
+{%- if add_generation_prompt %}{{- '<｜Assistant｜><think>' }}{%- endif %}
+"""
+
+# gpt-oss (harmony): <|start|>role ... <|message|> ... <|end|>; assistant channels analysis / commentary / final;
+# analysis kept for tool-call turns and the last message only; a tool call ends with <|call|>, the last final
+# message with <|return|>; tools in a developer message.
+GPT_OSS = r"""
+{{- '<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\nReasoning: medium\n\n# Valid channels: analysis, commentary, final.<|end|>' }}
+{%- if messages[0].role == 'system' or tools %}{{- '<|start|>developer<|message|>' }}
+{%- if messages[0].role == 'system' %}{{- '# Instructions\n\n' + messages[0].content }}{%- endif %}
+{%- if tools %}{{- '\n\n# Tools\n\nnamespace functions {\n' }}{%- for t in tools %}{{- '// ' + t.function.description + '\ntype ' + t.function.name + ' = (_: any) => any;\n' }}{%- endfor %}{{- '} // namespace functions' }}{%- endif %}
+{{- '<|end|>' }}{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' %}{{- '<|start|>user<|message|>' + message.content + '<|end|>' }}
+{%- elif message.role == 'assistant' %}
+{%- if message.thinking and (message.tool_calls or loop.last) %}{{- '<|start|>assistant<|channel|>analysis<|message|>' + message.thinking + '<|end|>' }}{%- endif %}
+{%- if message.tool_calls %}{%- set tc = message.tool_calls[0].function %}
+{{- '<|start|>assistant<|channel|>commentary to=functions.' + tc.name + ' <|constrain|>json<|message|>' + tc.arguments | tojson + '<|call|>' }}
+{%- else %}{{- '<|start|>assistant<|channel|>final<|message|>' + message.content + ('<|return|>' if loop.last else '<|end|>') }}{%- endif %}
+{%- elif message.role == 'tool' %}
+{{- '<|start|>functions.' + messages[loop.index0 - 1].tool_calls[0].function.name + ' to=assistant<|channel|>commentary<|message|>' + message.content + '<|end|>' }}
+{%- endif %}{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}
+"""
+
+# Phi-3.5 / Phi-4-mini: <|system|>, <|user|>, <|assistant|>, each turn closed by <|end|> and a newline.
+PHI = r"""
+{%- for message in messages %}{{- '<|' + message.role + '|>\n' + message.content + '<|end|>\n' }}{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|assistant|>\n' }}{%- endif %}
+"""
+
+# The marker strings each family's tokenizer holds as single (special) tokens.
+SPECIAL_TOKENS = {
+    "qwen3": ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"],
+    "qwen36": ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"],
+    "llama31": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+    "mistral": ["<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[THINK]", "[/THINK]",
+                "[TOOL_CALLS]", "[ARGS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]"],
+    "gemma": ["<bos>", "<start_of_turn>", "<end_of_turn>"],
+    "deepseek": ["<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<think>", "</think>",
+                 "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                 "<｜tool▁sep｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"],
+    "gpt_oss": ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|call|>", "<|return|>"],
+    "phi": ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
+}
