@@ -642,9 +642,6 @@ def _run_batches(recipe: Recipe, config, device, state, out_dir: Path, layer_ids
     # Before-norm final states + the norm's parameters give the after-norm ones at read time (norms.py).
     if is_main and recipe.layers.capture_final == "before_norm":
         write_final_norm(out_dir, describe_final_norm(find_decoder(model).norm))
-    # Before-norm final states + the norm's parameters give the after-norm ones at read time (norms.py).
-    final_norm = write_final_norm(out_dir, describe_final_norm(find_decoder(model).norm)) \
-        if is_main and recipe.layers.capture_final == "before_norm" else None
     log.info("model loaded in %.1fs: %s, %d of %d decoder layers run; hooks on layers %s%s",
              time.perf_counter() - t0, describe_source(recipe.model), layers_run, num_layers, layer_ids,
              f" + final ({recipe.layers.capture_final})" if recipe.layers.capture_final != "none" else "")
