@@ -15,8 +15,8 @@
    relative error is <= the tolerance; the output passes when every checked layer of every checked sample passes.
    The reference is transformers' own, not a hook: `output_hidden_states=True`, so layer id i is checked against
    HF `hidden_states[i + 1]` (the format's definition), `after_norm` against `hidden_states[L]` (after the final
-   norm) and `before_norm` against the last layer's output before the norm, which transformers gives as
-   `hidden_states[L]` when the config's `tie_last_hidden_states` is False (set for the reference forward only).
+   norm) and `before_norm` against the final norm's input in that same forward (a pre-hook on the norm module:
+   no transformers switch needed, nothing shared with the extraction's hooks on the last decoder layer).
    An output whose layer ids include L-1 (refused since; older outputs stored the last layer's output before the
    norm there) is checked against `hidden_states[L]` like any other id, so it fails.
 
@@ -131,39 +131,34 @@ def run_alone(model, input_ids_T: torch.Tensor, layer_ids: list[int], capture_fi
     """One sample's reference states, run alone through transformers with `output_hidden_states=True`:
     {"<layer id>": [T, H] float32 = HF hidden_states[id + 1], "final": [T, H]} (on the CPU).
 
-    One forward with the config's `tie_last_hidden_states` off: then `hidden_states[L]` is the last layer's own
-    output (before the norm) and `last_hidden_state` the final norm's output, which is what transformers puts in
-    `hidden_states[L]` by default; so id L-1 gets the default `hidden_states[L]`. Raises `CannotVerify` when the
-    installed transformers ignores the switch and the pre-norm state is needed."""
+    `hidden_states[L]` is after the final norm in transformers 5.x (= `last_hidden_state`), so id L-1 gets that.
+    The before-norm final state is the final norm's own input, read by a forward pre-hook on the decoder's norm
+    module during the same forward: it needs no transformers switch (`tie_last_hidden_states` exists in some
+    versions only) and shares nothing with the extraction's capture hooks (which hook the last decoder layer)."""
     from .layers import find_decoder
 
     decoder = find_decoder(model)
-    config = decoder.config
-    saved = config.__dict__.get("tie_last_hidden_states", _UNSET)
-    config.tie_last_hidden_states = False
+    norm_input: list[torch.Tensor] = []
+    handle = decoder.norm.register_forward_pre_hook(lambda module, args: norm_input.append(args[0].detach())) \
+        if capture_final == "before_norm" else None
     try:
         with torch.inference_mode():
             out = decoder(input_ids=input_ids_T.to(device)[None], use_cache=False, output_hidden_states=True)
     finally:
-        if saved is _UNSET:
-            del config.tie_last_hidden_states
-        else:
-            config.tie_last_hidden_states = saved
+        if handle is not None:
+            handle.remove()
     hidden_states, after_norm = out.hidden_states, out.last_hidden_state
     L = len(hidden_states) - 1
-    default = [*hidden_states[:L], after_norm]  # HF's default tuple: index L is after the final norm
+    default = [*hidden_states[:L], after_norm]  # index L is after the final norm
     states = {str(i): default[i + 1][0].float().cpu() for i in layer_ids}
     if capture_final == "after_norm":
         states["final"] = after_norm[0].float().cpu()
     elif capture_final == "before_norm":
-        if torch.equal(hidden_states[L], after_norm):
-            raise CannotVerify("this transformers version gives no pre-norm final state (tie_last_hidden_states is "
-                               "ignored): the before_norm final layer cannot be checked")
-        states["final"] = hidden_states[L][0].float().cpu()
+        if len(norm_input) != 1:
+            raise CannotVerify(f"the final norm ran {len(norm_input)} times in one forward: the before_norm final "
+                               f"layer cannot be checked")
+        states["final"] = norm_input[0][0].float().cpu()
     return states
-
-
-_UNSET = object()
 
 
 def compare(sample_id: str, layer: str, stored_TH: torch.Tensor, reference_TH: torch.Tensor,

@@ -192,3 +192,16 @@ def test_the_reference_runs_the_recipes_kernels_as_the_extraction_chooses_them(o
     assert main([str(output), "--num-samples", "2", "--skip-hash", "--set", "model.kernels=[liger_rms_norm]"]) == 0
     out = capsys.readouterr().out
     assert "kernels: eager (recipe key `model.kernels` = ['liger_rms_norm']: fused kernels need a CUDA device" in out
+
+
+def test_a_final_layer_stored_after_the_norm_fails_as_before_norm(copy):
+    """The before-norm reference (the final norm's input in transformers' own forward) can fail: the after-norm
+    states of the module's output, relabelled as before_norm, differ by the norm's gain and scale."""
+    manifest = json.loads((copy / "manifest.json").read_text())
+    assert manifest["capture_final"] == "after_norm"
+    (copy / "manifest.json").write_text(json.dumps(dict(manifest, capture_final="before_norm")))
+    recipe = copy / "recipe.resolved.yaml"
+    recipe.write_text(recipe.read_text().replace("capture_final: after_norm", "capture_final: before_norm"))
+    report = verify(copy, num_samples=3, check_shards=False, log=_quiet)
+    assert {r.layer for r in report.failures} == {"final (before_norm)"}
+    assert min(r.relative_error for r in report.failures) > 0.2
