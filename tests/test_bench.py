@@ -8,6 +8,7 @@ with the same states: per-sample (unbatched, full CausalLM, `output_hidden_state
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import sys
@@ -23,7 +24,7 @@ MODES = ("per_sample", "fixed_batch", "dflash_prep")
 
 @pytest.fixture(scope="module")
 def rb():
-    """bench/run_bench.py as a module (bench/ is not a package)."""
+    """bench/run_bench.py as a module, loaded from its file as `python bench/run_bench.py` runs it."""
     spec = importlib.util.spec_from_file_location("run_bench", REPO / "bench" / "run_bench.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["run_bench"] = module
@@ -186,7 +187,8 @@ def test_variant_mode_reruns_dflash_prep_with_other_settings_on_the_same_samples
 
 def test_fixed_batch_splits_a_batch_that_runs_out_of_memory(rb, tmp_path, monkeypatch):
     """A batch that raises OutOfMemoryError is split in halves and retried; nothing is lost or duplicated."""
-    original = rb.load_model
+    context = importlib.import_module("bench.context")  # the baselines build their model through Ctx.build_model
+    original = context.load_model
 
     def load_model_that_ooms_above_two_rows(section, config, device):
         model = original(section, config, device)
@@ -198,7 +200,7 @@ def test_fixed_batch_splits_a_batch_that_runs_out_of_memory(rb, tmp_path, monkey
         model.register_forward_pre_hook(hook, with_kwargs=True)
         return model
 
-    monkeypatch.setattr(rb, "load_model", load_model_that_ooms_above_two_rows)
+    monkeypatch.setattr(context, "load_model", load_model_that_ooms_above_two_rows)
     monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "cpu")
     report = rb.main(["--model", "tiny-llama", "--device", "cpu", "--num-samples", "10", "--max-length", "300",
                       "--modes", "per_sample,fixed_batch", "--fixed-batch-size", "8", "--storage-dtype", "float32",
