@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -268,3 +270,27 @@ def test_profile_mode_reports_where_the_time_goes(rb, tmp_path, monkeypatch):
 def test_kernel_categories_of_the_gpu_profile(rb, name, category):
     """Kernel names as CUDA reports them (cuBLAS, flash attention, flash-linear-attention's Triton kernels)."""
     assert next((c for c, pattern in rb.KERNEL_CATEGORIES if pattern.search(name)), "other") == category
+
+
+def test_command_line_writes_the_report_layout_of_the_committed_gpu_reports(tmp_path):
+    """`python bench/run_bench.py` as the README runs it (a file, another working directory, no PYTHONPATH): its
+    report has the keys, in order, of the newest committed GPU report of the same model (written on an H200)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(ACCELERATE_TORCH_DEVICE="cpu", HF_DATASETS_CACHE=str(tmp_path / "hf-cache"))
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "run_bench.py"), "--model", "tiny-llama", "--device", "cpu",
+         "--num-samples", "4", "--max-length", "64", "--modes", "per_sample,dflash_prep", "--gemm-size", "64",
+         "--dflash-set", "batching.num_workers=0", "--results-dir", str(tmp_path / "r"), "--out-dir",
+         str(tmp_path / "o")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = (tmp_path / "r").glob("tiny-llama-*.json")
+    report = json.loads(path.read_text())
+    committed = json.loads(sorted((REPO / "bench" / "results").glob("llama3.1-8b-2*.json"))[-1].read_text())
+    assert list(report) == list(committed)
+    assert list(report["settings"]) == list(committed["settings"])
+    for mode in ("per_sample", "dflash_prep"):
+        assert report["modes"][mode]["status"] == "ok"
+        assert list(report["modes"][mode]) == list(committed["modes"][mode]), mode
+        assert list(report["modes"][mode]["breakdown_seconds"]) == list(committed["modes"][mode]["breakdown_seconds"])
+    assert list(report["consistency"]["pairs"]) == ["per_sample~dflash_prep"]
+    assert "| **tokens/s** (real) |" in path.with_suffix(".md").read_text()
