@@ -7,7 +7,7 @@ dtype, and the expected wall time for a tokens/s figure and a number of GPUs.
 
 Guarantees (tests/test_plan.py checks them against real extractions):
 - the figures come from the functions the extraction itself calls: `recipe.load_recipe`, `model.load_config` /
-  `load_tokenizer`, `layers.resolve_layer_ids`, `data.load_rows` / `tokenize_dataset`, `extract.make_plan`,
+  `load_tokenizer`, `layers.resolve_layer_ids`, `data.load_rows` / `tokenize_dataset`, `planner.make_plan`,
   `planner.plan_stats` / `split_across_ranks`; so samples, tokens, batches, shapes and padding efficiency are the
   run's own, not estimates;
 - bytes on disk are computed member by member from the writer's own encoders (`writer._npy_bytes`,
@@ -32,12 +32,10 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import functools
 import json
 import math
 import sys
 import tarfile
-import tempfile
 import time
 from collections import namedtuple
 from pathlib import Path
@@ -45,95 +43,13 @@ from pathlib import Path
 import numpy as np
 
 from .recipe import STORAGE_DTYPES, Recipe, RecipeError
-from .writer import ST_CODE as _ST_CODE
-from .writer import ST_ITEMSIZE as _ST_ITEMSIZE
+from .sizes import RecordSizer
 
 BENCH_RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
 BENCH_MODE = "dflash_prep_warm"
 BENCH_MAX_PARAM_RATIO = 4.0
 
 _MetaInfo = namedtuple("_MetaInfo", "sample_id source_row source_id num_tokens")
-
-
-# ------------------------------------------------------------------------------------------- record bytes
-def safetensors_num_bytes(tensors: list[tuple[str, str, tuple[int, ...]]]) -> int:
-    """Size of `safetensors.torch.save` of tensors given as (name, dtype code, shape): the writer's own header
-    plus the data."""
-    from .writer import safetensors_header
-
-    header, _ = safetensors_header(tensors)
-    return len(header) + sum(math.prod(shape) * _ST_ITEMSIZE[code] for _, code, shape in tensors)
-
-
-def states_tensors(T: int, k: int, H: int, dtype: str, has_final: bool) -> list[tuple[str, str, tuple[int, ...]]]:
-    """The tensors of a T-token sample's `hidden_states.safetensors` (docs/FORMAT.md)."""
-    code = _ST_CODE[dtype]
-    out = [("hidden_states", code, (T, k * H))]
-    if dtype == "fp8_e4m3":
-        out.append(("hidden_states_scales", "F32", (T, k)))
-    if has_final:
-        out.append(("final_hidden_states", code, (T, H)))
-        if dtype == "fp8_e4m3":
-            out.append(("final_hidden_states_scales", "F32", (T, 1)))
-    return out
-
-
-@functools.lru_cache(maxsize=1)
-def tar_member_overhead() -> dict[str, int]:
-    """Tar header bytes the shard writer puts before each member's data, by member suffix.
-
-    Measured, not assumed: one probe sample is written through `ShardWriter` into a temporary folder and its
-    tar is parsed (a float mtime, for instance, would add a PAX header to every member)."""
-    import torch
-
-    from .collate import SampleInfo
-    from .writer import ShardWriter, encode_sample, sample_meta
-
-    with tempfile.TemporaryDirectory(prefix="dflash-prep-probe-") as tmp:
-        writer = ShardWriter(tmp, 0, max_shard_bytes=1 << 62)
-        info = SampleInfo("0" * 10, 0, None, np.zeros(2, np.int32), np.ones(2, np.uint8))
-        writer.write_batch(0, [(encode_sample(info, torch.zeros(2, 1), None, sample_meta(info, [0], 0)), 2)])
-        writer.close()
-        path = Path(tmp) / writer.committed[0].path
-        out = {}
-        with tarfile.open(path, "r:") as tar:
-            for m in tar:
-                out[m.name.split(".", 1)[1]] = m.offset_data - m.offset
-    return out
-
-
-def _padded(n: int) -> int:
-    return -(-n // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
-
-
-class RecordSizer:
-    """Bytes one sample adds to a shard, exactly as the writer encodes it, per storage dtype."""
-
-    def __init__(self, layer_ids: list[int], hidden_size: int, capture_final: str):
-        self.layer_ids = list(layer_ids)
-        self.k = len(layer_ids)
-        self.H = hidden_size
-        self.has_final = capture_final != "none"
-        self.header = tar_member_overhead()
-
-    @functools.lru_cache(maxsize=None)  # noqa: B019 - one sizer per plan; T takes a few thousand values
-    def _fixed(self, T: int, dtype: str) -> int:
-        from .writer import _npy_bytes
-
-        sizes = {"input_ids.npy": len(_npy_bytes(np.zeros(T, np.int32))),
-                 "loss_mask.npy": len(_npy_bytes(np.zeros(T, np.uint8))),
-                 "hidden_states.safetensors": safetensors_num_bytes(
-                     states_tensors(T, self.k, self.H, dtype, self.has_final))}
-        return sum(self.header[m] + _padded(n) for m, n in sizes.items())
-
-    def record_bytes(self, T: int, meta_len: int, dtype: str) -> int:
-        return self._fixed(T, dtype) + self.header["meta.json"] + _padded(meta_len)
-
-    def states_bytes_per_token(self, dtype: str) -> float:
-        """Bytes of hidden states per token (data only: no headers)."""
-        blocks = self.k + (1 if self.has_final else 0)
-        item = _ST_ITEMSIZE[_ST_CODE[dtype]]
-        return blocks * self.H * item + (4 * blocks if dtype == "fp8_e4m3" else 0)
 
 
 def shard_sizes(record_bytes_in_order: list[list[int]], max_shard_bytes: int, num_lanes: int = 1) -> list[int]:
@@ -273,7 +189,7 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
     `max_tokens_per_batch: auto` (default: this machine's GPU; without one the CPU figure)."""
     from .budget import local_gpu_memory_bytes, resolve_token_budget
     from .data import check_data_verdict, load_rows, tokenize_dataset
-    from .extract import make_plan
+    from .planner import make_plan
     from .layers import num_decoder_layers, resolve_layer_ids
     from .model import describe_source, hidden_size_of, load_config, load_tokenizer, vocab_size_of
     from .planner import plan_stats, split_across_ranks
@@ -438,11 +354,11 @@ def _auto_note(how: str | None) -> str:
 
 
 def build_parser(prog: str = "dflash-prep plan") -> argparse.ArgumentParser:
-    from .extract import add_extract_args
+    from .recipe import add_recipe_args
 
     p = argparse.ArgumentParser(prog=prog, description="What a recipe will cost (samples, tokens, batches, padding, "
                                                        "bytes, wall time), without loading model weights.")
-    add_extract_args(p)
+    add_recipe_args(p)
     p.add_argument("--num-gpus", type=int, default=1, help="GPUs (ranks) of the run (default 1)")
     p.add_argument("--tokens-per-second", type=float, default=None,
                    help="real tokens/s per GPU (default: the benchmark figure, bench/results/*.json)")

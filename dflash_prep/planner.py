@@ -29,7 +29,10 @@ import numbers
 import operator
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from .recipe import Recipe
 
 __all__ = [
     "ShapeBuckets",
@@ -336,3 +339,19 @@ def split_across_ranks(batches: Sequence[PlannedBatch], num_ranks: int) -> list[
     for share in assigned:
         share.sort(key=lambda b: b.batch_id)
     return assigned
+
+
+def make_plan(lengths: list[int], recipe: Recipe) -> list[PlannedBatch]:
+    """The global batch plan of `recipe` for the kept samples' `lengths` (what OUT/plan.json freezes; also what
+    `dflash-prep plan` reports, so its figures are the run's)."""
+    b = recipe.batching
+    buckets = ShapeBuckets(b.length_multiple, b.length_growth, recipe.data.max_length)
+    return plan_batches(lengths, max_tokens_per_batch=b.max_tokens_per_batch, max_batch_size=b.max_batch_size,
+                        buckets=buckets)
+
+
+def plan_settings(recipe: Recipe) -> dict:
+    b = recipe.batching
+    return {"max_tokens_per_batch": b.max_tokens_per_batch, "max_batch_size": b.max_batch_size,
+            "length_multiple": b.length_multiple, "length_growth": b.length_growth,
+            "max_length": recipe.data.max_length}

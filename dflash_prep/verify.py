@@ -219,7 +219,6 @@ def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: 
            log=print, progress: bool = False) -> VerifyReport:
     """Run the checks of the module docstring; raises `CannotVerify` when they cannot run."""
     from .export import sample_ids_by_shard
-    from .extract import RECIPE_NAME as EXTRACT_RECIPE_NAME
     from .inspect_output import check_output
     from .layers import num_decoder_layers
     from .kernels import apply_kernels
@@ -235,7 +234,7 @@ def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: 
     except (FileNotFoundError, ValueError, json.JSONDecodeError) as e:
         raise CannotVerify(str(e)) from None
     layout = OutputLayout.from_manifest(manifest)
-    recipe_path = out_dir / EXTRACT_RECIPE_NAME
+    recipe_path = out_dir / RECIPE_NAME
     if not recipe_path.is_file():
         raise CannotVerify(f"{recipe_path} not found: the recipe the output was made with is needed to rebuild "
                            f"the model")
