@@ -189,11 +189,9 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
     `max_tokens_per_batch: auto` (default: this machine's GPU; without one the CPU figure)."""
     from .budget import local_gpu_memory_bytes, resolve_token_budget
     from .data import check_data_verdict, load_rows, tokenize_dataset
-    from .planner import make_plan
     from .layers import num_decoder_layers, resolve_layer_ids
     from .model import describe_source, hidden_size_of, load_config, load_tokenizer, vocab_size_of
-    from .planner import plan_stats, split_across_ranks
-    from .writer import meta_json_bytes, sample_meta
+    from .planner import make_plan, plan_stats, split_across_ranks
 
     if num_gpus < 1:
         raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
@@ -216,48 +214,14 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
     plan = make_plan(lengths, recipe)
     stats = plan_stats(plan)
 
-    # Bytes: per sample and dtype, then each rank's shards replayed.
-    sizer = RecordSizer(layer_ids, hidden_size, recipe.layers.capture_final)
-    meta_len: dict[int, int] = {}  # sample index -> meta.json bytes
-    for p in plan:
-        for i in p.sample_indices:
-            info = _MetaInfo(cols["sample_id"][i], int(cols["source_row"][i]), cols["source_id"][i], lengths[i])
-            meta_len[i] = len(meta_json_bytes(sample_meta(info, layer_ids, p.batch_id)))
     shares = split_across_ranks(plan, num_gpus)
-    disk = {}
-    for dtype in STORAGE_DTYPES:
-        shards = []
-        for share in shares:
-            shards += shard_sizes([[sizer.record_bytes(lengths[i], meta_len[i], dtype) for i in p.sample_indices]
-                                   for p in share], recipe.output.max_shard_bytes, recipe.output.num_writer_threads)
-        disk[dtype] = {"num_bytes": sum(shards), "num_shards": len(shards),
-                       "states_bytes_per_token": sizer.states_bytes_per_token(dtype),
-                       "bytes_per_token": sum(shards) / max(stats["num_real_tokens"], 1)}
-
-    # Throughput and wall time.
+    disk = _disk_figures(recipe, plan, shares, cols, lengths, layer_ids, hidden_size, stats["num_real_tokens"])
     last_needed = num_layers - 1 if recipe.layers.capture_final != "none" else layer_ids[-1]
     params = decoder_params_run(recipe, config, last_needed)
-    ref, why = (None, "given with --tokens-per-second") if tokens_per_second else (
-        choose_reference(bench_references(bench_dir), config, params, recipe.model.dtype)
-        if bench_dir is not None else (None, "no benchmark folder"))
-    throughput: dict = {"tokens_per_second": tokens_per_second, "source": why, "reference": ref}
-    if ref is not None:
-        scale = ref["decoder_params_needed"] / params if params else 1.0
-        throughput["tokens_per_second"] = ref["tokens_per_second"] * scale
-        throughput["scaled_by_decoder_params"] = scale
-        throughput["seconds_per_new_shape"] = ref["seconds_per_new_shape"] if why == "same model" else None
-    tps = throughput["tokens_per_second"]
+    throughput = _throughput(recipe, config, params, tokens_per_second, bench_dir)
     ranks = [plan_stats(share) for share in shares]
-    wall = None
-    if tps:
-        per_shape = throughput.get("seconds_per_new_shape") or 0.0
-        per_rank = [r["num_real_tokens"] / tps + per_shape * r["num_shapes"] for r in ranks]
-        wall = {"num_gpus": num_gpus, "seconds": max(per_rank),
-                "compute_seconds": max(r["num_real_tokens"] for r in ranks) / tps,
-                "warmup_seconds": max(per_shape * r["num_shapes"] for r in ranks),
-                "gpu_hours": sum(per_rank) / 3600,
-                # what each GPU's writer threads must sustain so the GPU never waits on the disk
-                "write_bytes_per_second_per_gpu": tps * disk[recipe.output.dtype]["bytes_per_token"]}
+    wall = _wall_time(throughput["tokens_per_second"], throughput.get("seconds_per_new_shape") or 0.0, ranks,
+                      num_gpus, disk[recipe.output.dtype]["bytes_per_token"])
 
     return {
         "recipe_fingerprint": recipe.fingerprint(),
@@ -286,6 +250,59 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
 
 
 # ------------------------------------------------------------------------------------------------ report
+
+def _disk_figures(recipe: Recipe, plan: list, shares: list, cols: dict, lengths: list[int], layer_ids: list[int],
+                  hidden_size: int, num_real_tokens: int) -> dict:
+    """Bytes and shards per storage dtype: each sample's record sized as the writer encodes it, then each rank's
+    shards replayed (its writer lanes, the shard size limit)."""
+    from .writer import meta_json_bytes, sample_meta
+
+    sizer = RecordSizer(layer_ids, hidden_size, recipe.layers.capture_final)
+    meta_len: dict[int, int] = {}  # sample index -> meta.json bytes
+    for p in plan:
+        for i in p.sample_indices:
+            info = _MetaInfo(cols["sample_id"][i], int(cols["source_row"][i]), cols["source_id"][i], lengths[i])
+            meta_len[i] = len(meta_json_bytes(sample_meta(info, layer_ids, p.batch_id)))
+    disk = {}
+    for dtype in STORAGE_DTYPES:
+        shards = []
+        for share in shares:
+            shards += shard_sizes([[sizer.record_bytes(lengths[i], meta_len[i], dtype) for i in p.sample_indices]
+                                   for p in share], recipe.output.max_shard_bytes, recipe.output.num_writer_threads)
+        disk[dtype] = {"num_bytes": sum(shards), "num_shards": len(shards),
+                       "states_bytes_per_token": sizer.states_bytes_per_token(dtype),
+                       "bytes_per_token": sum(shards) / max(num_real_tokens, 1)}
+    return disk
+
+
+def _throughput(recipe: Recipe, config, params: int | None, tokens_per_second: float | None,
+                bench_dir: Path | None) -> dict:
+    """tokens/s per GPU: given, or the nearest benchmarked model's scaled by decoder parameters run per token."""
+    ref, why = (None, "given with --tokens-per-second") if tokens_per_second else (
+        choose_reference(bench_references(bench_dir), config, params, recipe.model.dtype)
+        if bench_dir is not None else (None, "no benchmark folder"))
+    throughput: dict = {"tokens_per_second": tokens_per_second, "source": why, "reference": ref}
+    if ref is not None:
+        scale = ref["decoder_params_needed"] / params if params else 1.0
+        throughput["tokens_per_second"] = ref["tokens_per_second"] * scale
+        throughput["scaled_by_decoder_params"] = scale
+        throughput["seconds_per_new_shape"] = ref["seconds_per_new_shape"] if why == "same model" else None
+    return throughput
+
+
+def _wall_time(tps: float | None, per_shape: float, ranks: list[dict], num_gpus: int,
+               bytes_per_token: float) -> dict | None:
+    """The busiest GPU's time (its tokens / tokens/s + first-seen-shape warm-up), GPU hours, write rate per GPU."""
+    if not tps:
+        return None
+    per_rank = [r["num_real_tokens"] / tps + per_shape * r["num_shapes"] for r in ranks]
+    return {"num_gpus": num_gpus, "seconds": max(per_rank),
+            "compute_seconds": max(r["num_real_tokens"] for r in ranks) / tps,
+            "warmup_seconds": max(per_shape * r["num_shapes"] for r in ranks),
+            "gpu_hours": sum(per_rank) / 3600,
+            # what each GPU's writer threads must sustain so the GPU never waits on the disk
+            "write_bytes_per_second_per_gpu": tps * bytes_per_token}
+
 def _size(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
         if abs(n) < 1000 or unit == "PB":
