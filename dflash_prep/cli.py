@@ -18,10 +18,10 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dflash-prep", description="Hidden-state extraction for drafter training.")
     sub = parser.add_subparsers(dest="command", required=True)
-    from .extract import add_extract_args
+    from .recipe import add_recipe_args
 
     p_extract = sub.add_parser("extract", help="run an extraction recipe (also: accelerate launch extract.py)")
-    add_extract_args(p_extract)
+    add_recipe_args(p_extract)
     sub.add_parser("launch", help="`accelerate launch` that keeps the script's exit code (2, 3) and a clean console",
                    add_help=False)
     sub.add_parser("export", help="write an output in a trainer's layout (specforge, speculators, modelopt)",

@@ -33,8 +33,12 @@ import importlib
 import importlib.metadata
 import importlib.util
 import inspect
+import json
 import logging
+import os
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from torch import nn
 
@@ -221,3 +225,47 @@ def _scoped_global(forward, modeling, name: str, replacement):
             setattr(modeling, name, original)
 
     return scoped
+
+
+# ------------------------------------------------------------------------------------ the output's record
+KERNELS_NAME = "kernels.jsonl"  # OUT/: one line per run that loaded the model: the fused kernels it applied
+
+
+def append_kernels_record(out_dir: Path, record: dict, world: int) -> None:
+    """One line per run that loads the model into OUT/kernels.jsonl (main process): the kernels it applied. A resume
+    may apply another set (its shards' states then differ from the earlier ones by rounding): the manifest lists
+    them all."""
+    line = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "num_ranks": world, **record}
+    with open(out_dir / KERNELS_NAME, "a") as f:
+        f.write(json.dumps(line) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _kernels_lines(out_dir: Path) -> list[dict]:
+    path = out_dir / KERNELS_NAME
+    lines = []
+    for text in path.read_text().splitlines() if path.exists() else []:
+        try:
+            lines.append(json.loads(text))
+        except json.JSONDecodeError:
+            continue  # a torn last line (a crash while appending)
+    return lines
+
+
+def last_kernels_record(out_dir: Path) -> dict | None:
+    """The manifest's `kernels`: the record of the latest run that computed states into this output (None for an
+    output of a version before kernels were recorded)."""
+    lines = _kernels_lines(out_dir)
+    return {k: lines[-1][k] for k in ("requested", "applied", "libraries", "reason")} if lines else None
+
+
+def kernels_history(out_dir: Path) -> list[dict]:
+    """The distinct kernel sets (applied names and library versions) of the runs that computed states into this
+    output, in first-use order (OUT/kernels.jsonl)."""
+    seen: list[dict] = []
+    for line in _kernels_lines(out_dir):
+        entry = {"applied": line["applied"], "libraries": line["libraries"]}
+        if entry not in seen:
+            seen.append(entry)
+    return seen

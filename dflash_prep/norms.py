@@ -161,3 +161,15 @@ def randomize_norm_gains(model: nn.Module, seed: int) -> int:
                 continue
         changed += 1
     return changed
+
+
+def final_norm_entry(out_dir: str | Path, capture_final: str) -> dict | None:
+    """The manifest's `final_norm` ({path, form, eps}) from OUT/final_norm.safetensors, written by the run that
+    loaded the model (a finished output re-run does not load it); None unless capture_final is before_norm."""
+    if capture_final != "before_norm":
+        return None
+    try:
+        norm = read_final_norm(out_dir)
+    except FileNotFoundError:
+        return None
+    return {"path": FINAL_NORM_NAME, "form": norm["form"], "eps": norm["eps"]}

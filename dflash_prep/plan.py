@@ -7,7 +7,7 @@ dtype, and the expected wall time for a tokens/s figure and a number of GPUs.
 
 Guarantees (tests/test_plan.py checks them against real extractions):
 - the figures come from the functions the extraction itself calls: `recipe.load_recipe`, `model.load_config` /
-  `load_tokenizer`, `layers.resolve_layer_ids`, `data.load_rows` / `tokenize_dataset`, `extract.make_plan`,
+  `load_tokenizer`, `layers.resolve_layer_ids`, `data.load_rows` / `tokenize_dataset`, `planner.make_plan`,
   `planner.plan_stats` / `split_across_ranks`; so samples, tokens, batches, shapes and padding efficiency are the
   run's own, not estimates;
 - bytes on disk are computed member by member from the writer's own encoders (`writer._npy_bytes`,
@@ -32,12 +32,10 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import functools
 import json
 import math
 import sys
 import tarfile
-import tempfile
 import time
 from collections import namedtuple
 from pathlib import Path
@@ -45,95 +43,13 @@ from pathlib import Path
 import numpy as np
 
 from .recipe import STORAGE_DTYPES, Recipe, RecipeError
-from .writer import ST_CODE as _ST_CODE
-from .writer import ST_ITEMSIZE as _ST_ITEMSIZE
+from .sizes import RecordSizer
 
 BENCH_RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
 BENCH_MODE = "dflash_prep_warm"
 BENCH_MAX_PARAM_RATIO = 4.0
 
 _MetaInfo = namedtuple("_MetaInfo", "sample_id source_row source_id num_tokens")
-
-
-# ------------------------------------------------------------------------------------------- record bytes
-def safetensors_num_bytes(tensors: list[tuple[str, str, tuple[int, ...]]]) -> int:
-    """Size of `safetensors.torch.save` of tensors given as (name, dtype code, shape): the writer's own header
-    plus the data."""
-    from .writer import safetensors_header
-
-    header, _ = safetensors_header(tensors)
-    return len(header) + sum(math.prod(shape) * _ST_ITEMSIZE[code] for _, code, shape in tensors)
-
-
-def states_tensors(T: int, k: int, H: int, dtype: str, has_final: bool) -> list[tuple[str, str, tuple[int, ...]]]:
-    """The tensors of a T-token sample's `hidden_states.safetensors` (docs/FORMAT.md)."""
-    code = _ST_CODE[dtype]
-    out = [("hidden_states", code, (T, k * H))]
-    if dtype == "fp8_e4m3":
-        out.append(("hidden_states_scales", "F32", (T, k)))
-    if has_final:
-        out.append(("final_hidden_states", code, (T, H)))
-        if dtype == "fp8_e4m3":
-            out.append(("final_hidden_states_scales", "F32", (T, 1)))
-    return out
-
-
-@functools.lru_cache(maxsize=1)
-def tar_member_overhead() -> dict[str, int]:
-    """Tar header bytes the shard writer puts before each member's data, by member suffix.
-
-    Measured, not assumed: one probe sample is written through `ShardWriter` into a temporary folder and its
-    tar is parsed (a float mtime, for instance, would add a PAX header to every member)."""
-    import torch
-
-    from .collate import SampleInfo
-    from .writer import ShardWriter, encode_sample, sample_meta
-
-    with tempfile.TemporaryDirectory(prefix="dflash-prep-probe-") as tmp:
-        writer = ShardWriter(tmp, 0, max_shard_bytes=1 << 62)
-        info = SampleInfo("0" * 10, 0, None, np.zeros(2, np.int32), np.ones(2, np.uint8))
-        writer.write_batch(0, [(encode_sample(info, torch.zeros(2, 1), None, sample_meta(info, [0], 0)), 2)])
-        writer.close()
-        path = Path(tmp) / writer.committed[0].path
-        out = {}
-        with tarfile.open(path, "r:") as tar:
-            for m in tar:
-                out[m.name.split(".", 1)[1]] = m.offset_data - m.offset
-    return out
-
-
-def _padded(n: int) -> int:
-    return -(-n // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
-
-
-class RecordSizer:
-    """Bytes one sample adds to a shard, exactly as the writer encodes it, per storage dtype."""
-
-    def __init__(self, layer_ids: list[int], hidden_size: int, capture_final: str):
-        self.layer_ids = list(layer_ids)
-        self.k = len(layer_ids)
-        self.H = hidden_size
-        self.has_final = capture_final != "none"
-        self.header = tar_member_overhead()
-
-    @functools.lru_cache(maxsize=None)  # noqa: B019 - one sizer per plan; T takes a few thousand values
-    def _fixed(self, T: int, dtype: str) -> int:
-        from .writer import _npy_bytes
-
-        sizes = {"input_ids.npy": len(_npy_bytes(np.zeros(T, np.int32))),
-                 "loss_mask.npy": len(_npy_bytes(np.zeros(T, np.uint8))),
-                 "hidden_states.safetensors": safetensors_num_bytes(
-                     states_tensors(T, self.k, self.H, dtype, self.has_final))}
-        return sum(self.header[m] + _padded(n) for m, n in sizes.items())
-
-    def record_bytes(self, T: int, meta_len: int, dtype: str) -> int:
-        return self._fixed(T, dtype) + self.header["meta.json"] + _padded(meta_len)
-
-    def states_bytes_per_token(self, dtype: str) -> float:
-        """Bytes of hidden states per token (data only: no headers)."""
-        blocks = self.k + (1 if self.has_final else 0)
-        item = _ST_ITEMSIZE[_ST_CODE[dtype]]
-        return blocks * self.H * item + (4 * blocks if dtype == "fp8_e4m3" else 0)
 
 
 def shard_sizes(record_bytes_in_order: list[list[int]], max_shard_bytes: int, num_lanes: int = 1) -> list[int]:
@@ -273,11 +189,9 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
     `max_tokens_per_batch: auto` (default: this machine's GPU; without one the CPU figure)."""
     from .budget import local_gpu_memory_bytes, resolve_token_budget
     from .data import check_data_verdict, load_rows, tokenize_dataset
-    from .extract import make_plan
     from .layers import num_decoder_layers, resolve_layer_ids
     from .model import describe_source, hidden_size_of, load_config, load_tokenizer, vocab_size_of
-    from .planner import plan_stats, split_across_ranks
-    from .writer import meta_json_bytes, sample_meta
+    from .planner import make_plan, plan_stats, split_across_ranks
 
     if num_gpus < 1:
         raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
@@ -300,48 +214,14 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
     plan = make_plan(lengths, recipe)
     stats = plan_stats(plan)
 
-    # Bytes: per sample and dtype, then each rank's shards replayed.
-    sizer = RecordSizer(layer_ids, hidden_size, recipe.layers.capture_final)
-    meta_len: dict[int, int] = {}  # sample index -> meta.json bytes
-    for p in plan:
-        for i in p.sample_indices:
-            info = _MetaInfo(cols["sample_id"][i], int(cols["source_row"][i]), cols["source_id"][i], lengths[i])
-            meta_len[i] = len(meta_json_bytes(sample_meta(info, layer_ids, p.batch_id)))
     shares = split_across_ranks(plan, num_gpus)
-    disk = {}
-    for dtype in STORAGE_DTYPES:
-        shards = []
-        for share in shares:
-            shards += shard_sizes([[sizer.record_bytes(lengths[i], meta_len[i], dtype) for i in p.sample_indices]
-                                   for p in share], recipe.output.max_shard_bytes, recipe.output.num_writer_threads)
-        disk[dtype] = {"num_bytes": sum(shards), "num_shards": len(shards),
-                       "states_bytes_per_token": sizer.states_bytes_per_token(dtype),
-                       "bytes_per_token": sum(shards) / max(stats["num_real_tokens"], 1)}
-
-    # Throughput and wall time.
+    disk = _disk_figures(recipe, plan, shares, cols, lengths, layer_ids, hidden_size, stats["num_real_tokens"])
     last_needed = num_layers - 1 if recipe.layers.capture_final != "none" else layer_ids[-1]
     params = decoder_params_run(recipe, config, last_needed)
-    ref, why = (None, "given with --tokens-per-second") if tokens_per_second else (
-        choose_reference(bench_references(bench_dir), config, params, recipe.model.dtype)
-        if bench_dir is not None else (None, "no benchmark folder"))
-    throughput: dict = {"tokens_per_second": tokens_per_second, "source": why, "reference": ref}
-    if ref is not None:
-        scale = ref["decoder_params_needed"] / params if params else 1.0
-        throughput["tokens_per_second"] = ref["tokens_per_second"] * scale
-        throughput["scaled_by_decoder_params"] = scale
-        throughput["seconds_per_new_shape"] = ref["seconds_per_new_shape"] if why == "same model" else None
-    tps = throughput["tokens_per_second"]
+    throughput = _throughput(recipe, config, params, tokens_per_second, bench_dir)
     ranks = [plan_stats(share) for share in shares]
-    wall = None
-    if tps:
-        per_shape = throughput.get("seconds_per_new_shape") or 0.0
-        per_rank = [r["num_real_tokens"] / tps + per_shape * r["num_shapes"] for r in ranks]
-        wall = {"num_gpus": num_gpus, "seconds": max(per_rank),
-                "compute_seconds": max(r["num_real_tokens"] for r in ranks) / tps,
-                "warmup_seconds": max(per_shape * r["num_shapes"] for r in ranks),
-                "gpu_hours": sum(per_rank) / 3600,
-                # what each GPU's writer threads must sustain so the GPU never waits on the disk
-                "write_bytes_per_second_per_gpu": tps * disk[recipe.output.dtype]["bytes_per_token"]}
+    wall = _wall_time(throughput["tokens_per_second"], throughput.get("seconds_per_new_shape") or 0.0, ranks,
+                      num_gpus, disk[recipe.output.dtype]["bytes_per_token"])
 
     return {
         "recipe_fingerprint": recipe.fingerprint(),
@@ -370,6 +250,59 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
 
 
 # ------------------------------------------------------------------------------------------------ report
+
+def _disk_figures(recipe: Recipe, plan: list, shares: list, cols: dict, lengths: list[int], layer_ids: list[int],
+                  hidden_size: int, num_real_tokens: int) -> dict:
+    """Bytes and shards per storage dtype: each sample's record sized as the writer encodes it, then each rank's
+    shards replayed (its writer lanes, the shard size limit)."""
+    from .writer import meta_json_bytes, sample_meta
+
+    sizer = RecordSizer(layer_ids, hidden_size, recipe.layers.capture_final)
+    meta_len: dict[int, int] = {}  # sample index -> meta.json bytes
+    for p in plan:
+        for i in p.sample_indices:
+            info = _MetaInfo(cols["sample_id"][i], int(cols["source_row"][i]), cols["source_id"][i], lengths[i])
+            meta_len[i] = len(meta_json_bytes(sample_meta(info, layer_ids, p.batch_id)))
+    disk = {}
+    for dtype in STORAGE_DTYPES:
+        shards = []
+        for share in shares:
+            shards += shard_sizes([[sizer.record_bytes(lengths[i], meta_len[i], dtype) for i in p.sample_indices]
+                                   for p in share], recipe.output.max_shard_bytes, recipe.output.num_writer_threads)
+        disk[dtype] = {"num_bytes": sum(shards), "num_shards": len(shards),
+                       "states_bytes_per_token": sizer.states_bytes_per_token(dtype),
+                       "bytes_per_token": sum(shards) / max(num_real_tokens, 1)}
+    return disk
+
+
+def _throughput(recipe: Recipe, config, params: int | None, tokens_per_second: float | None,
+                bench_dir: Path | None) -> dict:
+    """tokens/s per GPU: given, or the nearest benchmarked model's scaled by decoder parameters run per token."""
+    ref, why = (None, "given with --tokens-per-second") if tokens_per_second else (
+        choose_reference(bench_references(bench_dir), config, params, recipe.model.dtype)
+        if bench_dir is not None else (None, "no benchmark folder"))
+    throughput: dict = {"tokens_per_second": tokens_per_second, "source": why, "reference": ref}
+    if ref is not None:
+        scale = ref["decoder_params_needed"] / params if params else 1.0
+        throughput["tokens_per_second"] = ref["tokens_per_second"] * scale
+        throughput["scaled_by_decoder_params"] = scale
+        throughput["seconds_per_new_shape"] = ref["seconds_per_new_shape"] if why == "same model" else None
+    return throughput
+
+
+def _wall_time(tps: float | None, per_shape: float, ranks: list[dict], num_gpus: int,
+               bytes_per_token: float) -> dict | None:
+    """The busiest GPU's time (its tokens / tokens/s + first-seen-shape warm-up), GPU hours, write rate per GPU."""
+    if not tps:
+        return None
+    per_rank = [r["num_real_tokens"] / tps + per_shape * r["num_shapes"] for r in ranks]
+    return {"num_gpus": num_gpus, "seconds": max(per_rank),
+            "compute_seconds": max(r["num_real_tokens"] for r in ranks) / tps,
+            "warmup_seconds": max(per_shape * r["num_shapes"] for r in ranks),
+            "gpu_hours": sum(per_rank) / 3600,
+            # what each GPU's writer threads must sustain so the GPU never waits on the disk
+            "write_bytes_per_second_per_gpu": tps * bytes_per_token}
+
 def _size(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
         if abs(n) < 1000 or unit == "PB":
@@ -438,11 +371,11 @@ def _auto_note(how: str | None) -> str:
 
 
 def build_parser(prog: str = "dflash-prep plan") -> argparse.ArgumentParser:
-    from .extract import add_extract_args
+    from .recipe import add_recipe_args
 
     p = argparse.ArgumentParser(prog=prog, description="What a recipe will cost (samples, tokens, batches, padding, "
                                                        "bytes, wall time), without loading model weights.")
-    add_extract_args(p)
+    add_recipe_args(p)
     p.add_argument("--num-gpus", type=int, default=1, help="GPUs (ranks) of the run (default 1)")
     p.add_argument("--tokens-per-second", type=float, default=None,
                    help="real tokens/s per GPU (default: the benchmark figure, bench/results/*.json)")

@@ -29,7 +29,10 @@ import numbers
 import operator
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from .recipe import Recipe
 
 __all__ = [
     "ShapeBuckets",
@@ -221,40 +224,11 @@ def plan_batches(
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
 
-    edges = buckets.edges()
-    groups: dict[int, list[tuple[int, int]]] = {}  # padded_length -> [(true_length, index)]
-    for index, raw_length in enumerate(lengths):
-        length = _as_int(raw_length, f"lengths[{index}]")
-        if length < 1:
-            raise ValueError(f"lengths[{index}]={length} must be >= 1")
-        if length > buckets.max_length:
-            raise ValueError(
-                f"lengths[{index}]={length} exceeds buckets max_length={buckets.max_length}; "
-                "truncate or drop the sample before planning, or raise max_length"
-            )
-        padded_length = edges[bisect.bisect_left(edges, length)]
-        groups.setdefault(padded_length, []).append((length, index))
-
+    groups = _group_by_padded_length(lengths, buckets)
     # (padded_length, position of the chunk in its group, indices, real tokens)
     chunks: list[tuple[int, int, tuple[int, ...], int]] = []
     for padded_length in sorted(groups, reverse=True):
-        members = sorted(groups[padded_length], key=lambda pair: (-pair[0], pair[1]))
-        batch_size = min(max_batch_size, max_tokens_per_batch // padded_length)
-        if batch_size < 1:
-            true_length, index = members[0]
-            raise ValueError(
-                f"max_tokens_per_batch={max_tokens_per_batch} is smaller than the padded length "
-                f"{padded_length} of sample {index} (true length {true_length}); "
-                f"set max_tokens_per_batch >= {padded_length} or lower buckets.max_length"
-            )
-        for start in range(0, len(members), batch_size):
-            chunk = members[start:start + batch_size]
-            chunks.append((
-                padded_length,
-                start,
-                tuple(index for _, index in chunk),
-                sum(length for length, _ in chunk),
-            ))
+        chunks += _cut_group(padded_length, groups[padded_length], max_tokens_per_batch, max_batch_size)
 
     # Already in (padded_length desc, position asc) order; sort anyway so the
     # ordering is stated in one place and does not rely on the loop above.
@@ -269,6 +243,43 @@ def plan_batches(
         for batch_id, (padded_length, _, indices, real_tokens) in enumerate(chunks)
     ]
 
+
+
+def _group_by_padded_length(lengths: Sequence[int], buckets: ShapeBuckets) -> dict[int, list[tuple[int, int]]]:
+    """padded_length -> [(true_length, index)]; raises ValueError on a length < 1 or > buckets.max_length."""
+    edges = buckets.edges()
+    groups: dict[int, list[tuple[int, int]]] = {}
+    for index, raw_length in enumerate(lengths):
+        length = _as_int(raw_length, f"lengths[{index}]")
+        if length < 1:
+            raise ValueError(f"lengths[{index}]={length} must be >= 1")
+        if length > buckets.max_length:
+            raise ValueError(
+                f"lengths[{index}]={length} exceeds buckets max_length={buckets.max_length}; "
+                "truncate or drop the sample before planning, or raise max_length"
+            )
+        groups.setdefault(edges[bisect.bisect_left(edges, length)], []).append((length, index))
+    return groups
+
+
+def _cut_group(padded_length: int, members: list[tuple[int, int]], max_tokens_per_batch: int,
+               max_batch_size: int) -> list[tuple[int, int, tuple[int, ...], int]]:
+    """One length group in (true length desc, index asc) order, cut into chunks of the group's batch size:
+    [(padded_length, position in the group, indices, real tokens)]."""
+    members = sorted(members, key=lambda pair: (-pair[0], pair[1]))
+    batch_size = min(max_batch_size, max_tokens_per_batch // padded_length)
+    if batch_size < 1:
+        true_length, index = members[0]
+        raise ValueError(
+            f"max_tokens_per_batch={max_tokens_per_batch} is smaller than the padded length "
+            f"{padded_length} of sample {index} (true length {true_length}); "
+            f"set max_tokens_per_batch >= {padded_length} or lower buckets.max_length"
+        )
+    chunks = []
+    for start in range(0, len(members), batch_size):
+        chunk = members[start:start + batch_size]
+        chunks.append((padded_length, start, tuple(index for _, index in chunk), sum(n for n, _ in chunk)))
+    return chunks
 
 def plan_stats(batches: Sequence[PlannedBatch]) -> dict[str, Any]:
     """Summary of a plan (or of one rank's share of it), for logging.
@@ -336,3 +347,19 @@ def split_across_ranks(batches: Sequence[PlannedBatch], num_ranks: int) -> list[
     for share in assigned:
         share.sort(key=lambda b: b.batch_id)
     return assigned
+
+
+def make_plan(lengths: list[int], recipe: Recipe) -> list[PlannedBatch]:
+    """The global batch plan of `recipe` for the kept samples' `lengths` (what OUT/plan.json freezes; also what
+    `dflash-prep plan` reports, so its figures are the run's)."""
+    b = recipe.batching
+    buckets = ShapeBuckets(b.length_multiple, b.length_growth, recipe.data.max_length)
+    return plan_batches(lengths, max_tokens_per_batch=b.max_tokens_per_batch, max_batch_size=b.max_batch_size,
+                        buckets=buckets)
+
+
+def plan_settings(recipe: Recipe) -> dict:
+    b = recipe.batching
+    return {"max_tokens_per_batch": b.max_tokens_per_batch, "max_batch_size": b.max_batch_size,
+            "length_multiple": b.length_multiple, "length_growth": b.length_growth,
+            "max_length": recipe.data.max_length}

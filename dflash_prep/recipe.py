@@ -435,3 +435,11 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
 def recipe_from_dict(raw: dict, base_dir: Path | None = None) -> Recipe:
     """Build and validate a recipe from a mapping (tests, programmatic use)."""
     return _build(Recipe, raw, "", base_dir)
+
+
+def add_recipe_args(parser) -> None:
+    """`--recipe PATH` and `--set KEY=VALUE` (repeatable), as `extract`, `plan` and `launch` take them."""
+    parser.add_argument("--recipe", default=None,
+                        help="recipe YAML (default: recipes/tiny-demo.yaml, the embedded CPU demo)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a recipe key, e.g. --set output.dir=/data/out (repeatable)")

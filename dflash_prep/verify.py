@@ -219,41 +219,13 @@ def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: 
            log=print, progress: bool = False) -> VerifyReport:
     """Run the checks of the module docstring; raises `CannotVerify` when they cannot run."""
     from .export import sample_ids_by_shard
-    from .extract import RECIPE_NAME as EXTRACT_RECIPE_NAME
     from .inspect_output import check_output
-    from .layers import num_decoder_layers
-    from .kernels import apply_kernels
-    from .manifest import read_manifest
-    from .model import load_config, load_model, load_tokenizer, model_fingerprint, tokenizer_fingerprint
-    from .reader import OutputLayout, iter_shard, shards_of
-    from .recipe import RecipeError, load_recipe
+    from .reader import OutputLayout, shards_of
 
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
-    try:
-        manifest = read_manifest(out_dir)
-    except (FileNotFoundError, ValueError, json.JSONDecodeError) as e:
-        raise CannotVerify(str(e)) from None
+    manifest, recipe, config, layer_ids = _output_and_recipe(out_dir, overrides)
     layout = OutputLayout.from_manifest(manifest)
-    recipe_path = out_dir / EXTRACT_RECIPE_NAME
-    if not recipe_path.is_file():
-        raise CannotVerify(f"{recipe_path} not found: the recipe the output was made with is needed to rebuild "
-                           f"the model")
-    try:
-        recipe = load_recipe(recipe_path, overrides)
-        config = load_config(recipe.model)
-    except RecipeError as e:
-        raise CannotVerify(f"{e} (pass --set to point at the model, e.g. --set model.name_or_path=...)") from None
-    if model_fingerprint(recipe.model, config) != manifest.get("model_fingerprint"):
-        raise CannotVerify("the model of the recipe (config, weight source, compute dtype) does not match the "
-                           "manifest's model_fingerprint: this is not the model the output was made with")
-    if tokenizer_fingerprint(load_tokenizer(recipe.model)) != manifest.get("tokenizer_fingerprint"):
-        raise CannotVerify("the tokenizer of the recipe does not match the manifest's tokenizer_fingerprint")
-    num_layers = num_decoder_layers(config)
-    layer_ids = _recipe_layer_ids(recipe.layers, num_layers)
-    if layer_ids != list(layout.layer_ids) or recipe.layers.capture_final != layout.capture_final:
-        raise CannotVerify(f"the recipe asks for layers {layer_ids} / final {recipe.layers.capture_final}, the "
-                           f"manifest holds {list(layout.layer_ids)} / {layout.capture_final}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     made_on = _extraction_device_type(out_dir)
     if recipe.model.config is not None and made_on is not None and made_on != dev.type:
@@ -275,15 +247,66 @@ def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: 
     log(f"verify: {len(chosen)} sample(s) drawn with seed {seed}: {', '.join(chosen)}")
     log(f"verify: tolerance {tol:.3g} (relative to each layer's max |value|; stored {manifest['dtype']}, "
         f"computed in {recipe.model.dtype})")
+    model = _reference_model(recipe, config, dev, report, log)
+    _compare_chosen(model, shards, ids_by_shard, set(chosen), layout, layer_ids, dev, tol, report)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _output_and_recipe(out_dir: Path, overrides: list[str] | None):
+    """-> (manifest, recipe, config, layer ids) after checking that the recipe rebuilds the output's model and
+    tokenizer (fingerprints) and asks for its layers; raises CannotVerify otherwise."""
+    from .layers import num_decoder_layers
+    from .manifest import read_manifest
+    from .model import load_config, load_tokenizer, model_fingerprint, tokenizer_fingerprint
+    from .recipe import RecipeError, load_recipe
+
+    try:
+        manifest = read_manifest(out_dir)
+    except (FileNotFoundError, ValueError, json.JSONDecodeError) as e:
+        raise CannotVerify(str(e)) from None
+    recipe_path = out_dir / RECIPE_NAME
+    if not recipe_path.is_file():
+        raise CannotVerify(f"{recipe_path} not found: the recipe the output was made with is needed to rebuild "
+                           f"the model")
+    try:
+        recipe = load_recipe(recipe_path, overrides)
+        config = load_config(recipe.model)
+    except RecipeError as e:
+        raise CannotVerify(f"{e} (pass --set to point at the model, e.g. --set model.name_or_path=...)") from None
+    if model_fingerprint(recipe.model, config) != manifest.get("model_fingerprint"):
+        raise CannotVerify("the model of the recipe (config, weight source, compute dtype) does not match the "
+                           "manifest's model_fingerprint: this is not the model the output was made with")
+    if tokenizer_fingerprint(load_tokenizer(recipe.model)) != manifest.get("tokenizer_fingerprint"):
+        raise CannotVerify("the tokenizer of the recipe does not match the manifest's tokenizer_fingerprint")
+    layer_ids = _recipe_layer_ids(recipe.layers, num_decoder_layers(config))
+    final = manifest.get("capture_final", "none")
+    if layer_ids != [int(i) for i in manifest["layer_ids"]] or recipe.layers.capture_final != final:
+        raise CannotVerify(f"the recipe asks for layers {layer_ids} / final {recipe.layers.capture_final}, the "
+                           f"manifest holds {manifest['layer_ids']} / {final}")
+    return manifest, recipe, config, layer_ids
+
+
+def _reference_model(recipe, config, dev: torch.device, report: VerifyReport, log):
+    """The whole model (every layer: the reference is the whole HF forward) with the recipe's kernels on `dev`."""
+    from .kernels import apply_kernels
+    from .model import load_model
 
     t_load = time.perf_counter()
-    model = load_model(recipe.model, config, dev)  # all layers: the reference is the whole HF forward
+    model = load_model(recipe.model, config, dev)
     kernels = _reference_kernels(recipe, config, dev)
     apply_kernels(model, kernels)
     report.kernels = list(kernels.names)
     log(f"verify: model loaded in {time.perf_counter() - t_load:.1f}s on {dev}; kernels: "
         f"{', '.join(kernels.names) or 'eager'}{f' ({kernels.reason})' if kernels.reason else ''}")
-    wanted = set(chosen)
+    return model
+
+
+def _compare_chosen(model, shards, ids_by_shard: dict, wanted: set, layout, layer_ids: list[int],
+                    dev: torch.device, tol: float, report: VerifyReport) -> None:
+    """Each chosen sample's stored layers against its reference run alone; results appended to `report`."""
+    from .reader import iter_shard
+
     H, final_name = layout.hidden_size, f"final ({layout.capture_final})"
     for shard in shards:
         positions = {j for j, sid in enumerate(ids_by_shard[shard.rel_path]) if sid in wanted}
@@ -305,8 +328,6 @@ def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: 
     done = {r.sample_id for r in report.results}
     if done != wanted:
         report.integrity_problems.append(f"sample(s) not found in the shards: {sorted(wanted - done)[:5]}")
-    report.seconds = time.perf_counter() - t0
-    return report
 
 
 def _reference_kernels(recipe, config, dev: torch.device):

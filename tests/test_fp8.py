@@ -95,7 +95,7 @@ def test_fp8_round_trip_is_within_the_e4m3_bound_per_token(outputs):
 
 
 def test_fp8_is_about_half_the_bytes_of_bf16(outputs):
-    from dflash_prep.plan import RecordSizer
+    from dflash_prep.sizes import RecordSizer
 
     size = {d: json.loads((o / "manifest.json").read_text())["num_bytes"] for d, o in outputs.items()}
     assert 0.5 < size["fp8_e4m3"] / size["bfloat16"] < 0.6, size  # H=64: the scales and headers weigh a little

@@ -31,7 +31,7 @@ def _record_bytes_in_shards(out) -> int:
 
 
 def test_the_estimate_is_the_bytes_the_records_take(tmp_path):
-    from dflash_prep.extract import _check_free_space
+    from dflash_prep.sizes import check_free_space
     from dflash_prep.planner import PlannedBatch
     from dflash_prep.recipe import load_recipe
 
@@ -51,14 +51,14 @@ def test_the_estimate_is_the_bytes_the_records_take(tmp_path):
     ordered = [lengths[k] for k in sorted(lengths)]
     todo = [PlannedBatch(i, tuple(idx), T, sum(ordered[j] for j in idx)) for i, (T, idx) in enumerate(stored["batches"])]
     manifest = json.loads((out / "manifest.json").read_text())
-    estimate = _check_free_space(out, ordered, todo, manifest["layer_ids"], manifest["hidden_size"], recipe)
+    estimate = check_free_space(out, ordered, todo, manifest["layer_ids"], manifest["hidden_size"], recipe)
     assert estimate == _record_bytes_in_shards(out)
 
 
 def test_a_disk_too_small_is_reported_before_the_model_loads(tmp_path, monkeypatch, capsys):
     usage = namedtuple("usage", "total used free")
     real = shutil.disk_usage
-    monkeypatch.setattr("dflash_prep.extract.shutil.disk_usage",
+    monkeypatch.setattr("dflash_prep.sizes.shutil.disk_usage",
                         lambda p: usage(*real(p)[:2], 1_000) if str(p).startswith(str(tmp_path)) else real(p))
     out = tmp_path / "out"
     assert main(argv(out, **{"data.max_samples": 8})) == 0  # a warning, not an error: the disk may be freed

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import save as safetensors_save
 
 from conftest import REPO
-from dflash_prep.plan import (bench_references, length_histogram, main, make_run_plan, safetensors_num_bytes,
-                              shard_sizes, states_tensors)
+from dflash_prep.plan import bench_references, length_histogram, main, make_run_plan, shard_sizes
+from dflash_prep.sizes import safetensors_num_bytes, states_tensors
 from dflash_prep.recipe import load_recipe
 
 BASE = ["data.max_samples=60", "data.max_length=384", "data.overlong=skip", "batching.max_tokens_per_batch=2048",

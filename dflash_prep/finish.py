@@ -1,0 +1,136 @@
+"""The last stage of a run, on the main process once every rank is done: merge the rank indexes into the
+manifest, written last.
+
+Before the manifest: every planned sample must be committed or recorded as failed (else ExtractionError: re-run
+the same command), the supervised-token frequencies of exactly the written samples (vocab.py), `failed.jsonl` and
+`summary.json`. A write error here leaves every shard committed: re-running writes the manifest without
+recomputing anything.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+
+from . import __version__
+from .job import FAILED_NAME, SUMMARY_NAME, RankPlan, Run
+from .kernels import kernels_history, last_kernels_record
+from .manifest import atomic_write_json, atomic_write_jsonl, build_manifest, read_committed, write_manifest
+from .model import describe_source, hidden_size_of, vocab_size_of
+from .norms import final_norm_entry
+from .vocab import count_supervised_tokens, write_token_freq
+
+log = logging.getLogger("dflash_prep")
+
+
+class ExtractionError(RuntimeError):
+    """The run stopped cleanly (write error, fatal NaN, a stop signal, samples missing at the merge): committed
+    shards are intact; re-running resumes."""
+
+
+def finish_run(run: Run, data, rank_plan: RankPlan) -> dict:
+    """Manifest (last), summary, failed.jsonl and token_freq.safetensors of the whole output; -> the summary."""
+    out_dir = run.out_dir
+    reports = [json.loads(p.read_text()) for p in sorted((out_dir / "index").glob("rank-*.done.json"))]
+    reports = [r for r in reports if r["rank"] < run.world]
+    records = read_committed(out_dir)
+    # Failed samples are recorded in the index line of the shard that committed their batch.
+    failed_rows = sorted((f for r in records for f in r.failed), key=lambda f: f["sample_id"])
+    manifest = build_manifest(records, _manifest_info(run, data, failed_rows))
+    written = {s for r in records for s in r.sample_ids}
+    accounted = written | {f["sample_id"] for f in failed_rows}
+    if accounted != set(data.kept["sample_id"]):
+        raise ExtractionError(
+            f"{len(rank_plan.lengths)} samples planned, {manifest['num_samples']} committed and {len(failed_rows)} "
+            f"recorded as failed: {len(set(data.kept['sample_id']) - accounted)} missing; re-run the same command "
+            f"to finish")
+    # The draft vocabulary's input: supervised-token frequencies over exactly the samples the manifest lists.
+    manifest["token_freq"] = write_token_freq(
+        out_dir, count_supervised_tokens(data.kept, vocab_size_of(run.config), written), len(written))
+    summary = _summary(run, data, rank_plan, manifest, reports)
+    manifest["summary"] = {k: summary[k] for k in ("num_batches", "padding_efficiency", "num_ranks")}
+    try:
+        atomic_write_jsonl(out_dir / FAILED_NAME, failed_rows)
+        atomic_write_json(out_dir / SUMMARY_NAME, summary)
+        write_manifest(out_dir, manifest)
+    except OSError as e:
+        raise ExtractionError(f"writing the manifest failed ({e}); every shard is committed: re-run the same "
+                              f"command (nothing is recomputed) to write it") from e
+    _log_done(summary, data.skipped_counts, out_dir)
+    return summary
+
+
+def _manifest_info(run: Run, data, failed_rows: list[dict]) -> dict:
+    """The manifest's run facts (docs/FORMAT.md), before the shard list and totals."""
+    recipe = run.recipe
+    return {
+        "dflash_prep_version": __version__,
+        "model": describe_source(recipe.model),
+        "model_fingerprint": run.identity["model"],
+        "tokenizer_fingerprint": run.identity["tokenizer"],
+        "weights_fingerprint": run.identity["weights"],
+        "data_rows_fingerprint": run.identity["data_rows"],
+        "attn_implementation": recipe.model.attn_implementation,
+        "recipe_fingerprint": recipe.fingerprint(),
+        "model_type": getattr(run.config, "model_type", None),
+        "num_hidden_layers": run.num_layers,
+        "layer_ids": run.layer_ids,
+        "layer_id_convention": "after-layer, 0-based (id i = HF hidden_states[i+1])",
+        "hidden_size": hidden_size_of(run.config),
+        "dtype": recipe.output.dtype,
+        "capture_final": recipe.layers.capture_final,
+        "final_norm": final_norm_entry(run.out_dir, recipe.layers.capture_final),
+        "num_rows": data.num_rows,
+        "num_skipped": sum(data.skipped_counts.values()),
+        "skipped": data.skipped_counts,
+        "num_failed": len(failed_rows),
+        "failed": dict(sorted(Counter(f["reason"] for f in failed_rows).items())),
+        "kernels": last_kernels_record(run.out_dir),
+        "kernels_history": kernels_history(run.out_dir),
+    }
+
+
+def _summary(run: Run, data, rank_plan: RankPlan, manifest: dict, reports: list[dict]) -> dict:
+    """OUT/summary.json: the whole output's figures and this run's (per rank in `ranks`)."""
+    real = sum(r["num_real_tokens"] for r in reports)
+    padded = sum(r["num_padded_tokens"] for r in reports)
+    kernels = run.kernels.record()
+    return {
+        "output_dir": str(run.out_dir),
+        "num_rows": data.num_rows,
+        "num_samples_written": manifest["num_samples"],
+        "num_tokens_written": manifest["num_tokens"],
+        "num_samples_this_run": sum(r["num_samples"] for r in reports),
+        "num_tokens_this_run": real,
+        "num_skipped": manifest["num_skipped"],
+        "skipped": data.skipped_counts,
+        "num_failed": manifest["num_failed"],
+        "failed": manifest["failed"],
+        "num_failed_this_run": sum(r.get("num_failed", 0) for r in reports),
+        "num_oom": sum(r.get("num_oom", 0) for r in reports),
+        "num_batches": rank_plan.stats["num_batches"],
+        "num_shapes_planned": rank_plan.stats["num_shapes"],
+        "padding_efficiency": real / padded if padded else None,
+        "planned_padding_efficiency": rank_plan.stats["padding_efficiency"],
+        "num_ranks": run.world,
+        "wall_seconds": time.perf_counter() - run.t_start,
+        "tokens_per_second": real / max(max((r["loop_seconds"] for r in reports), default=0.0), 1e-9),
+        "bytes_written_this_run": sum(r["bytes_written"] for r in reports),
+        "bytes_total": manifest["num_bytes"],
+        "num_shards": len(manifest["shards"]),
+        "kernels": kernels if rank_plan.todo else {**kernels, "applied": [],
+                                                   "reason": "nothing to run: the model was not loaded"},
+        "ranks": reports,
+    }
+
+
+def _log_done(summary: dict, skipped_counts: dict, out_dir) -> None:
+    log.info("done: %d samples, %d tokens written (%d skipped%s, %d failed%s), padding efficiency %s, %.1f GB in "
+             "%d shards, %.1fs wall, %.0f tok/s -> %s", summary["num_samples_written"], summary["num_tokens_written"],
+             summary["num_skipped"], f" {skipped_counts}" if skipped_counts else "",
+             summary["num_failed"], f" {summary['failed']}" if summary["failed"] else "",
+             f"{summary['padding_efficiency']:.3f}" if summary["padding_efficiency"] else "n/a",
+             summary["bytes_total"] / 1e9, summary["num_shards"], summary["wall_seconds"],
+             summary["tokens_per_second"], out_dir / "manifest.json")
