@@ -534,12 +534,12 @@ def main(argv: list[str] | None = None) -> int:
         report = export(args.out, args.target, args.dest, strategy=args.strategy, overwrite=args.overwrite,
                         cast_to_bfloat16=args.cast_to_bfloat16, verify_sha256=not args.skip_hash,
                         hidden_states_backend=args.hidden_states_backend, progress=not args.no_progress)
-    except (ExportError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except (ShardFormatError, ExportIncompleteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except (ExportError, FileNotFoundError, ValueError) as e:  # ValueError: a damaged or unknown manifest
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"exported {report.num_samples} samples ({report.num_tokens} tokens) to {report.dest} as "
           f"{report.target}{' ' + report.strategy if report.target == 'specforge' else ''}: {report.num_files} "
           f"files, {report.num_bytes / 1e9:.2f} GB in {report.seconds:.1f}s", file=sys.stderr)
