@@ -395,6 +395,24 @@ def check_chat_template(tokenizer, chat_template: str | None = None) -> None:
         raise RecipeError("recipe key `model.tokenizer`: the tokenizer has no chat template; conversations cannot "
                           "be tokenized (set `data.chat_template` to a template file or string, or use "
                           "pre-tokenized rows with `input_ids`/`loss_mask`)")
+    _check_template_syntax(template, "data.chat_template" if chat_template else "model.tokenizer")
+
+
+def _check_template_syntax(template: str, key: str) -> None:
+    """A Jinja syntax error is one line naming the key and the template's line, before any row is rendered
+    (else every row would be skipped as `chat_template_error` without the reason). Compiled as transformers
+    compiles chat templates (its `{% generation %}` extension included)."""
+    import jinja2
+
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # another transformers layout: the rows' own rendering still reports errors
+        return
+    try:
+        _compile_jinja_template(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise RecipeError(f"recipe key `{key}`: the chat template is not valid Jinja (line {e.lineno}: "
+                          f"{e.message})") from None
 
 
 @dataclass

@@ -280,6 +280,16 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ export
+def _refuse_overlap(out_dir: Path, dest: Path) -> None:
+    """DEST (replaced whole by the export, and by `--overwrite` before it) must not be OUT, hold it, or lie
+    inside it: each would delete or alter the output being read. Raises ExportError."""
+    source, target = out_dir.resolve(), dest.resolve()
+    if target == source or source.is_relative_to(target) or target.is_relative_to(source):
+        raise ExportError(f"--dest {dest} overlaps the output {out_dir} (the same folder, a folder holding it, or "
+                          f"one inside it): the export would delete or alter what it reads; choose a --dest "
+                          f"outside the output")
+
+
 def lock_dest(dest: Path) -> FileLock:
     """Hold `DEST.lock` (beside DEST) for this export; raises `ExportBusyError` when another export holds it."""
     dest = dest.resolve()
@@ -298,6 +308,7 @@ def export(out_dir: str | Path, target: str, dest: str | Path, *, strategy: str 
     Raises `ExportError` (a refused export; `ExportBusyError` when another export holds `dest`),
     `ShardFormatError` (the output is inconsistent or a shard corrupted) or `ExportIncompleteError`."""
     out_dir, dest = Path(out_dir), Path(dest)
+    _refuse_overlap(out_dir, dest)
     manifest = read_manifest(out_dir)
     check_exportable(manifest, target, strategy, cast_to_bfloat16, source=str(out_dir),
                      hidden_states_backend=hidden_states_backend)
@@ -523,12 +534,12 @@ def main(argv: list[str] | None = None) -> int:
         report = export(args.out, args.target, args.dest, strategy=args.strategy, overwrite=args.overwrite,
                         cast_to_bfloat16=args.cast_to_bfloat16, verify_sha256=not args.skip_hash,
                         hidden_states_backend=args.hidden_states_backend, progress=not args.no_progress)
-    except (ExportError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except (ShardFormatError, ExportIncompleteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except (ExportError, FileNotFoundError, ValueError) as e:  # ValueError: a damaged or unknown manifest
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"exported {report.num_samples} samples ({report.num_tokens} tokens) to {report.dest} as "
           f"{report.target}{' ' + report.strategy if report.target == 'specforge' else ''}: {report.num_files} "
           f"files, {report.num_bytes / 1e9:.2f} GB in {report.seconds:.1f}s", file=sys.stderr)

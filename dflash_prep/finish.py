@@ -17,7 +17,8 @@ from collections import Counter
 from . import __version__
 from .job import FAILED_NAME, SUMMARY_NAME, RankPlan, Run
 from .kernels import kernels_history, last_kernels_record
-from .manifest import atomic_write_json, atomic_write_jsonl, build_manifest, read_committed, write_manifest
+from .manifest import (atomic_write_json, atomic_write_jsonl, build_manifest, read_committed, read_manifest,
+                       write_manifest)
 from .model import describe_source, hidden_size_of, vocab_size_of
 from .norms import final_norm_entry
 from .vocab import count_supervised_tokens, write_token_freq
@@ -31,8 +32,17 @@ class ExtractionError(RuntimeError):
 
 
 def finish_run(run: Run, data, rank_plan: RankPlan) -> dict:
-    """Manifest (last), summary, failed.jsonl and token_freq.safetensors of the whole output; -> the summary."""
+    """Manifest (last), summary, failed.jsonl and token_freq.safetensors of the whole output; -> the summary.
+
+    A re-run of a finished output (nothing to do, a readable manifest and summary) changes nothing: it returns
+    the summary of the run that finished it."""
     out_dir = run.out_dir
+    if not rank_plan.todo:
+        finished = _finished_summary(out_dir)
+        if finished is not None:
+            log.info("the output was already finished: manifest and summary left as they are -> %s",
+                     out_dir / "manifest.json")
+            return finished
     reports = [json.loads(p.read_text()) for p in sorted((out_dir / "index").glob("rank-*.done.json"))]
     reports = [r for r in reports if r["rank"] < run.world]
     records = read_committed(out_dir)
@@ -60,6 +70,15 @@ def finish_run(run: Run, data, rank_plan: RankPlan) -> dict:
                               f"command (nothing is recomputed) to write it") from e
     _log_done(summary, data.skipped_counts, out_dir)
     return summary
+
+
+def _finished_summary(out_dir) -> dict | None:
+    """The summary of a finished output when its manifest and summary read back, else None (then rewritten)."""
+    try:
+        read_manifest(out_dir)
+        return json.loads((out_dir / SUMMARY_NAME).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _manifest_info(run: Run, data, failed_rows: list[dict]) -> dict:
@@ -112,7 +131,10 @@ def _summary(run: Run, data, rank_plan: RankPlan, manifest: dict, reports: list[
         "num_oom": sum(r.get("num_oom", 0) for r in reports),
         "num_batches": rank_plan.stats["num_batches"],
         "num_shapes_planned": rank_plan.stats["num_shapes"],
-        "padding_efficiency": real / padded if padded else None,
+        # the whole output's (each batch is padded to its planned length, OOM splits included), whatever share of
+        # it this run computed; this run's own is below
+        "padding_efficiency": rank_plan.stats["padding_efficiency"],
+        "padding_efficiency_this_run": real / padded if padded else None,
         "planned_padding_efficiency": rank_plan.stats["padding_efficiency"],
         "num_ranks": run.world,
         "wall_seconds": time.perf_counter() - run.t_start,

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .manifest import read_manifest
+from .manifest import OutputStateError, read_manifest, read_state_json
 from .reader import (MEMBER_INPUT_IDS, MEMBER_LOSS_MASK, MEMBER_META, MEMBER_STATES, REQUIRED_MEMBERS, OutputLayout, ShardInfo,
                      sample_key, shards_of)
 from .writer import ST_CODE, ST_ITEMSIZE, ST_TORCH_CODE
@@ -153,7 +153,7 @@ def describe_progress(out_dir: str | Path) -> dict | None:
     plan_path, index_dir = out_dir / "plan.json", out_dir / "index"
     if not plan_path.is_file() and not index_dir.is_dir():
         return None
-    planned = json.loads(plan_path.read_text()) if plan_path.is_file() else None
+    planned = read_state_json(plan_path) if plan_path.is_file() else None  # damaged: OutputStateError, one line
     committed = read_committed(out_dir)
     by_rank: dict[str, dict] = {}
     for r in committed:
@@ -458,10 +458,17 @@ def build_parser(prog: str = "dflash-prep inspect") -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """`dflash-prep inspect OUT [--check]`: 0 fine, 1 mismatch (shards named), 2 no readable manifest."""
     args = build_parser().parse_args(argv)
+    if not Path(args.out).is_dir():
+        print(f"error: {args.out}: no such folder", file=sys.stderr)
+        return 2
     try:
         facts = describe(args.out)
     except (FileNotFoundError, ValueError, KeyError, json.JSONDecodeError) as e:
-        progress = describe_progress(args.out) if not (Path(args.out) / "manifest.json").exists() else None
+        try:
+            progress = describe_progress(args.out) if not (Path(args.out) / "manifest.json").exists() else None
+        except OutputStateError as state_error:
+            print(f"error: {state_error}", file=sys.stderr)
+            return 2
         if progress is None:
             print(f"error: {e}", file=sys.stderr)
             return 2

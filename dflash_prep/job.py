@@ -116,6 +116,9 @@ def refuse_unsafe_output_dir(recipe: Recipe) -> None:
     the user's files, and an output inside the data (`data.path` a folder holding it, or a glob matching the
     files a run writes there) would be read back as rows. Both raise RecipeError."""
     out_dir = Path(recipe.output.dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise RecipeError(f"recipe key `output.dir` = {str(out_dir)!r} is a file, not a folder; choose a new or "
+                          f"empty folder")
     if recipe.output.overwrite and out_dir.is_dir():
         names = {p.name for p in out_dir.iterdir()}
         if names - {"logs", LOCKS_DIR} and not names & set(_OUTPUT_MARKERS):

@@ -12,7 +12,9 @@ loops forever on a permanent refusal. Here:
 - the exit code of the script reaches the shell: with several processes the most telling one of the ranks
   (2 before 3 before 1; a rank killed by a signal counts as 1), and no launcher traceback is printed;
 - Ctrl-C is left to the script (it stops at a batch boundary, commits what it captured and exits 1): the
-  launcher waits for it instead of printing a KeyboardInterrupt traceback;
+  launcher waits for it instead of printing a KeyboardInterrupt traceback; SIGTERM to the launcher (a
+  preemption notice) is passed on to the script, which stops the same way (accelerate's single-process launcher
+  would die at once and leave the script running, orphaned); a rank killed by a signal is named in one line;
 - without `--config_file` and without a default accelerate config, the values accelerate would warn about
   (`--num_processes`, `--num_machines`, `--mixed_precision`, `--dynamo_backend`) are set to what accelerate would
   choose (one process per GPU, one without GPUs), so the console shows no warning block.
@@ -60,6 +62,44 @@ def _fill_quiet_defaults(args) -> None:
         args.dynamo_backend = "no"
 
 
+def _child_pids() -> list[int]:
+    """This process's direct children (Linux /proc; elsewhere none)."""
+    me, children = os.getpid(), []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # gone meanwhile
+        if int(stat.rsplit(")", 1)[1].split()[1]) == me:  # the field after the state: the parent's pid
+            children.append(int(entry))
+    return children
+
+
+def _forward_terminate(signum, frame) -> None:
+    """SIGTERM to the launcher (a scheduler's preemption notice, `kill PID`): pass it on to the script's process,
+    which stops at the next batch boundary after committing what it captured; keep waiting for it. Without this
+    the launcher dies at once and the script runs on, orphaned, holding the output's locks. (With several
+    processes torch elastic installs its own handler, which forwards the signal to the ranks itself.)"""
+    for pid in _child_pids():
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def _killed_message(codes: list[int]) -> None:
+    """One line when a rank was killed by a signal (it could print nothing itself), e.g. by the OOM killer."""
+    killed = sorted({-c for c in codes if c < 0})
+    if killed:
+        names = ", ".join(signal.Signals(s).name if s in signal.Signals._value2member_map_ else str(s)
+                          for s in killed)
+        print(f"error: the extraction process was killed by {names}; committed shards are intact, re-run the same "
+              f"command to resume", file=sys.stderr)
+
+
 def _ignore_interrupt(signum, frame) -> None:
     """The launcher's Ctrl-C: the terminal sent it to the script too, which stops cleanly; keep waiting for it.
     (A Python handler, not SIG_IGN: children start with the default disposition again.)"""
@@ -78,12 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     # torch elastic logs each failed rank with its own block; the ranks printed their one-line errors already.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     previous = signal.signal(signal.SIGINT, _ignore_interrupt)
+    previous_term = signal.signal(signal.SIGTERM, _forward_terminate)
     try:
         launch_command(args)
     except subprocess.CalledProcessError as e:
+        _killed_message([e.returncode])
         return rank_exit_code([e.returncode])
     except ChildFailedError as e:
-        return rank_exit_code([f.exitcode for f in e.failures.values()])
+        codes = [f.exitcode for f in e.failures.values()]
+        _killed_message(codes)
+        return rank_exit_code(codes)
     except (SignalException, KeyboardInterrupt):
         return EXIT_STOPPED
     except ValueError as e:  # accelerate's own argument checks
@@ -93,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else EXIT_STOPPED
     finally:
         signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGTERM, previous_term)
     return 0
 
 

@@ -201,9 +201,14 @@ def read_manifest(out_dir: str | Path) -> dict:
     path = Path(out_dir) / MANIFEST_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: the extraction has not finished (the manifest is written last)")
-    with open(path) as f:
-        manifest = json.load(f)
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: format_version {manifest.get('format_version')} is not supported "
+    try:
+        with open(path, "rb") as f:
+            manifest = json.loads(f.read())
+    except (ValueError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
+        raise ValueError(f"{path} is damaged ({type(e).__name__}: {e}); re-run the extraction's command: it "
+                         f"rewrites the manifest from the committed shards without recomputing them") from None
+    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
+        version = manifest.get("format_version") if isinstance(manifest, dict) else None
+        raise ValueError(f"{path}: format_version {version} is not supported "
                          f"(this version reads {FORMAT_VERSION})")
     return manifest

@@ -395,13 +395,21 @@ def _set_dotted(raw: dict, key: str, value: Any) -> None:
 
 
 def parse_overrides(overrides: list[str] | None) -> list[tuple[str, Any]]:
-    """`["a.b=1", "c=[1, 2]"]` -> [("a.b", 1), ("c", [1, 2])]; values are parsed as YAML."""
+    """`["a.b=1", "c=[1, 2]"]` -> [("a.b", 1), ("c", [1, 2])]; values are parsed as YAML.
+
+    A value that is not valid YAML is taken as the plain string it is (an inline Jinja template such as
+    `data.chat_template={% for m in messages %}...` or `{{ ... }}`, which YAML would read as a broken flow
+    mapping); the key's own validation then says if a string is not what it takes."""
     parsed = []
     for item in overrides or []:
         if "=" not in item:
             raise RecipeError(f"--set {item!r}: expected KEY=VALUE, e.g. --set output.dir=/data/out")
         key, text = item.split("=", 1)
-        parsed.append((key.strip(), yaml.safe_load(text) if text.strip() else ""))
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError:
+            value = text
+        parsed.append((key.strip(), value))
     return parsed
 
 

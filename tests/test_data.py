@@ -113,3 +113,11 @@ def test_one_bad_token_id_or_mask_value_skips_only_its_row(tmp_path, tokenizer):
     kept, skipped = _outcomes(path, tokenizer)
     assert kept == [r["id"] for r in good]
     assert skipped == {"float": "bad_input_ids", "huge": "token_id_out_of_vocab", "half": "bad_loss_mask"}
+
+
+def test_a_template_with_a_jinja_syntax_error_is_one_line_naming_the_key_and_line():
+    from dflash_prep.data import check_chat_template
+
+    template = "{% for m in messages %}\n{{ m.content }\n{% endfor %}"
+    with pytest.raises(RecipeError, match=r"`data\.chat_template`: the chat template is not valid Jinja \(line 2"):
+        check_chat_template(None, template)

@@ -369,3 +369,18 @@ def test_one_export_per_dest_and_files_counted_after_the_rename(out_before, tmp_
         holder.wait(timeout=30)
     report = export(out_before, "specforge", dest, progress=False)
     assert report.num_files == len(_files(dest)) == NUM_ROWS + 1  # + dflash_prep_export.json
+
+
+@pytest.mark.parametrize("where", ["same", "parent", "inside"])
+def test_an_export_never_deletes_or_alters_its_source(out_before, tmp_path, where):
+    """A --dest that is the output, holds it, or lies inside it is refused before anything is touched (with
+    --overwrite the export would otherwise delete the output it reads)."""
+    import shutil
+
+    root = tmp_path / "root"
+    out = root / "out"
+    shutil.copytree(out_before, out)
+    dest = {"same": out, "parent": root, "inside": out / "shards"}[where]
+    before = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+    assert main([str(out), "--to", "specforge", "--dest", str(dest), "--overwrite", "--no-progress"]) == 2
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == before

@@ -86,9 +86,12 @@ def test_weights_overwritten_in_place_are_refused_naming_the_file(tmp_path, data
 
 
 def test_a_finished_output_re_runs_without_loading_the_model(output, copy, data_file, capsys):
+    before = {name: (copy / name).read_bytes() for name in ("manifest.json", "summary.json")}
     assert main(argv(copy, data_file)) == 0
     assert models_loaded(copy) == 1
     assert check_output(copy) == []
+    # and without touching its figures: the run that finished it is the one they describe
+    assert {name: (copy / name).read_bytes() for name in before} == before
 
 
 def test_committed_shards_deleted_truncated_or_swapped_are_redone(output, copy, data_file, capsys):
@@ -103,6 +106,11 @@ def test_committed_shards_deleted_truncated_or_swapped_are_redone(output, copy, 
     assert log.count("is damaged") == 3 and "missing" in log and "its index record says" in log
     assert check_output(copy) == []  # every shard the manifest lists is there, whole, with its hash
     assert raw_records(copy) == raw_records(output)  # the same samples, byte for byte
+    # the figures are the whole output's, not those of the batches this run redid
+    summary, reference = (json.loads((o / "summary.json").read_text()) for o in (copy, output))
+    assert summary["padding_efficiency"] == reference["padding_efficiency"]
+    assert json.loads((copy / "manifest.json").read_text())["summary"] == \
+        json.loads((output / "manifest.json").read_text())["summary"]
 
 
 @pytest.mark.parametrize("name", ["plan.json", "run_state.json"])

@@ -142,3 +142,27 @@ def test_check_fails_a_manifest_whose_layers_or_width_were_edited(copy, capsys, 
              in line]
     assert len(meta) == NUM_ROWS and len(width) == (0 if edit == "layer_ids" else NUM_ROWS)
     assert len(fails) == len(meta) + len(width)  # nothing else is wrong with the output
+
+
+def test_a_damaged_manifest_or_plan_is_one_line_naming_the_file(copy, tmp_path, capsys):
+    """inspect, export and verify on a manifest cut short (a copy interrupted, a full disk): exit 2, one line that
+    names the file, no traceback; the same for an unfinished output's plan.json."""
+    from dflash_prep.export import main as export_main
+    from dflash_prep.verify import main as verify_main
+
+    manifest = copy / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:100])
+    for run in (lambda: main([str(copy)]),
+                lambda: export_main([str(copy), "--to", "specforge", "--dest", str(tmp_path / "d"), "--no-progress"]),
+                lambda: verify_main([str(copy), "--num-samples", "1"])):
+        assert run() == 2
+        err = capsys.readouterr().err
+        assert str(manifest) in err and "damaged" in err and "Traceback" not in err
+    manifest.unlink()
+    plan = copy / "plan.json"
+    plan.write_bytes(plan.read_bytes()[:50])
+    assert main([str(copy)]) == 2
+    err = capsys.readouterr().err
+    assert str(plan) in err and "damaged" in err
+    assert main([str(tmp_path / "nowhere")]) == 2
+    assert "no such folder" in capsys.readouterr().err

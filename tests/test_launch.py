@@ -79,3 +79,64 @@ def test_plain_accelerate_launch_says_that_it_reports_a_refusal_as_1(tmp_path):
                           cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1  # accelerate's, whatever the script's
     assert "note: `accelerate launch` reports exit code 2 as 1" in proc.stderr and "dflash-prep launch" in proc.stderr
+
+
+def _start_and_wait_for_a_commit(out: Path) -> subprocess.Popen:
+    env = {**ENV, "DFLASH_PREP_FAULTS": json.dumps({"forward_delay_seconds": 0.3})}
+    proc = subprocess.Popen([*LAUNCH, "extract.py", "--set", f"output.dir={out}", "--set", "data.max_samples=150",
+                             "--set", "batching.max_tokens_per_batch=4096", "--set", "batching.num_workers=1",
+                             "--set", "output.max_shard_bytes=1MB"],
+                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None and not any(
+            p.read_bytes().count(b"\n") for p in out.glob("index/rank-*.jsonl")):  # a shard committed
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before the signal: the test proved nothing"
+    return proc
+
+
+def _processes_writing(out: Path) -> list[str]:
+    """Processes whose command line names `out` (the launcher's script, its DataLoader workers)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if entry.isdigit() and f"output.dir={out}" in cmdline:
+            found.append(entry)
+    return found
+
+
+def test_sigterm_to_the_launcher_stops_the_script_cleanly_and_leaves_nothing_running(tmp_path):
+    """A preemption notice goes to the launcher's pid only: the script must still stop at a batch boundary
+    (committing what it captured, exit 1, one line) and no process may stay behind holding the output."""
+    out = tmp_path / "out"
+    proc = _start_and_wait_for_a_commit(out)
+    os.kill(proc.pid, signal.SIGTERM)  # the launcher alone, not its process group
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 1, err[-3000:]
+    assert "stopped on SIGTERM" in err and "Traceback" not in err, err[-3000:]
+    deadline = time.time() + 10
+    while _processes_writing(out) and time.time() < deadline:
+        time.sleep(0.1)
+    assert _processes_writing(out) == []
+    assert not (out / "manifest.json").exists() and not list(Path(out).rglob("*.tmp"))
+
+
+def test_a_script_killed_by_a_signal_is_named_in_one_line(tmp_path):
+    """What the OOM killer does: SIGKILL to the script alone. It can print nothing; the launcher says what
+    happened, exit 1 (resumable)."""
+    out = tmp_path / "out"
+    proc = _start_and_wait_for_a_commit(out)
+    script = [int(p) for p in _processes_writing(out) if int(p) != proc.pid]
+    assert script
+    for pid in script:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 1, err[-3000:]
+    assert "killed by SIGKILL" in err and "re-run the same command to resume" in err and "Traceback" not in err

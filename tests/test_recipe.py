@@ -164,3 +164,22 @@ def test_a_model_config_value_transformers_rejects_names_the_key(tmp_path, capsy
     assert main(["--set", f"model.config={path}", "--set", f"output.dir={tmp_path / 'out'}"]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"`model.config` = '{path}'" in errors[0] and "hidden_size" in errors[0]
+
+
+def test_a_set_value_that_is_not_yaml_is_a_plain_string_checked_by_its_key():
+    """An inline Jinja template needs no YAML quoting, and a broken value is one line naming the key (exit 2),
+    not a YAML traceback."""
+    template = '{% for m in messages %}{{ m["content"] }}{% endfor %}'
+    assert load_recipe(None, [f"data.chat_template={template}"]).data.chat_template == template
+    assert load_recipe(None, ["data.chat_template={{ messages }}"]).data.chat_template == "{{ messages }}"
+    with pytest.raises(RecipeError, match=r"`data\.max_samples` = '\[1'"):
+        load_recipe(None, ["data.max_samples=[1"])
+
+
+def test_an_output_dir_that_is_a_file_is_refused_naming_the_key(tmp_path):
+    from dflash_prep.job import refuse_unsafe_output_dir
+
+    path = tmp_path / "a-file"
+    path.write_text("x")
+    with pytest.raises(RecipeError, match=r"`output\.dir`.*is a file"):
+        refuse_unsafe_output_dir(load_recipe(None, [f"output.dir={path}"]))
