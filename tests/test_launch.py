@@ -51,17 +51,7 @@ def test_ctrl_c_under_the_launcher_stops_cleanly_with_exit_code_1(tmp_path):
     """Ctrl-C reaches the launcher and the script (one process group): the script commits what it captured and
     exits 1 with one line; the launcher prints no KeyboardInterrupt traceback and passes the 1 on."""
     out = tmp_path / "out"
-    env = {**ENV, "DFLASH_PREP_FAULTS": json.dumps({"forward_delay_seconds": 0.3})}
-    proc = subprocess.Popen([*LAUNCH, "extract.py", "--set", f"output.dir={out}", "--set", "data.max_samples=150",
-                             "--set", "batching.max_tokens_per_batch=4096", "--set", "batching.num_workers=0",
-                             "--set", "output.max_shard_bytes=1MB"],
-                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None and not any(
-            p.read_bytes().count(b"\n") for p in out.glob("index/rank-*.jsonl")):  # a shard committed
-        time.sleep(0.05)
-    assert proc.poll() is None, "the run ended before Ctrl-C: the test proved nothing"
+    proc = _start_and_wait_for_a_commit(out, num_workers=0)
     os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: the whole foreground group
     err = proc.communicate(timeout=120)[1]
     assert proc.returncode == 1, err[-3000:]
@@ -81,10 +71,11 @@ def test_plain_accelerate_launch_says_that_it_reports_a_refusal_as_1(tmp_path):
     assert "note: `accelerate launch` reports exit code 2 as 1" in proc.stderr and "dflash-prep launch" in proc.stderr
 
 
-def _start_and_wait_for_a_commit(out: Path) -> subprocess.Popen:
+def _start_and_wait_for_a_commit(out: Path, num_workers: int = 1) -> subprocess.Popen:
+    """A slowed-down extraction under the launcher, in a process group of its own, once it committed a shard."""
     env = {**ENV, "DFLASH_PREP_FAULTS": json.dumps({"forward_delay_seconds": 0.3})}
     proc = subprocess.Popen([*LAUNCH, "extract.py", "--set", f"output.dir={out}", "--set", "data.max_samples=150",
-                             "--set", "batching.max_tokens_per_batch=4096", "--set", "batching.num_workers=1",
+                             "--set", "batching.max_tokens_per_batch=4096", "--set", f"batching.num_workers={num_workers}",
                              "--set", "output.max_shard_bytes=1MB"],
                             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
