@@ -91,9 +91,11 @@ def _forward_terminate(signum, frame) -> None:
 
 
 def _killed_message(codes: list[int]) -> None:
-    """One line when a rank was killed by a signal (it could print nothing itself), e.g. by the OOM killer."""
+    """One line when a rank was killed by a signal (it could print nothing itself), e.g. by the OOM killer. Not
+    when another rank exited with a code of its own: torch elastic then stops the others with SIGTERM, and the
+    code's own line says what happened."""
     killed = sorted({-c for c in codes if c < 0})
-    if killed:
+    if killed and not any(c > 0 for c in codes):
         names = ", ".join(signal.Signals(s).name if s in signal.Signals._value2member_map_ else str(s)
                           for s in killed)
         print(f"error: the extraction process was killed by {names}; committed shards are intact, re-run the same "
