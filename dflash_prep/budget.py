@@ -9,7 +9,8 @@ a 64 GB peak, 131,072 for the Llama-3.1-8B shape with a 27.5 GB peak):
     budget            = 0.4 x (GPU memory - resident weights) / per padded token,
                         rounded down to a power of two, within [8,192, 131,072]
 
-Resident weights are counted on a meta-device build of the model with the layers the run drops already dropped
+A replica of N GPUs (`model.gpus_per_replica`) spreads the weights over its GPUs: the resident weights per GPU are
+weights / N (`auto_token_budget`). Resident weights are counted on a meta-device build of the model with the layers the run drops already dropped
 (no memory, no weights read). Without a GPU the budget is 16,384. The resolved number is what the plan uses and
 what OUT/plan.json freezes: a resume on another GPU replays the stored plan. An out-of-memory error is still
 handled (backoff.py) if the bound is ever too small.
@@ -51,13 +52,19 @@ def resident_weight_bytes(recipe: Recipe, config, last_needed_layer: int) -> int
     return sum(p.numel() for p in model.parameters()) * STORAGE_TORCH_DTYPES[recipe.model.dtype].itemsize
 
 
-def auto_token_budget(gpu_memory_bytes: int | None, weight_bytes: int, per_token_bytes: int) -> tuple[int, str]:
-    """(budget, how it was computed) by the rule above; `gpu_memory_bytes` None: no GPU."""
+def auto_token_budget(gpu_memory_bytes: int | None, weight_bytes: int, per_token_bytes: int,
+                      gpus_per_replica: int = 1) -> tuple[int, str]:
+    """(budget, how it was computed) by the rule above; `gpu_memory_bytes` None: no GPU. A replica of N GPUs
+    (`model.gpus_per_replica`) holds the weights spread over its N x `gpu_memory_bytes`, while a batch's
+    activations are whole on one GPU (layer split: the GPU running the layer; tensor parallelism: the residual
+    stream is whole on every GPU), so the headroom is per GPU: GPU memory - weights / N."""
     if gpu_memory_bytes is None:
         return CPU_AUTO_TOKENS, f"no GPU: {CPU_AUTO_TOKENS}"
-    raw = MEMORY_FRACTION * (gpu_memory_bytes - weight_bytes) / per_token_bytes
+    n = gpus_per_replica
+    raw = MEMORY_FRACTION * (gpu_memory_bytes - weight_bytes / n) / per_token_bytes
     budget = int(min(MAX_AUTO_TOKENS, max(MIN_AUTO_TOKENS, 2 ** math.floor(math.log2(max(raw, 1))))))
-    return budget, (f"{MEMORY_FRACTION} x (GPU {gpu_memory_bytes / 1e9:.0f} GB - weights {weight_bytes / 1e9:.1f} GB)"
+    weights = f"weights {weight_bytes / 1e9:.1f} GB" + (f" / {n} GPUs of the replica" if n > 1 else "")
+    return budget, (f"{MEMORY_FRACTION} x (GPU {gpu_memory_bytes / 1e9:.0f} GB - {weights})"
                     f" / {per_token_bytes / 1e3:.0f} KB per padded token = {raw:,.0f}, a power of two in "
                     f"[{MIN_AUTO_TOKENS:,}, {MAX_AUTO_TOKENS:,}]")
 
@@ -79,7 +86,7 @@ def resolve_token_budget(recipe: Recipe, config, layer_ids: list[int], num_layer
     k = len(layer_ids) + (1 if recipe.layers.capture_final != "none" else 0)
     weights = resident_weight_bytes(recipe, config, last_needed) if gpu_memory_bytes is not None else 0
     per_token = bytes_per_padded_token(config, recipe.model.dtype, recipe.output.dtype, k)
-    budget, how = auto_token_budget(gpu_memory_bytes, weights, per_token)
+    budget, how = auto_token_budget(gpu_memory_bytes, weights, per_token, recipe.model.gpus_per_replica)
     if budget < recipe.data.max_length:  # the longest sample must fit in a batch of one
         budget, how = recipe.data.max_length, f"{how}; raised to data.max_length"
     batching = dataclasses.replace(recipe.batching, max_tokens_per_batch=budget)

@@ -57,12 +57,14 @@ from .locks import OutputBusyError, check_no_rank_writing, lock_rank, lock_run  
 from .manifest import (OutputStateError, atomic_write_json, atomic_write_jsonl, next_shard_number,  # noqa: E402
                        read_committed)
 from .model import (STORAGE_TORCH_DTYPES, decoder_params_in, describe_source, drop_layers_after,  # noqa: E402
-                    hidden_size_of, load_config, load_model, load_tokenizer, padding_token_id, vocab_size_of)
+                    hidden_size_of, load_config, load_model, load_replica_model, load_tokenizer, padding_token_id,
+                    vocab_size_of)
 from .norms import describe_final_norm, write_final_norm  # noqa: E402
 from .planner import plan_stats, split_across_ranks  # noqa: E402
 from .recipe import Recipe, RecipeError, add_recipe_args  # noqa: E402
 from .sizes import check_free_space  # noqa: E402
-from .writer import AsyncShardWriter, NonFiniteStatesError, PendingBatch, lanes, rank_name  # noqa: E402
+from .replica import choose_parallelism, replica_layout  # noqa: E402
+from .writer import AsyncShardWriter, DiscardingWriter, NonFiniteStatesError, PendingBatch, lanes, rank_name  # noqa: E402
 
 log = logging.getLogger("dflash_prep")
 
@@ -235,7 +237,8 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
     rank_plan = _plan(run, data)               # the frozen global plan minus what is committed, this rank's share
     lock_fds = tuple(lock.fd for lock in held if lock.fd is not None)
     report = _run_rank(run, data, rank_plan, lock_fds)  # model + kernels + hooks + loop -> committed shards
-    atomic_write_json(run.out_dir / "index" / f"{rank_name(run.rank)}.done.json", report)
+    if run.is_writer:  # one process per replica writes
+        atomic_write_json(run.out_dir / "index" / f"{rank_name(run.rank)}.done.json", report)
     log.info("rank %d done: %d samples, %d tokens in %.1fs", run.rank, report["num_samples"],
              report["num_real_tokens"], report["loop_seconds"])
     run.state.wait_for_everyone()
@@ -260,6 +263,7 @@ def _start(recipe: Recipe) -> Run:
     num_layers = num_decoder_layers(config)
     layer_ids = resolve_layer_ids(recipe.layers, num_layers)
     kernels = select_kernels(recipe.model.kernels, config, state.device.type)
+    replica = _replica_of(state, recipe, config)
     recipe, budget_how = resolve_token_budget(
         recipe, config, layer_ids, num_layers,
         torch.cuda.get_device_properties(state.device).total_memory if state.device.type == "cuda" else None)
@@ -272,7 +276,20 @@ def _start(recipe: Recipe) -> Run:
         log.warning("fault injection active (DFLASH_PREP_FAULTS): %s", faults)
     return Run(recipe=recipe, state=state, out_dir=out_dir, config=config, num_layers=num_layers,
                layer_ids=layer_ids, kernels=kernels, tokenizer=tokenizer, faults=faults, t_start=t_start,
-               identity=run_identity(recipe, config, layer_ids, tokenizer, state.is_main_process))
+               replica=replica, identity=run_identity(recipe, config, layer_ids, tokenizer, state.is_main_process))
+
+
+def _replica_of(state, recipe: Recipe, config):
+    """This process's replica (replica.py): which one, how many, its GPUs, whether it writes; RecipeError when the
+    GPUs or the launch do not divide into replicas of `model.gpus_per_replica`."""
+    n = recipe.model.gpus_per_replica
+    replica = replica_layout(state.process_index, state.num_processes, state.local_process_index,
+                             int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes)),
+                             torch.cuda.device_count(), n,
+                             choose_parallelism(config, n, random_weights=recipe.model.config is not None))
+    if n > 1:
+        log.info("%s", replica.describe(), extra={"console": state.is_main_process})
+    return replica
 
 
 def _claim_output(run: Run, held: list) -> None:
@@ -283,7 +300,8 @@ def _claim_output(run: Run, held: list) -> None:
         check_no_rank_writing(run.out_dir)  # no orphaned worker of an earlier run still writes
         open_output(run.out_dir, run.recipe, run.identity)
     run.state.wait_for_everyone()
-    held.append(lock_rank(run.out_dir, run.rank))
+    if run.is_writer:  # the other processes of a replica write nothing
+        held.append(lock_rank(run.out_dir, run.rank))
 
 
 def _tokenize(run: Run):
@@ -332,7 +350,7 @@ def _run_rank(run: Run, data, rank_plan: RankPlan, lock_fds: tuple) -> dict:
         log.info("every batch of the plan is committed: nothing to run, the model is not loaded")
         return _idle_rank_report(run.rank)
     model = _load_target(run)
-    writer = AsyncShardWriter(
+    writer = DiscardingWriter() if not run.is_writer else AsyncShardWriter(
         lanes(run.out_dir, run.rank, run.recipe.output.max_shard_bytes,
               next_shard_number(rank_plan.committed, rank_name(run.rank)), run.recipe.output.num_writer_threads,
               run.faults), nan_policy=run.recipe.output.nan_policy,
@@ -351,7 +369,8 @@ def _load_target(run: Run) -> torch.nn.Module:
     """The model: load, keep only the layers read from, describe the final norm (before the kernels patch it: that
     runs the norm on the CPU), apply the fused kernels (before the capture hooks are registered)."""
     t0 = time.perf_counter()
-    model = load_model(run.recipe.model, run.config, run.device)
+    model = (load_model(run.recipe.model, run.config, run.device) if run.replica.gpus_per_replica == 1 else
+             load_replica_model(run.recipe.model, run.config, run.replica))
     capture_final = run.recipe.layers.capture_final
     last_needed = run.num_layers - 1 if capture_final != "none" else run.layer_ids[-1]
     layers_run = drop_layers_after(model, last_needed)

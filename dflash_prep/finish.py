@@ -136,7 +136,8 @@ def _summary(run: Run, data, rank_plan: RankPlan, manifest: dict, reports: list[
         "padding_efficiency": rank_plan.stats["padding_efficiency"],
         "padding_efficiency_this_run": real / padded if padded else None,
         "planned_padding_efficiency": rank_plan.stats["padding_efficiency"],
-        "num_ranks": run.world,
+        "num_ranks": run.world,  # replicas (processes that write)
+        "replicas": run.replica.record(),  # gpus_per_replica, parallelism (replica.py)
         "wall_seconds": time.perf_counter() - run.t_start,
         "tokens_per_second": real / max(max((r["loop_seconds"] for r in reports), default=0.0), 1e-9),
         "bytes_written_this_run": sum(r["bytes_written"] for r in reports),
@@ -150,9 +151,17 @@ def _summary(run: Run, data, rank_plan: RankPlan, manifest: dict, reports: list[
 
 def _log_done(summary: dict, skipped_counts: dict, out_dir) -> None:
     log.info("done: %d samples, %d tokens written (%d skipped%s, %d failed%s), padding efficiency %s, %.1f GB in "
-             "%d shards, %.1fs wall, %.0f tok/s -> %s", summary["num_samples_written"], summary["num_tokens_written"],
+             "%d shards, %.1fs wall, %.0f tok/s%s -> %s", summary["num_samples_written"], summary["num_tokens_written"],
              summary["num_skipped"], f" {skipped_counts}" if skipped_counts else "",
              summary["num_failed"], f" {summary['failed']}" if summary["failed"] else "",
              f"{summary['padding_efficiency']:.3f}" if summary["padding_efficiency"] else "n/a",
              summary["bytes_total"] / 1e9, summary["num_shards"], summary["wall_seconds"],
-             summary["tokens_per_second"], out_dir / "manifest.json")
+             summary["tokens_per_second"], _replicas_phrase(summary["replicas"]), out_dir / "manifest.json")
+
+
+def _replicas_phrase(replicas: dict) -> str:
+    """` on 2 replicas of 4 GPUs (tensor_parallel)` for a run of replicas of several GPUs, else nothing."""
+    if replicas["gpus_per_replica"] == 1:
+        return ""
+    return (f" on {replicas['num_replicas']} replica(s) of {replicas['gpus_per_replica']} GPUs "
+            f"({replicas['parallelism']})")

@@ -219,7 +219,11 @@ def load_or_make_plan(out_dir: Path, lengths: list[int], recipe: Recipe, is_main
 @dataclass
 class Run:
     """What the stages of one rank's run share: the recipe (token budget resolved), this process's place in the
-    run (accelerate's PartialState), the target's facts and the job's identity."""
+    run (accelerate's PartialState, and its replica: replica.py), the target's facts and the job's identity.
+
+    A rank of the output (its shard folder `rank-R`, its share of the plan) is a replica: `rank` is the replica's
+    index and `world` the number of replicas (with `model.gpus_per_replica: 1`, the process index and the number
+    of processes); only the replica's writer process writes."""
 
     recipe: Recipe
     state: Any  # accelerate.PartialState
@@ -232,14 +236,19 @@ class Run:
     identity: dict
     faults: Any  # faults.Faults | None (test-only fault injection)
     t_start: float  # time.perf_counter() at the start
+    replica: Any  # replica.ReplicaLayout: this process's replica, its GPUs, whether it writes
 
     @property
     def rank(self) -> int:
-        return self.state.process_index
+        return self.replica.replica_index
 
     @property
     def world(self) -> int:
-        return self.state.num_processes
+        return self.replica.num_replicas
+
+    @property
+    def is_writer(self) -> bool:
+        return self.replica.is_writer
 
     @property
     def is_main(self) -> bool:
@@ -247,6 +256,13 @@ class Run:
 
     @property
     def device(self):
+        """Where a batch's inputs go: accelerate's device, or the first GPU of a layer-split replica."""
+        from .replica import LAYER_SPLIT
+
+        if self.replica.parallelism == LAYER_SPLIT:
+            import torch
+
+            return torch.device("cuda", self.replica.gpu_ids[0])
         return self.state.device
 
 

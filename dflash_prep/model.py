@@ -52,12 +52,16 @@ def model_fingerprint(section: ModelSection, config) -> str:
     """sha256 of the config and where the weights come from (path or random seed).
 
     The config's own `_name_or_path` (the folder or file it was read from) is left out: the same config read
-    from another checkout is the same model.
+    from another checkout is the same model. Random weights of a replica of several GPUs are drawn on the CPU
+    (load_replica_model), so they are another model than the same seed's on one GPU.
     """
     def without_source(d):
         return {k: without_source(v) if isinstance(v, dict) else v for k, v in d.items() if k != "_name_or_path"}
 
-    payload = {"config": without_source(config.to_dict()), "weights": section.name_or_path or f"random:{section.init_seed}",
+    weights = section.name_or_path or f"random:{section.init_seed}"
+    if section.name_or_path is None and section.gpus_per_replica > 1:
+        weights += ":drawn-on-cpu"  # load_replica_model: other weights than those drawn on a GPU
+    payload = {"config": without_source(config.to_dict()), "weights": weights,
                "dtype": section.dtype}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -138,3 +142,33 @@ def describe_source(section: ModelSection) -> str:
     if section.config:
         return f"random weights from {Path(section.config).name} (seed {section.init_seed})"
     return str(section.name_or_path)
+
+
+def load_replica_model(section: ModelSection, config, layout) -> nn.Module:
+    """The CausalLM spread over a replica's GPUs (`model.gpus_per_replica` > 1; replica.py says how), eval mode,
+    frozen, in the recipe's compute dtype. Random weights (`model.config`) are drawn on the CPU with `init_seed`
+    (the only device that holds all of them, so every layout draws the same weights) and dispatched over the
+    replica's GPUs; their states differ from a `gpus_per_replica: 1` run's (drawn on the GPU)."""
+    from transformers import AutoModelForCausalLM
+
+    from .replica import TENSOR_PARALLEL, load_arguments
+
+    free_bytes = min(torch.cuda.mem_get_info(gpu)[0] for gpu in layout.gpu_ids)
+    placement = load_arguments(layout, section.config is not None, int(0.9 * free_bytes))
+    kwargs = dict(dtype=DTYPES[section.dtype], attn_implementation=section.attn_implementation,
+                  trust_remote_code=section.trust_remote_code)
+    if section.config is not None:
+        from accelerate import dispatch_model, infer_auto_device_map
+
+        torch.manual_seed(section.init_seed)
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+        randomize_norm_gains(model, section.init_seed)
+        device_map = infer_auto_device_map(model, max_memory=placement["max_memory"],
+                                           no_split_module_classes=model._no_split_modules)
+        model = dispatch_model(model, device_map=device_map)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(section.name_or_path, **placement, **kwargs)
+    if layout.parallelism != TENSOR_PARALLEL:
+        log.info("layer split over GPUs %s: %s", list(layout.gpu_ids), sorted(set(map(str, model.hf_device_map.values()))))
+    model.eval().requires_grad_(False)
+    return model

@@ -89,6 +89,11 @@ class ModelSection:
     RMSNorm, SwiGLU and fla's causal conv), eager elsewhere; `eager` applies none; a list (e.g. `[liger_rms_norm,
     fla_conv]`) applies exactly those, for A/B runs. States differ from eager by rounding only; not part of the
     job's identity (a resume may use another set: each run's set is recorded in the manifest)."""
+    gpus_per_replica: int = 1
+    """GPUs of one node holding one copy of the target (dflash_prep/replica.py): 1 = one model copy per GPU; N > 1
+    for a target larger than one GPU: tensor parallelism where transformers has a plan for the architecture (one
+    process per GPU), else a layer split (one process per replica). Data parallelism runs over GPUs / N replicas.
+    Not part of the job's identity (a resume may change it and the number of replicas)."""
 
     def validate(self, p: str) -> None:
         if (self.name_or_path is None) == (self.config is None):
@@ -105,6 +110,8 @@ class ModelSection:
                 _fail(f"{p}.kernels", kernels, f"a list of distinct names from {list(KERNEL_NAMES)} (or `auto`, `eager`)")
         elif kernels not in ("auto", "eager"):
             _fail(f"{p}.kernels", kernels, f"expected `auto`, `eager` or a list of names from {list(KERNEL_NAMES)}")
+        if self.gpus_per_replica < 1:
+            _fail(f"{p}.gpus_per_replica", self.gpus_per_replica, "expected a whole number of GPUs, at least 1")
 
     @property
     def tokenizer_path(self) -> str:
@@ -272,14 +279,15 @@ class Recipe:
 
     def fingerprint(self) -> str:
         """sha256 of what decides record content (model, data, layers, storage dtype); `model.kernels` is left out
-        (fused kernels change the rounding only)."""
+        (fused kernels change the rounding only), as is `model.gpus_per_replica` (where the model runs)."""
         d = self.to_dict()
         data = {k: v for k, v in d["data"].items() if k not in ("num_proc", "max_skipped_fraction")
                 and not (k == "chat_template" and v is None)}
         template = self.data.chat_template
         if template is not None and "{%" not in template and "{{" not in template and Path(template).is_file():
             data["chat_template"] = hashlib.sha256(Path(template).read_bytes()).hexdigest()  # the file's content
-        content = {"model": {k: v for k, v in d["model"].items() if k != "kernels"}, "data": data,
+        content = {"model": {k: v for k, v in d["model"].items() if k not in ("kernels", "gpus_per_replica")},
+                   "data": data,
                    "layers": d["layers"], "dtype": d["output"]["dtype"]}
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 

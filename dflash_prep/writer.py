@@ -567,3 +567,27 @@ class AsyncShardWriter:
     def abort(self) -> None:
         self._join()
         self._abort_writers()
+
+
+class DiscardingWriter:
+    """The writer of a process that is not its replica's writer (tensor parallelism, replica.py): the replica's first
+    process writes the same batches, so this one drops each batch it is handed. Same interface as
+    AsyncShardWriter; writes nothing, commits nothing."""
+
+    def __init__(self):
+        self.error: BaseException | None = None
+        self.writers: list = []
+        self.committed: list = []
+        self.failed: list = []
+        self.wait_seconds = self.write_seconds = 0.0
+        self.peak_pending_bytes = self.bytes_written = 0
+
+    def submit(self, pending: PendingBatch) -> None:
+        if pending.event is not None:
+            pending.event.synchronize()  # the host copy is done before its buffer is dropped
+
+    def close(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass

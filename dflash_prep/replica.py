@@ -1,0 +1,146 @@
+"""Replicas: `model.gpus_per_replica: N` GPUs of one node hold one copy of the target; data parallelism runs over
+replicas.
+
+A run has `num_replicas` replicas; the global plan's uncommitted batches are split over replicas
+(`planner.split_across_ranks(todo, num_replicas)[replica_index]`), and each replica writes its shards under its
+own `rank-RRRRR` folder from exactly one process (its writer). With N = 1 (the default) a replica is one process
+on one GPU: replica index = process index, every process writes, nothing changes.
+
+Process model for N > 1 (`choose_parallelism`), named in the log and in `OUT/summary.json` (`replicas`):
+
+- `tensor_parallel` (preferred): transformers shards every decoder layer over the replica's N GPUs as it loads
+  the checkpoint (`DistributedConfig(tp_size=N, tp_plan="auto")`; the architecture's config class must carry a
+  `base_model_tp_plan`, as transformers itself decides in `PreTrainedModel.supports_tp_plan`). One process per GPU:
+  launch with `--num_processes` = number of GPUs. The N processes of a replica (consecutive process indexes on
+  one node) form its tensor-parallel group and all run every forward; each holds the whole residual stream that
+  the capture hooks read, and only the replica's first process (`rank_in_replica == 0`) writes.
+- `layer_split` (fallback: no TP plan for the architecture, or random weights from `model.config`, which
+  transformers only shards while reading a checkpoint): one process per replica holds the replica's N GPUs and
+  the decoder layers are spread over them with a `device_map` (accelerate's `infer_auto_device_map`): launch
+  with `--num_processes` = GPUs / N. Only one GPU computes at a time.
+
+Errors (`RecipeError`, exit code 2, before any weights load) name `model.gpus_per_replica`: N larger than the
+node's GPUs (a replica is GPUs of one node), the node's GPUs not a multiple of N, or a launch whose processes do
+not fit the process model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .recipe import RecipeError
+
+SINGLE_GPU, TENSOR_PARALLEL, LAYER_SPLIT = "single_gpu", "tensor_parallel", "layer_split"
+KEY = "model.gpus_per_replica"
+
+
+@dataclass(frozen=True)
+class ReplicaLayout:
+    """This process's place in the run's replicas.
+
+    gpus_per_replica: N; parallelism: `single_gpu` (N = 1), `tensor_parallel` or `layer_split`;
+    replica_index in [0, num_replicas); rank_in_replica in [0, N) under tensor parallelism, else 0;
+    gpu_ids: the local CUDA ordinals of the replica's GPUs (empty without GPUs)."""
+
+    gpus_per_replica: int
+    parallelism: str
+    replica_index: int
+    num_replicas: int
+    rank_in_replica: int
+    gpu_ids: tuple[int, ...]
+
+    @property
+    def is_writer(self) -> bool:
+        """One process per replica writes its shards: the replica's first."""
+        return self.rank_in_replica == 0
+
+    @property
+    def processes_per_replica(self) -> int:
+        return self.gpus_per_replica if self.parallelism == TENSOR_PARALLEL else 1
+
+    def describe(self) -> str:
+        """One line for the log, e.g. `replica 1 of 2 (tensor_parallel over GPUs [4, 5, 6, 7], writer)`."""
+        role = "writer" if self.is_writer else f"tensor-parallel rank {self.rank_in_replica}, not writing"
+        return (f"replica {self.replica_index} of {self.num_replicas} ({self.parallelism} over GPUs "
+                f"{list(self.gpu_ids)}, {role})")
+
+    def record(self) -> dict:
+        """The summary's `replicas` entry."""
+        return {"gpus_per_replica": self.gpus_per_replica, "parallelism": self.parallelism,
+                "num_replicas": self.num_replicas, "processes_per_replica": self.processes_per_replica}
+
+
+def supports_tensor_parallel(config) -> bool:
+    """Whether transformers has a tensor-parallel plan for the architecture: the (text) config class's
+    `base_model_tp_plan` (what `PreTrainedModel.supports_tp_plan` falls back to; model classes add none for the
+    decoders this project captures)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(getattr(text, "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None))
+
+
+def choose_parallelism(config, gpus_per_replica: int, random_weights: bool) -> str:
+    """`single_gpu` for N = 1; else `tensor_parallel` where transformers supports it for the architecture and the
+    weights come from a checkpoint, `layer_split` otherwise."""
+    if gpus_per_replica == 1:
+        return SINGLE_GPU
+    if supports_tensor_parallel(config) and not random_weights:
+        return TENSOR_PARALLEL
+    return LAYER_SPLIT
+
+
+def replica_layout(process_index: int, num_processes: int, local_process_index: int, num_local_processes: int,
+                   num_local_gpus: int, gpus_per_replica: int, parallelism: str) -> ReplicaLayout:
+    """The replica of a process, from accelerate's process index / number of processes / local process index /
+    number of processes on this node, and the node's GPU count. Raises RecipeError naming `model.gpus_per_replica`
+    when the GPUs or the processes do not divide into replicas of N GPUs of one node."""
+    n = gpus_per_replica
+    if n == 1:
+        gpus = (local_process_index,) if num_local_gpus else ()
+        return ReplicaLayout(1, SINGLE_GPU, process_index, num_processes, 0, gpus)
+    if n > num_local_gpus:
+        fix = f"set it to at most {num_local_gpus}" if num_local_gpus else "set it to 1 without GPUs"
+        raise RecipeError(f"recipe key `{KEY}` = {n}: this node has {num_local_gpus} GPU(s); a replica is GPUs of "
+                          f"one node ({fix})")
+    if num_local_gpus % n:
+        raise RecipeError(f"recipe key `{KEY}` = {n}: does not divide this node's {num_local_gpus} GPUs into "
+                          f"replicas (world = GPUs / {n}); choose a divisor of {num_local_gpus}")
+    if parallelism == TENSOR_PARALLEL:
+        if num_local_processes != num_local_gpus:
+            raise RecipeError(
+                f"recipe key `{KEY}` = {n}: tensor parallelism runs one process per GPU, but this node runs "
+                f"{num_local_processes} process(es) for {num_local_gpus} GPUs; launch with --num_processes "
+                f"{num_local_gpus} per node")
+        rank_in_replica = local_process_index % n
+        first_gpu = local_process_index - rank_in_replica
+        return ReplicaLayout(n, TENSOR_PARALLEL, process_index // n, num_processes // n, rank_in_replica,
+                             tuple(range(first_gpu, first_gpu + n)))
+    if num_local_processes != num_local_gpus // n:
+        raise RecipeError(
+            f"recipe key `{KEY}` = {n}: a layer split ({parallelism}) runs one process per replica of {n} GPUs, but "
+            f"this node runs {num_local_processes} process(es) for {num_local_gpus} GPUs; launch with "
+            f"--num_processes {num_local_gpus // n} per node")
+    first_gpu = local_process_index * n
+    return ReplicaLayout(n, LAYER_SPLIT, process_index, num_processes, 0, tuple(range(first_gpu, first_gpu + n)))
+
+
+def load_arguments(layout: ReplicaLayout, random_weights: bool, max_memory_bytes_per_gpu: int = 0) -> dict:
+    """The keyword arguments that place the target on the replica's GPUs (what `load_replica_model` passes to
+    transformers/accelerate), for N > 1:
+    - tensor_parallel: `{"distributed_config": DistributedConfig(tp_size=N, tp_plan="auto",
+      dp_replicate_size=num_replicas)}` (transformers builds its device mesh over the whole world: replicas are
+      its data-parallel dimension, each replica's N consecutive processes its `tp` dimension);
+    - layer_split: `{"device_map": "auto", "max_memory": {gpu: max_memory_bytes_per_gpu for each replica GPU}}`
+      (from_pretrained: only the replica's GPUs, no CPU offload), or for random weights `{"max_memory": ...}`
+      alone (accelerate's infer_auto_device_map + dispatch_model)."""
+    if layout.parallelism == TENSOR_PARALLEL:
+        from transformers.distributed.configuration_utils import DistributedConfig
+
+        config = DistributedConfig(tp_size=layout.gpus_per_replica, tp_plan="auto")
+        if layout.num_replicas > 1:
+            config = DistributedConfig(tp_size=layout.gpus_per_replica, tp_plan="auto",
+                                       dp_replicate_size=layout.num_replicas)
+        return {"distributed_config": config}
+    if layout.parallelism == LAYER_SPLIT:
+        max_memory = {gpu: max_memory_bytes_per_gpu for gpu in layout.gpu_ids}
+        return {"max_memory": max_memory} if random_weights else {"device_map": "auto", "max_memory": max_memory}
+    raise ValueError(f"no replica placement for {layout.parallelism}")
