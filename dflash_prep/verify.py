@@ -288,12 +288,23 @@ def _output_and_recipe(out_dir: Path, overrides: list[str] | None):
 
 
 def _reference_model(recipe, config, dev: torch.device, report: VerifyReport, log):
-    """The whole model (every layer: the reference is the whole HF forward) with the recipe's kernels on `dev`."""
+    """The whole model (every layer: the reference is the whole HF forward) with the recipe's kernels on `dev`; with
+    `model.gpus_per_replica` N > 1, split by layers over the first N GPUs (one process; replica.py)."""
     from .kernels import apply_kernels
     from .model import load_model
 
     t_load = time.perf_counter()
-    model = load_model(recipe.model, config, dev)
+    n = recipe.model.gpus_per_replica
+    if n > 1 and dev.type == "cuda":  # a target larger than one GPU: a layer split over this process's first n GPUs
+        from .model import load_replica_model
+        from .replica import LAYER_SPLIT, ReplicaLayout
+
+        if torch.cuda.device_count() < n:
+            raise CannotVerify(f"model.gpus_per_replica = {n}: the model needs {n} GPUs, this machine has "
+                               f"{torch.cuda.device_count()}")
+        model = load_replica_model(recipe.model, config, ReplicaLayout(n, LAYER_SPLIT, 0, 1, 0, tuple(range(n))))
+    else:
+        model = load_model(recipe.model, config, dev)
     kernels = _reference_kernels(recipe, config, dev)
     apply_kernels(model, kernels)
     report.kernels = list(kernels.names)
