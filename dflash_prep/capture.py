@@ -74,7 +74,11 @@ class LayerCapture:
 
     # -- hooks -------------------------------------------------------------------------------------------
     def _gather(self, hs_BTH: torch.Tensor) -> torch.Tensor:
-        return hs_BTH.reshape(-1, hs_BTH.shape[-1]).index_select(0, self._flat_index)
+        """The real tokens' rows [N, H], on the capture buffers' device (a layer split over a replica's GPUs runs
+        later layers on other GPUs: replica.py; on one device nothing moves)."""
+        index = self._flat_index if self._flat_index.device == hs_BTH.device else self._flat_index.to(hs_BTH.device)
+        hs_NH = hs_BTH.reshape(-1, hs_BTH.shape[-1]).index_select(0, index)
+        return hs_NH if hs_NH.device == self._buf_NK.device else hs_NH.to(self._buf_NK.device)
 
     def _layer_hook(self, slot: int, stop: bool):
         def hook(module, args, output):
