@@ -2,7 +2,9 @@
 
 Run under `accelerate launch` (any number of processes, nodes) or plain `python`: each process is one rank
 with its own model copy and its own shards; the batch plan is global and deterministic, so ranks agree on it
-without communicating, and the main process merges the rank indexes into `OUT/manifest.json` at the end.
+without communicating, and the main process merges the rank indexes into `OUT/manifest.json` at the end. With
+`model.gpus_per_replica` N > 1 a rank is a replica of N GPUs (replica.py: N tensor-parallel processes of which the
+first writes, or one process holding N GPUs).
 
 Resume: the plan is frozen in `OUT/plan.json` by the first run. Re-running the same command keeps committed
 shards, discards uncommitted files, and runs only the batches no index lists, split over however many ranks
