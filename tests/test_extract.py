@@ -153,7 +153,10 @@ def test_two_processes_through_accelerate_write_each_sample_once(tmp_path):
     assert p2.returncode == 0, p2.stderr[-3000:]
     manifest = json.loads((two / "manifest.json").read_text())
     assert {Path(s["path"]).parent.name for s in manifest["shards"]} == {"rank-00000", "rank-00001"}
-    assert json.loads((two / "summary.json").read_text())["num_ranks"] == 2
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["num_ranks"] == 2  # the default model.gpus_per_replica: 1 replica per process, each writes
+    assert summary["replicas"] == {"gpus_per_replica": 1, "parallelism": "single_gpu", "num_replicas": 2,
+                                   "processes_per_replica": 1}
     r1, r2 = read_records(one), read_records(two)  # read_records asserts no id twice
     assert set(r1) == set(r2) and len(r2) == 120 - 0
     # Same global plan, so the same batches: identical bytes per sample on this deterministic CPU run.
