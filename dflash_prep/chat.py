@@ -293,14 +293,13 @@ class ChatRenderer:
             if message["role"] != "assistant":
                 continue
             before = self.render(messages[:i], tools, False) if i else ""
-            prompted = self.render(messages[:i], tools, True)
-            cut = len(before) if prompted.startswith(before) else _common_prefix_length(before, prompted)
+            prompt = self._generation_prompt(messages[:i], tools, before)
             boundary = locate_end(before, full) if i else 0
             if boundary is None:
                 raise SkipRow(SPAN_NOT_FOUND)
-            start = boundary + prompt_length_present(prompted[cut:], full[boundary:], self.markers)
+            start = boundary + prompt_length_present(prompt, full[boundary:], self.markers)
             last = i == len(messages) - 1
-            end = len(full) if last else self._turn_end(messages[: i + 1], tools, full, prompted[cut:])
+            end = len(full) if last else self._turn_end(messages[: i + 1], tools, full, prompt)
             if end is None:
                 raise SkipRow(SPAN_NOT_FOUND)
             if end < start or (spans and start < spans[-1][1]):
@@ -310,6 +309,22 @@ class ChatRenderer:
             if end > start:  # an empty reply a template renders as nothing supervises nothing
                 spans.append((start, end))
         return spans
+
+    def _generation_prompt(self, head: list[dict], tools: list[dict] | None, before: str) -> str:
+        """What the template writes before an assistant reply after `head` (rendered as `before`): its generation
+        prompt (`add_generation_prompt=True`), e.g. `<|im_start|>assistant\n`. A template without that branch
+        renders nothing there; the assistant's header is then read off a probe reply rendered after `head` (the
+        text between `before` and the probe), so the role header is never taken for generated text."""
+        prompted = self.render(head, tools, True)
+        cut = len(before) if prompted.startswith(before) else _common_prefix_length(before, prompted)
+        if prompted[cut:]:
+            return prompted[cut:]
+        try:
+            probed = self.render(head + [{"role": "assistant", "content": _PROBE}], tools, False)
+        except Exception:  # noqa: BLE001 - a template may refuse such a probe; then no header is known
+            return ""
+        at = probed.find(_PROBE, len(before))
+        return probed[len(before):at] if probed.startswith(before) and at >= 0 else ""
 
     def _turn_end(self, head: list[dict], tools: list[dict] | None, full: str, prompt: str) -> int | None:
         """Where the rendering of `head` (the messages up to an assistant message that is not the last) ends in

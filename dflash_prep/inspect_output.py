@@ -32,6 +32,7 @@ import json
 import struct
 import sys
 import tarfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -144,7 +145,6 @@ def describe_progress(out_dir: str | Path) -> dict | None:
 
     Reads `plan.json` (planned batches and samples), the rank index files (what is committed: exactly what a
     resume keeps) and probes the locks (locks.py); reads no shard. None when the folder holds no run at all."""
-    import time
 
     from .locks import running_holders
     from .manifest import read_committed
@@ -165,13 +165,16 @@ def describe_progress(out_dir: str | Path) -> dict | None:
     indexes = list(index_dir.glob("rank-*.jsonl")) if index_dir.is_dir() else []
     last = max((p.stat().st_mtime for p in indexes), default=None)
     running = running_holders(out_dir)
-    # Rate over the commits of the last RATE_WINDOW_SECONDS (all ranks), and the ETA of a running job.
+    # Rate over the commits of the last RATE_WINDOW_SECONDS (all ranks), and the ETA of a running job. The window
+    # ends now for a running job, at the last commit for an interrupted one (its rate must not decay while idle).
     now = time.time()
-    recent = [r for r in committed if r.committed_at is not None and r.committed_at >= now - RATE_WINDOW_SECONDS]
+    stamps = [r.committed_at for r in committed if r.committed_at is not None]
+    end = now if running or not stamps else max(stamps)
+    recent = [r for r in committed if r.committed_at is not None and r.committed_at >= end - RATE_WINDOW_SECONDS]
     rate = eta = None
     if len(recent) >= 2:
         first = min(r.committed_at for r in recent)
-        span = now - first
+        span = end - first
         done = sum(r.num_samples + len(r.failed) for r in recent if r.committed_at > first)
         rate = done / span if span > 0 else None
     if rate and running and planned:

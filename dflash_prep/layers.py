@@ -31,10 +31,17 @@ def dflash_layer_ids(num_hidden_layers: int, num_target_layers: int) -> list[int
     if L < 5:
         raise ValueError(f"the DFlash rule needs at least 5 decoder layers for k > 1, the model has {L}")
     # Python's round() is banker's rounding; the reference implementations use it too.
-    ids = [round(1 + j * (L - 4) / (k - 1)) for j in range(k)]
+    ids = _dflash_rule(L, k)
     if len(set(ids)) != k:
-        raise ValueError(f"{k} DFlash layers do not fit in {L} decoder layers (ids collide: {ids})")
+        most = max(n for n in range(1, k) if n == 1 or len(set(_dflash_rule(L, n))) == n)
+        raise ValueError(f"{k} DFlash layers do not fit in {L} decoder layers (the rule's ids would collide): "
+                         f"at most {most} for this model")
     return ids
+
+
+def _dflash_rule(L: int, k: int) -> list[int]:
+    """k > 1 ids spread from 1 to L-3 (REFERENCE.md §2), before any check."""
+    return [round(1 + j * (L - 4) / (k - 1)) for j in range(k)]
 
 
 def _eagle3_rule(L: int) -> list[int]:
@@ -80,7 +87,9 @@ def resolve_layer_ids(section: LayersSection, num_hidden_layers: int) -> list[in
         else:
             ids = list(section.ids or [])
     except ValueError as e:
-        raise RecipeError(f"recipe key `layers.preset` = {section.preset!r}: {e}") from None
+        key, value = ("layers.num_layers", section.num_layers) if section.preset == "dflash" else \
+            ("layers.preset", section.preset)
+        raise RecipeError(f"recipe key `{key}` = {value!r}: {e}") from None
     bad = [i for i in ids if not 0 <= i < num_hidden_layers]
     if bad:
         raise RecipeError(f"recipe key `layers.ids` = {ids}: ids {bad} out of range; the model has "

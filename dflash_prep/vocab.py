@@ -95,8 +95,9 @@ def read_token_freq(out_dir: str | Path) -> np.ndarray:
 
     path = Path(out_dir) / TOKEN_FREQ_NAME
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: the output was written by an older dflash-prep or has not "
-                                f"finished (the frequencies are written with the manifest)")
+        raise FileNotFoundError(f"{path} not found: {Path(out_dir)} is not a finished extraction output (the "
+                                f"frequencies are written with the manifest), or one from a dflash-prep version "
+                                f"before they were stored")
     return load_file(str(path))["token_freq"]
 
 
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         d2t, _ = draft_vocab(counts, args.size)
         files = [f for layout in layouts for f in write_mapping(counts, args.size, dest / layout, layout)]
     except (FileNotFoundError, ValueError) as e:
-        print(f"dflash-prep vocab: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         return 2
     selected = np.arange(args.size) + d2t
     share = counts[selected].sum() / max(int(counts.sum()), 1)

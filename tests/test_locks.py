@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO, demo_overrides, raw_records
 from dflash_prep.extract import EXIT_BAD_RECIPE, main
 from dflash_prep.inspect_output import check_output
@@ -170,6 +172,13 @@ def test_inspect_of_an_unfinished_output_shows_progress_and_whether_it_runs(tmp_
     assert progress["by_rank"]["rank-00000"]["shards"] == 3
     assert all(r.committed_at is not None for r in committed)
     assert progress["samples_per_second_recent"] > 0 and progress["eta_seconds"] is None  # not running: no ETA
+    # An interrupted run's rate is that of its last commits, however long ago: later inspects give the same.
+    stamps = sorted(r.committed_at for r in committed)
+    by_hand = sum(r.num_samples for r in committed if r.committed_at > stamps[0]) / (stamps[-1] - stamps[0])
+    assert progress["samples_per_second_recent"] == pytest.approx(by_hand)
+    monkeypatch.setattr("dflash_prep.inspect_output.time.time", lambda: stamps[-1] + 600)
+    assert inspect_main([str(out), "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["samples_per_second_recent"] == pytest.approx(by_hand)
     assert inspect_main([str(out)]) == 2
     text = capsys.readouterr().out
     assert "unfinished, not running (interrupted: re-run the same command to resume)" in text

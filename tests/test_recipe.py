@@ -183,3 +183,13 @@ def test_an_output_dir_that_is_a_file_is_refused_naming_the_key(tmp_path):
     path.write_text("x")
     with pytest.raises(RecipeError, match=r"`output\.dir`.*is a file"):
         refuse_unsafe_output_dir(load_recipe(None, [f"output.dir={path}"]))
+
+
+def test_too_many_dflash_layers_name_the_key_and_the_real_maximum():
+    """8 decoder layers: the DFlash rule spreads ids over 1..L-3 = 1..5, so at most 5 layers (by hand)."""
+    from dflash_prep.layers import resolve_layer_ids
+
+    recipe = load_recipe(None, ["layers.num_layers=6"])
+    with pytest.raises(RecipeError, match=r"`layers\.num_layers` = 6: .*at most 5 for this model"):
+        resolve_layer_ids(recipe.layers, 8)
+    assert resolve_layer_ids(load_recipe(None, ["layers.num_layers=5"]).layers, 8) == [1, 2, 3, 4, 5]
