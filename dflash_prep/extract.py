@@ -65,7 +65,7 @@ from .norms import describe_final_norm, write_final_norm  # noqa: E402
 from .planner import plan_stats, split_across_ranks  # noqa: E402
 from .recipe import Recipe, RecipeError, add_recipe_args  # noqa: E402
 from .sizes import check_free_space  # noqa: E402
-from .replica import choose_parallelism, replica_layout  # noqa: E402
+from .replica import TENSOR_PARALLEL, choose_parallelism, replica_layout  # noqa: E402
 from .writer import AsyncShardWriter, DiscardingWriter, NonFiniteStatesError, PendingBatch, lanes, rank_name  # noqa: E402
 
 log = logging.getLogger("dflash_prep")
@@ -264,8 +264,9 @@ def _start(recipe: Recipe) -> Run:
     config = load_config(recipe.model)
     num_layers = num_decoder_layers(config)
     layer_ids = resolve_layer_ids(recipe.layers, num_layers)
-    kernels = select_kernels(recipe.model.kernels, config, state.device.type)
     replica = _replica_of(state, recipe, config)
+    kernels = select_kernels(recipe.model.kernels, config, state.device.type,
+                             tensor_parallel=replica.parallelism == TENSOR_PARALLEL)
     recipe, budget_how = resolve_token_budget(
         recipe, config, layer_ids, num_layers,
         torch.cuda.get_device_properties(state.device).total_memory if state.device.type == "cuda" else None)

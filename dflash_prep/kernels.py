@@ -93,8 +93,10 @@ def _version(library: str) -> str | None:
         return "installed"
 
 
-def select_kernels(requested, config, device_type: str) -> KernelChoice:
+def select_kernels(requested, config, device_type: str, tensor_parallel: bool = False) -> KernelChoice:
     """Which kernels a run with `model.kernels = requested` applies to a model of `config` on `device_type`.
+    `auto` on a tensor-parallel replica (replica.py) applies none: the fused kernels are not measured on sharded
+    layers yet; a list is applied as asked.
 
     Imports nothing from the kernel libraries (checks that they are installed). Raises `RecipeError` (naming
     `model.kernels`) for a list that cannot be honoured: a name the architecture has no patch for, no CUDA device,
@@ -111,6 +113,8 @@ def select_kernels(requested, config, device_type: str) -> KernelChoice:
     if requested == "auto":
         if device_type != "cuda":
             return KernelChoice("auto", (), model_type, f"no CUDA device ({device_type}): eager")
+        if tensor_parallel:
+            return KernelChoice("auto", (), model_type, "tensor parallel: not measured on sharded layers: eager")
         if not supported:
             return KernelChoice("auto", (), model_type, f"no fused kernels known for model type {model_type!r}: eager")
         versions = {lib: _version(lib) for lib in {_library(k) for k in supported}}

@@ -149,6 +149,13 @@ def test_auto_on_cuda_picks_the_architectures_kernels(fake_libraries):
     assert fake_libraries == {}, "selecting must not import or call the kernel libraries"
 
 
+def test_auto_on_a_tensor_parallel_replica_is_eager_and_a_list_is_applied_as_asked(fake_libraries):
+    tp = select_kernels("auto", tiny_llama_config(), "cuda", tensor_parallel=True)
+    assert tp.names == () and tp.reason == "tensor parallel: not measured on sharded layers: eager"
+    assert select_kernels(["liger_rms_norm"], tiny_llama_config(), "cuda", tensor_parallel=True).names == (
+        "liger_rms_norm",)
+
+
 def test_auto_on_cuda_without_the_libraries_runs_eager_and_says_so():
     choice = select_kernels("auto", tiny_qwen35_config(), "cuda")  # neither library is installed here
     assert choice.names == ()
