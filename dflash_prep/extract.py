@@ -65,7 +65,7 @@ from .norms import describe_final_norm, write_final_norm  # noqa: E402
 from .planner import plan_stats, split_across_ranks  # noqa: E402
 from .recipe import Recipe, RecipeError, add_recipe_args  # noqa: E402
 from .sizes import check_free_space  # noqa: E402
-from .replica import TENSOR_PARALLEL, choose_parallelism, replica_layout  # noqa: E402
+from .replica import LAYER_SPLIT, TENSOR_PARALLEL, choose_parallelism, replica_layout  # noqa: E402
 from .writer import AsyncShardWriter, DiscardingWriter, NonFiniteStatesError, PendingBatch, lanes, rank_name  # noqa: E402
 
 log = logging.getLogger("dflash_prep")
@@ -290,6 +290,8 @@ def _replica_of(state, recipe: Recipe, config):
                              int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes)),
                              torch.cuda.device_count(), n,
                              choose_parallelism(config, n, random_weights=recipe.model.config is not None))
+    if replica.parallelism == LAYER_SPLIT:  # the inputs, the capture buffers, the copy events: its first GPU
+        torch.cuda.set_device(replica.gpu_ids[0])
     if n > 1:
         log.info("%s", replica.describe(), extra={"console": state.is_main_process})
     return replica

@@ -140,8 +140,8 @@ def reference(reference_out) -> dict[str, dict[str, bytes]]:
     return records
 
 
-def finish_and_compare(out: Path, reference: dict) -> subprocess.CompletedProcess:
-    proc = subprocess.run(extract_cmd(out), cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+def finish_and_compare(out: Path, reference: dict, cmd: list[str] | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd or extract_cmd(out), cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = raw_records(out)
     assert set(records) == set(reference), "the sample ids differ from an uninterrupted run"
@@ -197,6 +197,22 @@ def test_two_processes_killed_then_resumed_as_one(tmp_path, reference):
     # The shards the 2-process run committed are kept; the 1-process run added the rest under rank-00000.
     assert ranks_with_shards <= {Path(s["path"]).parent.name for s in manifest["shards"]}
     assert json.loads((out / "summary.json").read_text())["num_ranks"] == 1
+
+
+def test_one_process_crashed_then_resumed_as_two(tmp_path, reference):
+    """4 -> 8 GPUs in small (more replicas on resume): the plan is global, so the 2-process run splits what the
+    crashed 1-process run did not commit, and the result equals an uninterrupted run's."""
+    out = tmp_path / "out"
+    proc = subprocess.run(extract_cmd(out), cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**ENV, "DFLASH_PREP_FAULTS": json.dumps({"exit_after_rename_shard": 3})})
+    assert proc.returncode == 137 and not state_of(out)["finished"]
+    committed_before = {r.path for r in read_committed(out)}
+    assert committed_before and {Path(p).parent.name for p in committed_before} == {"rank-00000"}
+    finish_and_compare(out, reference, launch_2proc_cmd(out))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert committed_before <= {s["path"] for s in manifest["shards"]}  # kept, not redone
+    assert {Path(s["path"]).parent.name for s in manifest["shards"]} == {"rank-00000", "rank-00001"}
+    assert json.loads((out / "summary.json").read_text())["replicas"]["num_replicas"] == 2
 
 
 def test_resuming_into_another_jobs_output_names_what_differs(tmp_path, reference_out, capsys):
