@@ -10,8 +10,8 @@ a 64 GB peak, 131,072 for the Llama-3.1-8B shape with a 27.5 GB peak):
                         rounded down to a power of two, within [8,192, 131,072]
 
 A replica of N GPUs (`model.gpus_per_replica`) spreads the weights over its GPUs: the resident weights per GPU are
-weights / N (`auto_token_budget`). Resident weights are counted on a meta-device build of the model with the layers the run drops already dropped
-(no memory, no weights read). Without a GPU the budget is 16,384. The resolved number is what the plan uses and
+weights / N (`auto_token_budget`). Resident weights are counted on a meta-device build of the model with the layers
+the run drops already dropped (no memory, no weights read). Without a GPU the budget is 16,384. The resolved number is what the plan uses and
 what OUT/plan.json freezes: a resume on another GPU replays the stored plan. An out-of-memory error is still
 handled (backoff.py) if the bound is ever too small.
 """

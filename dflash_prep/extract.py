@@ -66,7 +66,8 @@ from .planner import plan_stats, split_across_ranks  # noqa: E402
 from .recipe import Recipe, RecipeError, add_recipe_args  # noqa: E402
 from .sizes import check_free_space  # noqa: E402
 from .replica import LAYER_SPLIT, TENSOR_PARALLEL, choose_parallelism, replica_layout  # noqa: E402
-from .writer import AsyncShardWriter, DiscardingWriter, NonFiniteStatesError, PendingBatch, lanes, rank_name  # noqa: E402
+from .writer import (AsyncShardWriter, DiscardingWriter, NonFiniteStatesError, PendingBatch, lanes,  # noqa: E402
+                     rank_name)
 
 log = logging.getLogger("dflash_prep")
 

@@ -169,6 +169,7 @@ def load_replica_model(section: ModelSection, config, layout) -> nn.Module:
     else:
         model = AutoModelForCausalLM.from_pretrained(section.name_or_path, **placement, **kwargs)
     if layout.parallelism != TENSOR_PARALLEL:
-        log.info("layer split over GPUs %s: %s", list(layout.gpu_ids), sorted(set(map(str, model.hf_device_map.values()))))
+        log.info("layer split over GPUs %s: layers on %s", list(layout.gpu_ids),
+                 sorted(set(map(str, model.hf_device_map.values()))))
     model.eval().requires_grad_(False)
     return model
