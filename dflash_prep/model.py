@@ -158,14 +158,12 @@ def load_replica_model(section: ModelSection, config, layout) -> nn.Module:
     kwargs = dict(dtype=DTYPES[section.dtype], attn_implementation=section.attn_implementation,
                   trust_remote_code=section.trust_remote_code)
     if section.config is not None:
-        from accelerate import dispatch_model, infer_auto_device_map
+        from accelerate import dispatch_model
 
         torch.manual_seed(section.init_seed)
         model = AutoModelForCausalLM.from_config(config, **kwargs)
         randomize_norm_gains(model, section.init_seed)
-        device_map = infer_auto_device_map(model, max_memory=placement["max_memory"],
-                                           no_split_module_classes=model._no_split_modules)
-        model = dispatch_model(model, device_map=device_map)
+        model = dispatch_model(model, device_map=balanced_device_map(model, placement["max_memory"]))
     else:
         model = AutoModelForCausalLM.from_pretrained(section.name_or_path, **placement, **kwargs)
     if layout.parallelism != TENSOR_PARALLEL:
@@ -173,3 +171,15 @@ def load_replica_model(section: ModelSection, config, layout) -> nn.Module:
                  sorted(set(map(str, model.hf_device_map.values()))))
     model.eval().requires_grad_(False)
     return model
+
+
+def balanced_device_map(model: nn.Module, max_memory: dict[int, int]) -> dict[str, int]:
+    """Module name -> GPU: the decoder layers spread evenly over the GPUs of `max_memory` (bytes per GPU), a layer
+    never split (accelerate's get_balanced_memory + infer_auto_device_map, as from_pretrained's `device_map="auto"`
+    does; filling the first GPU first would leave it no room for the activations)."""
+    from accelerate import infer_auto_device_map
+    from accelerate.utils import get_balanced_memory
+
+    no_split = model._no_split_modules
+    balanced = get_balanced_memory(model, max_memory=max_memory, no_split_module_classes=no_split)
+    return dict(infer_auto_device_map(model, max_memory=balanced, no_split_module_classes=no_split))
