@@ -52,7 +52,8 @@ Guarantees:
 - the export is written to `DIR.partial` and renamed to DIR at the end: DIR never holds a partial export.
   After the rename the files in DIR are counted: the report's `num_files` is that count, and a per-sample file
   count different from the samples exported fails (exit 1). An existing non-empty DIR is refused unless
-  `--overwrite`.
+  `--overwrite`, which replaces only an earlier export (a DIR holding `dflash_prep_export.json`), never other
+  files; a DIR that is the output, holds it or lies inside it is refused.
 """
 
 from __future__ import annotations
@@ -330,6 +331,9 @@ def _export_locked(out_dir: Path, manifest: dict, target: str, dest: Path, strat
     if dest.exists() and not (dest.is_dir() and not any(dest.iterdir())):
         if not overwrite:
             raise ExportError(f"{dest} exists and is not empty; choose another --dest or pass --overwrite")
+        if not (dest / EXPORT_INFO_NAME).is_file():
+            raise ExportError(f"{dest} is not an earlier export (no {EXPORT_INFO_NAME}): --overwrite replaces only "
+                              f"an export, never other files; choose another --dest")
     layout = OutputLayout.from_manifest(manifest)
     shards = shards_of(out_dir, manifest)
     missing = [s.rel_path for s in shards if not s.path.is_file()]

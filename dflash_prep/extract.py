@@ -52,7 +52,7 @@ from .faults import Faults  # noqa: E402
 from .finish import ExtractionError, finish_run  # noqa: E402
 from .identity import rows_fingerprint  # noqa: E402
 from .job import (FAILED_NAME, SKIPPED_NAME, OutputMismatchError, RankPlan, Run, load_or_make_plan,  # noqa: E402
-                  open_output, prepare_output, refuse_unsafe_output_dir, run_identity)
+                  manifest_readable, open_output, prepare_output, refuse_unsafe_output_dir, run_identity)
 from .kernels import append_kernels_record, apply_kernels, select_kernels  # noqa: E402
 from .layers import find_decoder, num_decoder_layers, resolve_layer_ids  # noqa: E402
 from .locks import OutputBusyError, check_no_rank_writing, lock_rank, lock_run  # noqa: E402
@@ -240,7 +240,8 @@ def _run_extraction(recipe: Recipe, held: list) -> dict | None:
     rank_plan = _plan(run, data)               # the frozen global plan minus what is committed, this rank's share
     lock_fds = tuple(lock.fd for lock in held if lock.fd is not None)
     report = _run_rank(run, data, rank_plan, lock_fds)  # model + kernels + hooks + loop -> committed shards
-    if run.is_writer:  # one process per replica writes
+    # one process per replica writes; a finished output keeps its run's figures
+    if run.is_writer and (rank_plan.todo or not manifest_readable(run.out_dir)):
         atomic_write_json(run.out_dir / "index" / f"{rank_name(run.rank)}.done.json", report)
     log.info("rank %d done: %d samples, %d tokens in %.1fs", run.rank, report["num_samples"],
              report["num_real_tokens"], report["loop_seconds"])
@@ -258,7 +259,11 @@ def _start(recipe: Recipe) -> Run:
     state = PartialState(cpu=not torch.cuda.is_available())
     out_dir = Path(recipe.output.dir)
     refuse_unsafe_output_dir(recipe)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a parent that is a file, a read-only or virtual filesystem: no run can fix that
+        raise RecipeError(f"recipe key `output.dir` = {str(out_dir)!r}: cannot create it ({e.strerror or e})") \
+            from None
     _setup_logging(out_dir, state.process_index, state.is_main_process)
     log.info("dflash-prep %s: rank %d of %d on %s", __version__, state.process_index, state.num_processes,
              state.device)
@@ -319,8 +324,9 @@ def _tokenize(run: Run):
     check_data_verdict(data, run.recipe.data)
     if run.is_main:
         run.identity["data_rows"] = rows_fingerprint(data.kept)
-        prepare_output(run.out_dir, run.recipe, run.identity)  # refuses rows that differ from the output's
-        atomic_write_jsonl(run.out_dir / SKIPPED_NAME, data.skipped_rows)
+        finished = prepare_output(run.out_dir, run.recipe, run.identity)  # refuses rows that differ
+        if not finished:
+            atomic_write_jsonl(run.out_dir / SKIPPED_NAME, data.skipped_rows)
         log.info("data: %d rows, %d kept, %d skipped%s", data.num_rows, len(data.kept),
                  sum(data.skipped_counts.values()), f" {data.skipped_counts}" if data.skipped_counts else "")
     return data

@@ -15,10 +15,9 @@ import time
 from collections import Counter
 
 from . import __version__
-from .job import FAILED_NAME, SUMMARY_NAME, RankPlan, Run
+from .job import FAILED_NAME, SUMMARY_NAME, RankPlan, Run, manifest_readable
 from .kernels import kernels_history, last_kernels_record
-from .manifest import (atomic_write_json, atomic_write_jsonl, build_manifest, read_committed, read_manifest,
-                       write_manifest)
+from .manifest import atomic_write_json, atomic_write_jsonl, build_manifest, read_committed, write_manifest
 from .model import describe_source, hidden_size_of, vocab_size_of
 from .norms import final_norm_entry
 from .vocab import count_supervised_tokens, write_token_freq
@@ -37,12 +36,11 @@ def finish_run(run: Run, data, rank_plan: RankPlan) -> dict:
     A re-run of a finished output (nothing to do, a readable manifest and summary) changes nothing: it returns
     the summary of the run that finished it."""
     out_dir = run.out_dir
-    if not rank_plan.todo:
-        finished = _finished_summary(out_dir)
-        if finished is not None:
-            log.info("the output was already finished: manifest and summary left as they are -> %s",
-                     out_dir / "manifest.json")
-            return finished
+    previous = _previous_summary(out_dir) if not rank_plan.todo else None  # nothing ran: keep its run's figures
+    if previous is not None and manifest_readable(out_dir):
+        log.info("the output was already finished: manifest and summary left as they are -> %s",
+                 out_dir / "manifest.json")
+        return previous
     reports = [json.loads(p.read_text()) for p in sorted((out_dir / "index").glob("rank-*.done.json"))]
     reports = [r for r in reports if r["rank"] < run.world]
     records = read_committed(out_dir)
@@ -59,11 +57,12 @@ def finish_run(run: Run, data, rank_plan: RankPlan) -> dict:
     # The draft vocabulary's input: supervised-token frequencies over exactly the samples the manifest lists.
     manifest["token_freq"] = write_token_freq(
         out_dir, count_supervised_tokens(data.kept, vocab_size_of(run.config), written), len(written))
-    summary = _summary(run, data, rank_plan, manifest, reports)
+    summary = previous or _summary(run, data, rank_plan, manifest, reports)
     manifest["summary"] = {k: summary[k] for k in ("num_batches", "padding_efficiency", "num_ranks")}
     try:
         atomic_write_jsonl(out_dir / FAILED_NAME, failed_rows)
-        atomic_write_json(out_dir / SUMMARY_NAME, summary)
+        if previous is None:
+            atomic_write_json(out_dir / SUMMARY_NAME, summary)
         write_manifest(out_dir, manifest)
     except OSError as e:
         raise ExtractionError(f"writing the manifest failed ({e}); every shard is committed: re-run the same "
@@ -72,10 +71,9 @@ def finish_run(run: Run, data, rank_plan: RankPlan) -> dict:
     return summary
 
 
-def _finished_summary(out_dir) -> dict | None:
-    """The summary of a finished output when its manifest and summary read back, else None (then rewritten)."""
+def _previous_summary(out_dir) -> dict | None:
+    """The summary of the run that computed the output's states, when it reads back, else None."""
     try:
-        read_manifest(out_dir)
         return json.loads((out_dir / SUMMARY_NAME).read_text())
     except (OSError, ValueError):
         return None
@@ -156,12 +154,13 @@ def _log_done(summary: dict, skipped_counts: dict, out_dir) -> None:
              summary["num_failed"], f" {summary['failed']}" if summary["failed"] else "",
              f"{summary['padding_efficiency']:.3f}" if summary["padding_efficiency"] else "n/a",
              summary["bytes_total"] / 1e9, summary["num_shards"], summary["wall_seconds"],
-             summary["tokens_per_second"], _replicas_phrase(summary["replicas"]), out_dir / "manifest.json")
+             summary["tokens_per_second"], _replicas_phrase(summary.get("replicas")), out_dir / "manifest.json")
 
 
-def _replicas_phrase(replicas: dict) -> str:
-    """` on 2 replicas of 4 GPUs (tensor_parallel)` for a run of replicas of several GPUs, else nothing."""
-    if replicas["gpus_per_replica"] == 1:
+def _replicas_phrase(replicas: dict | None) -> str:
+    """` on 2 replicas of 4 GPUs (tensor_parallel)` for a run of replicas of several GPUs, else nothing (also for
+    the summary of an output made before replicas were recorded)."""
+    if replicas is None or replicas["gpus_per_replica"] == 1:
         return ""
     return (f" on {replicas['num_replicas']} replica(s) of {replicas['gpus_per_replica']} GPUs "
             f"({replicas['parallelism']})")

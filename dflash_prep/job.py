@@ -22,7 +22,7 @@ from . import __version__
 from .identity import describe_weights_change, weights_fingerprint
 from .locks import LOCKS_DIR
 from .manifest import (MANIFEST_NAME, STATE_NAME, atomic_write_json, damaged_shards, drop_records, read_committed,
-                       read_state_json, remove_uncommitted, repair_indexes)
+                       read_manifest, read_state_json, remove_uncommitted, repair_indexes)
 from .model import describe_source, model_fingerprint, tokenizer_fingerprint
 from .planner import PlannedBatch, make_plan, plan_settings
 from .recipe import Recipe, RecipeError
@@ -168,9 +168,12 @@ def open_output(out_dir: Path, recipe: Recipe, identity: dict) -> None:
     check_identity(out_dir, identity)
 
 
-def prepare_output(out_dir: Path, recipe: Recipe, identity: dict) -> None:
+def prepare_output(out_dir: Path, recipe: Recipe, identity: dict) -> bool:
     """Main process, once the rows are tokenized: check the data rows, clean up a crashed run, drop committed
-    shards whose file is missing or damaged (their batches are redone), save the recipe and the run state."""
+    shards whose file is missing or damaged (their batches are redone), save the recipe and the run state.
+
+    Returns True for a finished output found intact (a readable manifest, nothing repaired, dropped or removed):
+    then nothing is written, so re-running a finished job leaves the output as it was."""
     check_identity(out_dir, identity)
     for index in repair_indexes(out_dir):
         log.warning("%s ended in a torn line (a crash while appending): cut back to its last complete line", index)
@@ -184,12 +187,24 @@ def prepare_output(out_dir: Path, recipe: Recipe, identity: dict) -> None:
     removed = remove_uncommitted(out_dir, committed)
     if removed:
         log.info("removed %d uncommitted file(s) left by an interrupted run", len(removed))
+    if not damaged and not removed and manifest_readable(out_dir):
+        return True
     (out_dir / RECIPE_NAME).write_text(recipe.to_yaml())
     state_path = out_dir / STATE_NAME
     runs = read_state_json(state_path).get("runs", []) if state_path.exists() else []
     runs.append({"started_at": time.time(), "dflash_prep_version": __version__,
                  "attn_implementation": recipe.model.attn_implementation})
     atomic_write_json(state_path, {"identity": identity, "dflash_prep_version": __version__, "runs": runs})
+    return False
+
+
+def manifest_readable(out_dir: Path) -> bool:
+    """A manifest that reads back (an output finished by some run, unless damaged since)."""
+    try:
+        read_manifest(out_dir)
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def load_or_make_plan(out_dir: Path, lengths: list[int], recipe: Recipe, is_main: bool, state) -> list[PlannedBatch]:

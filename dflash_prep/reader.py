@@ -554,9 +554,12 @@ class ShardDataset(IterableDataset):
         stored = self.layout.capture_final
         if final == "as_stored" or final == stored:
             return None
-        if final == "before_norm" or stored == "none":
-            raise ValueError(f"final={final!r}: the output captured the final layer as {stored!r} (the norm cannot "
-                             f"be undone); re-extract with layers.capture_final={final}")
+        if stored == "none":
+            raise ValueError(f"final={final!r}: the output did not capture the final layer; re-extract with "
+                             f"layers.capture_final=before_norm (gives both) or {final}")
+        if final == "before_norm":
+            raise ValueError("final='before_norm': the output stores the final layer after the norm, which cannot "
+                             "be undone; re-extract with layers.capture_final=before_norm")
         if not can_derive_after_norm(self.manifest):
             raise ValueError(f"final='after_norm': {self.out_dir} stores no supported final norm "
                              f"(final_norm={self.manifest.get('final_norm')}); re-extract with "

@@ -159,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
+        from .manifest import read_manifest
+
+        read_manifest(args.out_dir)  # a finished output, its manifest readable: the counts cover what it lists
         counts = read_token_freq(args.out_dir)
         dest = Path(args.dest) if args.dest else Path(args.out_dir) / f"vocab-{args.size}"
         layouts = LAYOUTS if args.layout == "all" else (args.layout,)

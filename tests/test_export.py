@@ -254,9 +254,14 @@ def test_cli_refuses_a_non_empty_dest_and_overwrites_on_request(out_before, tmp_
     args = [str(out_before), "--to", "specforge", "--dest", str(dest), "--no-progress"]
     assert main(args) == 2
     assert "not empty" in capsys.readouterr().err and (dest / "keep.txt").exists()
-    assert main(args + ["--overwrite"]) == 0
+    assert main(args + ["--overwrite"]) == 2  # not an earlier export: the user's file stays
+    assert "is not an earlier export" in capsys.readouterr().err and (dest / "keep.txt").exists()
+    (dest / "keep.txt").unlink()
+    assert main(args) == 0  # an empty folder
+    assert main(args) == 2 and "not empty" in capsys.readouterr().err
+    assert main(args + ["--overwrite"]) == 0  # an earlier export is replaced
     assert "exported 24 samples" in capsys.readouterr().err
-    assert not (dest / "keep.txt").exists() and (dest / "rows_0-2000" / "data_23.ckpt").is_file()
+    assert (dest / "rows_0-2000" / "data_23.ckpt").is_file()
     assert main([str(out_before), "--to", "modelopt", "--dest", str(tmp_path / "mo"), "--no-progress",
                  "--cast-to-bfloat16", "--hidden-states-backend", "fp8"]) == 2
     assert "--hidden-states-backend applies to --to speculators only" in capsys.readouterr().err
@@ -384,3 +389,19 @@ def test_an_export_never_deletes_or_alters_its_source(out_before, tmp_path, wher
     before = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
     assert main([str(out), "--to", "specforge", "--dest", str(dest), "--overwrite", "--no-progress"]) == 2
     assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == before
+
+
+def test_overwrite_replaces_only_an_earlier_export(out_before, tmp_path, capsys):
+    """--overwrite never deletes a folder that is not an export (a user's files, another extraction output)."""
+    import shutil
+
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "thesis.txt").write_text("important")
+    other_output = tmp_path / "other-output"
+    shutil.copytree(out_before, other_output)
+    for dest in (precious, other_output):
+        before = sorted(str(p.relative_to(dest)) for p in dest.rglob("*"))
+        assert main([str(out_before), "--to", "specforge", "--dest", str(dest), "--overwrite", "--no-progress"]) == 2
+        assert "is not an earlier export" in capsys.readouterr().err
+        assert sorted(str(p.relative_to(dest)) for p in dest.rglob("*")) == before

@@ -86,12 +86,19 @@ def test_weights_overwritten_in_place_are_refused_naming_the_file(tmp_path, data
 
 
 def test_a_finished_output_re_runs_without_loading_the_model(output, copy, data_file, capsys):
-    before = {name: (copy / name).read_bytes() for name in ("manifest.json", "summary.json")}
+    before = {str(p.relative_to(copy)): p.read_bytes() for p in copy.rglob("*")
+              if p.is_file() and "logs" not in p.parts and "locks" not in p.parts}
     assert main(argv(copy, data_file)) == 0
     assert models_loaded(copy) == 1
     assert check_output(copy) == []
-    # and without touching its figures: the run that finished it is the one they describe
+    # and without touching a file (manifest, summary, rank reports, run state, skipped rows): the run that
+    # finished it is the one they describe
     assert {name: (copy / name).read_bytes() for name in before} == before
+    # a damaged manifest is rebuilt from the shards, keeping the figures of the run that computed them
+    (copy / "manifest.json").write_bytes(before["manifest.json"][:300])
+    assert main(argv(copy, data_file)) == 0
+    assert (copy / "manifest.json").read_bytes() == before["manifest.json"]
+    assert (copy / "summary.json").read_bytes() == before["summary.json"]
 
 
 def test_committed_shards_deleted_truncated_or_swapped_are_redone(output, copy, data_file, capsys):

@@ -193,3 +193,12 @@ def test_too_many_dflash_layers_name_the_key_and_the_real_maximum():
     with pytest.raises(RecipeError, match=r"`layers\.num_layers` = 6: .*at most 5 for this model"):
         resolve_layer_ids(recipe.layers, 8)
     assert resolve_layer_ids(load_recipe(None, ["layers.num_layers=5"]).layers, 8) == [1, 2, 3, 4, 5]
+
+
+def test_an_output_dir_that_cannot_be_created_is_a_refusal_not_a_resumable_stop(tmp_path, capsys):
+    from dflash_prep.extract import EXIT_BAD_RECIPE, main
+
+    (tmp_path / "a-file").write_text("x")
+    assert main(["--set", f"output.dir={tmp_path / 'a-file' / 'out'}"]) == EXIT_BAD_RECIPE
+    err = capsys.readouterr().err
+    assert "`output.dir`" in err and "cannot create it" in err and "Traceback" not in err

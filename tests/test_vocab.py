@@ -119,4 +119,14 @@ def test_vocab_command_refuses_a_bad_size_or_a_missing_file_with_exit_2(output, 
     assert cli_main(["vocab", str(output), "--size", "0", "--dest", str(tmp_path / "v")]) == 2
     assert cli_main(["vocab", str(tmp_path), "--size", "8"]) == 2
     err = capsys.readouterr().err
-    assert "--size 0" in err and TOKEN_FREQ_NAME in err and "Traceback" not in err
+    assert "--size 0" in err and "manifest.json not found" in err and "Traceback" not in err
+
+
+def test_vocab_refuses_an_output_whose_manifest_is_damaged(output, tmp_path, capsys):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(output, copy)
+    (copy / "manifest.json").write_bytes((copy / "manifest.json").read_bytes()[:100])
+    assert cli_main(["vocab", str(copy), "--size", "8", "--dest", str(tmp_path / "v")]) == 2
+    assert "manifest.json is damaged" in capsys.readouterr().err and not (tmp_path / "v").exists()
