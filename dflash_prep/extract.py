@@ -53,7 +53,7 @@ from .finish import ExtractionError, finish_run  # noqa: E402
 from .identity import rows_fingerprint  # noqa: E402
 from .job import (FAILED_NAME, SKIPPED_NAME, OutputMismatchError, RankPlan, Run, load_or_make_plan,  # noqa: E402
                   manifest_readable, open_output, prepare_output, refuse_unsafe_output_dir, run_identity)
-from .kernels import append_kernels_record, apply_kernels, select_kernels  # noqa: E402
+from .kernels import append_kernels_record, apply_kernels, configure_triton_cache, select_kernels  # noqa: E402
 from .layers import find_decoder, num_decoder_layers, resolve_layer_ids  # noqa: E402
 from .locks import OutputBusyError, check_no_rank_writing, lock_rank, lock_run  # noqa: E402
 from .manifest import (OutputStateError, atomic_write_json, atomic_write_jsonl, next_shard_number,  # noqa: E402
@@ -267,6 +267,11 @@ def _start(recipe: Recipe) -> Run:
     _setup_logging(out_dir, state.process_index, state.is_main_process)
     log.info("dflash-prep %s: rank %d of %d on %s", __version__, state.process_index, state.num_processes,
              state.device)
+    # Before anything imports Triton: compiled kernels and autotuning shared by the node's ranks and later runs.
+    triton_cache = configure_triton_cache(recipe.model.triton_cache_dir) if state.device.type == "cuda" else None
+    if triton_cache is not None and state.is_main_process:
+        log.info("triton cache: %s (autotuning cached: %s; from the %s)", triton_cache["dir"],
+                 triton_cache["autotuning"], triton_cache["source"])
     config = load_config(recipe.model)
     num_layers = num_decoder_layers(config)
     layer_ids = resolve_layer_ids(recipe.layers, num_layers)
@@ -285,7 +290,8 @@ def _start(recipe: Recipe) -> Run:
         log.warning("fault injection active (DFLASH_PREP_FAULTS): %s", faults)
     return Run(recipe=recipe, state=state, out_dir=out_dir, config=config, num_layers=num_layers,
                layer_ids=layer_ids, kernels=kernels, tokenizer=tokenizer, faults=faults, t_start=t_start,
-               replica=replica, identity=run_identity(recipe, config, layer_ids, tokenizer, state.is_main_process))
+               replica=replica, identity=run_identity(recipe, config, layer_ids, tokenizer, state.is_main_process),
+               triton_cache=triton_cache)
 
 
 def _replica_of(state, recipe: Recipe, config):

@@ -143,6 +143,7 @@ def _summary(run: Run, data, rank_plan: RankPlan, manifest: dict, reports: list[
         "num_shards": len(manifest["shards"]),
         "kernels": kernels if rank_plan.todo else {**kernels, "applied": [],
                                                    "reason": "nothing to run: the model was not loaded"},
+        "triton_cache": run.triton_cache,
         "ranks": reports,
     }
 

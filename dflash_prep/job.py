@@ -252,6 +252,7 @@ class Run:
     faults: Any  # faults.Faults | None (test-only fault injection)
     t_start: float  # time.perf_counter() at the start
     replica: Any  # replica.ReplicaLayout: this process's replica, its GPUs, whether it writes
+    triton_cache: dict | None = None  # kernels.configure_triton_cache's record (CUDA runs), else None
 
     @property
     def rank(self) -> int:

@@ -273,3 +273,26 @@ def kernels_history(out_dir: Path) -> list[dict]:
         if entry not in seen:
             seen.append(entry)
     return seen
+
+
+# ------------------------------------------------------------------------------------- Triton's disk cache
+TRITON_ENV = ("TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING")
+
+
+def configure_triton_cache(cache_dir: str | None, environ=None) -> dict:
+    """Point Triton's kernel and autotuning cache at `cache_dir` (`model.triton_cache_dir`) for this process and
+    its children, before Triton is imported: TRITON_CACHE_DIR = cache_dir (created), TRITON_CACHE_AUTOTUNING = 1.
+    A variable the user set is left as it is; `cache_dir` None changes nothing. Returns the record for the summary:
+    {"dir", "autotuning", "source"} ("recipe", "environment" or "triton default")."""
+    env = os.environ if environ is None else environ
+    if cache_dir is not None:
+        path = Path(cache_dir).expanduser()
+        if "TRITON_CACHE_DIR" not in env:
+            path.mkdir(parents=True, exist_ok=True)
+            env["TRITON_CACHE_DIR"] = str(path)
+        env.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+    source = ("triton default" if "TRITON_CACHE_DIR" not in env else
+              "recipe" if cache_dir is not None and env["TRITON_CACHE_DIR"] == str(Path(cache_dir).expanduser())
+              else "environment")
+    return {"dir": env.get("TRITON_CACHE_DIR"), "autotuning": env.get("TRITON_CACHE_AUTOTUNING") == "1",
+            "source": source}
