@@ -49,7 +49,7 @@ from .capture import LayerCapture  # noqa: E402
 from .collate import PlannedBatches  # noqa: E402
 from .data import check_data_source, check_data_verdict, load_rows, tokenize_dataset  # noqa: E402
 from .faults import Faults  # noqa: E402
-from .finish import ExtractionError, finish_run  # noqa: E402
+from .finish import DISK_BOUND_FRACTION, ExtractionError, finish_run  # noqa: E402
 from .identity import rows_fingerprint  # noqa: E402
 from .job import (FAILED_NAME, SKIPPED_NAME, OutputMismatchError, RankPlan, Run, load_or_make_plan,  # noqa: E402
                   manifest_readable, open_output, prepare_output, refuse_unsafe_output_dir, run_identity)
@@ -154,7 +154,8 @@ class RankStats:
     num_batches: int = 0
     forward_seconds: float = 0.0
     data_wait_seconds: float = 0.0
-    writer_wait_seconds: float = 0.0
+    writer_wait_seconds: float = 0.0  # the loop blocked on writers (pending batches at their bound)
+    writer_drain_seconds: float = 0.0  # after the last forward, until the writers had written everything
     shapes_seen: set = field(default_factory=set)
 
 
@@ -428,12 +429,15 @@ def _forward_loop(run: Run, model, loader, writer: AsyncShardWriter, num_samples
             for batch in loader:
                 stats.data_wait_seconds += time.perf_counter() - t_wait
                 _forward_one(run, batch, runner, writer, stats, gpu_timer)
-                _show_progress(progress, len(batch.samples), stats.num_real_tokens * run.world, t_loop)
+                _show_progress(progress, len(batch.samples), stats.num_real_tokens * run.world, t_loop,
+                               writer.wait_seconds)
                 if stop.requested:
                     stopped_early = True  # the batches captured so far are written and committed below
                     break
                 t_wait = time.perf_counter()
+        t_drain = time.perf_counter()
         writer.close()
+        stats.writer_drain_seconds = time.perf_counter() - t_drain
     except BaseException as e:
         _abort_writer(run, writer, e)
         raise
@@ -469,11 +473,17 @@ def _forward_one(run: Run, batch, runner: BatchRunner, writer: AsyncShardWriter,
     stats.shapes_seen.add(tuple(batch.input_ids.shape))
 
 
-def _show_progress(progress, num_samples: int, num_tokens_all_ranks: int, t_loop: float) -> None:
+def _show_progress(progress, num_samples: int, num_tokens_all_ranks: int, t_loop: float,
+                   writer_wait_seconds: float) -> None:
+    """tok/s over all ranks, and, once the loop has spent over 10% of its time waiting on the writers, that share
+    (`disk_wait`: the disk, not the GPU, sets the pace)."""
     if progress is not None:
         progress.update(num_samples)
-        tok_s = num_tokens_all_ranks / max(time.perf_counter() - t_loop, 1e-9)
-        progress.set_postfix(tok_s=f"{tok_s:,.0f}", refresh=False)
+        elapsed = max(time.perf_counter() - t_loop, 1e-9)
+        postfix = {"tok_s": f"{num_tokens_all_ranks / elapsed:,.0f}"}
+        if writer_wait_seconds > DISK_BOUND_FRACTION * elapsed:
+            postfix["disk_wait"] = f"{writer_wait_seconds / elapsed:.0%}"
+        progress.set_postfix(refresh=False, **postfix)
 
 
 def _abort_writer(run: Run, writer: AsyncShardWriter, error: BaseException) -> None:
@@ -510,7 +520,8 @@ def _rank_report(run: Run, model, writer: AsyncShardWriter, loop: _LoopResult) -
         "forward_seconds": stats.forward_seconds, "gpu_forward_seconds": gpu_seconds,
         "gpu_idle_seconds": None if gpu_seconds is None else max(loop.loop_seconds - gpu_seconds, 0.0),
         "data_wait_seconds": stats.data_wait_seconds,
-        "writer_wait_seconds": stats.writer_wait_seconds, "write_seconds": writer.write_seconds,
+        "writer_wait_seconds": stats.writer_wait_seconds, "writer_drain_seconds": stats.writer_drain_seconds,
+        "write_seconds": writer.write_seconds,
         "num_writer_threads": len(writer.writers), "peak_pending_bytes": writer.peak_pending_bytes,
         "bytes_written": writer.bytes_written, "shards_committed": len(writer.committed),
         "decoder_params_run": decoder_params_in(model),
@@ -530,7 +541,7 @@ def _idle_rank_report(rank: int) -> dict:
                                  "num_failed", "num_oom", "num_split_batches", "bytes_written", "shards_committed",
                                  "num_writer_threads", "peak_pending_bytes", "decoder_params_run")}
     report.update({key: 0.0 for key in ("loop_seconds", "forward_seconds", "data_wait_seconds",
-                                        "writer_wait_seconds", "write_seconds")})
+                                        "writer_wait_seconds", "writer_drain_seconds", "write_seconds")})
     report.update(rank=rank, gpu_forward_seconds=None, gpu_idle_seconds=None, peak_gpu_memory_bytes=None,
                   failed={}, oom_batch_caps={}, kernels=[])
     return report

@@ -16,6 +16,7 @@ Unset (the normal case), `Faults.from_env()` returns None and no code path pays 
                                              window of a commit
     forward_delay_seconds  S                 every forward first sleeps S seconds (a slow GPU: keeps a run alive
                                              long enough for a test to start a second one beside it)
+    write_delay_seconds    S                 every batch a writer thread writes first sleeps S seconds (a slow disk)
 
 Example: DFLASH_PREP_FAULTS='{"oom_batches": [3, 5], "nan_samples": ["0000000012"], "enospc_shard": 1}'.
 It is a test hook: it never mocks the model; the forward, the writer and the commit all run for real.
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 
 ENV_VAR = "DFLASH_PREP_FAULTS"
 KNOWN_KEYS = ("oom_batches", "oom_samples", "nan_samples", "enospc_shard", "enospc_rank", "exit_after_rename_shard",
-              "forward_delay_seconds")
+              "forward_delay_seconds", "write_delay_seconds")
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Faults:
     enospc_rank: int | None = None
     exit_after_rename_shard: int | None = None
     forward_delay_seconds: float = 0.0
+    write_delay_seconds: float = 0.0
     _oom_fired: set[int] = field(default_factory=set)
 
     @classmethod
@@ -57,7 +59,8 @@ class Faults:
                    nan_samples={str(s) for s in spec.get("nan_samples", [])},
                    enospc_shard=spec.get("enospc_shard"), enospc_rank=spec.get("enospc_rank"),
                    exit_after_rename_shard=spec.get("exit_after_rename_shard"),
-                   forward_delay_seconds=float(spec.get("forward_delay_seconds", 0.0)))
+                   forward_delay_seconds=float(spec.get("forward_delay_seconds", 0.0)),
+                   write_delay_seconds=float(spec.get("write_delay_seconds", 0.0)))
 
     # -- forward -------------------------------------------------------------------------------------------
     def before_forward(self, batch_id: int, sample_ids: list[str]) -> None:
@@ -91,6 +94,12 @@ class Faults:
             start += n
 
     # -- writer --------------------------------------------------------------------------------------------
+    def before_batch_write(self) -> None:
+        if self.write_delay_seconds:
+            import time
+
+            time.sleep(self.write_delay_seconds)
+
     def on_shard_write(self, rank: int, shard_number: int, tmp_path) -> None:
         if self.enospc_shard == shard_number and self.enospc_rank in (None, rank):
             raise OSError(errno.ENOSPC, f"No space left on device (injected by {ENV_VAR})", str(tmp_path))

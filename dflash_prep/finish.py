@@ -24,6 +24,8 @@ from .vocab import count_supervised_tokens, write_token_freq
 
 log = logging.getLogger("dflash_prep")
 
+DISK_BOUND_FRACTION = 0.10  # a rank whose loop waited this share of its time on its writers was disk-bound
+
 
 class ExtractionError(RuntimeError):
     """The run stopped cleanly (write error, fatal NaN, a stop signal, samples missing at the merge): committed
@@ -144,8 +146,36 @@ def _summary(run: Run, data, rank_plan: RankPlan, manifest: dict, reports: list[
         "kernels": kernels if rank_plan.todo else {**kernels, "applied": [],
                                                    "reason": "nothing to run: the model was not loaded"},
         "triton_cache": run.triton_cache,
+        "disk": disk_verdict(reports, run.recipe.output.dtype),
         "ranks": reports,
     }
+
+
+def disk_verdict(reports: list[dict], storage_dtype: str) -> dict | None:
+    """Whether the disk, not the model, set this run's pace, with the figures (per rank, the slowest one):
+
+    - `needed_bytes_per_second`: what the model produced, bytes written / the loop's time not spent waiting on the
+      writers or draining them (what the disk must take for the GPU never to wait);
+    - `achieved_bytes_per_second`: bytes written / the whole loop (what the writers sustained end to end);
+    - `wait_fraction`: the loop's time blocked on the writers or draining them after the last forward.
+    `disk_bound` when that fraction exceeds DISK_BOUND_FRACTION; `fixes` then lists what would help. None when
+    nothing was written."""
+    busy = [r for r in reports if r.get("bytes_written") and r.get("loop_seconds")]
+    if not busy:
+        return None
+    worst = max(busy, key=lambda r: (r.get("writer_wait_seconds", 0) + r.get("writer_drain_seconds", 0))
+                / r["loop_seconds"])
+    waited = worst.get("writer_wait_seconds", 0.0) + worst.get("writer_drain_seconds", 0.0)
+    fraction = waited / worst["loop_seconds"]
+    verdict = {"disk_bound": fraction > DISK_BOUND_FRACTION, "wait_fraction": fraction, "rank": worst["rank"],
+               "needed_bytes_per_second": worst["bytes_written"] / max(worst["loop_seconds"] - waited, 1e-9),
+               "achieved_bytes_per_second": worst["bytes_written"] / worst["loop_seconds"],
+               "num_writer_threads": worst.get("num_writer_threads")}
+    if verdict["disk_bound"]:
+        verdict["fixes"] = ([] if storage_dtype == "fp8_e4m3" else ["output.dtype: fp8_e4m3 (half the bytes)"]) + [
+            f"more output.num_writer_threads (now {worst.get('num_writer_threads')})",
+            "a faster disk for output.dir"]
+    return verdict
 
 
 def _log_done(summary: dict, skipped_counts: dict, out_dir) -> None:
@@ -156,6 +186,12 @@ def _log_done(summary: dict, skipped_counts: dict, out_dir) -> None:
              f"{summary['padding_efficiency']:.3f}" if summary["padding_efficiency"] else "n/a",
              summary["bytes_total"] / 1e9, summary["num_shards"], summary["wall_seconds"],
              summary["tokens_per_second"], _replicas_phrase(summary.get("replicas")), out_dir / "manifest.json")
+    disk = summary.get("disk")
+    if disk and disk["disk_bound"]:
+        log.warning("the disk set the pace: rank %d waited on its writers %.0f%% of its loop; the model produced "
+                    "%.2f GB/s, the writers sustained %.2f GB/s. To go faster: %s", disk["rank"],
+                    100 * disk["wait_fraction"], disk["needed_bytes_per_second"] / 1e9,
+                    disk["achieved_bytes_per_second"] / 1e9, "; ".join(disk["fixes"]))
 
 
 def _replicas_phrase(replicas: dict | None) -> str:

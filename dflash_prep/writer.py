@@ -272,6 +272,8 @@ class ShardWriter:
         """Append one batch of encoded samples [(members, num_tokens)] and the failure records of its failed
         samples; roll the shard after it if full."""
         t0 = time.perf_counter()
+        if self.faults is not None:
+            self.faults.before_batch_write()
         if self._open is None:
             self._start_shard()
         final, _, hashing, tar, record = self._open

@@ -204,3 +204,21 @@ def test_a_torn_index_line_is_cut_before_a_resume_appends(tmp_path, clean):
         f.write(lines[1])
     assert [r.path for r in read_committed(tmp_path)] == [json.loads(line)["path"] for line in lines[:2]]
     assert repair_indexes(tmp_path) == []
+
+
+def test_a_slow_disk_is_reported_with_the_figures_and_what_would_fix_it(tmp_path, monkeypatch, capsys):
+    """A disk slower than the model (every batch write sleeps): the summary and the done line say the disk set the
+    pace, with the bytes per second the model produced and the writers sustained, and the levers."""
+    out = tmp_path / "out"
+    monkeypatch.setenv(ENV_VAR, json.dumps({"write_delay_seconds": 0.4}))
+    assert main(argv(out, **{"output.num_writer_threads": 1})) == 0
+    disk = json.loads((out / "summary.json").read_text())["disk"]
+    rank = json.loads((out / "summary.json").read_text())["ranks"][0]
+    waited = rank["writer_wait_seconds"] + rank["writer_drain_seconds"]
+    assert disk["disk_bound"] is True and disk["wait_fraction"] == pytest.approx(waited / rank["loop_seconds"])
+    assert waited > 0.4  # at least one delayed write was waited for
+    assert disk["achieved_bytes_per_second"] == pytest.approx(rank["bytes_written"] / rank["loop_seconds"])
+    assert disk["needed_bytes_per_second"] > disk["achieved_bytes_per_second"]
+    assert disk["fixes"][0].startswith("output.dtype: fp8_e4m3") and "num_writer_threads (now 1)" in disk["fixes"][1]
+    err = capsys.readouterr().err
+    assert "the disk set the pace" in err and "To go faster" in err
