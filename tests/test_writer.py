@@ -80,7 +80,10 @@ def test_lanes_number_shards_by_lane_and_write_every_batch_once(tmp_path):
 
 
 def test_an_error_in_one_lane_stops_all_and_leaves_only_committed_shards(tmp_path):
-    class FailOnShard:
+    class FailOnShard:  # the writer's side of faults.Faults
+        def before_batch_write(self):
+            pass
+
         def on_shard_write(self, rank, shard_number, tmp_path):
             if shard_number == 4:
                 raise OSError(28, "No space left on device (test)")
