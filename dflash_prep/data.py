@@ -503,8 +503,3 @@ def check_data_verdict(data: TokenizedData, section: DataSection) -> str:
     raise NothingToExtractError(f"{problem}{' - ' + reasons if reasons else ''}. Nothing was extracted; see "
                                 f"`dflash-prep plan --show-sample N` for how a row is tokenized and masked")
 
-
-def write_skipped(path: Path, skipped_rows: list[dict]) -> None:
-    with open(path, "w") as f:
-        for row in skipped_rows:
-            f.write(json.dumps(row) + "\n")

@@ -173,6 +173,12 @@ def check_exportable(manifest: dict, target: str, strategy: str = "dflash", cast
                           f"{_reextract_hint('layers.capture_final=' + needs[0])}")
 
 
+def _derives_after_norm(manifest: dict, target: str, strategy: str) -> bool:
+    """The layout wants the final layer after the norm (Model-Optimizer, SpecForge EAGLE-3) and the output stores
+    it before: the export applies the stored final norm (norms.py)."""
+    return (target == "modelopt" or strategy == "eagle3") and manifest.get("capture_final") == "before_norm"
+
+
 # ----------------------------------------------------------------------------------------- export order
 def sample_ids_by_shard(out_dir: Path, shards: list[ShardInfo]) -> dict[str, list[str]]:
     """Each shard's sample ids (tar order): from the rank indexes when they agree with the manifest (path,
@@ -367,9 +373,7 @@ def _export_locked(out_dir: Path, manifest: dict, target: str, dest: Path, strat
             else:
                 def write(sample):
                     return _save_torch(modelopt_record(sample), modelopt_path(partial, sample["sample_id"]))
-            wants_after_norm = target == "modelopt" or strategy == "eagle3"
-            final_norm = read_final_norm(out_dir) \
-                if wants_after_norm and layout.capture_final == "before_norm" else None
+            final_norm = read_final_norm(out_dir) if _derives_after_norm(manifest, target, strategy) else None
             for sample in _samples(shards, layout, verify_sha256, final_norm=final_norm):
                 report.num_bytes += write(sample)
                 _count(report, sample, bar)
@@ -474,8 +478,7 @@ def _export_info(manifest: dict, out_dir: Path, target: str, strategy: str, orde
         "layer_ids_after_layer": after,
         "layer_ids_before_layer": [i + 1 for i in after],
         "capture_final": manifest.get("capture_final", "none"),
-        "final_norm_applied_at_export": bool((target == "modelopt" or strategy == "eagle3")
-                                             and manifest.get("capture_final") == "before_norm"),
+        "final_norm_applied_at_export": _derives_after_norm(manifest, target, strategy),
         "source_dtype": manifest["dtype"],
         "cast_to_bfloat16": bool(cast and manifest["dtype"] != "bfloat16"),
         "hidden_states_dtype": ("float8_e4m3fn + hidden_states_scales [T, 1, 1] (one scale per token, re-quantized)"

@@ -276,9 +276,6 @@ def kernels_history(out_dir: Path) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------- Triton's disk cache
-TRITON_ENV = ("TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING")
-
-
 def configure_triton_cache(cache_dir: str | None, environ=None) -> dict:
     """Point Triton's kernel and autotuning cache at `cache_dir` (`model.triton_cache_dir`) for this process and
     its children, before Triton is imported: TRITON_CACHE_DIR = cache_dir (created), TRITON_CACHE_AUTOTUNING = 1.

@@ -158,6 +158,18 @@ def atomic_write_json(path: Path, obj) -> None:
     fsync_dir(path.parent)
 
 
+def atomic_save_safetensors(path: Path, tensors: dict, metadata: dict[str, str]) -> None:
+    """`safetensors.torch.save_file` written like `atomic_write_json` (tmp, fsync, rename, fsync the folder)."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
 def atomic_write_jsonl(path: Path, rows: list[dict]) -> None:
     """One JSON object per line, written like `atomic_write_json` (a kill leaves the old file or the new one)."""
     tmp = path.with_name(path.name + ".tmp")

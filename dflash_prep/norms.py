@@ -20,7 +20,6 @@ w or w - 1 by form), seeded, so the demo, the tests and the benchmark's random m
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -110,18 +109,10 @@ def with_after_norm_final(sample: dict, norm: dict) -> dict:
 
 def write_final_norm(out_dir: str | Path, norm: dict) -> dict:
     """`OUT/final_norm.safetensors` (atomic); -> its manifest entry {path, form, eps}."""
-    from safetensors.torch import save_file
+    from .manifest import atomic_save_safetensors
 
-    from .writer import fsync_dir
-
-    path = Path(out_dir) / FINAL_NORM_NAME
-    tmp = path.with_name(path.name + ".tmp")
     tensors = {"weight": norm["weight"].contiguous()} if norm["weight"] is not None else {}
-    save_file(tensors, str(tmp), metadata={"form": norm["form"], "eps": repr(norm["eps"])})
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    atomic_save_safetensors(Path(out_dir) / FINAL_NORM_NAME, tensors, {"form": norm["form"], "eps": repr(norm["eps"])})
     return {"path": FINAL_NORM_NAME, "form": norm["form"], "eps": norm["eps"]}
 
 

@@ -29,7 +29,6 @@ Layouts (`write_mapping`):
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import numpy as np
@@ -73,18 +72,11 @@ def write_token_freq(out_dir: str | Path, counts: np.ndarray, num_samples: int) 
 
     The entry: {"path", "vocab_size", "num_samples", "num_supervised_tokens", "num_distinct_tokens"}.
     """
-    from safetensors.torch import save_file
+    from .manifest import atomic_save_safetensors
 
-    from .writer import fsync_dir
-
-    path = Path(out_dir) / TOKEN_FREQ_NAME
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({"token_freq": torch.from_numpy(np.ascontiguousarray(counts, dtype=np.int64))}, str(tmp),
-              metadata={"num_samples": str(num_samples), "counts": "supervised (loss_mask 1) tokens per token id"})
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    atomic_save_safetensors(Path(out_dir) / TOKEN_FREQ_NAME,
+                            {"token_freq": torch.from_numpy(np.ascontiguousarray(counts, dtype=np.int64))},
+                            {"num_samples": str(num_samples), "counts": "supervised (loss_mask 1) tokens per token id"})
     return {"path": TOKEN_FREQ_NAME, "vocab_size": int(counts.shape[0]), "num_samples": num_samples,
             "num_supervised_tokens": int(counts.sum()), "num_distinct_tokens": int(np.count_nonzero(counts))}
 
@@ -125,9 +117,9 @@ def token_freq_dict(counts: np.ndarray) -> dict[int, int]:
     return {int(t): int(counts[t]) for t in np.flatnonzero(counts)}
 
 
-def write_mapping(counts: np.ndarray, draft_vocab_size: int, dest: str | Path, layout: str) -> list[Path]:
-    """Write the draft-vocabulary mapping in `layout` (LAYOUTS) into the folder `dest`; -> the files written."""
-    d2t, t2d = draft_vocab(counts, draft_vocab_size)
+def write_mapping(counts: np.ndarray, d2t: np.ndarray, t2d: np.ndarray, dest: str | Path, layout: str) -> list[Path]:
+    """Write the mapping `draft_vocab` made from `counts` in `layout` (LAYOUTS) into the folder `dest`; -> the files
+    written."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     if layout == "speculators":
@@ -165,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         counts = read_token_freq(args.out_dir)
         dest = Path(args.dest) if args.dest else Path(args.out_dir) / f"vocab-{args.size}"
         layouts = LAYOUTS if args.layout == "all" else (args.layout,)
-        d2t, _ = draft_vocab(counts, args.size)
-        files = [f for layout in layouts for f in write_mapping(counts, args.size, dest / layout, layout)]
+        d2t, t2d = draft_vocab(counts, args.size)
+        files = [f for layout in layouts for f in write_mapping(counts, d2t, t2d, dest / layout, layout)]
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
