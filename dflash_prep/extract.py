@@ -47,6 +47,7 @@ from .backoff import BatchRunner  # noqa: E402
 from .budget import resolve_token_budget  # noqa: E402
 from .capture import LayerCapture  # noqa: E402
 from .collate import PlannedBatches  # noqa: E402
+from .cost import batch_cost_model  # noqa: E402
 from .data import check_data_source, check_data_verdict, load_rows, tokenize_dataset  # noqa: E402
 from .faults import Faults  # noqa: E402
 from .finish import DISK_BOUND_FRACTION, ExtractionError, finish_run  # noqa: E402
@@ -62,7 +63,7 @@ from .model import (STORAGE_TORCH_DTYPES, decoder_params_in, describe_source, dr
                     hidden_size_of, load_config, load_model, load_replica_model, load_tokenizer, padding_token_id,
                     vocab_size_of)
 from .norms import describe_final_norm, write_final_norm  # noqa: E402
-from .planner import plan_stats, split_across_ranks  # noqa: E402
+from .planner import plan_stats, rank_finish_seconds, split_across_ranks  # noqa: E402
 from .recipe import Recipe, RecipeError, add_recipe_args  # noqa: E402
 from .sizes import check_free_space  # noqa: E402
 from .replica import LAYER_SPLIT, TENSOR_PARALLEL, choose_parallelism, replica_layout  # noqa: E402
@@ -341,14 +342,18 @@ def _tokenize(run: Run):
 
 def _plan(run: Run, data) -> RankPlan:
     """The global plan (frozen in OUT/plan.json by the first run), minus the committed batches, split over this
-    run's ranks by padded tokens."""
+    run's ranks by predicted time (cost.py: the forward's FLOPs and the write's bytes of each batch)."""
     lengths = [int(n) for n in data.kept["num_tokens"]]
     plan = load_or_make_plan(run.out_dir, lengths, run.recipe, run.is_main, run.state)
     committed = read_committed(run.out_dir)
     done_batches = {b for r in committed for b in r.batch_ids}
     todo = [p for p in plan if p.batch_id not in done_batches]
+    cost = functools.partial(batch_cost_model(run.recipe, run.config, run.layer_ids, run.num_layers).cost_of,
+                             lengths=lengths)
+    shares = split_across_ranks(todo, run.world, cost)  # every rank finishes at the same predicted time
     rank_plan = RankPlan(lengths=lengths, stats=plan_stats(plan), committed=committed, todo=todo,
-                         mine=split_across_ranks(todo, run.world)[run.rank])
+                         mine=shares[run.rank],
+                         predicted_seconds=[rank_finish_seconds([cost(b) for b in s]) for s in shares])
     if run.is_main:
         s = rank_plan.stats
         log.info("plan: %d batches, %d shapes, batch size %s-%s (mean %.1f), padded length %s-%s, "

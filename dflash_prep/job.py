@@ -14,7 +14,7 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -291,3 +291,4 @@ class RankPlan:
     committed: list  # manifest.read_committed before this run's batches
     todo: list[PlannedBatch]
     mine: list[PlannedBatch]
+    predicted_seconds: list[float] = field(default_factory=list)  # each rank's predicted finish (planner)
