@@ -253,6 +253,8 @@ class Run:
     t_start: float  # time.perf_counter() at the start
     replica: Any  # replica.ReplicaLayout: this process's replica, its GPUs, whether it writes
     triton_cache: dict | None = None  # kernels.configure_triton_cache's record (CUDA runs), else None
+    cost_model: Any = None  # planner.BatchCostModel: each batch's predicted seconds, for the split over ranks
+    startup_seconds: dict = field(default_factory=dict)  # start, tokenize, plan, model_load(_wait), first_batch
 
     @property
     def rank(self) -> int:
