@@ -33,3 +33,39 @@ def test_llama_with_a_final_layer_runs_every_layer_and_stores_one_more_block():
     assert model.linear_flops_per_token == 2 * _decoder_params(build(config), 6)
     assert model.attention_flops_per_token_pair == 2 * 6 * 4 * 16  # no layer_types: every layer is attention
     assert model.write_bytes_per_token == 4 * (64 + 4) + 5  # 3 layers + final in fp8, one fp32 scale per block
+
+
+def test_predicted_write_bytes_are_the_bytes_a_run_writes(tmp_path):
+    """The write side of the cost, summed over the plan, against the shard files an extraction wrote (the records
+    plus each shard's tar end blocks: within 2%)."""
+    import functools
+
+    from dflash_prep.extract import run_extraction
+    from dflash_prep.job import load_or_make_plan
+    from dflash_prep.model import load_config
+
+    recipe = load_recipe(REPO / "recipes" / "tiny-demo.yaml", [f"output.dir={tmp_path / 'out'}",
+                                                                "data.max_samples=48", "batching.num_workers=0"])
+    summary = run_extraction(recipe)
+    lengths = _kept_lengths(recipe)
+    plan = load_or_make_plan(tmp_path / "out", lengths, recipe, True, _NoBarrier())
+    model = batch_cost_model(recipe, load_config(recipe.model), [1, 3, 5], 8)
+    cost = functools.partial(model.cost_of, lengths=lengths)
+    predicted = sum(cost(b).write_seconds for b in plan) * model.write_bytes_per_second
+    written = sum(p.stat().st_size for p in (tmp_path / "out" / "shards").rglob("*.tar"))
+    assert summary["bytes_written_this_run"] == written
+    assert abs(predicted - written) / written < 0.02, (predicted, written)
+
+
+class _NoBarrier:
+    def wait_for_everyone(self):
+        pass
+
+
+def _kept_lengths(recipe) -> list[int]:
+    from dflash_prep.data import load_rows, tokenize_dataset
+    from dflash_prep.model import load_config, load_tokenizer, vocab_size_of
+
+    data = tokenize_dataset(load_rows(recipe.data), load_tokenizer(recipe.model), recipe.data,
+                            vocab_size_of(load_config(recipe.model)))
+    return [int(n) for n in data.kept["num_tokens"]]
