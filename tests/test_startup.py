@@ -105,3 +105,27 @@ def test_a_refusal_on_the_main_process_while_both_ranks_load_ends_the_run_at_onc
     # rank 1, waiting in a barrier, may see its peer gone before the launcher stops it (as without the overlap)
     assert not [line for line in proc.stderr.splitlines() if "Traceback" in line and not line.startswith("[rank1]")]
     assert not _processes_naming(out)
+
+
+def test_two_processes_record_their_startup_and_predicted_seconds_and_the_balance_report_reads_them(tmp_path):
+    """2 CPU processes (each loads while the rows are tokenized): the records are the one-process run's; each
+    rank's report has its start-up stages and the predicted seconds of its share; bench/balance_report.py (the
+    GPU check's last step) reads the output."""
+    data = _data(tmp_path / "rows.jsonl")
+    one = tmp_path / "one"
+    _run(data, one)
+    two = tmp_path / "two"
+    proc = subprocess.run([*LAUNCH, *CPU_2PROC, "extract.py", "--set", f"output.dir={two}", "--set",
+                           f"data.path={data}", "--set", "batching.num_workers=0"], cwd=REPO, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert raw_records(two) == raw_records(one)
+    summary = json.loads((two / "summary.json").read_text())
+    assert [r["rank"] for r in summary["ranks"]] == [0, 1]
+    for r in summary["ranks"]:
+        assert set(r["startup_seconds"]) == STAGES and r["startup_seconds"]["model_load_overlapped"] is True
+        assert r["predicted_seconds"] > 0
+    report = subprocess.run([sys.executable, "bench/balance_report.py", str(two)], cwd=REPO, env=ENV,
+                            capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert "rank 1: loop" in report.stdout and "split by padded tokens (before)" in report.stdout
