@@ -31,6 +31,7 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to RESULTS/NAME
 echo "[$(date -u +%H:%M:%S)] 0-env: gpu_env.sh" | tee -a "$RESULTS/steps.log"
 source "$(dirname "$0")/gpu_env.sh" > "$RESULTS/0-env.log" 2>&1 || { cat "$RESULTS/0-env.log"; exit 1; }
 cat "$RESULTS/0-env.log"
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1  # nothing outside the machine: no network waits
 OUT=$WORK/out
 
 step 1-data 90 python3 - "$WORK" <<'EOF' || exit 1
