@@ -431,6 +431,9 @@ class _TargetLoad:
     THREAD_NAME = "dflash-prep-load"
 
     def __init__(self, run: Run):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # its "Loading weights" bar would cut through the tokenizing one
         self.run = run
         self.model = None
         self.error: BaseException | None = None
