@@ -5,7 +5,7 @@ A rank's time is its forwards or its writes, whichever is slower (background wri
 computes). Padded tokens alone (the former balance) miss both: a batch's forward grows with the square of its
 samples' lengths (attention), and its write with its real tokens and samples, not its padding. Two H200s on the
 Llama-3.1-8B shape (fp8, 1.5M tokens): each rank's forwards ended at ~26 s and its writers drained ~10 s more,
-36.2 s per rank's loop; this model predicts 35.0 s per rank for that plan (the writes set it).
+36.2 s per rank's loop; for the same shape and lengths this model predicts about 35 s per rank (the writes set it).
 
 The rates are measured figures (one H200 node), used only to weigh forward against write: the split depends on
 their ratio, never the states, and every rank and `dflash-prep plan` compute the same split from the same numbers.
