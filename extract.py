@@ -9,4 +9,4 @@ import sys
 from dflash_prep.extract import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(own_process=True))

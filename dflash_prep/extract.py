@@ -47,6 +47,7 @@ from .backoff import BatchRunner  # noqa: E402
 from .budget import resolve_token_budget  # noqa: E402
 from .capture import LayerCapture  # noqa: E402
 from .collate import PlannedBatches  # noqa: E402
+from .cost import batch_cost_model  # noqa: E402
 from .data import check_data_source, check_data_verdict, load_rows, tokenize_dataset  # noqa: E402
 from .faults import Faults  # noqa: E402
 from .finish import DISK_BOUND_FRACTION, ExtractionError, finish_run  # noqa: E402
@@ -54,7 +55,7 @@ from .identity import rows_fingerprint  # noqa: E402
 from .job import (FAILED_NAME, SKIPPED_NAME, OutputMismatchError, RankPlan, Run, load_or_make_plan,  # noqa: E402
                   manifest_readable, open_output, prepare_output, refuse_unsafe_output_dir, run_identity)
 from .kernels import append_kernels_record, apply_kernels, configure_triton_cache, select_kernels  # noqa: E402
-from .layers import find_decoder, num_decoder_layers, resolve_layer_ids  # noqa: E402
+from .layers import decoder_layers, find_decoder, num_decoder_layers, resolve_layer_ids  # noqa: E402
 from .locks import OutputBusyError, check_no_rank_writing, lock_rank, lock_run  # noqa: E402
 from .manifest import (OutputStateError, atomic_write_json, atomic_write_jsonl, next_shard_number,  # noqa: E402
                        read_committed)
@@ -62,7 +63,7 @@ from .model import (STORAGE_TORCH_DTYPES, decoder_params_in, describe_source, dr
                     hidden_size_of, load_config, load_model, load_replica_model, load_tokenizer, padding_token_id,
                     vocab_size_of)
 from .norms import describe_final_norm, write_final_norm  # noqa: E402
-from .planner import plan_stats, split_across_ranks  # noqa: E402
+from .planner import plan_stats, rank_finish_seconds, split_across_ranks  # noqa: E402
 from .recipe import Recipe, RecipeError, add_recipe_args  # noqa: E402
 from .sizes import check_free_space  # noqa: E402
 from .replica import LAYER_SPLIT, TENSOR_PARALLEL, choose_parallelism, replica_layout  # noqa: E402
@@ -221,31 +222,47 @@ class _GpuTimer:
         return sum(a.elapsed_time(b) for a, b in self.pairs) / 1000.0
 
 
-def run_extraction(recipe: Recipe) -> dict | None:
+def run_extraction(recipe: Recipe, own_process: bool = False) -> dict | None:
     """Run the job of `recipe` on this process's rank. Returns the summary on the main process.
 
-    The output folder is locked for the run (locks.py): a second run into it stops before touching anything."""
+    The output folder is locked for the run (locks.py): a second run into it stops before touching anything.
+    `own_process`: this process runs the extraction and exits after it (the launched script), so an error before
+    the model finished loading returns at once, leaving the load to the process's exit (`main`); otherwise the
+    load is waited for."""
     held: list = []
     try:
-        return _run_extraction(recipe, held)
+        return _run_extraction(recipe, held, own_process)
     finally:
         for lock in reversed(held):
             lock.release()
 
 
-def _run_extraction(recipe: Recipe, held: list) -> dict | None:
-    """The stages, in data-flow order; each is a function below (or of its own module)."""
+def _run_extraction(recipe: Recipe, held: list, own_process: bool = False) -> dict | None:
+    """The stages, in data-flow order; each is a function below (or of its own module). The model loads on a
+    thread of its own while the rows are tokenized and the plan made (`_TargetLoad`)."""
     run = _start(recipe)                       # process group, logging; every recipe check before any weights
     _claim_output(run, held)                   # locks; an output of another job refused
-    data = _tokenize(run)                      # rows -> token ids + loss masks (datasets cache), skips counted
-    rank_plan = _plan(run, data)               # the frozen global plan minus what is committed, this rank's share
+    run.startup_seconds["start"] = time.perf_counter() - run.t_start
+    load = _TargetLoad.start_if_safe(run)      # the weights load while this thread tokenizes and plans
+    try:
+        t0 = time.perf_counter()
+        data = _tokenize(run)                  # rows -> token ids + loss masks (datasets cache), skips counted
+        t1 = time.perf_counter()
+        rank_plan = _plan(run, data)           # the frozen global plan minus what is committed, this rank's share
+        run.startup_seconds.update(tokenize=t1 - t0, plan=time.perf_counter() - t1)
+    except BaseException:
+        if load is not None and not own_process:
+            load.wait()  # in-process callers get no thread left behind; a process of its own exits at once (main)
+        raise
     lock_fds = tuple(lock.fd for lock in held if lock.fd is not None)
-    report = _run_rank(run, data, rank_plan, lock_fds)  # model + kernels + hooks + loop -> committed shards
+    report = _run_rank(run, data, rank_plan, lock_fds, load)  # model + kernels + hooks + loop -> committed shards
     # one process per replica writes; a finished output keeps its run's figures
     if run.is_writer and (rank_plan.todo or not manifest_readable(run.out_dir)):
         atomic_write_json(run.out_dir / "index" / f"{rank_name(run.rank)}.done.json", report)
-    log.info("rank %d done: %d samples, %d tokens in %.1fs", run.rank, report["num_samples"],
-             report["num_real_tokens"], report["loop_seconds"])
+    log.info("rank %d done: %d samples, %d tokens in %.1fs (predicted %s); start-up %s", run.rank,
+             report["num_samples"], report["num_real_tokens"], report["loop_seconds"],
+             "n/a" if report.get("predicted_seconds") is None else f"{report['predicted_seconds']:.1f}s",
+             ", ".join(f"{k} {v:.1f}s" for k, v in run.startup_seconds.items() if not isinstance(v, bool)))
     run.state.wait_for_everyone()
     return finish_run(run, data, rank_plan) if run.is_main else None  # manifest last
 
@@ -292,7 +309,9 @@ def _start(recipe: Recipe) -> Run:
     return Run(recipe=recipe, state=state, out_dir=out_dir, config=config, num_layers=num_layers,
                layer_ids=layer_ids, kernels=kernels, tokenizer=tokenizer, faults=faults, t_start=t_start,
                replica=replica, identity=run_identity(recipe, config, layer_ids, tokenizer, state.is_main_process),
-               triton_cache=triton_cache)
+               triton_cache=triton_cache,
+               # the split's cost numbers (a meta-device build: before the model loads on a thread of its own)
+               cost_model=batch_cost_model(recipe, config, layer_ids, num_layers))
 
 
 def _replica_of(state, recipe: Recipe, config):
@@ -341,14 +360,17 @@ def _tokenize(run: Run):
 
 def _plan(run: Run, data) -> RankPlan:
     """The global plan (frozen in OUT/plan.json by the first run), minus the committed batches, split over this
-    run's ranks by padded tokens."""
+    run's ranks by predicted time (cost.py: the forward's FLOPs and the write's bytes of each batch)."""
     lengths = [int(n) for n in data.kept["num_tokens"]]
     plan = load_or_make_plan(run.out_dir, lengths, run.recipe, run.is_main, run.state)
     committed = read_committed(run.out_dir)
     done_batches = {b for r in committed for b in r.batch_ids}
     todo = [p for p in plan if p.batch_id not in done_batches]
+    cost = functools.partial(run.cost_model.cost_of, lengths=lengths)
+    shares = split_across_ranks(todo, run.world, cost)  # every rank finishes at the same predicted time
     rank_plan = RankPlan(lengths=lengths, stats=plan_stats(plan), committed=committed, todo=todo,
-                         mine=split_across_ranks(todo, run.world)[run.rank])
+                         mine=shares[run.rank],
+                         predicted_seconds=[rank_finish_seconds([cost(b) for b in s]) for s in shares])
     if run.is_main:
         s = rank_plan.stats
         log.info("plan: %d batches, %d shapes, batch size %s-%s (mean %.1f), padded length %s-%s, "
@@ -362,13 +384,15 @@ def _plan(run: Run, data) -> RankPlan:
     return rank_plan
 
 
-def _run_rank(run: Run, data, rank_plan: RankPlan, lock_fds: tuple) -> dict:
+def _run_rank(run: Run, data, rank_plan: RankPlan, lock_fds: tuple, load: _TargetLoad | None) -> dict:
     """This rank's batches through the model into the writer; the rank's report. A finished output re-run has
-    nothing to do: the model is not even loaded."""
+    nothing to do: the model is not even loaded (a load already under way is waited for and dropped)."""
     if not rank_plan.todo:
+        if load is not None:
+            load.wait()
         log.info("every batch of the plan is committed: nothing to run, the model is not loaded")
-        return _idle_rank_report(run.rank)
-    model = _load_target(run)
+        return {**_idle_rank_report(run.rank), "startup_seconds": dict(run.startup_seconds)}
+    model = _load_target(run, load)
     writer = DiscardingWriter() if not run.is_writer else AsyncShardWriter(
         lanes(run.out_dir, run.rank, run.recipe.output.max_shard_bytes,
               next_shard_number(rank_plan.committed, rank_name(run.rank)), run.recipe.output.num_writer_threads,
@@ -381,22 +405,103 @@ def _run_rank(run: Run, data, rank_plan: RankPlan, lock_fds: tuple) -> dict:
         prefetch_factor=4 if run.recipe.batching.num_workers else None,
         worker_init_fn=functools.partial(_init_worker, lock_fds))
     loop = _forward_loop(run, model, loader, writer, sum(len(p.sample_indices) for p in rank_plan.mine))
-    return _rank_report(run, model, writer, loop)
+    report = _rank_report(run, model, writer, loop)
+    report["predicted_seconds"] = rank_plan.predicted_seconds[run.rank] if rank_plan.predicted_seconds else None
+    return report
 
 
-def _load_target(run: Run) -> torch.nn.Module:
-    """The model: load, keep only the layers read from, describe the final norm (before the kernels patch it: that
-    runs the norm on the CPU), apply the fused kernels (before the capture hooks are registered)."""
-    t0 = time.perf_counter()
+class _TargetLoad:
+    """The target's weights loading on a thread of their own (`_build_target`), started once the output is
+    claimed, while this process's main thread tokenizes (the main process) or waits for the tokenized rows (the
+    others) and plans; `result()` joins it before the forward loop. Start-up was tokenize, then load, then plan.
+
+    Started only where it is safe (`start_if_safe`): one GPU per replica (a tensor-parallel load runs collectives
+    that would interleave with the main thread's barriers), `data.num_proc` 1 or unset (tokenizing in forked processes
+    while a thread holds locks inside the loader could leave a child waiting forever), and an output that may
+    have work left (a finished one loads nothing). Random weights stay identical on every rank: the thread seeds
+    and draws them as the main thread did, and nothing else draws random numbers meanwhile; torch's default
+    dtype, which transformers sets while it builds a model, is not touched by the main thread meanwhile (the
+    cost model's meta-device build is done before the thread starts).
+
+    Threads share the GIL. Measured on 2 CPU cores, 4,200 demo rows beside the CPU-bound random init of a
+    150M-parameter model (the worst case: both compete for the cores; on a GPU the load is mostly file reads and
+    host-to-device copies, which release the GIL): tokenizing took 4.1-7.2 s beside the load instead of 2.3-4.6 s
+    alone, the load 3.4-5.7 s; the two took 5.7-10 s one after the other, 4.1-7.2 s overlapped."""
+
+    THREAD_NAME = "dflash-prep-load"
+
+    def __init__(self, run: Run):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # its "Loading weights" bar would cut through the tokenizing one
+        self.run = run
+        self.model = None
+        self.error: BaseException | None = None
+        self.seconds: float | None = None
+        self._thread = threading.Thread(target=self._load, name=self.THREAD_NAME, daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def start_if_safe(cls, run: Run) -> _TargetLoad | None:
+        if (run.replica.gpus_per_replica != 1 or (run.recipe.data.num_proc or 1) > 1
+                or (not run.recipe.output.overwrite and manifest_readable(run.out_dir))):
+            return None
+        return cls(run)
+
+    @classmethod
+    def in_flight(cls) -> bool:
+        """A load thread of this process is still running."""
+        return any(t.name == cls.THREAD_NAME and t.is_alive() for t in threading.enumerate())
+
+    def _load(self) -> None:
+        try:
+            if self.run.device.type == "cuda":
+                torch.cuda.set_device(self.run.device)  # the current device is per thread
+            t0 = time.perf_counter()
+            self.model = _build_target(self.run)
+            self.seconds = time.perf_counter() - t0
+        except BaseException as e:  # noqa: BLE001 - raised in the main thread by result()
+            self.error = e
+
+    def wait(self) -> None:
+        self._thread.join()
+
+    def result(self) -> torch.nn.Module:
+        """The loaded model (the load's own error raised here, in the main thread)."""
+        self.wait()
+        if self.error is not None:
+            raise self.error
+        return self.model
+
+
+def _build_target(run: Run) -> torch.nn.Module:
+    """Load the model and keep only the layers read from (on the load thread, or the main thread)."""
+    if run.faults is not None:
+        run.faults.before_load()
     model = (load_model(run.recipe.model, run.config, run.device) if run.replica.gpus_per_replica == 1 else
              load_replica_model(run.recipe.model, run.config, run.replica))
     capture_final = run.recipe.layers.capture_final
-    last_needed = run.num_layers - 1 if capture_final != "none" else run.layer_ids[-1]
-    layers_run = drop_layers_after(model, last_needed)
+    drop_layers_after(model, run.num_layers - 1 if capture_final != "none" else run.layer_ids[-1])
+    return model
+
+
+def _load_target(run: Run, load: _TargetLoad | None) -> torch.nn.Module:
+    """The model (loaded here, or by `load` during start-up), then in the main thread: describe the final norm
+    (before the kernels patch it: that runs the norm on the CPU), apply the fused kernels (before the capture
+    hooks are registered). Start-up seconds: `model_load` (the load itself), `model_load_wait` (how long the
+    main thread waited for it after planning: 0 when the overlap hid it)."""
+    t0 = time.perf_counter()
+    model = load.result() if load is not None else _build_target(run)
+    waited = time.perf_counter() - t0
+    run.startup_seconds.update(model_load=load.seconds if load is not None else waited, model_load_wait=waited,
+                               model_load_overlapped=load is not None)
+    capture_final = run.recipe.layers.capture_final
+    layers_run = len(decoder_layers(find_decoder(model)))
     if run.is_main and capture_final == "before_norm":  # + the norm = the after-norm states at read time
         write_final_norm(run.out_dir, describe_final_norm(find_decoder(model).norm))
-    log.info("model loaded in %.1fs: %s, %d of %d decoder layers run; hooks on layers %s%s",
-             time.perf_counter() - t0, describe_source(run.recipe.model), layers_run, run.num_layers, run.layer_ids,
+    log.info("model loaded in %.1fs%s: %s, %d of %d decoder layers run; hooks on layers %s%s",
+             run.startup_seconds["model_load"], f" (during start-up; waited {waited:.1f}s for it)" if load else "",
+             describe_source(run.recipe.model), layers_run, run.num_layers, run.layer_ids,
              f" + final ({capture_final})" if capture_final != "none" else "")
     apply_kernels(model, run.kernels)
     if run.is_main:
@@ -429,6 +534,8 @@ def _forward_loop(run: Run, model, loader, writer: AsyncShardWriter, num_samples
             for batch in loader:
                 stats.data_wait_seconds += time.perf_counter() - t_wait
                 _forward_one(run, batch, runner, writer, stats, gpu_timer)
+                if stats.num_batches == 1:  # its DataLoader start, collate, first-seen shape, hooks
+                    run.startup_seconds["first_batch"] = time.perf_counter() - t_loop
                 _show_progress(progress, len(batch.samples), stats.num_real_tokens * run.world, t_loop,
                                writer.wait_seconds)
                 if stop.requested:
@@ -532,6 +639,7 @@ def _rank_report(run: Run, model, writer: AsyncShardWriter, loop: _LoopResult) -
         "num_split_batches": runner.num_split_batches if runner is not None else 0,
         "oom_batch_caps": {str(T): n for T, n in sorted(runner.caps.items())} if runner is not None else {},
         "kernels": list(run.kernels.names),
+        "startup_seconds": dict(run.startup_seconds),
     }
 
 
@@ -543,7 +651,7 @@ def _idle_rank_report(rank: int) -> dict:
     report.update({key: 0.0 for key in ("loop_seconds", "forward_seconds", "data_wait_seconds",
                                         "writer_wait_seconds", "writer_drain_seconds", "write_seconds")})
     report.update(rank=rank, gpu_forward_seconds=None, gpu_idle_seconds=None, peak_gpu_memory_bytes=None,
-                  failed={}, oom_batch_caps={}, kernels=[])
+                  failed={}, oom_batch_caps={}, kernels=[], startup_seconds={}, predicted_seconds=None)
     return report
 
 
@@ -575,13 +683,31 @@ def _progress(is_main: bool, total_samples: int, world: int):
                 file=sys.stderr, mininterval=1.0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`extract.py` / `dflash-prep extract`: [--recipe PATH] [--set key=value ...]. Returns the exit code."""
-    code = _main(argv)
+def main(argv: list[str] | None = None, own_process: bool = False) -> int:
+    """`extract.py` / `dflash-prep extract`: [--recipe PATH] [--set key=value ...]. Returns the exit code.
+
+    `own_process` (the launched script): an error while the model was still loading on its thread (a data verdict,
+    an output of another job) ends the process at once with its exit code, after the error line, instead of
+    waiting for the load (a model load cannot be interrupted, and the other ranks are stopped by the launcher
+    only once this process exits)."""
+    code = _main(argv, own_process)
     if code in (EXIT_BAD_RECIPE, EXIT_FAILED_SAMPLES) and _under_plain_accelerate_launch():
         print(f"note: `accelerate launch` reports exit code {code} as 1 (\"stopped, resumable\"); `dflash-prep launch` "
               f"takes the same arguments and keeps it", file=sys.stderr)
+    if own_process and code != 0 and _TargetLoad.in_flight():
+        _exit_now(code)
     return code
+
+
+def _exit_now(code: int) -> None:
+    """End the process with `code` without waiting for the load thread: flush what was printed and logged, then
+    os._exit (nothing else is running yet: no writer, no DataLoader worker; the locks are released by the
+    kernel)."""
+    for handler in log.handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _under_plain_accelerate_launch() -> bool:
@@ -592,7 +718,7 @@ def _under_plain_accelerate_launch() -> bool:
             and os.environ.get("RANK", "0") == "0")
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: list[str] | None, own_process: bool = False) -> int:
     import argparse
 
     from .recipe import load_recipe
@@ -606,7 +732,7 @@ def _main(argv: list[str] | None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        summary = run_extraction(recipe)
+        summary = run_extraction(recipe, own_process)
     except (RecipeError, OutputMismatchError, OutputBusyError, OutputStateError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_RECIPE

@@ -17,6 +17,7 @@ Unset (the normal case), `Faults.from_env()` returns None and no code path pays 
     forward_delay_seconds  S                 every forward first sleeps S seconds (a slow GPU: keeps a run alive
                                              long enough for a test to start a second one beside it)
     write_delay_seconds    S                 every batch a writer thread writes first sleeps S seconds (a slow disk)
+    load_delay_seconds     S                 the model load first sleeps S seconds (a checkpoint of tens of GB)
 
 Example: DFLASH_PREP_FAULTS='{"oom_batches": [3, 5], "nan_samples": ["0000000012"], "enospc_shard": 1}'.
 It is a test hook: it never mocks the model; the forward, the writer and the commit all run for real.
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 
 ENV_VAR = "DFLASH_PREP_FAULTS"
 KNOWN_KEYS = ("oom_batches", "oom_samples", "nan_samples", "enospc_shard", "enospc_rank", "exit_after_rename_shard",
-              "forward_delay_seconds", "write_delay_seconds")
+              "forward_delay_seconds", "write_delay_seconds", "load_delay_seconds")
 
 
 @dataclass
@@ -44,6 +45,7 @@ class Faults:
     exit_after_rename_shard: int | None = None
     forward_delay_seconds: float = 0.0
     write_delay_seconds: float = 0.0
+    load_delay_seconds: float = 0.0
     _oom_fired: set[int] = field(default_factory=set)
 
     @classmethod
@@ -60,7 +62,15 @@ class Faults:
                    enospc_shard=spec.get("enospc_shard"), enospc_rank=spec.get("enospc_rank"),
                    exit_after_rename_shard=spec.get("exit_after_rename_shard"),
                    forward_delay_seconds=float(spec.get("forward_delay_seconds", 0.0)),
-                   write_delay_seconds=float(spec.get("write_delay_seconds", 0.0)))
+                   write_delay_seconds=float(spec.get("write_delay_seconds", 0.0)),
+                   load_delay_seconds=float(spec.get("load_delay_seconds", 0.0)))
+
+    # -- model load ----------------------------------------------------------------------------------------
+    def before_load(self) -> None:
+        if self.load_delay_seconds:
+            import time
+
+            time.sleep(self.load_delay_seconds)
 
     # -- forward -------------------------------------------------------------------------------------------
     def before_forward(self, batch_id: int, sample_ids: list[str]) -> None:

@@ -147,6 +147,8 @@ def _summary(run: Run, data, rank_plan: RankPlan, manifest: dict, reports: list[
                                                    "reason": "nothing to run: the model was not loaded"},
         "triton_cache": run.triton_cache,
         "disk": disk_verdict(reports, run.recipe.output.dtype),
+        # where the main process's start-up went (seconds): each rank's is in `ranks`
+        "startup_seconds": next((r.get("startup_seconds") for r in reports if r["rank"] == run.rank), None),
         "ranks": reports,
     }
 

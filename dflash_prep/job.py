@@ -14,7 +14,7 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -253,6 +253,8 @@ class Run:
     t_start: float  # time.perf_counter() at the start
     replica: Any  # replica.ReplicaLayout: this process's replica, its GPUs, whether it writes
     triton_cache: dict | None = None  # kernels.configure_triton_cache's record (CUDA runs), else None
+    cost_model: Any = None  # planner.BatchCostModel: each batch's predicted seconds, for the split over ranks
+    startup_seconds: dict = field(default_factory=dict)  # start, tokenize, plan, model_load(_wait), first_batch
 
     @property
     def rank(self) -> int:
@@ -291,3 +293,4 @@ class RankPlan:
     committed: list  # manifest.read_committed before this run's batches
     todo: list[PlannedBatch]
     mine: list[PlannedBatch]
+    predicted_seconds: list[float] = field(default_factory=list)  # each rank's predicted finish (planner)

@@ -138,6 +138,20 @@ def decoder_params_in(model: nn.Module, num_layers: int | None = None) -> int:
     return sum(p.numel() for layer in chosen for p in layer.parameters())
 
 
+def decoder_params_run(section: ModelSection, config, last_needed_layer: int) -> int | None:
+    """Parameters of the decoder layers the extraction runs, counted on a meta-device model (no memory); None
+    when the architecture cannot be built that way (then only a benchmark of the same model gives a figure)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=section.trust_remote_code)
+        kept = drop_layers_after(model, last_needed_layer)
+        return decoder_params_in(model, kept)
+    except Exception:  # noqa: BLE001 - remote code or an unusual class: the figures go on without the count
+        return None
+
+
 def describe_source(section: ModelSection) -> str:
     if section.config:
         return f"random weights from {Path(section.config).name} (seed {section.init_seed})"

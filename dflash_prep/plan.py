@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import functools
 import json
 import math
 import sys
@@ -106,23 +107,6 @@ def bench_references(results_dir: Path = BENCH_RESULTS_DIR) -> list[dict]:
     return sorted(best.values(), key=lambda r: (r["model"] or "", r["compute_dtype"] or ""))
 
 
-def decoder_params_run(recipe: Recipe, config, last_needed_layer: int) -> int | None:
-    """Parameters of the decoder layers the extraction runs, counted on a meta-device model (no memory); None
-    when the architecture cannot be built that way (then only a benchmark of the same model gives a figure)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from .model import decoder_params_in, drop_layers_after
-
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
-        kept = drop_layers_after(model, last_needed_layer)
-        return decoder_params_in(model, kept)
-    except Exception:  # noqa: BLE001 - remote code or an unusual class: the plan goes on without the count
-        return None
-
-
 def choose_reference(refs: list[dict], config, params: int | None, compute_dtype: str) -> tuple[dict | None, str]:
     """(reference, why): the benchmark of this very model if any, else the nearest in decoder parameters."""
     from .layers import num_decoder_layers
@@ -190,7 +174,9 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
     from .budget import local_gpu_memory_bytes, resolve_token_budget
     from .data import check_data_verdict, load_rows, tokenize_dataset
     from .layers import num_decoder_layers, resolve_layer_ids
-    from .model import describe_source, hidden_size_of, load_config, load_tokenizer, vocab_size_of
+    from .cost import batch_cost_model
+    from .model import (decoder_params_run, describe_source, hidden_size_of, load_config, load_tokenizer,
+                        vocab_size_of)
     from .planner import make_plan, plan_stats, split_across_ranks
 
     if num_gpus < 1:
@@ -214,10 +200,12 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
     plan = make_plan(lengths, recipe)
     stats = plan_stats(plan)
 
-    shares = split_across_ranks(plan, num_gpus)
-    disk = _disk_figures(recipe, plan, shares, cols, lengths, layer_ids, hidden_size, stats["num_real_tokens"])
     last_needed = num_layers - 1 if recipe.layers.capture_final != "none" else layer_ids[-1]
-    params = decoder_params_run(recipe, config, last_needed)
+    params = decoder_params_run(recipe.model, config, last_needed)
+    # the extraction's own split (same cost numbers), so the shards replayed per rank are the run's
+    cost_model = batch_cost_model(recipe, config, layer_ids, num_layers, params)
+    shares = split_across_ranks(plan, num_gpus, functools.partial(cost_model.cost_of, lengths=lengths))
+    disk = _disk_figures(recipe, plan, shares, cols, lengths, layer_ids, hidden_size, stats["num_real_tokens"])
     throughput = _throughput(recipe, config, params, tokens_per_second, bench_dir)
     ranks = [plan_stats(share) for share in shares]
     wall = _wall_time(throughput["tokens_per_second"], throughput.get("seconds_per_new_shape") or 0.0, ranks,

@@ -12,8 +12,8 @@ this module
   shapes,
 * orders batches longest-first, so an out-of-memory error shows up in the
   first minute of a run instead of hours in,
-* splits a plan across data-parallel ranks balanced by padded tokens
-  (:func:`split_across_ranks`).
+* splits a plan across data-parallel ranks so they finish together by predicted time: the forward's FLOPs and
+  the write's bytes of each batch (:class:`BatchCostModel`, :func:`split_across_ranks`).
 
 Everything here is pure Python and deterministic: the same lengths and
 settings always give the same plan, on any machine.
@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import bisect
 import functools
-import heapq
 import math
 import numbers
 import operator
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
     from .recipe import Recipe
@@ -40,6 +39,9 @@ __all__ = [
     "plan_batches",
     "plan_stats",
     "split_across_ranks",
+    "BatchCost",
+    "BatchCostModel",
+    "rank_finish_seconds",
 ]
 
 
@@ -314,38 +316,108 @@ def plan_stats(batches: Sequence[PlannedBatch]) -> dict[str, Any]:
     }
 
 
-def split_across_ranks(batches: Sequence[PlannedBatch], num_ranks: int) -> list[list[PlannedBatch]]:
-    """Split a plan over ``num_ranks`` data-parallel ranks, balanced by padded tokens.
+@dataclass(frozen=True)
+class BatchCost:
+    """Predicted seconds of one planned batch on one rank: its forward and the writing of its records.
 
-    Deterministic greedy longest-processing-time: visit the batches by
-    ``num_padded_tokens`` desc (ties by ``batch_id`` asc) and give each to the
-    rank with the fewest padded tokens assigned so far (ties -> lowest rank).
-    Each rank's list is then sorted by ``batch_id``, so every rank still runs
-    its longest batches first.
+    The two overlap (background writer threads write batch i while the GPU runs batch i+1), so a rank's predicted
+    finish is ``max(sum of forward_seconds, sum of write_seconds)`` over its batches (:func:`rank_finish_seconds`),
+    and a batch adds at most ``seconds = max(forward_seconds, write_seconds)`` to it."""
+
+    forward_seconds: float
+    write_seconds: float
+
+    @property
+    def seconds(self) -> float:
+        return max(self.forward_seconds, self.write_seconds)
+
+
+@dataclass(frozen=True)
+class BatchCostModel:
+    """The numbers a batch's predicted time is computed from (``cost.batch_cost_model`` derives them from the
+    target's config and the storage layout).
+
+    forward FLOPs = ``linear_flops_per_token`` x padded tokens (2 x decoder parameters run: every row position,
+    padding included, goes through the weights) + ``attention_flops_per_token_pair`` x sum over samples of
+    length^2 (causal attention: QK^T and AV, 4 x width FLOPs per token pair, half of the pairs, per quadratic
+    layer: ``2 x attention layers run x num_heads x head_dim``); per-sample true lengths, so a batch that packs
+    several samples in one row is counted by its samples, not by its row;
+    write bytes = ``write_bytes_per_token`` x real tokens + ``write_bytes_per_sample`` x samples (the records'
+    bytes; padding is never stored).
+    Seconds = FLOPs / ``forward_flops_per_second``, bytes / ``write_bytes_per_second``."""
+
+    linear_flops_per_token: float
+    attention_flops_per_token_pair: float
+    forward_flops_per_second: float
+    write_bytes_per_token: float
+    write_bytes_per_sample: float
+    write_bytes_per_second: float
+
+    def cost_of(self, batch: PlannedBatch, lengths: Sequence[int]) -> BatchCost:
+        """Predicted seconds of `batch`; ``lengths[i]`` = true tokens of dataset row i (the plan's lengths)."""
+        sample_lengths = [lengths[i] for i in batch.sample_indices]
+        flops = (self.linear_flops_per_token * batch.num_padded_tokens
+                 + self.attention_flops_per_token_pair * sum(n * n for n in sample_lengths))
+        num_bytes = self.write_bytes_per_token * sum(sample_lengths) + self.write_bytes_per_sample * len(sample_lengths)
+        return BatchCost(flops / self.forward_flops_per_second, num_bytes / self.write_bytes_per_second)
+
+
+def _padded_tokens_cost(batch: PlannedBatch) -> BatchCost:
+    """The cost without a model: one unit per padded token, nothing written."""
+    return BatchCost(float(batch.num_padded_tokens), 0.0)
+
+
+def rank_finish_seconds(costs: Sequence[BatchCost]) -> float:
+    """A rank's predicted finish for batches of these costs: forwards and writes overlap, the slower sets it."""
+    return max(sum(c.forward_seconds for c in costs), sum(c.write_seconds for c in costs), 0.0)
+
+
+def split_across_ranks(batches: Sequence[PlannedBatch], num_ranks: int,
+                       cost: Callable[[PlannedBatch], BatchCost] | None = None) -> list[list[PlannedBatch]]:
+    """Split a plan over ``num_ranks`` data-parallel ranks so that they finish together by predicted time.
+
+    ``cost(batch)`` is the batch's predicted :class:`BatchCost` (``functools.partial(model.cost_of,
+    lengths=...)`` of a :class:`BatchCostModel`); None counts padded tokens only. A rank's predicted finish is
+    ``max(forwards, writes)`` (they overlap: :func:`rank_finish_seconds`). Deterministic greedy
+    longest-processing-time: visit the batches by ``cost.seconds`` desc (ties by ``batch_id`` asc) and give each
+    to the rank whose predicted finish with it is lowest (ties -> lowest rank). Each rank's list is then ordered
+    by ``cost.seconds`` desc (ties by ``batch_id``), its longest padded length moved first: the largest, longest
+    batches first (an out-of-memory error shows in the first minute), the smallest last, so the tail after a
+    rank's last forward is short.
 
     Guarantees:
 
     * returns exactly ``num_ranks`` lists; every input batch appears in exactly
       one of them (nothing repeated or dropped);
-    * max rank load - min rank load <= the largest batch's ``num_padded_tokens``
-      (load = sum of ``num_padded_tokens``);
+    * max - min predicted finish over the ranks <= the largest ``cost.seconds`` of a batch (the rank that
+      finishes last took its last batch when its finish with it was the lowest of all ranks);
     * a rank gets an EMPTY list when there are fewer batches than ranks
       (callers must cope with a rank that has nothing to do);
-    * same input -> same split.
+    * same input -> same split, whatever the input order (every rank computes it and must agree: the costs are
+      sums and products of Python floats in a fixed order, the same on every machine).
 
-    Raises ValueError if ``num_ranks < 1``.
+    O(batches x ranks). Raises ValueError if ``num_ranks < 1``.
     """
     num_ranks = _as_int(num_ranks, "num_ranks")
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+    cost = cost or _padded_tokens_cost
+    costs = {b.batch_id: cost(b) for b in batches}
     assigned: list[list[PlannedBatch]] = [[] for _ in range(num_ranks)]
-    heap = [(0, rank) for rank in range(num_ranks)]  # (padded tokens so far, rank)
-    for batch in sorted(batches, key=lambda b: (-b.num_padded_tokens, b.batch_id)):
-        load, rank = heapq.heappop(heap)
+    forward = [0.0] * num_ranks
+    write = [0.0] * num_ranks
+    for batch in sorted(batches, key=lambda b: (-costs[b.batch_id].seconds, b.batch_id)):
+        c = costs[batch.batch_id]
+        rank = min(range(num_ranks), key=lambda r: (max(forward[r] + c.forward_seconds, write[r] + c.write_seconds), r))
         assigned[rank].append(batch)
-        heapq.heappush(heap, (load + batch.num_padded_tokens, rank))
+        forward[rank] += c.forward_seconds
+        write[rank] += c.write_seconds
     for share in assigned:
-        share.sort(key=lambda b: b.batch_id)
+        share.sort(key=lambda b: (-costs[b.batch_id].seconds, b.batch_id))
+        if share:  # the longest padded length first whatever its cost: the memory peak shows at once
+            longest = min(share, key=lambda b: (-b.padded_length, b.batch_id))
+            share.remove(longest)
+            share.insert(0, longest)
     return assigned
 
 

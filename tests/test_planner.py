@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 from collections import Counter
 
@@ -9,10 +10,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from dflash_prep.planner import (
+    BatchCostModel,
     PlannedBatch,
     ShapeBuckets,
     plan_batches,
     plan_stats,
+    rank_finish_seconds,
     split_across_ranks,
 )
 
@@ -324,9 +327,11 @@ def _ids(split):
 
 
 def test_split_hand_worked():
+    """Without a cost model a batch costs its padded tokens (the former balance)."""
     plan = _example_plan()
-    # Visit order (tokens desc, id asc): 0(256) 2(256) 1(192) 3(192) 4(64).
-    assert _ids(split_across_ranks(plan, 1)) == [[0, 1, 2, 3, 4]]
+    # Visit order (tokens desc, id asc): 0(256) 2(256) 1(192) 3(192) 4(64); a rank runs them in that order, its
+    # longest padded length first.
+    assert _ids(split_across_ranks(plan, 1)) == [[0, 2, 1, 3, 4]]
     # r0:0 r1:2 | tie 256/256 -> r0:1 (448) | r1:3 (448) | tie -> r0:4 (512)
     assert _ids(split_across_ranks(plan, 2)) == [[0, 1, 4], [2, 3]]
     # r0:0 r1:2 r2:1 | r2 (192) least -> 3 (384) | tie r0/r1 at 256 -> r0:4
@@ -335,8 +340,72 @@ def test_split_hand_worked():
     assert _ids(split_across_ranks(plan, 7)) == [[0], [2], [1], [3], [4], [], []]
 
 
+# Unit rates: 1 FLOP per padded token, 1 per causal token pair, 1 FLOP/s; 4 bytes per token, 10 per sample, 1 B/s.
+UNIT_COSTS = BatchCostModel(linear_flops_per_token=1, attention_flops_per_token_pair=1, forward_flops_per_second=1,
+                            write_bytes_per_token=4, write_bytes_per_sample=10, write_bytes_per_second=1)
+
+
+def test_split_by_predicted_time_hand_worked():
+    """Four batches of 8 padded tokens each (a padded-token balance cannot tell them apart) whose forward and write
+    times differ. By hand (forward = 8 + sum len^2, write = 4 x tokens + 10 x samples):
+    A [8] T=8: 72 / 42; B 8 x [1] T=1: 16 / 112; C [6] T=8: 44 / 34; D 4 x [2] T=2: 24 / 72.
+    Visit by max desc: B 112, A 72, D 72, C 44.  B -> r0 (16, 112).  A: r0 max(88, 154) vs r1 max(72, 42) -> r1.
+    D: r0 max(40, 184) vs r1 max(96, 114) -> r1 (96, 114).  C: r0 max(60, 146) vs r1 max(140, 148) -> r0.
+    r0 = {B, C} runs C first (its longest padded length), r1 = {A, D} (A: 72 = D: 72, lower id first)."""
+    lengths = [8] + [1] * 8 + [6] + [2] * 4
+    plan = [PlannedBatch(0, (0,), 8, 8), PlannedBatch(1, tuple(range(1, 9)), 1, 8), PlannedBatch(2, (9,), 8, 6),
+            PlannedBatch(3, (10, 11, 12, 13), 2, 8)]
+    cost = functools.partial(UNIT_COSTS.cost_of, lengths=lengths)
+    assert [(cost(b).forward_seconds, cost(b).write_seconds) for b in plan] == [(72, 42), (16, 112), (44, 34),
+                                                                                 (24, 72)]
+    split = split_across_ranks(plan, 2, cost)
+    assert _ids(split) == [[2, 1], [0, 3]]
+    assert [rank_finish_seconds([cost(b) for b in share]) for share in split] == [146, 114]
+    # by padded tokens all tie: by id, r0 A C, r1 B D (D's longer padded length first)
+    assert _ids(split_across_ranks(plan, 2)) == [[0, 2], [3, 1]]
+
+
+def _heavy_tailed_lengths(n: int, seed: int) -> list[int]:
+    """Pareto-tailed chat lengths: most a few hundred tokens, a few thousand-token ones."""
+    rng = random.Random(seed)
+    return [min(4096, max(1, int(60 * rng.paretovariate(1.3)))) for _ in range(n)]
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3, 8])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_ranks_finish_together_by_predicted_time(num_ranks, seed):
+    """Heavy-tailed lengths, an 8B-like cost model: each rank's predicted finish, computed here from the lengths
+    (not by the planner), is within the largest batch's predicted time of every other rank's."""
+    lengths = _heavy_tailed_lengths(3000, seed)
+    plan = plan_batches(lengths, max_tokens_per_batch=16384, max_batch_size=256,
+                        buckets=ShapeBuckets(64, 1.125, 4096))
+    linear, pair, flops_s = 1.6e10, 2 * 32 * 4096, 4.7e14
+    per_token, per_sample, bytes_s = 16400.0, 3000.0, 0.35e9
+    model = BatchCostModel(linear, pair, flops_s, per_token, per_sample, bytes_s)
+
+    def forward(b):
+        return (linear * len(b.sample_indices) * b.padded_length
+                + pair * sum(lengths[i] ** 2 for i in b.sample_indices)) / flops_s
+
+    def write(b):
+        return (per_token * sum(lengths[i] for i in b.sample_indices) + per_sample * len(b.sample_indices)) / bytes_s
+
+    split = split_across_ranks(plan, num_ranks, functools.partial(model.cost_of, lengths=lengths))
+    assert Counter(b.batch_id for share in split for b in share) == Counter(range(len(plan)))
+    finish = [max(sum(map(forward, share)), sum(map(write, share))) for share in split]
+    largest = max(max(forward(b), write(b)) for b in plan)
+    assert max(finish) - min(finish) <= largest * (1 + 1e-9)
+    for share in split:
+        assert share[0].padded_length == max(b.padded_length for b in share)  # the memory peak first
+        rest = [max(forward(b), write(b)) for b in share[1:]]
+        assert all(a >= b * (1 - 1e-9) for a, b in zip(rest, rest[1:]))  # then largest first, smallest last
+    assert split_across_ranks(list(reversed(plan)), num_ranks, functools.partial(model.cost_of, lengths=lengths)) \
+        == split  # deterministic, whatever the input order
+
+
 def test_split_empty_plan():
     assert split_across_ranks([], 3) == [[], [], []]
+    assert split_across_ranks([], 2, functools.partial(UNIT_COSTS.cost_of, lengths=[])) == [[], []]
 
 
 @FAST
@@ -350,8 +419,10 @@ def test_split_properties(inputs, num_ranks):
     assert Counter(b.batch_id for rank in split for b in rank) == Counter(range(len(plan)))
     assert Counter(i for rank in split for b in rank for i in b.sample_indices) == Counter(range(len(lengths)))
     for rank in split:
-        ids = [b.batch_id for b in rank]
-        assert ids == sorted(ids)  # each rank still runs its longest batches first
+        if rank:  # each rank still runs its longest batch first, then by padded tokens
+            assert rank[0].padded_length == max(b.padded_length for b in rank)
+            tokens = [b.num_padded_tokens for b in rank[1:]]
+            assert tokens == sorted(tokens, reverse=True)
     if plan:
         loads = [sum(b.num_padded_tokens for b in rank) for rank in split]
         assert max(loads) - min(loads) <= max(b.num_padded_tokens for b in plan)
