@@ -140,9 +140,11 @@ class LayerCapture:
         self._buf_NK = self._final_NH = self._flat_index = None
 
     # -- forward -----------------------------------------------------------------------------------------
-    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-            flat_index: torch.Tensor) -> CapturedBatch:
-        """One forward of the base decoder on a right-padded batch.
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
+            flat_index: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+            max_length: int | None = None) -> CapturedBatch:
+        """One forward of the base decoder on a right-padded batch, or on a packed row (`cu_seqlens` int32
+        [segments + 1] and `max_length` given: no mask, transformers' flash-attention kwargs; packing.py).
 
         `flat_index` [N] holds the positions b*T + t of the real tokens (from the collator), so the gather
         needs no device-to-host sync.
@@ -161,14 +163,19 @@ class LayerCapture:
             self._buf_NK = torch.empty(N, len(self.layer_ids) * H, dtype=self.storage_dtype, device=device)
             self._final_NH = (torch.empty(N, H, dtype=self.storage_dtype, device=device)
                               if self.capture_final != "none" else None)
-        if not self.padding_mask:
+        extra = {}
+        if cu_seqlens is not None:
+            from .packing import flash_kwargs
+
+            attention_mask, extra = None, flash_kwargs(cu_seqlens, max_length)
+        elif not self.padding_mask:
             # Monotonic positions: a position reset on the padding would read as packed sequences to some kernels.
             B, T = input_ids.shape
             attention_mask, position_ids = None, torch.arange(T, device=device).expand(B, T)
         try:
             with torch.inference_mode():
                 self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             use_cache=False)
+                             use_cache=False, **extra)
             raise RuntimeError("the forward ended without reaching the deepest captured module")
         except _StopForward:
             out = CapturedBatch(self._buf_NK, self._final_NH)
