@@ -169,9 +169,9 @@ class BatchRunner:
                     todo.append((a, b))
                     a = b
         self.num_split_batches += 1
-        log.info("batch %d (%d samples, %s): pre-split into %d pieces of at most %d %s (learned from an earlier "
-                 "OOM)", batch.batch_id, B, "packed row" if batch.packed else f"padded to {T}", len(todo), cap,
-                 "tokens" if batch.packed else "samples")
+        shape = f"packed row of {B} samples, {offsets[-1]} tokens" if batch.packed else f"{B} x {T}"
+        log.info("batch %d (%s): pre-split into %d pieces of at most %d%s (learned from an earlier OOM)",
+                 batch.batch_id, shape, len(todo), cap, " tokens" if batch.packed else "")
         return todo
 
     def _learn(self, batch: Batch, a: int, mid: int, b: int, offsets: list[int], T: int) -> None:

@@ -280,7 +280,8 @@ def _start(recipe: Recipe) -> Run:
     replica = _replica_of(state, recipe, config)
     kernels = select_kernels(recipe.model.kernels, config, state.device.type,
                              tensor_parallel=replica.parallelism == TENSOR_PARALLEL)
-    packing = select_packing(recipe.batching.packing, config, state.device.type, kernels.names)
+    packing = select_packing(recipe.batching.packing, config, state.device.type, kernels.names,
+                             tensor_parallel=replica.parallelism == TENSOR_PARALLEL)
     recipe, budget_how = resolve_token_budget(
         recipe, config, layer_ids, num_layers,
         torch.cuda.get_device_properties(state.device).total_memory if state.device.type == "cuda" else None)

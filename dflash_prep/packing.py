@@ -31,6 +31,7 @@ passes on to its attention and Gated DeltaNet modules. Each sample's states then
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import logging
@@ -50,6 +51,8 @@ FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"
 # model types whose decoder layers are attention (through transformers' AttentionInterface) and, for the hybrid,
 # Gated DeltaNet modules: the packed path is exact for these (tests/test_packing.py asserts it on both)
 ATTENTION_ONLY = ("llama",)
+# calls of each attention path of `varlen_attention` in this process (what ran, for bench/packing_check.py)
+ATTENTION_CALLS = {"varlen_attn": 0, "sdpa_per_segment": 0}
 GATED_DELTANET_HYBRID = ("qwen3_5", "qwen3_5_text")
 
 
@@ -89,9 +92,11 @@ def not_exact_reason(config, device_type: str, kernel_names, assume_fla: bool = 
     return None
 
 
-def select_packing(requested, config, device_type: str, kernel_names, assume_fla: bool = False) -> PackingChoice:
-    """`batching.packing` resolved for this run: `auto` packs on CUDA where exact, `true` packs where exact (else
-    RecipeError naming the key: exit 2), `false` never packs."""
+def select_packing(requested, config, device_type: str, kernel_names, assume_fla: bool = False,
+                   tensor_parallel: bool = False) -> PackingChoice:
+    """`batching.packing` resolved for this run: `auto` packs on CUDA where exact (not on a tensor-parallel
+    replica: not run on sharded layers yet), `true` packs where exact (else RecipeError naming the key: exit 2),
+    `false` never packs."""
     why_not = not_exact_reason(config, device_type, kernel_names, assume_fla)
     if requested is False:
         return PackingChoice(False, False, "batching.packing: false")
@@ -103,6 +108,9 @@ def select_packing(requested, config, device_type: str, kernel_names, assume_fla
         return PackingChoice("auto", False, f"no CUDA device ({device_type}): padded batches")
     if why_not:
         return PackingChoice("auto", False, f"{why_not}: padded batches")
+    if tensor_parallel:
+        return PackingChoice("auto", False, "tensor parallel: packed rows not run on sharded layers yet: padded "
+                                            "batches")
     return PackingChoice("auto", True, "CUDA, exact for this architecture")
 
 
@@ -174,6 +182,7 @@ class _Bounds:
         return cls.bounds
 
 
+@functools.lru_cache(maxsize=1)
 def _varlen_attn():
     """torch.nn.attention.varlen.varlen_attn and its keyword parameters, or None (an older torch)."""
     try:
@@ -236,7 +245,9 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         raise ValueError(f"{PACKED_ATTENTION} attention: sliding-window layers are not supported")
     found = _use_flash(query, scaling)
     if found is None:
+        ATTENTION_CALLS["sdpa_per_segment"] += 1
         return _segment_sdpa(query, key, value, _Bounds.of(cu), scaling), None
+    ATTENTION_CALLS["varlen_attn"] += 1
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
     out = _flash_attention(found, q, k, v, cu, int(kwargs["max_length_q"]), scaling)
     return out.unsqueeze(0), None

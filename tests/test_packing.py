@@ -235,6 +235,7 @@ def test_packed_oom_splits_the_row_by_samples(padded_and_packed, tmp_path, monke
                               "output.max_failed_samples": 1})) == 0
     err = capsys.readouterr().err
     assert f"batch {first}: out of memory on a packed row" in err
+    assert "tokens (learned from an earlier OOM)" in err  # a later full row pre-split by the token cap
     assert f"sample {victim}" in err and "does not fit in memory even alone" in err
     want = _by_id(packed)
     del want[victim]
