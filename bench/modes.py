@@ -237,9 +237,6 @@ def run_dflash(ctx: Ctx, out_dir: Path, repeat_of: dict | None = None, extra_ove
         "first_shape_seconds": t["first_shape_seconds"],
         "tokens_per_second_excl_first_shapes": steady_tokens / steady_s if steady_tokens and steady_s > 0 else None,
         "decoder_params_executed": r["decoder_params_run"], "bytes_written": r["bytes_written"],
-        # batching.packing as the run resolved it (auto: packed rows on a GPU where exact; the A/B is
-        # --variant-set batching.packing=false); padding efficiency and num_shapes above are the run's own
-        "packing": summary.get("packing"),
         "breakdown_seconds": {
             "setup": wall - loop_s,  # tokenize (datasets), plan, model build, manifest
             "data_wait": r["data_wait_seconds"],  # the loop waiting on the DataLoader
@@ -259,6 +256,8 @@ def run_dflash(ctx: Ctx, out_dir: Path, repeat_of: dict | None = None, extra_ove
         "summary_gpu_forward_seconds": r.get("gpu_forward_seconds"),
         "shapes": [list(s) for s in t["shapes"]],
         "batches": t["batches"],  # per forward, in run order: shape, real tokens, GPU spans, first of its shape
+        # with summary["packing"]: batching.packing as the run resolved it (auto: packed rows on a GPU where exact;
+        # the A/B is --variant-set batching.packing=false); padding efficiency and num_shapes are the run's own
         "summary": {k: v for k, v in summary.items() if k != "ranks"},
         "weights_checksum": timings.checksum,
     }

@@ -15,6 +15,9 @@ this module
 * splits a plan across data-parallel ranks balanced by padded tokens
   (:func:`split_across_ranks`).
 
+With ``batching.packing`` a plan is of packed rows instead (:func:`plan_packed_rows`): one row of whole samples
+per forward, filled best-fit to the budget and padded to one of a few fixed row lengths.
+
 Everything here is pure Python and deterministic: the same lengths and
 settings always give the same plan, on any machine.
 """

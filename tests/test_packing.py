@@ -255,3 +255,26 @@ def test_a_resume_without_packing_finishes_a_packed_plan(padded_and_packed, tmp_
     _assert_same_samples(_by_id(out), _by_id(padded_and_packed["packed"]), rtol=0)
     assert json.loads((out / "summary.json").read_text())["packing"]["packed"] is True
     assert raw_records(out).keys() == raw_records(padded_and_packed["packed"]).keys()
+
+
+def test_benchmark_runs_dflash_prep_with_packed_rows(tmp_path):
+    """bench/run_bench.py's dflash_prep mode with packed rows (forced here: `auto` packs on GPUs only) and the
+    padded A/B as its variant; the report says which ran, with each one's padding efficiency and shapes."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(ACCELERATE_TORCH_DEVICE="cpu", HF_DATASETS_CACHE=str(tmp_path / "hf-cache"))
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "run_bench.py"), "--model", "tiny-llama", "--device", "cpu",
+         "--num-samples", "24", "--max-length", "128", "--length-mu", "3.5", "--modes", "dflash_prep,dflash_prep_variant",
+         "--gemm-size", "64", "--dflash-set", "batching.num_workers=0", "--dflash-set", "batching.packing=true",
+         "--dflash-set", "batching.max_tokens_per_batch=512", "--variant-set", "batching.packing=false",
+         "--results-dir", str(tmp_path / "r"), "--out-dir", str(tmp_path / "o")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = (tmp_path / "r").glob("tiny-llama-*.json")
+    modes = json.loads(path.read_text())["modes"]
+    packed, padded = modes["dflash_prep"], modes["dflash_prep_variant"]
+    assert packed["status"] == padded["status"] == "ok"
+    assert packed["summary"]["packing"]["packed"] and not padded["summary"]["packing"]["packed"]
+    assert all(s[0] == 1 for s in packed["shapes"]) and packed["num_samples"] == padded["num_samples"]
+    assert packed["padding_efficiency"] > padded["padding_efficiency"]
+    assert "| batches (batching.packing) |" in path.with_suffix(".md").read_text()
