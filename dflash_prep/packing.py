@@ -85,11 +85,25 @@ def not_exact_reason(config, device_type: str, kernel_names, assume_fla: bool = 
         return f"packing is not known to be exact for model type {model_type!r}"
     if device_type != "cuda":
         return None  # each Gated DeltaNet module runs per segment (run_linear_attention_per_segment)
-    if not assume_fla and importlib.util.find_spec("fla") is None:
+    if not assume_fla and (importlib.util.find_spec("fla") is None or _fla_chunk_in_use(model_type) is False):
         return "the Gated DeltaNet layers need flash-linear-attention's chunk kernel to keep samples apart on CUDA"
     if "fla_conv" not in kernel_names:
         return "the Gated DeltaNet layers need model.kernels' fla_conv (the torch conv leaks 3 tokens across samples)"
     return None
+
+
+def _fla_chunk_in_use(model_type: str) -> bool | None:
+    """Whether transformers' `torch_chunk_gated_delta_rule` of the architecture resolved to fla's chunk kernel (its
+    hub-kernel wrapper records it at import: `is_new_implementation`, transformers 5.17 and 5.24); None when this
+    transformers does not say. Its torch fallback ignores `cu_seqlens` in 5.17: packed rows would mix samples."""
+    from .kernels import ARCHITECTURES
+
+    modeling = importlib.import_module(ARCHITECTURES[model_type][0])
+    try:
+        found = inspect.getclosurevars(modeling.torch_chunk_gated_delta_rule).nonlocals
+    except (AttributeError, TypeError):
+        return None
+    return bool(found["is_new_implementation"]) if "is_new_implementation" in found else None
 
 
 def select_packing(requested, config, device_type: str, kernel_names, assume_fla: bool = False,

@@ -83,6 +83,13 @@ def test_packing_choice_by_device_architecture_and_kernels():
     assert select_packing("auto", qwen, "cuda", ("fla_conv",), assume_fla=True).packed
     with pytest.raises(RecipeError, match="batching.packing"):
         select_packing(True, qwen, "cuda", (), assume_fla=True)
+    import importlib.util
+
+    from dflash_prep.packing import _fla_chunk_in_use
+
+    if importlib.util.find_spec("fla") is None:  # transformers' torch fallback ignores cu_seqlens: never packed
+        assert _fla_chunk_in_use("qwen3_5") is False
+        assert not select_packing("auto", qwen, "cuda", ("fla_conv",)).packed
     from transformers import GPT2Config
 
     with pytest.raises(RecipeError, match="gpt2"):
@@ -278,3 +285,21 @@ def test_benchmark_runs_dflash_prep_with_packed_rows(tmp_path):
     assert all(s[0] == 1 for s in packed["shapes"]) and packed["num_samples"] == padded["num_samples"]
     assert packed["padding_efficiency"] > padded["padding_efficiency"]
     assert "| batches (batching.packing) |" in path.with_suffix(".md").read_text()
+
+
+def test_packed_nonfinite_states_fail_only_their_sample(padded_and_packed, tmp_path, monkeypatch):
+    """The per-sample NaN/Inf flags find the sample of each token in a packed row (its segment); fp8 storage."""
+    plan = json.loads((padded_and_packed["packed"] / "plan.json").read_text())["batches"]
+    victim = f"{plan[0][1][2]:010d}"  # the third sample of the first row: neither its first nor its last
+    monkeypatch.setenv(ENV_VAR, json.dumps({"nan_samples": [victim]}))
+    out = tmp_path / "out"
+    assert main(_argv(out, **{"batching.packing": "true", "batching.num_workers": 0, "output.dtype": "fp8_e4m3",
+                              "output.max_failed_samples": 1})) == 0
+    failed = [json.loads(line) for line in (out / "failed.jsonl").read_text().splitlines()]
+    assert [(f["sample_id"], f["reason"]) for f in failed] == [(victim, "non_finite_hidden_states")]
+    got = _by_id(out)
+    want = _by_id(padded_and_packed["packed"])
+    assert set(got) == set(want) - {victim}
+    for key, s in got.items():  # fp8: within e4m3's rounding (2^-4 of the token's max) of the bf16 states
+        a, b = s["hidden_states"].float(), want[key]["hidden_states"].float()
+        assert ((a - b).abs().max() / b.abs().max()).item() <= 2 ** -4 + 2 ** -7, key
