@@ -356,11 +356,11 @@ def _plan(run: Run, data) -> RankPlan:
                          mine=split_across_ranks(todo, run.world)[run.rank])
     if run.is_main:
         s = rank_plan.stats
+        packed = run.packing.packed
         log.info("plan: %d %s, %d shapes, batch size %s-%s (mean %.1f), %s %s-%s, padding efficiency %.3f",
-                 s["num_batches"], "packed rows" if run.packing.packed else "batches", s["num_shapes"], s["batch_size_min"],
-                 s["batch_size_max"], s["batch_size_mean"] or 0,
-                 "row length" if run.packing.packed else "padded length", s["padded_length_min"], s["padded_length_max"],
-                 s["padding_efficiency"] or 0)
+                 s["num_batches"], "packed rows" if packed else "batches", s["num_shapes"], s["batch_size_min"],
+                 s["batch_size_max"], s["batch_size_mean"] or 0, "row length" if packed else "padded length",
+                 s["padded_length_min"], s["padded_length_max"], s["padding_efficiency"] or 0)
         if done_batches:
             log.info("resume: %d of %d batches already committed, %d left over %d rank(s)",
                      len(plan) - len(todo), len(plan), len(todo), run.world)

@@ -51,9 +51,9 @@ FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"
 # model types whose decoder layers are attention (through transformers' AttentionInterface) and, for the hybrid,
 # Gated DeltaNet modules: the packed path is exact for these (tests/test_packing.py asserts it on both)
 ATTENTION_ONLY = ("llama",)
+GATED_DELTANET_HYBRID = ("qwen3_5", "qwen3_5_text")
 # calls of each attention path of `varlen_attention` in this process (what ran, for bench/packing_check.py)
 ATTENTION_CALLS = {"varlen_attn": 0, "sdpa_per_segment": 0}
-GATED_DELTANET_HYBRID = ("qwen3_5", "qwen3_5_text")
 
 
 @dataclass(frozen=True)

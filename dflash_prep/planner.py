@@ -380,8 +380,9 @@ def plan_packed_rows(lengths: Sequence[int], *, max_tokens_per_batch: int,
     Best-fit decreasing, deterministic: samples by (length desc, index asc), each into the open row with the
     least room that still holds it (ties: the older row), else a new row. ``batching.max_batch_size`` does not
     apply: on the benchmark's lognormal lengths (mean ~320) a cap of 256 samples per row left the rows of short
-    samples part-empty (padding efficiency 0.951 at a 65,536 budget, 0.9998 without the cap). A sample longer than the budget gets a row of its own, its length rounded up to
-    ``length_multiple``. Each row is then padded to the smallest of ``packed_row_lengths`` that holds it. Rows
+    samples part-empty (padding efficiency 0.951 at a 65,536 budget, 0.9998 without the cap). A sample longer
+    than the budget gets a row of its own, its length rounded up to ``length_multiple``. Each row is then padded
+    to the smallest of ``packed_row_lengths`` that holds it. Rows
     are ordered by padded length desc, ties by creation order; ``batch_id`` = position; within a row, samples
     in placement order (length desc).
 

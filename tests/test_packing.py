@@ -271,7 +271,8 @@ def test_benchmark_runs_dflash_prep_with_packed_rows(tmp_path):
     env.update(ACCELERATE_TORCH_DEVICE="cpu", HF_DATASETS_CACHE=str(tmp_path / "hf-cache"))
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench" / "run_bench.py"), "--model", "tiny-llama", "--device", "cpu",
-         "--num-samples", "24", "--max-length", "128", "--length-mu", "3.5", "--modes", "dflash_prep,dflash_prep_variant",
+         "--num-samples", "24", "--max-length", "128", "--length-mu", "3.5",
+         "--modes", "dflash_prep,dflash_prep_variant",
          "--gemm-size", "64", "--dflash-set", "batching.num_workers=0", "--dflash-set", "batching.packing=true",
          "--dflash-set", "batching.max_tokens_per_batch=512", "--variant-set", "batching.packing=false",
          "--results-dir", str(tmp_path / "r"), "--out-dir", str(tmp_path / "o")],
