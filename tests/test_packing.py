@@ -304,3 +304,17 @@ def test_packed_nonfinite_states_fail_only_their_sample(padded_and_packed, tmp_p
     for key, s in got.items():  # fp8: within e4m3's rounding (2^-4 of the token's max) of the bf16 states
         a, b = s["hidden_states"].float(), want[key]["hidden_states"].float()
         assert ((a - b).abs().max() / b.abs().max()).item() <= 2 ** -4 + 2 ** -7, key
+
+
+def test_forced_packing_where_not_exact_is_refused_with_one_line(tmp_path, capsys):
+    from transformers import GPT2Config
+
+    config = tmp_path / "gpt2.json"
+    config.write_text(json.dumps(GPT2Config(n_layer=8, n_embd=32, n_head=2, vocab_size=1000, bos_token_id=0,
+                                            eos_token_id=0).to_dict()))
+    out = tmp_path / "out"
+    code = main(_argv(out, **{"model.config": str(config), "batching.packing": "true",
+                              "batching.num_workers": 0}))
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("[")]
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: recipe key `batching.packing` = true"), err
+    assert "gpt2" in err[0] and not (out / "plan.json").exists()
