@@ -3,8 +3,9 @@
 `LayerCapture` registers one forward hook per captured decoder layer (and, optionally, on the final layer or
 the final norm). Each hook gathers the real tokens of its layer's output into one packed `[N, k*H]` buffer
 (N = real tokens of the batch, layers concatenated in ascending id order) in the storage dtype, so padding is
-never copied off the device and no full `[B, T, H]` output is kept alive after its layer ran. The hook on the
-deepest needed module raises `_StopForward`: layers after it, the final norm and the lm_head never run.
+never copied off the device and no full `[B, T, H]` output is kept alive after its layer ran (a packed row: its
+first N tokens, a view, no gather). The hook on the deepest needed module raises `_StopForward`: layers after it,
+the final norm and the lm_head never run.
 
 Guarantees: hooks are removed when the context exits, also on an exception; the base decoder is called with
 `use_cache=False` under `torch.inference_mode()`; for a right-padded batch with an attention mask, the packed
@@ -69,6 +70,7 @@ class LayerCapture:
         self._buf_NK: torch.Tensor | None = None
         self._final_NH: torch.Tensor | None = None
         self._flat_index: torch.Tensor | None = None
+        self._real_prefix: int | None = None  # a packed row's real tokens (its first N; packing.py)
         if capture_final == "after_norm" and not hasattr(self.decoder, "norm"):
             raise TypeError(f"{type(self.decoder).__name__} has no `.norm`: cannot capture after the final norm")
 
@@ -76,6 +78,9 @@ class LayerCapture:
     def _gather(self, hs_BTH: torch.Tensor) -> torch.Tensor:
         """The real tokens' rows [N, H], on the capture buffers' device (a layer split over a replica's GPUs runs
         later layers on other GPUs: replica.py; on one device nothing moves)."""
+        if self._real_prefix is not None:  # a packed row: the real tokens are its first N, a view (no gather copy)
+            hs_NH = hs_BTH.reshape(-1, hs_BTH.shape[-1])[:self._real_prefix]
+            return hs_NH if hs_NH.device == self._buf_NK.device else hs_NH.to(self._buf_NK.device)
         index = self._flat_index if self._flat_index.device == hs_BTH.device else self._flat_index.to(hs_BTH.device)
         hs_NH = hs_BTH.reshape(-1, hs_BTH.shape[-1]).index_select(0, index)
         return hs_NH if hs_NH.device == self._buf_NK.device else hs_NH.to(self._buf_NK.device)
@@ -163,11 +168,11 @@ class LayerCapture:
             self._buf_NK = torch.empty(N, len(self.layer_ids) * H, dtype=self.storage_dtype, device=device)
             self._final_NH = (torch.empty(N, H, dtype=self.storage_dtype, device=device)
                               if self.capture_final != "none" else None)
-        extra = {}
+        extra, self._real_prefix = {}, None
         if cu_seqlens is not None:
             from .packing import flash_kwargs
 
-            attention_mask, extra = None, flash_kwargs(cu_seqlens, max_length)
+            attention_mask, extra, self._real_prefix = None, flash_kwargs(cu_seqlens, max_length), N
         elif not self.padding_mask:
             # Monotonic positions: a position reset on the padding would read as packed sequences to some kernels.
             B, T = input_ids.shape
