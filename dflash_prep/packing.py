@@ -262,7 +262,8 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         ATTENTION_CALLS["sdpa_per_segment"] += 1
         return _segment_sdpa(query, key, value, _Bounds.of(cu), scaling), None
     ATTENTION_CALLS["varlen_attn"] += 1
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
+    # [T, H, D], contiguous as transformers' own varlen flash path passes them (FlashAttention's layout)
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
     out = _flash_attention(found, q, k, v, cu, int(kwargs["max_length_q"]), scaling)
     return out.unsqueeze(0), None
 
