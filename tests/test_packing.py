@@ -318,3 +318,20 @@ def test_forced_packing_where_not_exact_is_refused_with_one_line(tmp_path, capsy
     err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("[")]
     assert code == 2 and len(err) == 1 and err[0].startswith("error: recipe key `batching.packing` = true"), err
     assert "gpt2" in err[0] and not (out / "plan.json").exists()
+
+
+def test_two_processes_split_the_packed_rows(padded_and_packed, tmp_path):
+    """`accelerate launch` with 2 processes (gloo on CPU): the packed plan's rows split over both ranks, each sample
+    written once, with the bytes of the 1-process packed run (same global plan, same rows)."""
+    out = tmp_path / "two"
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                           str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "extract.py",
+                           *_argv(out, **{"batching.packing": "true", "batching.num_workers": 0})],
+                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert {Path(s["path"]).parent.name for s in manifest["shards"]} == {"rank-00000", "rank-00001"}
+    assert manifest["packing"]["packed"]
+    two, one = raw_records(out), raw_records(padded_and_packed["packed"])  # raw_records: no id twice
+    assert set(two) == set(one)
+    assert all(two[k]["hidden_states.safetensors"] == one[k]["hidden_states.safetensors"] for k in one)
