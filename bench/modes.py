@@ -7,6 +7,9 @@
   X_warm                     X again on exactly the samples X ran (same shapes: compiled kernels reused)
   dflash_prep_variant        dflash_prep again on its samples with `--variant-set` on top (an A/B in one run)
   dflash_prep_profile        dflash_prep again on its samples under torch.profiler (where the GPU time goes)
+  dflash_prep_fresh          dflash_prep again on its samples in a NEW process that shares the Triton cache the
+                             earlier passes filled (model.triton_cache_dir): what the next job on the same machine
+                             pays for first-seen shapes (cold process, warm autotune cache)
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ from bench.timing import BatchLog, DflashTimings, finish_result, free_memory, pe
 from dflash_prep.recipe import recipe_from_dict
 
 ALL_MODES = ("per_sample", "fixed_batch", "dflash_prep", "per_sample_warm", "fixed_batch_warm", "dflash_prep_warm",
-             "dflash_prep_variant", "dflash_prep_profile")
+             "dflash_prep_variant", "dflash_prep_profile", "dflash_prep_fresh")
 VARIANT = "dflash_prep_variant"  # dflash_prep again on its samples with --variant-set on top: an A/B in one run
 PROFILE = "dflash_prep_profile"  # dflash_prep again on its samples under torch.profiler: where the GPU time goes
+FRESH = "dflash_prep_fresh"  # dflash_prep again on its samples in a new process, Triton's disk cache warm
+REPEATS_OF_DFLASH = (VARIANT, PROFILE, FRESH)
 DEFAULT_MODES = "per_sample,fixed_batch,dflash_prep"
 
 
@@ -265,11 +270,65 @@ def run_dflash(ctx: Ctx, out_dir: Path, repeat_of: dict | None = None, extra_ove
 
 def run_dflash_profiled(ctx: Ctx, out_dir: Path, repeat_of: dict) -> dict:
     """`run_dflash` under torch.profiler (CUDA kernels on a GPU, CPU ops on CPU); `profile` in its result."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA if ctx.device.type == "cuda"
-                                            else torch.profiler.ProfilerActivity.CPU]) as prof:
+    cuda = ctx.device.type == "cuda"
+    # On a GPU the host side is recorded too: the CUDA runtime calls that block the host (stream or device
+    # synchronizations, pinned allocations, copies from pageable memory) show up by their self CPU time.
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
         res = run_dflash(ctx, out_dir, repeat_of)
-    res["profile"] = kernel_profile(prof, ctx.device.type == "cuda")
+    res["profile"] = kernel_profile(prof, cuda)
+    if cuda:
+        res["host_profile"] = kernel_profile(prof, False)
     res["profile"]["note"] = "figures of this mode include the profiler's overhead; compare shares only"
+    return res
+
+
+def fresh_process_command(ctx: Ctx, out_dir: Path, results_dir: Path) -> list[str]:
+    """The command line of the new process: this run's model, samples and dflash-prep settings (the resolved
+    token budget, so both plan the same batches), mode dflash_prep only, its outputs kept under `out_dir`."""
+    a = ctx.args
+    cmd = [sys.executable, str(Path(__file__).resolve().parent / "run_bench.py"), "--model", a.model,
+           "--modes", "dflash_prep", "--num-samples", str(len(ctx.samples.ids)), "--seed", str(a.seed),
+           "--length-mu", str(a.length_mu), "--length-sigma", str(a.length_sigma), "--min-length", str(a.min_length),
+           "--dflash-max-tokens", str(a.dflash_max_tokens), "--max-tokens-per-batch", str(ctx.token_budget),
+           "--storage-dtype", a.storage_dtype, "--device", a.device, "--check-samples", "1",
+           "--results-dir", str(results_dir), "--out-dir", str(out_dir), "--keep-outputs"]
+    cmd += ["--max-length", str(a.max_length)] if a.max_length else []
+    cmd += ["--dtype", a.dtype] if a.dtype else []
+    cmd += ["--gemm-size", str(a.gemm_size)] if a.gemm_size else []
+    for item in a.dflash_set:
+        cmd += ["--dflash-set", item]
+    return cmd
+
+
+def run_dflash_fresh(ctx: Ctx, out_dir: Path, repeat_of: dict) -> dict:
+    """dflash_prep on the same samples in a new process (same environment, hence the same Triton cache dir that
+    the earlier passes of this run filled): the cold figure of a fresh job on a machine that has run one before.
+    Its extraction is moved to `out_dir/extraction`, where run_mode reads the states back."""
+    import json
+    import os
+    import subprocess
+
+    out_dir.mkdir(parents=True)
+    results_dir = out_dir / "report"
+    env = dict(os.environ)
+    env.setdefault("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.run(fresh_process_command(ctx, out_dir, results_dir), env=env, capture_output=True,
+                          text=True)
+    reports = sorted(results_dir.glob("*.json"))
+    if proc.returncode != 0 or not reports:
+        tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-5:]
+        raise RuntimeError(f"the fresh process exited {proc.returncode}: {' | '.join(tail)}")
+    res = json.loads(reports[-1].read_text())["modes"]["dflash_prep"]
+    if res.get("status") != "ok":
+        raise RuntimeError(f"the fresh process's dflash_prep failed: {res.get('error')}")
+    extraction = next(out_dir.glob("*/dflash_prep/extraction"))
+    extraction.rename(out_dir / "extraction")
+    res["fresh_process"] = {"triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"),
+                            "wall_seconds": res.get("mode_wall_seconds")}
+    for key in ("status", "peak_gpu_memory_bytes", "mode_wall_seconds", "sample_ids_are_prefix",
+                "output_bytes_on_disk"):
+        res.pop(key, None)  # set again by run_mode for this mode
     return res
 
 
@@ -291,9 +350,9 @@ def run_mode(ctx: Ctx, mode: str, gemm: dict, check_ids: list[str], done: dict) 
     states: dict = {}
     print(f"[bench] {mode}: start", file=sys.stderr, flush=True)
     try:
-        kind = "dflash_prep" if mode in (VARIANT, PROFILE) else mode.removesuffix("_warm")
+        kind = "dflash_prep" if mode in REPEATS_OF_DFLASH else mode.removesuffix("_warm")
         repeat_of = None
-        if mode.endswith("_warm") or mode in (VARIANT, PROFILE):
+        if mode.endswith("_warm") or mode in REPEATS_OF_DFLASH:
             repeat_of = done.get(kind)
             if not repeat_of or repeat_of.get("status") != "ok":
                 raise RuntimeError(f"{mode} repeats {kind}, which did not run successfully before it")
@@ -302,6 +361,8 @@ def run_mode(ctx: Ctx, mode: str, gemm: dict, check_ids: list[str], done: dict) 
             res["variant_overrides"] = ctx.args.variant_set
         elif mode == PROFILE:
             res = run_dflash_profiled(ctx, out_dir, repeat_of)
+        elif mode == FRESH:
+            res = run_dflash_fresh(ctx, out_dir, repeat_of)
         else:
             res = RUNNERS[kind](ctx, out_dir, repeat_of)
         res["status"] = "ok"

@@ -61,7 +61,7 @@ import bench  # noqa: E402, F401 - sets PYTORCH_CUDA_ALLOC_CONF before torch is 
 from bench.context import Ctx, environment, fs_info, resolve_device  # noqa: E402, F401
 from bench.models import (CONFIG_DIR, MODELS, TOKENIZER_DIR, ModelSpec, auto_token_budget,  # noqa: E402, F401
                           model_info, weights_checksum)
-from bench.modes import (ALL_MODES, DEFAULT_MODES, PROFILE, RUNNERS, VARIANT, run_dflash,  # noqa: E402, F401
+from bench.modes import (ALL_MODES, DEFAULT_MODES, PROFILE, REPEATS_OF_DFLASH, RUNNERS, VARIANT, run_dflash,  # noqa: E402, F401
                          run_fixed_batch, run_mode, run_per_sample)
 from bench.outputs import compare, dir_bytes, read_samples, written_ids  # noqa: E402, F401
 from bench.profiling import KERNEL_CATEGORIES, kernel_profile  # noqa: E402, F401
@@ -136,7 +136,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     for i, m in enumerate(modes):
         if m.endswith("_warm") and m.removesuffix("_warm") not in modes[:i]:
             raise SystemExit(f"--modes: {m} repeats {m.removesuffix('_warm')}, which must come before it")
-        if m in (VARIANT, PROFILE) and "dflash_prep" not in modes[:i]:
+        if m in REPEATS_OF_DFLASH and "dflash_prep" not in modes[:i]:
             raise SystemExit(f"--modes: {m} repeats dflash_prep, which must come before it")
     if (VARIANT in modes) != bool(args.variant_set):
         raise SystemExit(f"--variant-set goes with the {VARIANT} mode, and the mode needs at least one")

@@ -174,9 +174,10 @@ class LayerCapture:
 
             attention_mask, extra, self._real_prefix = None, flash_kwargs(cu_seqlens, max_length), N
         elif not self.padding_mask:
-            # Monotonic positions: a position reset on the padding would read as packed sequences to some kernels.
-            B, T = input_ids.shape
-            attention_mask, position_ids = None, torch.arange(T, device=device).expand(B, T)
+            # No mask and no position ids: transformers then counts positions 0..T-1 itself and takes the causal
+            # kernel without inspecting a tensor. Explicit positions would be read on the host (its packed-sequence
+            # check), a device-to-host sync in every forward.
+            attention_mask, position_ids = None, None
         try:
             with torch.inference_mode():
                 self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

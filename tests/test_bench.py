@@ -174,17 +174,29 @@ def _run_dflash_modes(rb, tmp_path, monkeypatch, model: str, modes: str, extra: 
 def test_variant_mode_reruns_dflash_prep_with_other_settings_on_the_same_samples(rb, tmp_path, monkeypatch):
     report = _run_dflash_modes(rb, tmp_path, monkeypatch, "tiny-qwen3.5", "dflash_prep,dflash_prep_variant",
                                ["--num-samples", "10", "--max-length", "300", "--storage-dtype", "float32",
-                                "--variant-set", "model.padding_mask=false",
+                                "--variant-set", "model.padding_mask=true",
                                 "--variant-set", "output.num_writer_threads=1"])
     base, variant = report["modes"]["dflash_prep"], report["modes"]["dflash_prep_variant"]
     assert base["status"] == variant["status"] == "ok"
     assert variant["num_samples"] == base["num_samples"] == 10 and variant["stopped_by"] == "same samples as dflash_prep"
-    assert variant["variant_overrides"] == ["model.padding_mask=false", "output.num_writer_threads=1"]
+    assert variant["variant_overrides"] == ["model.padding_mask=true", "output.num_writer_threads=1"]
     assert variant["recipe_batching"]["num_writer_threads"] == 1 and base["recipe_batching"]["num_writer_threads"] == 4
     assert report["settings"]["variant_overrides"] == variant["variant_overrides"]
     pair = report["consistency"]["pairs"]["dflash_prep~dflash_prep_variant"]
     assert pair["samples_compared"] == 10 and pair["input_ids_equal"] and pair["max_rel_l2"] < 1e-5
     assert "dflash_prep_variant" in Path(report["markdown_path"]).read_text()
+
+
+def test_fresh_mode_reruns_dflash_prep_in_a_new_process_on_the_same_samples(rb, tmp_path, monkeypatch):
+    report = _run_dflash_modes(rb, tmp_path, monkeypatch, "tiny-llama", "dflash_prep,dflash_prep_fresh",
+                               ["--num-samples", "8", "--max-length", "200", "--storage-dtype", "float32"])
+    base, fresh = report["modes"]["dflash_prep"], report["modes"]["dflash_prep_fresh"]
+    assert base["status"] == fresh["status"] == "ok", fresh.get("error")
+    assert fresh["num_samples"] == base["num_samples"] == 8 and fresh["stopped_by"] == "same samples as dflash_prep"
+    assert fresh["num_padded_tokens"] == base["num_padded_tokens"]  # the same plan: same budget, same samples
+    assert "fresh_process" in fresh and fresh["sample_ids_are_prefix"]
+    pair = report["consistency"]["pairs"]["dflash_prep~dflash_prep_fresh"]
+    assert pair["samples_compared"] == 8 and pair["input_ids_equal"] and pair["max_abs_diff"] == 0
 
 
 def test_fixed_batch_splits_a_batch_that_runs_out_of_memory(rb, tmp_path, monkeypatch):
@@ -285,7 +297,8 @@ def test_command_line_writes_the_report_layout_of_the_committed_gpu_reports(tmp_
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path,) = (tmp_path / "r").glob("tiny-llama-*.json")
     report = json.loads(path.read_text())
-    committed = json.loads(sorted((REPO / "bench" / "results").glob("llama3.1-8b-2*.json"))[-1].read_text())
+    reports = [json.loads(f.read_text()) for f in sorted((REPO / "bench" / "results").glob("llama3.1-8b-2*.json"))]
+    committed = [r for r in reports if {"per_sample", "dflash_prep"} <= set(r["modes"])][-1]  # newest with both
     assert list(report) == list(committed)
     assert list(report["settings"]) == list(committed["settings"])
     for mode in ("per_sample", "dflash_prep"):
