@@ -205,9 +205,10 @@ class BatchingSection:
     """How samples are grouped into GPU batches."""
 
     max_tokens_per_batch: int | str = 65536
-    """Budget of padded tokens per forward (batch size x padded length), or `auto`: sized from the GPU's memory
-    and the model config when the plan is made (dflash_prep/budget.py; 16,384 without a GPU)."""
+    """Budget of padded tokens per forward (batch size x padded length; a packed row's length), or `auto`: sized
+    from the GPU's memory and the model config when the plan is made (dflash_prep/budget.py; 16,384 without a GPU)."""
     max_batch_size: int = 256
+    """Samples per padded batch at most; packed rows (`packing`) have no such limit."""
     length_multiple: int = 64
     """Padded lengths are multiples of this ..."""
     length_growth: float = 1.125
