@@ -229,6 +229,13 @@ def test_plan_command_reports_the_packed_rows(padded_and_packed, tmp_path):
     summary = json.loads((padded_and_packed["packed"] / "summary.json").read_text())
     assert p["padding_efficiency"] == summary["padding_efficiency"]
     assert "packed rows" in format_plan(p)
+    # planned for GPUs from this CPU machine: `auto` resolves as the GPU run would (the [gpu] extra installed)
+    recipe = load_recipe(None, demo_overrides(tmp_path / "o", **SETTINGS))
+    gpu = make_run_plan(recipe, bench_dir=None, gpu_memory_bytes=141 * 10**9)
+    assert gpu["packing"] == {"requested": "auto", "packed": True, "reason": "CUDA, exact for this architecture"}
+    assert gpu["num_batches"] == len(stored)
+    cpu = make_run_plan(recipe, bench_dir=None)
+    assert not cpu["packing"]["packed"] and any(not k.startswith("1x") for k in cpu["shapes"])
 
 
 def test_packed_oom_splits_the_row_by_samples(padded_and_packed, tmp_path, monkeypatch, capsys):
