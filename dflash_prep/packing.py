@@ -26,6 +26,11 @@ passes on to its attention and Gated DeltaNet modules. Each sample's states then
   conv. Elsewhere the torch fallbacks ignore `cu_seqlens` (transformers 5.17; 5.24 raises) and the conv would
   carry 3 tokens across a boundary, so each GDN module runs once per segment (`run_linear_attention_per_segment`).
 
+Why our own attention function: transformers' packed-sequence support (position ids restarting, no mask) runs
+through its `flash_attention_*` backends, which need the flash-attn package (not installed on our GPU machines),
+or, with `sdpa`/`eager`, builds a dense block-diagonal [T, T] mask (a 65,536-token row: 4.3e9 mask elements, and
+every forward scans the position ids on the host). The function here is a thin dispatch to torch's own kernels.
+
 `select_packing` decides per run (recipe key, device, architecture, kernels) and says why.
 """
 
