@@ -342,3 +342,16 @@ def test_two_processes_split_the_packed_rows(padded_and_packed, tmp_path):
     two, one = raw_records(out), raw_records(padded_and_packed["packed"])  # raw_records: no id twice
     assert set(two) == set(one)
     assert all(two[k]["hidden_states.safetensors"] == one[k]["hidden_states.safetensors"] for k in one)
+
+
+def test_samples_longer_than_the_budget_get_rows_of_their_own(padded_and_packed, tmp_path):
+    out = tmp_path / "out"
+    assert main(_argv(out, **{"batching.packing": "true", "batching.num_workers": 0, "data.max_samples": 40,
+                              "batching.max_tokens_per_batch": 512})) == 0
+    plan = json.loads((out / "plan.json").read_text())["batches"]
+    lengths = {int(sid): len(s["input_ids"]) for sid, s in _by_id(out).items()}  # id = the kept row's index
+    alone = [(T, rows) for T, rows in plan if len(rows) == 1 and T > 512]
+    assert alone and all(T >= lengths[rows[0]] > 512 for T, rows in alone)
+    assert all(T <= 512 for T, rows in plan if len(rows) > 1)
+    got, want = _by_id(out), _by_id(padded_and_packed["packed"])
+    _assert_same_samples(got, {k: want[k] for k in got})
