@@ -2,6 +2,8 @@
 
   per_sample / fixed_batch   the baselines (full CausalLM, `output_hidden_states=True`), synchronous timings
   dflash_prep                `dflash_prep.extract.run_extraction` on a recipe built from the benchmark config
+                             (`batching.packing: auto`: packed rows on a GPU where exact, padded batches on CPU;
+                             `--variant-set batching.packing=false` is the A/B)
   X_warm                     X again on exactly the samples X ran (same shapes: compiled kernels reused)
   dflash_prep_variant        dflash_prep again on its samples with `--variant-set` on top (an A/B in one run)
   dflash_prep_profile        dflash_prep again on its samples under torch.profiler (where the GPU time goes)
@@ -252,12 +254,15 @@ def run_dflash(ctx: Ctx, out_dir: Path, repeat_of: dict | None = None, extra_ove
         },
         "peak_pending_bytes": r.get("peak_pending_bytes"),  # host memory held by batches awaiting the writers
         "recipe_batching": {"max_tokens_per_batch": b.max_tokens_per_batch, "max_batch_size": b.max_batch_size,
+                            "packing": b.packing,
                             "length_multiple": b.length_multiple, "length_growth": b.length_growth,
                             "num_workers": b.num_workers, "num_writer_threads": recipe.output.num_writer_threads},
         # extract.py's own CUDA-event sum of the forwards (newer versions): a cross-check of forward_gpu above
         "summary_gpu_forward_seconds": r.get("gpu_forward_seconds"),
         "shapes": [list(s) for s in t["shapes"]],
         "batches": t["batches"],  # per forward, in run order: shape, real tokens, GPU spans, first of its shape
+        # with summary["packing"]: batching.packing as the run resolved it (auto: packed rows on a GPU where exact;
+        # the A/B is --variant-set batching.packing=false); padding efficiency and num_shapes are the run's own
         "summary": {k: v for k, v in summary.items() if k != "ranks"},
         "weights_checksum": timings.checksum,
     }

@@ -204,6 +204,8 @@ def _mode_rows(res: dict) -> list:
         ("MFU (needed layers)", lambda m: _fmt(m.get("mfu_needed_layers"), ".3f")),
         ("decoder params executed (B)", lambda m: _fmt((m.get("decoder_params_executed") or 0) / 1e9, ".2f")),
         ("padding efficiency", lambda m: _fmt(m.get("padding_efficiency"), ".3f")),
+        ("batches (batching.packing)", lambda m: "-" if not (m.get("summary") or {}).get("packing") else
+         "packed rows" if m["summary"]["packing"].get("packed") else "padded"),
         ("forwards", lambda m: _fmt(m.get("num_forwards"))),
         ("distinct shapes", lambda m: _fmt(m.get("num_shapes"))),
         ("seconds in first-shape forwards", lambda m: _fmt(m.get("first_shape_seconds"), ".1f")),

@@ -132,11 +132,12 @@ class DflashTimings:
         orig_capture, orig_to_host, orig_load = ex.LayerCapture, ex._to_host, ex.load_model
 
         class TimedCapture(orig_capture):
-            def run(self, input_ids, attention_mask, position_ids, flat_index):
+            def run(self, input_ids, attention_mask, position_ids, flat_index, **packed):
+                # packed: a packed row's cu_seqlens and max_length (batching.packing)
                 rec = {"shape": tuple(input_ids.shape), "real": int(flat_index.shape[0]),
                        "start": timings.mark(), "host_start": time.perf_counter()}
                 timings.batches.append(rec)
-                out = super().run(input_ids, attention_mask, position_ids, flat_index)
+                out = super().run(input_ids, attention_mask, position_ids, flat_index, **packed)
                 rec["forward_end"] = timings.mark()
                 rec["host_forward"] = time.perf_counter() - rec["host_start"]
                 return out

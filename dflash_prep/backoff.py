@@ -4,11 +4,14 @@
 RuntimeError whose message says "out of memory") it frees what the failed attempt held, splits the samples in
 two halves and runs each (recursively, down to one sample). Sub-batches keep the planned padded length T: they
 are row slices of the already padded batch (no re-collation, no new shapes beyond smaller batch sizes of the
-planned lengths). A sample that does not fit even alone is reported in `failed` with reason `out_of_memory`;
+planned lengths). A packed row splits the same way, by samples: a piece is the slice of the row holding those
+samples, a packed row of its own without tail padding (packing.packed_piece). A sample that does not fit even alone is reported in `failed` with reason `out_of_memory`;
 the others are concatenated back in batch order, so the batch is still written and committed as one unit.
 
 Each OOM also lowers a per-padded-length cap (the largest batch size of that T still expected to fit); later
 batches of that T are pre-split into pieces of at most the cap, so one OOM is paid once, not once per batch.
+For packed rows the cap is in tokens (rows hold from a few to thousands of samples): later rows are pre-split
+into runs of consecutive samples of at most that many tokens.
 
 Non-finite values: for every sample the runner computes on the device whether its captured states hold a NaN
 or an Inf (`nonfinite_B`, one bool per sample, copied to the host with the states: no extra sync); the writer
@@ -61,13 +64,21 @@ def _finite_rows(buf: torch.Tensor, k: int) -> torch.Tensor:
     return torch.isfinite(buf.amax(dim=1)) & torch.isfinite(buf.amin(dim=1))
 
 
-def nonfinite_per_sample(hs_NK: torch.Tensor, final_NH: torch.Tensor | None, flat_index: torch.Tensor,
-                         padded_length: int, batch_size: int, num_layers: int) -> torch.Tensor:
-    """[B] bool, true where a sample's rows hold a NaN or an Inf; computed on the device, no host sync."""
+def sample_of_token(tensors: dict, padded_length: int) -> torch.Tensor:
+    """[N] int64: the position in the batch of the sample each real token belongs to, on the device: row b of
+    b*T + t for a padded batch; for a packed row, the segment of the token (samples are the first segments)."""
+    if tensors.get("cu_seqlens") is not None:
+        return torch.searchsorted(tensors["cu_seqlens"][1:].to(torch.int64), tensors["flat_index"], right=True)
+    return torch.div(tensors["flat_index"], padded_length, rounding_mode="floor")
+
+
+def nonfinite_per_sample(hs_NK: torch.Tensor, final_NH: torch.Tensor | None, row_N: torch.Tensor,
+                         batch_size: int, num_layers: int) -> torch.Tensor:
+    """[B] bool, true where a sample's rows hold a NaN or an Inf (`row_N`: sample_of_token); computed on the
+    device, no host sync."""
     ok_N = _finite_rows(hs_NK, num_layers)
     if final_NH is not None:
         ok_N &= _finite_rows(final_NH, 1)
-    row_N = torch.div(flat_index, padded_length, rounding_mode="floor")
     bad_B = torch.zeros(batch_size, dtype=torch.float32, device=hs_NK.device)
     bad_B.index_add_(0, row_N, (~ok_N).float())
     return bad_B > 0
@@ -80,21 +91,17 @@ class BatchRunner:
         self.capture = capture
         self.faults = faults
         self.caps: dict[int, int] = {}  # padded length -> largest batch size still expected to fit
+        self.packed_token_cap: int | None = None  # packed rows: most tokens per forward still expected to fit
         self.num_ooms = 0
         self.num_split_batches = 0
 
     def run(self, batch: Batch, tensors: dict[str, torch.Tensor]) -> ForwardOutput:
-        B, T = (int(x) for x in batch.input_ids.shape)
+        T = int(batch.input_ids.shape[1])
         lengths = [s.num_tokens for s in batch.samples]
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
-        cap = self.caps.get(T)
-        todo = [(0, B)] if cap is None or B <= cap else [(a, min(a + cap, B)) for a in range(0, B, cap)]
-        if len(todo) > 1:
-            self.num_split_batches += 1
-            log.info("batch %d (%d x %d): pre-split into %d pieces of at most %d (learned from an earlier OOM)",
-                     batch.batch_id, B, T, len(todo), cap)
+        todo = self._first_spans(batch, offsets, T)
         todo.reverse()  # a stack: pop() takes the first span
         pieces: list[tuple[int, tuple]] = []
         failed: list[tuple[SampleInfo, str]] = []
@@ -116,10 +123,7 @@ class BatchRunner:
             if not split_logged:
                 self.num_split_batches += 1
                 split_logged = True
-            if self.caps.get(T, b - a) >= b - a:
-                self.caps[T] = mid - a
-                log.warning("batch %d: out of memory on %d x %d; splitting it, later batches of padded length %d "
-                            "run at most %d samples per forward", batch.batch_id, b - a, T, T, mid - a)
+            self._learn(batch, a, mid, b, offsets, T)
             todo.append((mid, b))
             todo.append((a, mid))
         if len(pieces) == 1 and not failed:
@@ -132,17 +136,13 @@ class BatchRunner:
         try:
             if self.faults is not None:
                 self.faults.before_forward(batch.batch_id, [s.sample_id for s in batch.samples[a:b]])
-            if a == 0 and b == len(batch.samples):
-                sub = tensors
-            else:  # rows a..b-1 of the padded batch; their real tokens are one contiguous run of flat_index
-                sub = {name: tensors[name][a:b] for name in ("input_ids", "attention_mask", "position_ids")}
-                sub["flat_index"] = tensors["flat_index"][offsets[a]:offsets[b]] - a * T
+            sub = self._piece(batch, tensors, a, b, offsets, T)
             captured = self.capture.run(**sub)
             hs, final = captured.hidden_states_NK, captured.final_hidden_states_NH
             if self.faults is not None and self.faults.nan_samples:
                 self.faults.poison(hs, [s.sample_id for s in batch.samples[a:b]],
                                    [s.num_tokens for s in batch.samples[a:b]])
-            return hs, final, nonfinite_per_sample(hs, final, sub["flat_index"], T, b - a,
+            return hs, final, nonfinite_per_sample(hs, final, sample_of_token(sub, T), b - a,
                                                    len(self.capture.layer_ids))
         except RuntimeError as e:
             if not is_oom(e):
@@ -152,6 +152,55 @@ class BatchRunner:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return None
+
+    def _first_spans(self, batch: Batch, offsets: list[int], T: int) -> list[tuple[int, int]]:
+        """The sample spans [a, b) to run, pre-split by what earlier OOMs taught: at most `caps[T]` samples per
+        forward for a padded batch; consecutive samples of at most `packed_token_cap` tokens for a packed row."""
+        B = len(batch.samples)
+        cap = self.packed_token_cap if batch.packed else self.caps.get(T)
+        if cap is None or (offsets[-1] if batch.packed else B) <= cap:
+            return [(0, B)]
+        if not batch.packed:
+            todo = [(a, min(a + cap, B)) for a in range(0, B, cap)]
+        else:
+            todo, a = [], 0
+            for b in range(1, B + 1):
+                if b == B or offsets[b + 1] - offsets[a] > cap:
+                    todo.append((a, b))
+                    a = b
+        self.num_split_batches += 1
+        shape = f"packed row of {B} samples, {offsets[-1]} tokens" if batch.packed else f"{B} x {T}"
+        log.info("batch %d (%s): pre-split into %d pieces of at most %d%s (learned from an earlier OOM)",
+                 batch.batch_id, shape, len(todo), cap, " tokens" if batch.packed else "")
+        return todo
+
+    def _learn(self, batch: Batch, a: int, mid: int, b: int, offsets: list[int], T: int) -> None:
+        """An OOM on samples [a, b): lower the cap to the first half's size (samples of padded length T, or the
+        tokens of a packed piece), so later batches are pre-split."""
+        if batch.packed:
+            tokens = offsets[mid] - offsets[a]
+            if self.packed_token_cap is None or tokens < self.packed_token_cap:
+                self.packed_token_cap = tokens
+                log.warning("batch %d: out of memory on a packed row of %d tokens; splitting it, later packed rows "
+                            "run at most %d tokens per forward", batch.batch_id, offsets[b] - offsets[a], tokens)
+        elif self.caps.get(T, b - a) >= b - a:
+            self.caps[T] = mid - a
+            log.warning("batch %d: out of memory on %d x %d; splitting it, later batches of padded length %d "
+                        "run at most %d samples per forward", batch.batch_id, b - a, T, T, mid - a)
+
+    @staticmethod
+    def _piece(batch: Batch, tensors: dict, a: int, b: int, offsets: list[int], T: int) -> dict:
+        """The forward's inputs for samples [a, b) of the batch: the whole batch, rows a..b-1 of a padded batch
+        (their real tokens are one contiguous run of flat_index), or a packed row of those samples alone."""
+        if a == 0 and b == len(batch.samples):
+            return tensors
+        if batch.packed:
+            from .packing import packed_piece
+
+            return packed_piece(tensors, a, b, offsets, [s.num_tokens for s in batch.samples])
+        sub = {name: tensors[name][a:b] for name in ("input_ids", "attention_mask", "position_ids")}
+        sub["flat_index"] = tensors["flat_index"][offsets[a]:offsets[b]] - a * T
+        return sub
 
     def _join(self, batch: Batch, pieces: list[tuple[int, tuple]], failed: list) -> ForwardOutput:
         """Concatenate the pieces in batch order, on the host (after an OOM the device has no room to spare)."""

@@ -9,6 +9,10 @@ a 64 GB peak, 131,072 for the Llama-3.1-8B shape with a 27.5 GB peak):
     budget            = 0.4 x (GPU memory - resident weights) / per padded token,
                         rounded down to a power of two, within [8,192, 131,072]
 
+A packed row (`batching.packing`) of T tokens is one forward of batch 1 and T padded tokens: the same per-token
+bound holds (its attention runs per sample, FlashAttention's varlen kernel or SDPA per segment, and never
+materializes a [T, T] score matrix, so no term grows with the row's length), and the budget is the row's length.
+
 A replica of N GPUs (`model.gpus_per_replica`) spreads the weights over its GPUs: the resident weights per GPU are
 weights / N (`auto_token_budget`). Resident weights are counted on a meta-device build of the model with the layers
 the run drops already dropped (no memory, no weights read). Without a GPU the budget is 16,384. The resolved number is what the plan uses and

@@ -3,8 +3,9 @@
 `LayerCapture` registers one forward hook per captured decoder layer (and, optionally, on the final layer or
 the final norm). Each hook gathers the real tokens of its layer's output into one packed `[N, k*H]` buffer
 (N = real tokens of the batch, layers concatenated in ascending id order) in the storage dtype, so padding is
-never copied off the device and no full `[B, T, H]` output is kept alive after its layer ran. The hook on the
-deepest needed module raises `_StopForward`: layers after it, the final norm and the lm_head never run.
+never copied off the device and no full `[B, T, H]` output is kept alive after its layer ran (a packed row: its
+first N tokens, a view, no gather). The hook on the deepest needed module raises `_StopForward`: layers after it,
+the final norm and the lm_head never run.
 
 Guarantees: hooks are removed when the context exits, also on an exception; the base decoder is called with
 `use_cache=False` under `torch.inference_mode()`; for a right-padded batch with an attention mask, the packed
@@ -69,6 +70,7 @@ class LayerCapture:
         self._buf_NK: torch.Tensor | None = None
         self._final_NH: torch.Tensor | None = None
         self._flat_index: torch.Tensor | None = None
+        self._real_prefix: int | None = None  # a packed row's real tokens (its first N; packing.py)
         if capture_final == "after_norm" and not hasattr(self.decoder, "norm"):
             raise TypeError(f"{type(self.decoder).__name__} has no `.norm`: cannot capture after the final norm")
 
@@ -76,6 +78,9 @@ class LayerCapture:
     def _gather(self, hs_BTH: torch.Tensor) -> torch.Tensor:
         """The real tokens' rows [N, H], on the capture buffers' device (a layer split over a replica's GPUs runs
         later layers on other GPUs: replica.py; on one device nothing moves)."""
+        if self._real_prefix is not None:  # a packed row: the real tokens are its first N, a view (no gather copy)
+            hs_NH = hs_BTH.reshape(-1, hs_BTH.shape[-1])[:self._real_prefix]
+            return hs_NH if hs_NH.device == self._buf_NK.device else hs_NH.to(self._buf_NK.device)
         index = self._flat_index if self._flat_index.device == hs_BTH.device else self._flat_index.to(hs_BTH.device)
         hs_NH = hs_BTH.reshape(-1, hs_BTH.shape[-1]).index_select(0, index)
         return hs_NH if hs_NH.device == self._buf_NK.device else hs_NH.to(self._buf_NK.device)
@@ -140,9 +145,11 @@ class LayerCapture:
         self._buf_NK = self._final_NH = self._flat_index = None
 
     # -- forward -----------------------------------------------------------------------------------------
-    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-            flat_index: torch.Tensor) -> CapturedBatch:
-        """One forward of the base decoder on a right-padded batch.
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
+            flat_index: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+            max_length: int | None = None) -> CapturedBatch:
+        """One forward of the base decoder on a right-padded batch, or on a packed row (`cu_seqlens` int32
+        [segments + 1] and `max_length` given: no mask, transformers' flash-attention kwargs; packing.py).
 
         `flat_index` [N] holds the positions b*T + t of the real tokens (from the collator), so the gather
         needs no device-to-host sync.
@@ -161,7 +168,12 @@ class LayerCapture:
             self._buf_NK = torch.empty(N, len(self.layer_ids) * H, dtype=self.storage_dtype, device=device)
             self._final_NH = (torch.empty(N, H, dtype=self.storage_dtype, device=device)
                               if self.capture_final != "none" else None)
-        if not self.padding_mask:
+        extra, self._real_prefix = {}, None
+        if cu_seqlens is not None:
+            from .packing import flash_kwargs
+
+            attention_mask, extra, self._real_prefix = None, flash_kwargs(cu_seqlens, max_length), N
+        elif not self.padding_mask:
             # No mask and no position ids: transformers then counts positions 0..T-1 itself and takes the causal
             # kernel without inspecting a tensor. Explicit positions would be read on the host (its packed-sequence
             # check), a device-to-host sync in every forward.
@@ -169,7 +181,7 @@ class LayerCapture:
         try:
             with torch.inference_mode():
                 self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             use_cache=False)
+                             use_cache=False, **extra)
             raise RuntimeError("the forward ended without reaching the deepest captured module")
         except _StopForward:
             out = CapturedBatch(self._buf_NK, self._final_NH)

@@ -2,7 +2,8 @@
 
 `Batch` holds what the forward needs (`input_ids`, `attention_mask`, `position_ids`, and `flat_index`, the
 positions b*T + t of real tokens used to unpad on the device) and what the writer needs (per-sample ids,
-token ids and loss masks, kept on the host). `PlannedBatches` is a map-style dataset of whole batches, so a
+token ids and loss masks, kept on the host). A packed row (packing.collate_packed) has no attention mask and
+carries `cu_seqlens` and `max_length` instead. `PlannedBatches` is a map-style dataset of whole batches, so a
 `DataLoader(batch_size=None, num_workers=...)` collates ahead of the GPU and pins memory.
 """
 
@@ -34,11 +35,17 @@ class SampleInfo:
 class Batch:
     batch_id: int
     input_ids: torch.Tensor  # int64 [B, T]
-    attention_mask: torch.Tensor  # int64 [B, T], 1 on real tokens (a prefix of each row)
-    position_ids: torch.Tensor  # int64 [B, T], 0..len-1 then 0 on padding
+    attention_mask: torch.Tensor | None  # int64 [B, T], 1 on real tokens (a prefix of each row); None when packed
+    position_ids: torch.Tensor  # int64 [B, T], 0..len-1 then 0 on padding (packed: restarting per segment)
     flat_index: torch.Tensor  # int64 [N], b*T + t for every real token, in (b, t) order
     lengths: torch.Tensor  # int64 [B]
     samples: list[SampleInfo] = field(default_factory=list)
+    cu_seqlens: torch.Tensor | None = None  # packed row only: int32 [segments + 1] (packing.py)
+    max_length: int | None = None  # packed row only: the longest segment
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
 
     @property
     def num_real_tokens(self) -> int:
@@ -50,14 +57,20 @@ class Batch:
 
     def pin_memory(self) -> "Batch":
         # Called by DataLoader(pin_memory=True) on custom batch types.
-        for name in ("input_ids", "attention_mask", "position_ids", "flat_index"):
-            setattr(self, name, getattr(self, name).pin_memory())
+        for name in ("input_ids", "attention_mask", "position_ids", "flat_index", "cu_seqlens"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).pin_memory())
         return self
 
-    def tensors_on(self, device: torch.device) -> dict[str, torch.Tensor]:
+    def tensors_on(self, device: torch.device) -> dict:
+        """The forward's inputs (LayerCapture.run's arguments) on `device`; a packed row adds `cu_seqlens` and
+        `max_length` (a Python int: no device-to-host sync to read it)."""
         nb = device.type == "cuda"
-        return {name: getattr(self, name).to(device, non_blocking=nb)
-                for name in ("input_ids", "attention_mask", "position_ids", "flat_index")}
+        out = {name: None if getattr(self, name) is None else getattr(self, name).to(device, non_blocking=nb)
+               for name in ("input_ids", "attention_mask", "position_ids", "flat_index")}
+        if self.packed:
+            out.update(cu_seqlens=self.cu_seqlens.to(device, non_blocking=nb), max_length=self.max_length)
+        return out
 
 
 def collate(samples: list[SampleInfo], padded_length: int, pad_token_id: int, batch_id: int = -1) -> Batch:
@@ -106,4 +119,9 @@ class PlannedBatches(Dataset):
     def __getitem__(self, i: int) -> Batch:
         planned = self.batches[i]
         rows = self.tokenized[list(planned.sample_indices)]
+        if planned.packed:
+            from .packing import collate_packed
+
+            return collate_packed(samples_from_rows(rows), planned.padded_length, self.pad_token_id,
+                                  planned.batch_id)
         return collate(samples_from_rows(rows), planned.padded_length, self.pad_token_id, planned.batch_id)

@@ -63,6 +63,7 @@ from .model import (STORAGE_TORCH_DTYPES, decoder_params_in, describe_source, dr
                     hidden_size_of, load_config, load_model, load_replica_model, load_tokenizer, padding_token_id,
                     vocab_size_of)
 from .norms import describe_final_norm, write_final_norm  # noqa: E402
+from .packing import replay_stored_layout, select_packing, use_packed_attention  # noqa: E402
 from .planner import plan_stats, rank_finish_seconds, split_across_ranks  # noqa: E402
 from .recipe import Recipe, RecipeError, add_recipe_args  # noqa: E402
 from .sizes import check_free_space  # noqa: E402
@@ -296,6 +297,8 @@ def _start(recipe: Recipe) -> Run:
     replica = _replica_of(state, recipe, config)
     kernels = select_kernels(recipe.model.kernels, config, state.device.type,
                              tensor_parallel=replica.parallelism == TENSOR_PARALLEL)
+    packing = select_packing(recipe.batching.packing, config, state.device.type, kernels.names,
+                             tensor_parallel=replica.parallelism == TENSOR_PARALLEL)
     recipe, budget_how = resolve_token_budget(
         recipe, config, layer_ids, num_layers,
         torch.cuda.get_device_properties(state.device).total_memory if state.device.type == "cuda" else None)
@@ -309,7 +312,7 @@ def _start(recipe: Recipe) -> Run:
     return Run(recipe=recipe, state=state, out_dir=out_dir, config=config, num_layers=num_layers,
                layer_ids=layer_ids, kernels=kernels, tokenizer=tokenizer, faults=faults, t_start=t_start,
                replica=replica, identity=run_identity(recipe, config, layer_ids, tokenizer, state.is_main_process),
-               triton_cache=triton_cache,
+               triton_cache=triton_cache, packing=packing,
                # the split's cost numbers (a meta-device build: before the model loads on a thread of its own)
                cost_model=batch_cost_model(recipe, config, layer_ids, num_layers))
 
@@ -362,7 +365,9 @@ def _plan(run: Run, data) -> RankPlan:
     """The global plan (frozen in OUT/plan.json by the first run), minus the committed batches, split over this
     run's ranks by predicted time (cost.py: the forward's FLOPs and the write's bytes of each batch)."""
     lengths = [int(n) for n in data.kept["num_tokens"]]
-    plan = load_or_make_plan(run.out_dir, lengths, run.recipe, run.is_main, run.state)
+    plan = load_or_make_plan(run.out_dir, lengths, run.recipe, run.is_main, run.state, packed=run.packing.packed)
+    run.packing = replay_stored_layout(run.packing, bool(plan) and plan[0].packed, run.config, run.device.type,
+                                       run.kernels.names)
     committed = read_committed(run.out_dir)
     done_batches = {b for r in committed for b in r.batch_ids}
     todo = [p for p in plan if p.batch_id not in done_batches]
@@ -373,10 +378,11 @@ def _plan(run: Run, data) -> RankPlan:
                          predicted_seconds=[rank_finish_seconds([cost(b) for b in s]) for s in shares])
     if run.is_main:
         s = rank_plan.stats
-        log.info("plan: %d batches, %d shapes, batch size %s-%s (mean %.1f), padded length %s-%s, "
-                 "padding efficiency %.3f", s["num_batches"], s["num_shapes"], s["batch_size_min"],
-                 s["batch_size_max"], s["batch_size_mean"] or 0, s["padded_length_min"], s["padded_length_max"],
-                 s["padding_efficiency"] or 0)
+        packed = run.packing.packed
+        log.info("plan: %d %s, %d shapes, batch size %s-%s (mean %.1f), %s %s-%s, padding efficiency %.3f",
+                 s["num_batches"], "packed rows" if packed else "batches", s["num_shapes"], s["batch_size_min"],
+                 s["batch_size_max"], s["batch_size_mean"] or 0, "row length" if packed else "padded length",
+                 s["padded_length_min"], s["padded_length_max"], s["padding_efficiency"] or 0)
         if done_batches:
             log.info("resume: %d of %d batches already committed, %d left over %d rank(s)",
                      len(plan) - len(todo), len(plan), len(todo), run.world)
@@ -506,6 +512,10 @@ def _load_target(run: Run, load: _TargetLoad | None) -> torch.nn.Module:
     apply_kernels(model, run.kernels)
     if run.is_main:
         append_kernels_record(run.out_dir, run.kernels.record(), run.world)
+    log.info("batching.packing: %s (%s)", "packed rows" if run.packing.packed else "padded batches",
+             run.packing.reason)
+    if run.packing.packed:  # our varlen attention; per-segment Gated DeltaNet where fla's kernels are not used
+        log.info("packed rows: %s", use_packed_attention(model, run.device.type))
     return model
 
 
@@ -640,6 +650,7 @@ def _rank_report(run: Run, model, writer: AsyncShardWriter, loop: _LoopResult) -
         "oom_batch_caps": {str(T): n for T, n in sorted(runner.caps.items())} if runner is not None else {},
         "kernels": list(run.kernels.names),
         "startup_seconds": dict(run.startup_seconds),
+        "packed": run.packing.packed,
     }
 
 

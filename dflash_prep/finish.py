@@ -108,6 +108,7 @@ def _manifest_info(run: Run, data, failed_rows: list[dict]) -> dict:
         "failed": dict(sorted(Counter(f["reason"] for f in failed_rows).items())),
         "kernels": last_kernels_record(run.out_dir),
         "kernels_history": kernels_history(run.out_dir),
+        "packing": run.packing.record(),
     }
 
 
@@ -146,6 +147,7 @@ def _summary(run: Run, data, rank_plan: RankPlan, manifest: dict, reports: list[
         "kernels": kernels if rank_plan.todo else {**kernels, "applied": [],
                                                    "reason": "nothing to run: the model was not loaded"},
         "triton_cache": run.triton_cache,
+        "packing": run.packing.record(),
         "disk": disk_verdict(reports, run.recipe.output.dtype),
         # where the main process's start-up went (seconds): each rank's is in `ranks`
         "startup_seconds": next((r.get("startup_seconds") for r in reports if r["rank"] == run.rank), None),

@@ -207,9 +207,11 @@ def manifest_readable(out_dir: Path) -> bool:
         return False
 
 
-def load_or_make_plan(out_dir: Path, lengths: list[int], recipe: Recipe, is_main: bool, state) -> list[PlannedBatch]:
-    """The global plan: made once by the main process and frozen in OUT/plan.json (so resumes run the same
-    batches whatever the number of ranks); every rank reads it back."""
+def load_or_make_plan(out_dir: Path, lengths: list[int], recipe: Recipe, is_main: bool, state,
+                      packed: bool = False) -> list[PlannedBatch]:
+    """The global plan: made once by the main process (packed rows when `packed`) and frozen in OUT/plan.json (so
+    resumes run the same batches whatever the number of ranks); every rank reads it back. A stored plan keeps its
+    layout (`PlannedBatch.packed`, false for a plan.json written before packing existed)."""
     path = out_dir / PLAN_NAME
     if is_main:
         if path.exists():
@@ -217,17 +219,20 @@ def load_or_make_plan(out_dir: Path, lengths: list[int], recipe: Recipe, is_main
             if stored["num_samples"] != len(lengths):
                 raise OutputMismatchError(f"{path} plans {stored['num_samples']} samples but the data has "
                                           f"{len(lengths)}: the dataset changed; use --set output.overwrite=true")
-            if stored["batching"] != plan_settings(recipe):
+            if {k: v for k, v in stored["batching"].items() if k != "packing"} != \
+                    {k: v for k, v in plan_settings(recipe).items() if k != "packing"}:
                 log.warning("batching settings differ from the stored plan; resuming with the stored plan %s",
                             stored["batching"])
         else:
-            plan = make_plan(lengths, recipe)
+            plan = make_plan(lengths, recipe, packed=packed)
             atomic_write_json(path, {"batching": plan_settings(recipe), "num_samples": len(lengths),
+                                     "packed": packed,
                                      "batches": [[p.padded_length, list(p.sample_indices)] for p in plan]})
     state.wait_for_everyone()
     stored = read_state_json(path)
+    stored_packed = bool(stored.get("packed", False))
     return [PlannedBatch(batch_id=i, sample_indices=tuple(idx), padded_length=T,
-                         num_real_tokens=sum(lengths[j] for j in idx))
+                        num_real_tokens=sum(lengths[j] for j in idx), packed=stored_packed)
             for i, (T, idx) in enumerate(stored["batches"])]
 
 
@@ -255,6 +260,7 @@ class Run:
     triton_cache: dict | None = None  # kernels.configure_triton_cache's record (CUDA runs), else None
     cost_model: Any = None  # planner.BatchCostModel: each batch's predicted seconds, for the split over ranks
     startup_seconds: dict = field(default_factory=dict)  # start, tokenize, plan, model_load(_wait), first_batch
+    packing: Any = None  # packing.PackingChoice: packed rows or padded batches (the stored plan's layout wins)
 
     @property
     def rank(self) -> int:

@@ -197,7 +197,8 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
     check_data_verdict(data, recipe.data)  # the extraction's own stop: nothing kept, or too much skipped
     cols = data.kept.select_columns(["sample_id", "source_row", "source_id", "num_tokens"]).to_dict()
     lengths = [int(n) for n in cols["num_tokens"]]
-    plan = make_plan(lengths, recipe)
+    packing = plan_packing(recipe, config, gpu_memory_bytes is not None or local_gpu_memory_bytes() is not None)
+    plan = make_plan(lengths, recipe, packed=packing.packed)
     stats = plan_stats(plan)
 
     last_needed = num_layers - 1 if recipe.layers.capture_final != "none" else layer_ids[-1]
@@ -226,6 +227,7 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
         "padding_efficiency": stats["padding_efficiency"], "batch_size_min": stats["batch_size_min"],
         "batch_size_max": stats["batch_size_max"], "batch_size_mean": stats["batch_size_mean"],
         "padded_length_min": stats["padded_length_min"], "padded_length_max": stats["padded_length_max"],
+        "packing": packing.record(), "shapes": _shape_counts(plan),
         "max_tokens_per_batch": recipe.batching.max_tokens_per_batch, "max_tokens_per_batch_auto": budget_how,
         "dtype": recipe.output.dtype, "max_shard_bytes": recipe.output.max_shard_bytes, "disk": disk,
         "num_bytes": disk[recipe.output.dtype]["num_bytes"],
@@ -235,6 +237,26 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
         "lengths_histogram": length_histogram(lengths, recipe.data.max_length),
         "tokenize_seconds": tokenize_seconds, "plan_seconds": time.perf_counter() - t0,
     }
+
+
+def plan_packing(recipe: Recipe, config, for_gpus: bool):
+    """`batching.packing` as the run would resolve it (packing.select_packing): on GPUs (`for_gpus`: this machine
+    has one, or --gpu-memory-gb was given) with `model.kernels: auto` taken as the GPU install applies it
+    (`pip install -e ".[gpu]"`: flash-linear-attention, so `fla_conv`), which a machine without a GPU cannot
+    check; on the CPU as the CPU run would."""
+    from .packing import select_packing
+
+    kernels = recipe.model.kernels
+    names = ("fla_conv",) if kernels == "auto" else () if kernels == "eager" else tuple(kernels)
+    return select_packing(recipe.batching.packing, config, "cuda" if for_gpus else "cpu", names, assume_fla=for_gpus)
+
+
+def _shape_counts(plan: list) -> dict[str, int]:
+    """'BxT' -> batches of that forward shape, largest T first."""
+    counts: dict[tuple, int] = {}
+    for p in plan:
+        counts[p.shape] = counts.get(p.shape, 0) + 1
+    return {f"{b}x{t}": n for (b, t), n in sorted(counts.items(), key=lambda kv: (-kv[0][1], -kv[0][0]))}
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -318,9 +340,7 @@ def format_plan(p: dict) -> str:
         ("rows", f"{p['num_rows']:,}: {p['num_samples']:,} kept, {p['num_skipped']:,} skipped"
                  + (" (" + ", ".join(f"{k}: {v:,}" for k, v in p["skipped"].items()) + ")" if p["skipped"] else "")),
         ("tokens", f"{p['num_tokens']:,} (mean {p['num_tokens'] / max(p['num_samples'], 1):.1f} per sample)"),
-        ("batches", f"{p['num_batches']:,}, {p['num_shapes']} distinct shapes, batch size {p['batch_size_min']}-"
-                    f"{p['batch_size_max']} (mean {p['batch_size_mean'] or 0:.1f}), padded length "
-                    f"{p['padded_length_min']}-{p['padded_length_max']}"),
+        _batches_line(p),
         ("padding", f"efficiency {p['padding_efficiency'] or 0:.3f} ({p['num_padded_tokens']:,} padded tokens)"),
         ("budget", f"{p['max_tokens_per_batch']:,} padded tokens per batch" + _auto_note(p["max_tokens_per_batch_auto"])),
     ]
@@ -349,6 +369,18 @@ def format_plan(p: dict) -> str:
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in lines) + "\n\nlength histogram (kept samples)\n" + \
         p["lengths_histogram"]
+
+
+def _batches_line(p: dict) -> tuple[str, str]:
+    """The plan's batches: padded batches, or packed rows with their shapes (rows x tokens: count)."""
+    if not p["packing"]["packed"]:
+        return ("batches", f"{p['num_batches']:,}, {p['num_shapes']} distinct shapes, batch size "
+                           f"{p['batch_size_min']}-{p['batch_size_max']} (mean {p['batch_size_mean'] or 0:.1f}), "
+                           f"padded length {p['padded_length_min']}-{p['padded_length_max']}")
+    shapes = ", ".join(f"{shape}: {n:,}" for shape, n in p["shapes"].items())
+    return ("batches", f"{p['num_batches']:,} packed rows ({p['packing']['reason']}), {p['num_shapes']} distinct "
+                       f"shapes ({shapes}), {p['batch_size_min']}-{p['batch_size_max']} samples per row "
+                       f"(mean {p['batch_size_mean'] or 0:.1f})")
 
 
 def _auto_note(how: str | None) -> str:

@@ -205,17 +205,27 @@ class BatchingSection:
     """How samples are grouped into GPU batches."""
 
     max_tokens_per_batch: int | str = 65536
-    """Budget of padded tokens per forward (batch size x padded length), or `auto`: sized from the GPU's memory
-    and the model config when the plan is made (dflash_prep/budget.py; 16,384 without a GPU)."""
+    """Budget of padded tokens per forward (batch size x padded length; a packed row's length), or `auto`: sized
+    from the GPU's memory and the model config when the plan is made (dflash_prep/budget.py; 16,384 without a GPU)."""
     max_batch_size: int = 256
+    """Samples per padded batch at most; packed rows (`packing`) have no such limit."""
     length_multiple: int = 64
     """Padded lengths are multiples of this ..."""
     length_growth: float = 1.125
     """... growing geometrically by this factor, so few distinct shapes are ever compiled/autotuned."""
     num_workers: int = 2
     """DataLoader worker processes that collate batches ahead of the GPU (0: in the main process)."""
+    packing: str | bool = "auto"
+    """Packed batches (dflash_prep/packing.py): each forward is ONE row holding several whole samples back to back
+    (position ids restart at 0 per sample, attention and the Gated DeltaNet layers kept inside each sample), padded
+    only to one of a few row lengths. `auto`: packed on CUDA where that is exact for the architecture (Llama;
+    the Qwen3.5 hybrid with flash-linear-attention's chunk kernel and `fla_conv`), padded batches otherwise (CPU);
+    `true`: packed (also on CPU), refused (exit 2) where not exact; `false`: padded batches. Recorded in the
+    summary and the manifest; not part of the job's identity (a resume replays the stored plan's layout)."""
 
     def validate(self, p: str) -> None:
+        if self.packing not in ("auto", True, False):
+            _fail(f"{p}.packing", self.packing, "expected `auto`, true or false")
         for name in ("max_tokens_per_batch", "max_batch_size", "length_multiple"):
             if name == "max_tokens_per_batch" and self.max_tokens_per_batch == "auto":
                 continue
@@ -371,6 +381,9 @@ def _build(cls: type, raw: Any, prefix: str, base_dir: Path | None) -> Any:
             value = _parse_bytes(key, value)
         if key == "model.kernels":  # `auto`, `eager` or a list of names: checked by ModelSection.validate
             kwargs[name] = list(value) if isinstance(value, (list, tuple)) else value
+            continue
+        if key == "batching.packing":  # `auto`, true or false: checked by BatchingSection.validate
+            kwargs[name] = value
             continue
         if key == "batching.max_tokens_per_batch":
             if value != "auto" and (isinstance(value, bool) or not isinstance(value, int)):
