@@ -17,6 +17,9 @@ Unset (the normal case), `Faults.from_env()` returns None and no code path pays 
     forward_delay_seconds  S                 every forward first sleeps S seconds (a slow GPU: keeps a run alive
                                              long enough for a test to start a second one beside it)
     write_delay_seconds    S                 every batch a writer thread writes first sleeps S seconds (a slow disk)
+    sigterm_after_batches  K                 the process sends itself SIGTERM (a preemption notice) after its
+                                             K-th batch
+    sigterm_process        P                 only the process of index P does (default: every process)
 
 Example: DFLASH_PREP_FAULTS='{"oom_batches": [3, 5], "nan_samples": ["0000000012"], "enospc_shard": 1}'.
 It is a test hook: it never mocks the model; the forward, the writer and the commit all run for real.
@@ -31,7 +34,7 @@ from dataclasses import dataclass, field
 
 ENV_VAR = "DFLASH_PREP_FAULTS"
 KNOWN_KEYS = ("oom_batches", "oom_samples", "nan_samples", "enospc_shard", "enospc_rank", "exit_after_rename_shard",
-              "forward_delay_seconds", "write_delay_seconds")
+              "forward_delay_seconds", "write_delay_seconds", "sigterm_after_batches", "sigterm_process")
 
 
 @dataclass
@@ -44,6 +47,8 @@ class Faults:
     exit_after_rename_shard: int | None = None
     forward_delay_seconds: float = 0.0
     write_delay_seconds: float = 0.0
+    sigterm_after_batches: int | None = None
+    sigterm_process: int | None = None
     _oom_fired: set[int] = field(default_factory=set)
 
     @classmethod
@@ -60,7 +65,8 @@ class Faults:
                    enospc_shard=spec.get("enospc_shard"), enospc_rank=spec.get("enospc_rank"),
                    exit_after_rename_shard=spec.get("exit_after_rename_shard"),
                    forward_delay_seconds=float(spec.get("forward_delay_seconds", 0.0)),
-                   write_delay_seconds=float(spec.get("write_delay_seconds", 0.0)))
+                   write_delay_seconds=float(spec.get("write_delay_seconds", 0.0)),
+                   sigterm_after_batches=spec.get("sigterm_after_batches"), sigterm_process=spec.get("sigterm_process"))
 
     # -- forward -------------------------------------------------------------------------------------------
     def before_forward(self, batch_id: int, sample_ids: list[str]) -> None:
@@ -77,6 +83,13 @@ class Faults:
         hit = self.oom_samples.intersection(sample_ids)
         if hit:
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected by {ENV_VAR} for {sorted(hit)})")
+
+    def after_batch(self, process_index: int, num_batches: int) -> None:
+        """SIGTERM to this process after its `sigterm_after_batches`-th batch, where the spec asks for it."""
+        if num_batches == self.sigterm_after_batches and self.sigterm_process in (None, process_index):
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def poison(self, hidden_states_NK, sample_ids: list[str], lengths: list[int]) -> None:
         """Write a NaN into the first captured value of each listed sample (in place); in a packed fp8 buffer

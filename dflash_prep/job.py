@@ -253,6 +253,7 @@ class Run:
     t_start: float  # time.perf_counter() at the start
     replica: Any  # replica.ReplicaLayout: this process's replica, its GPUs, whether it writes
     triton_cache: dict | None = None  # kernels.configure_triton_cache's record (CUDA runs), else None
+    agreement: Any = None  # replica.ReplicaAgreement: the decisions a tensor-parallel replica's processes share
 
     @property
     def rank(self) -> int:

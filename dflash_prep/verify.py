@@ -289,7 +289,9 @@ def _output_and_recipe(out_dir: Path, overrides: list[str] | None):
 
 def _reference_model(recipe, config, dev: torch.device, report: VerifyReport, log):
     """The whole model (every layer: the reference is the whole HF forward) with the recipe's kernels on `dev`; with
-    `model.gpus_per_replica` N > 1, split by layers over the first N GPUs (one process; replica.py)."""
+    `model.gpus_per_replica` N > 1, split by layers over the first N GPUs (one process; replica.py), whatever the
+    extraction's process model (tensor parallel or layer split hold the same weights); on a CPU, a replica's
+    random weights are rebuilt as the replica draws them."""
     from .kernels import apply_kernels
     from .model import load_model
 
@@ -303,6 +305,10 @@ def _reference_model(recipe, config, dev: torch.device, report: VerifyReport, lo
             raise CannotVerify(f"model.gpus_per_replica = {n}: the model needs {n} GPUs, this machine has "
                                f"{torch.cuda.device_count()}")
         model = load_replica_model(recipe.model, config, ReplicaLayout(n, LAYER_SPLIT, 0, 1, 0, tuple(range(n))))
+    elif n > 1 and recipe.model.config is not None:  # a replica's random weights (drawn per module), on one device
+        from .model import build_random_model
+
+        model = build_random_model(recipe.model, config, {"device_map": {"": dev}})
     else:
         model = load_model(recipe.model, config, dev)
     kernels = _reference_kernels(recipe, config, dev)
