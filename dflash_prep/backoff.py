@@ -143,6 +143,8 @@ class BatchRunner:
                 sub = {name: tensors[name][a:b] for name in ("input_ids", "attention_mask", "position_ids")}
                 sub["flat_index"] = tensors["flat_index"][offsets[a]:offsets[b]] - a * T
             captured = self.capture.run(**sub)
+            if self.faults is not None:
+                self.faults.after_forward(batch.batch_id)
             hs, final = captured.hidden_states_NK, captured.final_hidden_states_NH
             if self.faults is not None and self.faults.nan_samples:
                 self.faults.poison(hs, [s.sample_id for s in batch.samples[a:b]],

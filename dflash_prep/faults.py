@@ -7,6 +7,11 @@ Unset (the normal case), `Faults.from_env()` returns None and no code path pays 
                                              halves then run; later batches of its padded length are pre-split)
     oom_samples            [sample_id, ...]  every forward holding a listed sample raises a CUDA OOM, so the
                                              sample fails alone (recorded as failed `out_of_memory`)
+    oom_after_forward_batches [batch_id, ...] the first forward of each listed batch raises a CUDA OOM after it
+                                             ran (as an allocation after a tensor-parallel forward's last
+                                             collective would)
+    oom_process            P                 only the process of index P (torchrun's RANK) raises the OOMs of
+                                             oom_after_forward_batches (default: every process)
     nan_samples            [sample_id, ...]  a NaN is written into the captured states of each listed sample
     enospc_shard           N                 writing into shard number N raises OSError(ENOSPC) after part of
                                              the shard is on disk
@@ -34,7 +39,8 @@ from dataclasses import dataclass, field
 
 ENV_VAR = "DFLASH_PREP_FAULTS"
 KNOWN_KEYS = ("oom_batches", "oom_samples", "nan_samples", "enospc_shard", "enospc_rank", "exit_after_rename_shard",
-              "forward_delay_seconds", "write_delay_seconds", "sigterm_after_batches", "sigterm_process")
+              "forward_delay_seconds", "write_delay_seconds", "sigterm_after_batches", "sigterm_process",
+              "oom_after_forward_batches", "oom_process")
 
 
 @dataclass
@@ -49,7 +55,10 @@ class Faults:
     write_delay_seconds: float = 0.0
     sigterm_after_batches: int | None = None
     sigterm_process: int | None = None
+    oom_after_forward_batches: set[int] = field(default_factory=set)
+    oom_process: int | None = None
     _oom_fired: set[int] = field(default_factory=set)
+    _oom_after_fired: set[int] = field(default_factory=set)
 
     @classmethod
     def from_env(cls) -> "Faults | None":
@@ -66,7 +75,9 @@ class Faults:
                    exit_after_rename_shard=spec.get("exit_after_rename_shard"),
                    forward_delay_seconds=float(spec.get("forward_delay_seconds", 0.0)),
                    write_delay_seconds=float(spec.get("write_delay_seconds", 0.0)),
-                   sigterm_after_batches=spec.get("sigterm_after_batches"), sigterm_process=spec.get("sigterm_process"))
+                   sigterm_after_batches=spec.get("sigterm_after_batches"), sigterm_process=spec.get("sigterm_process"),
+                   oom_after_forward_batches={int(b) for b in spec.get("oom_after_forward_batches", [])},
+                   oom_process=spec.get("oom_process"))
 
     # -- forward -------------------------------------------------------------------------------------------
     def before_forward(self, batch_id: int, sample_ids: list[str]) -> None:
@@ -83,6 +94,15 @@ class Faults:
         hit = self.oom_samples.intersection(sample_ids)
         if hit:
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected by {ENV_VAR} for {sorted(hit)})")
+
+    def after_forward(self, batch_id: int) -> None:
+        """Raise an injected OOM after a forward ran, once per listed batch, on the listed process."""
+        if (batch_id in self.oom_after_forward_batches and batch_id not in self._oom_after_fired
+                and self.oom_process in (None, int(os.environ.get("RANK", "0")))):
+            import torch
+
+            self._oom_after_fired.add(batch_id)
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected by {ENV_VAR} after batch {batch_id})")
 
     def after_batch(self, process_index: int, num_batches: int) -> None:
         """SIGTERM to this process after its `sigterm_after_batches`-th batch, where the spec asks for it."""
