@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save as safetensors_save
 
 from conftest import REPO
-from dflash_prep.plan import bench_references, length_histogram, main, make_run_plan, shard_sizes
+from dflash_prep.plan import bench_references, format_plan, length_histogram, main, make_run_plan, shard_sizes
 from dflash_prep.sizes import safetensors_num_bytes, states_tensors
 from dflash_prep.recipe import load_recipe
 
@@ -82,6 +82,30 @@ def test_two_gpus_split_the_tokens(planned_and_run):
     assert plan2["wall"]["seconds"] < plan1["wall"]["seconds"]
     # Two ranks each close their own last shard: a shard's worth of records can only move between files.
     assert abs(plan2["num_bytes"] - plan1["num_bytes"]) <= 2 * 10240 * len(ranks)
+
+
+def test_replicas_of_several_gpus_split_the_plan_and_set_the_rate(planned_and_run):
+    """--num-gpus 8 with model.gpus_per_replica 4: 2 replicas share the plan as 2 GPUs of 1 would; tensor parallel
+    (the demo's Qwen3.5 has a plan) counts 4 GPUs computing per replica, a layer split 1; GPU-hours count every
+    GPU of a replica."""
+    plan1, _, _ = planned_and_run
+    base = ["output.dir=/nonexistent/never-written", *BASE, "model.gpus_per_replica=4"]
+    tp = make_run_plan(load_recipe(None, base), num_gpus=8, tokens_per_second=1000.0)
+    split = make_run_plan(load_recipe(None, [*base, "model.replica_parallelism=layer_split"]), num_gpus=8,
+                          tokens_per_second=1000.0)
+    two = make_run_plan(load_recipe(None, ["output.dir=/nonexistent/never-written", *BASE]), num_gpus=2,
+                        tokens_per_second=1000.0)
+    assert tp["replicas"] == {"gpus_per_replica": 4, "num_replicas": 2, "parallelism": "tensor_parallel",
+                              "computing_gpus": 4, "tokens_per_second_per_replica": 4000.0}
+    assert split["replicas"]["parallelism"] == "layer_split" and split["replicas"]["computing_gpus"] == 1
+    assert tp["ranks"] == two["ranks"] == split["ranks"] and len(tp["ranks"]) == 2
+    busiest = max(r["num_real_tokens"] for r in two["ranks"])
+    assert tp["wall"]["seconds"] == pytest.approx(busiest / 4000.0)
+    assert split["wall"]["seconds"] == pytest.approx(busiest / 1000.0)
+    assert split["wall"]["gpu_hours"] == pytest.approx(plan1["num_tokens"] / 1000.0 * 4 / 3600)
+    assert "on 8 GPU(s) as 2 replica(s) of 4 GPUs (tensor_parallel: 4 x one GPU's rate" in format_plan(tp)
+    with pytest.raises(ValueError, match=r"--num-gpus 6 does not divide into replicas of model.gpus_per_replica = 4"):
+        make_run_plan(load_recipe(None, base), num_gpus=6, tokens_per_second=1000.0)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "fp8_e4m3"])
