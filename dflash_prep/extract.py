@@ -376,6 +376,7 @@ def _run_rank(run: Run, data, rank_plan: RankPlan, lock_fds: tuple) -> dict:
         log.info("every batch of the plan is committed: nothing to run, the model is not loaded")
         return _idle_rank_report(run.rank)
     model = _load_target(run)
+    run.agreement.watch(model)  # a tensor-parallel replica's OOM splits compare its collectives (replica.py)
     writer = DiscardingWriter() if not run.is_writer else AsyncShardWriter(
         lanes(run.out_dir, run.rank, run.recipe.output.max_shard_bytes,
               next_shard_number(rank_plan.committed, rank_name(run.rank)), run.recipe.output.num_writer_threads,
@@ -433,7 +434,7 @@ def _forward_loop(run: Run, model, loader, writer: AsyncShardWriter, num_samples
         with LayerCapture(model, run.layer_ids, capture_final=run.recipe.layers.capture_final,
                           storage_dtype=STORAGE_TORCH_DTYPES[run.recipe.output.dtype],
                           padding_mask=run.recipe.model.padding_mask) as capture:
-            runner = BatchRunner(capture, run.faults, agree_oom=lambda oom: run.agreement.agree(oom)[0])
+            runner = BatchRunner(capture, run.faults, agree_oom=run.agreement.agree_attempt)
             t_wait = time.perf_counter()
             for batch in loader:
                 stats.data_wait_seconds += time.perf_counter() - t_wait

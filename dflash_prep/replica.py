@@ -161,11 +161,16 @@ class ReplicaAgreement:
 
     `agree(*flags)` is an all-reduce (max) of a few booleans over the replica's processes, on a gloo group of
     its own (CPU tensors: no GPU sync, and never interleaved with the forward's NCCL collectives); called once per
-    batch by the loop (stop requested, failed) and once per forward attempt by the OOM backoff (out of memory).
-    With one process per replica it returns the flags unchanged and costs nothing."""
+    batch by the loop (stop requested, failed). `agree_attempt(oom)` runs once per forward attempt of the OOM
+    backoff: it also compares how many collectives each process has issued on the tensor-parallel group (its
+    sequence number): equal, a split is safe (every process stopped at the same collective, or after the last);
+    different, a process ran out of memory between two collectives its peers went past, and a retry would pair
+    mismatched collectives, so the run stops (ExtractionError, resumable). With one process per replica both
+    return at once and cost nothing."""
 
-    def __init__(self, group=None):
+    def __init__(self, group=None, tp_group=None):
         self.group = group
+        self.tp_group = tp_group
 
     @classmethod
     def for_layout(cls, layout: ReplicaLayout) -> "ReplicaAgreement":
@@ -179,13 +184,64 @@ class ReplicaAgreement:
                   for r in range(layout.num_replicas)]
         return cls(groups[layout.replica_index])
 
+    def watch(self, model) -> None:
+        """Follow the collectives of `model`'s tensor-parallel group (its DTensor parameters' mesh)."""
+        if self.group is not None:
+            self.tp_group = tensor_parallel_group(model)
+
     def agree(self, *flags: bool) -> tuple[bool, ...]:
         """-> for each flag, whether any process of the replica raised it."""
         if self.group is None:
             return tuple(bool(f) for f in flags)
+        return tuple(v > 0 for v in self._max([int(bool(f)) for f in flags]))
+
+    def agree_attempt(self, oom: bool) -> bool:
+        """-> whether any process of the replica ran out of memory in this forward attempt (then all split it).
+        Raises ExtractionError when the processes' collectives are out of step (see the class docstring)."""
+        if self.group is None:
+            return oom
+        issued = collectives_issued(self.tp_group)
+        any_oom, most, minus_least = self._max([int(oom), issued, -issued])
+        if most != -minus_least:
+            from .finish import ExtractionError
+
+            raise ExtractionError(
+                f"out of memory inside a tensor-parallel forward on some process of the replica, between collectives "
+                f"the others went past ({-minus_least} vs {most} issued): a split would pair mismatched collectives, "
+                f"so the run stops; committed shards are intact; lower batching.max_tokens_per_batch and re-run the "
+                f"same command to resume")
+        return any_oom > 0
+
+    def _max(self, values: list[int]) -> list[int]:
         import torch
         import torch.distributed as dist
 
-        values = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32)
-        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
-        return tuple(bool(v) for v in values.tolist())
+        tensor = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return [int(v) for v in tensor.tolist()]
+
+
+def tensor_parallel_group(model):
+    """The process group of a tensor-parallel model's collectives (its DTensor parameters' mesh, the `tp`
+    dimension of a 2-D one), or None."""
+    from torch.distributed.tensor import DTensor
+
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            mesh = param.device_mesh
+            if mesh.ndim == 1:
+                return mesh.get_group()
+            names = mesh.mesh_dim_names or ()
+            return mesh.get_group("tp") if "tp" in names else None
+    return None
+
+
+def collectives_issued(group) -> int:
+    """Collectives this process has issued on `group` (torch's per-group sequence number, NCCL and gloo), or 0
+    when unknown (no group; then the check compares nothing)."""
+    if group is None:
+        return 0
+    try:
+        return int(group._get_sequence_number_for_group())
+    except (AttributeError, RuntimeError):
+        return 0

@@ -147,3 +147,64 @@ def test_an_oom_split_is_agreed_by_the_replica(tp_out, llama_config_file, tmp_pa
     assert summary["ranks"][0]["num_oom"] == 2  # the writer's count: agreed, also where it did not run out
     a, b = read_records(tp_out), read_records(out)
     assert set(a) == set(b) and all(a[k]["raw"] == b[k]["raw"] for k in a)
+
+
+def test_the_gpu_replica_check_runs_every_step_on_a_cpu(tmp_path):
+    """bench/gpu_replica.sh --dry-run-cpu: every step of the 2-GPU check (tiny configs, CPU processes) succeeds and
+    the report holds the figures the GPU run prints."""
+    results, work = tmp_path / "results", tmp_path / "work"
+    proc = subprocess.run(["bash", "bench/gpu_replica.sh", str(results), "--dry-run-cpu"], cwd=REPO,
+                          env=dict(ENV, WORK_DIR=str(work)), capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((results / "replica.json").read_text())
+    assert {name: s["status"] for name, s in report["steps"].items()} == {
+        name: "ok" for name in ("data", "gemm", "70b-tp", "verify-70b-tp", "8b-warmup", "8b-1gpu", "8b-2gpu")}
+    assert report["70b-tp"]["replicas"]["parallelism"] == "tensor_parallel" and report["70b-tp"]["verify"] == "ok"
+    assert report["70b-tp"]["mfu_over_all_gpus"] > 0 and report["8b_per_gpu_ratio"] > 0
+    assert report["8b_1gpu"]["num_tokens"] == report["8b_2gpu"]["num_tokens"]  # the same data
+    assert report["8b_2gpu"]["replicas"]["num_replicas"] == 2
+    assert "per-GPU ratio" in proc.stdout and "MFU over 2 GPUs" in proc.stdout
+    assert not list(work.glob("out-*"))  # big outputs deleted once their summaries are kept
+
+
+AGREEMENT_SCRIPT = r'''
+import json, os, sys
+import torch
+import torch.distributed as dist
+from dflash_prep.finish import ExtractionError
+from dflash_prep.replica import ReplicaAgreement
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+tp = dist.distributed_c10d._get_default_group()
+agreement = ReplicaAgreement(dist.new_group([0, 1], backend="gloo"), tp)
+verdicts = []
+dist.all_reduce(torch.ones(2), group=tp)                   # one collective each: in step
+verdicts.append(agreement.agree_attempt(oom=rank == 1))     # process 1 ran out of memory after it: both split
+verdicts.append(agreement.agree_attempt(oom=False))         # nobody did
+verdicts.append(agreement.agree(rank == 0, False))          # a stop asked of process 0 only
+if rank == 0:
+    dist.all_reduce(torch.ones(2), group=tp, async_op=True)  # issued by process 0 alone (its peer ran out before)
+try:
+    agreement.agree_attempt(oom=rank == 1)
+    verdicts.append("went on")
+except ExtractionError as e:
+    verdicts.append("stopped: " + str(e).split(":")[0])
+with open(sys.argv[1] + f".{rank}", "w") as f:
+    json.dump(verdicts, f)
+os._exit(0)  # process 0's lone collective never completes
+'''
+
+
+def test_the_agreement_of_a_replicas_processes(tmp_path):
+    """ReplicaAgreement over 2 real gloo processes: an OOM of one is a split for both when their collectives are in
+    step, a stop of one a stop for both, and an OOM between collectives the peer went past stops both."""
+    script = tmp_path / "agree.py"
+    script.write_text(AGREEMENT_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script),
+                           str(tmp_path / "verdicts")], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stop = ("stopped: out of memory inside a tensor-parallel forward on some process of the replica, between "
+            "collectives the others went past (1 vs 2 issued)")
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"verdicts.{rank}").read_text()) == [True, False, [True, False], stop]
