@@ -107,7 +107,8 @@ def report(work: Path, results: Path) -> dict:
     out["8b_1gpu"], out["8b_2gpu"] = one, two
     if one and two:
         out["8b_per_gpu_ratio"] = two["tokens_per_second"] / 2 / one["tokens_per_second"]
-        print(f"8B shape, data parallel: 1 GPU {one['tokens_per_second']:,.0f} tok/s (loop {one['loop_seconds']:.0f} s); "
+        print(f"8B shape, data parallel: 1 GPU {one['tokens_per_second']:,.0f} tok/s "
+              f"(loop {one['loop_seconds']:.0f} s); "
               f"2 GPUs {two['tokens_per_second']:,.0f} tok/s (loop {two['loop_seconds']:.0f} s); per-GPU ratio "
               f"{out['8b_per_gpu_ratio']:.3f} (target >= 0.95); output on {out['disk']}")
     else:
@@ -130,7 +131,8 @@ def report(work: Path, results: Path) -> dict:
         mfu = f"{run['mfu_over_all_gpus']:.3f}" if run["mfu_over_all_gpus"] is not None else "n/a"
         peak_text = f"{gemm['tflops']:.0f}" if gemm else "n/a"
         print(f"70B shape ({name}): {run['replicas']}: {run['tokens_per_second']:,.0f} tok/s over "
-              f"{run['num_tokens']:,} tokens (loop {run['loop_seconds']:.0f} s), MFU over {gpus} GPUs {mfu} ({computing}; "
+              f"{run['num_tokens']:,} tokens (loop {run['loop_seconds']:.0f} s), MFU over {gpus} GPUs {mfu} "
+              f"({computing}; "
               f"{params / 1e9:.1f}B decoder params, GEMM peak {peak_text} TFLOP/s per GPU); "
               f"peak memory {[round((b or 0) / 1e9, 1) for b in run['peak_gpu_memory_bytes']]} GB; "
               f"verify: {run['verify']}")

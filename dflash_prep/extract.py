@@ -65,8 +65,8 @@ from .norms import describe_final_norm, write_final_norm  # noqa: E402
 from .planner import plan_stats, split_across_ranks  # noqa: E402
 from .recipe import Recipe, RecipeError, add_recipe_args  # noqa: E402
 from .sizes import check_free_space  # noqa: E402
-from .replica import (LAYER_SPLIT, TENSOR_PARALLEL, ReplicaAgreement, choose_parallelism,  # noqa: E402
-                      replica_layout)
+from .replica import (LAYER_SPLIT, TENSOR_PARALLEL, ReplicaAgreement, check_tensor_parallel_replicas,  # noqa: E402
+                      choose_parallelism, replica_layout)
 from .writer import (AsyncShardWriter, DiscardingWriter, NonFiniteStatesError, PendingBatch, lanes,  # noqa: E402
                      rank_name)
 
@@ -303,13 +303,15 @@ def _replica_of(state, recipe: Recipe, config):
     Test-only: without GPUs, `DFLASH_PREP_CPU_REPLICAS=1` lets a node's processes stand for its GPUs, so a
     tensor-parallel replica runs over CPU processes (gloo)."""
     n = recipe.model.gpus_per_replica
-    parallelism = choose_parallelism(config, n, recipe.model.replica_parallelism)
     num_local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes))
     num_local_gpus = torch.cuda.device_count()
+    one_per_replica = bool(num_local_gpus) and num_local_processes == num_local_gpus // n < num_local_gpus
+    parallelism = choose_parallelism(config, n, recipe.model.replica_parallelism, one_per_replica)
     if not num_local_gpus and parallelism == TENSOR_PARALLEL and os.environ.get(CPU_REPLICAS_ENV) == "1":
         num_local_gpus = num_local_processes
     replica = replica_layout(state.process_index, state.num_processes, state.local_process_index,
                              num_local_processes, num_local_gpus, n, parallelism)
+    check_tensor_parallel_replicas(replica)
     if replica.parallelism == LAYER_SPLIT:  # the inputs, the capture buffers, the copy events: its first GPU
         torch.cuda.set_device(replica.gpu_ids[0])
     if n > 1:

@@ -295,7 +295,7 @@ def _throughput(recipe: Recipe, config, params: int | None, tokens_per_second: f
 
 def _replicas(recipe: Recipe, config, num_gpus: int) -> dict:
     """How `num_gpus` GPUs run the recipe: replicas of `model.gpus_per_replica` N (num_gpus / N of them), the
-    process model (replica.choose_parallelism) and how many of a replica's GPUs compute at once (N under tensor
+    process model (replica.choose_parallelism: `auto` is a layer split for several replicas) and how many of a replica's GPUs compute at once (N under tensor
     parallelism, taken as N x one GPU's rate: an upper bound; 1 for a layer split or N = 1). ValueError (exit code
     2) when num_gpus is not a multiple of N."""
     from .replica import TENSOR_PARALLEL, choose_parallelism
@@ -304,7 +304,8 @@ def _replicas(recipe: Recipe, config, num_gpus: int) -> dict:
     if num_gpus % n:
         raise ValueError(f"--num-gpus {num_gpus} does not divide into replicas of model.gpus_per_replica = {n} GPUs "
                          f"(use a multiple of {n})")
-    parallelism = choose_parallelism(config, n, recipe.model.replica_parallelism)
+    # several replicas: one process per replica (tensor parallelism runs one replica per run)
+    parallelism = choose_parallelism(config, n, recipe.model.replica_parallelism, num_gpus // n > 1)
     return {"gpus_per_replica": n, "num_replicas": num_gpus // n, "parallelism": parallelism,
             "computing_gpus": n if parallelism == TENSOR_PARALLEL else 1}
 

@@ -97,8 +97,9 @@ class ModelSection:
     Not part of the job's identity (a resume may change it and the number of replicas)."""
     replica_parallelism: str = "auto"
     """How a replica of `gpus_per_replica` > 1 GPUs runs the target: `auto` (tensor parallel where transformers has
-    a plan for the architecture, else a layer split), `tensor_parallel` (refused for an architecture without a
-    plan) or `layer_split` (one process per replica, one GPU computing at a time). Not part of the job's identity:
+    a plan for the architecture and the launch runs one process per GPU, else a layer split), `tensor_parallel`
+    (one replica per run; refused for an architecture without a plan) or `layer_split` (one process per replica,
+    one GPU computing at a time). Not part of the job's identity:
     both hold the same weights (random weights too: drawn per module, model.draw_random_weights)."""
     triton_cache_dir: str | None = "~/.cache/dflash-prep/triton"
     """Where Triton keeps its compiled kernels and autotuning results (TRITON_CACHE_DIR, with
@@ -293,8 +294,8 @@ class Recipe:
 
     def fingerprint(self) -> str:
         """sha256 of what decides record content (model, data, layers, storage dtype); `model.kernels` is left out
-        (fused kernels change the rounding only), as are `model.gpus_per_replica` and `model.replica_parallelism` (where the model runs) and
-        `model.triton_cache_dir` (where compiled kernels are cached)."""
+        (fused kernels change the rounding only), as are `model.gpus_per_replica` and `model.replica_parallelism`
+        (where the model runs) and `model.triton_cache_dir` (where compiled kernels are cached)."""
         d = self.to_dict()
         data = {k: v for k, v in d["data"].items() if k not in ("num_proc", "max_skipped_fraction")
                 and not (k == "chat_template" and v is None)}

@@ -13,18 +13,21 @@ Process model for N > 1 (`choose_parallelism`, `model.replica_parallelism`), nam
   replica's N GPUs (`DistributedConfig(tp_size=N, tp_plan="auto")`; the architecture's config class must carry a
   `base_model_tp_plan`, as transformers itself decides in `PreTrainedModel.supports_tp_plan`), from a checkpoint
   or, for random weights, materializing each shard on its GPU (model.load_replica_model). One process per GPU:
-  launch with `--num_processes` = number of GPUs. The N processes of a replica (consecutive process indexes on
-  one node) form its tensor-parallel group and all run every forward; each holds the whole residual stream that
-  the capture hooks read (the row-parallel projections end in an all-reduce: a plain tensor, not a DTensor, leaves
-  every decoder layer), and only the replica's first process (`rank_in_replica == 0`) writes. Every decision that
-  changes which forwards run (a stop, a failure, an OOM split) is agreed over the replica (`ReplicaAgreement`).
-- `layer_split` (`auto` for an architecture without a plan, or asked for): one process per replica holds the
-  replica's N GPUs and the decoder layers are spread over them with a `device_map` (accelerate balances them):
-  launch with `--num_processes` = GPUs / N. Only one GPU computes at a time.
+  launch with `--num_processes` = number of GPUs; ONE replica per run (`check_tensor_parallel_replicas` says
+  why). The N processes of a replica (consecutive process indexes on one node) form its tensor-parallel group
+  and all run every forward; each holds the whole residual stream that the capture hooks read (the row-parallel
+  projections end in an all-reduce: a plain tensor, not a DTensor, leaves every decoder layer; checked on
+  transformers 5.17 and 5.24), and only the replica's first process (`rank_in_replica == 0`) writes. Every
+  decision that changes which forwards run (a stop, a failure, an OOM split) is agreed over the replica
+  (`ReplicaAgreement`).
+- `layer_split` (`auto` for an architecture without a plan or a launch of GPUs / N processes per node, or asked
+  for): one process per replica holds the replica's N GPUs and the decoder layers are spread over them with a
+  `device_map` (accelerate balances them): launch with `--num_processes` = GPUs / N. Only one GPU computes at a
+  time.
 
 Errors (`RecipeError`, exit code 2, before any weights load) name `model.gpus_per_replica`: N larger than the
-node's GPUs (a replica is GPUs of one node), the node's GPUs not a multiple of N, or a launch whose processes do
-not fit the process model.
+node's GPUs (a replica is GPUs of one node), the node's GPUs not a multiple of N, a launch whose processes do
+not fit the process model, or several tensor-parallel replicas.
 """
 
 from __future__ import annotations
@@ -81,13 +84,15 @@ def supports_tensor_parallel(config) -> bool:
     return bool(getattr(text, "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None))
 
 
-def choose_parallelism(config, gpus_per_replica: int, preference: str = "auto") -> str:
+def choose_parallelism(config, gpus_per_replica: int, preference: str = "auto",
+                       one_process_per_replica: bool = False) -> str:
     """`single_gpu` for N = 1; else `model.replica_parallelism`: `auto` is `tensor_parallel` where transformers
-    has a plan for the architecture, `layer_split` otherwise; `tensor_parallel` asked for an architecture without
+    has a plan for the architecture, `layer_split` otherwise or when the launch runs one process per replica
+    (`one_process_per_replica`: GPUs / N processes per node); `tensor_parallel` asked for an architecture without
     a plan raises RecipeError (exit code 2, before any weights load)."""
     if gpus_per_replica == 1:
         return SINGLE_GPU
-    if preference == LAYER_SPLIT:
+    if preference == LAYER_SPLIT or (preference == "auto" and one_process_per_replica):
         return LAYER_SPLIT
     if supports_tensor_parallel(config):
         return TENSOR_PARALLEL
@@ -132,22 +137,31 @@ def replica_layout(process_index: int, num_processes: int, local_process_index: 
     return ReplicaLayout(n, LAYER_SPLIT, process_index, num_processes, 0, tuple(range(first_gpu, first_gpu + n)))
 
 
+def check_tensor_parallel_replicas(layout: ReplicaLayout) -> None:
+    """Tensor parallelism runs ONE replica per run (its N processes are the whole world): transformers builds its
+    device mesh over every process of the run, and the only way it offers to have several replicas in it
+    (`DistributedConfig(dp_replicate_size=...)`, transformers >= 5.2x; none in 5.17) wraps the model in FSDP,
+    whose forwards gather weights across replicas, so replicas running different batches would wait on each
+    other. Several replicas: a layer split (one process per replica). RecipeError otherwise."""
+    if layout.parallelism == TENSOR_PARALLEL and layout.num_replicas > 1:
+        n = layout.gpus_per_replica
+        raise RecipeError(
+            f"recipe key `{KEY}` = {n}: tensor parallelism runs one replica per run, this launch makes "
+            f"{layout.num_replicas}; use gpus_per_replica = the run's {n * layout.num_replicas} GPUs (one node), or "
+            f"a layer split: model.replica_parallelism: layer_split and --num_processes GPUs / {n} per node")
+
+
 def load_arguments(layout: ReplicaLayout, max_memory_bytes_per_gpu: int = 0) -> dict:
     """The keyword arguments of transformers' `from_pretrained` that place the target on the replica's GPUs (what
     `model.load_replica_model` passes, for a checkpoint and for random weights alike), for N > 1:
-    - tensor_parallel: `{"distributed_config": DistributedConfig(tp_size=N, tp_plan="auto",
-      dp_replicate_size=num_replicas)}` (transformers builds its device mesh over the whole world: replicas are
-      its data-parallel dimension, each replica's N consecutive processes its `tp` dimension);
+    - tensor_parallel: `{"distributed_config": DistributedConfig(tp_size=N, tp_plan="auto")}` (one replica: its
+      N processes are the run's world, check_tensor_parallel_replicas);
     - layer_split: `{"device_map": "auto", "max_memory": {gpu: max_memory_bytes_per_gpu for each replica GPU}}`
       (only the replica's GPUs, no CPU offload; layers balanced over them by accelerate)."""
     if layout.parallelism == TENSOR_PARALLEL:
         from transformers.distributed.configuration_utils import DistributedConfig
 
-        config = DistributedConfig(tp_size=layout.gpus_per_replica, tp_plan="auto")
-        if layout.num_replicas > 1:
-            config = DistributedConfig(tp_size=layout.gpus_per_replica, tp_plan="auto",
-                                       dp_replicate_size=layout.num_replicas)
-        return {"distributed_config": config}
+        return {"distributed_config": DistributedConfig(tp_size=layout.gpus_per_replica, tp_plan="auto")}
     if layout.parallelism == LAYER_SPLIT:
         return {"device_map": "auto", "max_memory": {gpu: max_memory_bytes_per_gpu for gpu in layout.gpu_ids}}
     raise ValueError(f"no replica placement for {layout.parallelism}")

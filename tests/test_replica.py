@@ -17,8 +17,8 @@ from dflash_prep.layers import num_decoder_layers, resolve_layer_ids
 from dflash_prep.model import load_config, model_fingerprint
 from dflash_prep.planner import PlannedBatch, split_across_ranks
 from dflash_prep.recipe import RecipeError, load_recipe
-from dflash_prep.replica import (LAYER_SPLIT, SINGLE_GPU, TENSOR_PARALLEL, choose_parallelism, load_arguments,
-                                 replica_layout)
+from dflash_prep.replica import (LAYER_SPLIT, SINGLE_GPU, TENSOR_PARALLEL, check_tensor_parallel_replicas,
+                                 choose_parallelism, load_arguments, replica_layout)
 
 CONFIGS = REPO / "bench" / "configs"
 
@@ -109,6 +109,8 @@ def test_tensor_parallel_where_transformers_has_a_plan_else_a_layer_split():
     assert choose_parallelism(llama, 4) == TENSOR_PARALLEL  # random weights too (materialized per shard)
     assert choose_parallelism(qwen35, 2) == TENSOR_PARALLEL
     assert choose_parallelism(llama, 4, LAYER_SPLIT) == LAYER_SPLIT  # asked for
+    assert choose_parallelism(llama, 4, one_process_per_replica=True) == LAYER_SPLIT  # launched GPUs / N processes
+    assert choose_parallelism(llama, 4, TENSOR_PARALLEL, one_process_per_replica=True) == TENSOR_PARALLEL
     assert choose_parallelism(GPT2Config(), 2) == LAYER_SPLIT  # no tp plan for GPT-2
     with pytest.raises(RecipeError, match=r"`model.replica_parallelism` = 'tensor_parallel': transformers has no "
                                           r"tensor-parallel plan for GPT2Config"):
@@ -120,9 +122,11 @@ def test_tensor_parallel_where_transformers_has_a_plan_else_a_layer_split():
 def test_load_arguments_per_process_model():
     one_replica = layouts(1, 2, 2, TENSOR_PARALLEL)[1]
     tp = load_arguments(one_replica)["distributed_config"]
-    assert (tp.tp_size, tp.tp_plan, tp.dp_replicate_size) == (2, "auto", 1)
-    tp = load_arguments(layouts(1, 8, 4, TENSOR_PARALLEL)[5])["distributed_config"]
-    assert (tp.tp_size, tp.tp_plan, tp.dp_replicate_size) == (4, "auto", 2)
+    assert (tp.tp_size, tp.tp_plan) == (2, "auto")
+    check_tensor_parallel_replicas(one_replica)  # one replica: fine
+    with pytest.raises(RecipeError, match=r"`model.gpus_per_replica` = 4: tensor parallelism runs one replica per "
+                                          r"run, this launch makes 2; use gpus_per_replica = the run's 8 GPUs"):
+        check_tensor_parallel_replicas(layouts(1, 8, 4, TENSOR_PARALLEL)[5])
     split = layouts(1, 8, 4, LAYER_SPLIT)[1]
     assert load_arguments(split, 10**11) == {"device_map": "auto",
                                              "max_memory": {4: 10**11, 5: 10**11, 6: 10**11, 7: 10**11}}

@@ -123,7 +123,8 @@ def test_a_stop_signal_to_one_process_stops_the_replica_and_a_resume_completes_i
 def test_a_fatal_nan_seen_by_the_writer_stops_the_other_process(tp_out, llama_config_file, tmp_path):
     out = tmp_path / "out"
     first_id = sorted(read_records(tp_out))[5]
-    proc = launch(out, llama_config_file, faults={"nan_samples": [first_id]}, extra=("--set", "output.nan_policy=fatal"))
+    proc = launch(out, llama_config_file, faults={"nan_samples": [first_id]},
+                  extra=("--set", "output.nan_policy=fatal"))
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "non-finite" in (out / "logs" / "rank-00000.log").read_text().lower()
     assert "another process of its replica failed" in (out / "logs" / "rank-00001.log").read_text()
@@ -208,3 +209,18 @@ def test_the_agreement_of_a_replicas_processes(tmp_path):
             "collectives the others went past (1 vs 2 issued)")
     for rank in (0, 1):
         assert json.loads((tmp_path / f"verdicts.{rank}").read_text()) == [True, False, [True, False], stop]
+
+
+def test_several_tensor_parallel_replicas_are_refused_before_any_weights_load(llama_config_file, tmp_path):
+    """4 CPU processes as 2 tensor-parallel replicas of 2: one line naming the key and the ways out, exit code 2."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "dflash_prep.cli", "launch", "--config_file",
+                           str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "--num_processes", "4", "extract.py",
+                           "--set", f"output.dir={out}", *common(llama_config_file)],
+                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    errors = {line for line in proc.stderr.splitlines() if line.startswith("error:")}
+    assert errors == {"error: recipe key `model.gpus_per_replica` = 2: tensor parallelism runs one replica per run, "
+                      "this launch makes 2; use gpus_per_replica = the run's 4 GPUs (one node), or a layer split: "
+                      "model.replica_parallelism: layer_split and --num_processes GPUs / 2 per node"}
+    assert not (out / "plan.json").exists()
