@@ -245,15 +245,3 @@ def draw_random_weights(model: nn.Module, seed: int) -> int:
                     param.copy_(value)
         drawn += 1
     return drawn
-
-
-def balanced_device_map(model: nn.Module, max_memory: dict[int, int]) -> dict[str, int]:
-    """Module name -> GPU: the decoder layers spread evenly over the GPUs of `max_memory` (bytes per GPU), a layer
-    never split (accelerate's get_balanced_memory + infer_auto_device_map, as from_pretrained's `device_map="auto"`
-    does; filling the first GPU first would leave it no room for the activations)."""
-    from accelerate import infer_auto_device_map
-    from accelerate.utils import get_balanced_memory
-
-    no_split = model._no_split_modules
-    balanced = get_balanced_memory(model, max_memory=max_memory, no_split_module_classes=no_split)
-    return dict(infer_auto_device_map(model, max_memory=balanced, no_split_module_classes=no_split))
