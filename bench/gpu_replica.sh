@@ -92,7 +92,9 @@ keep_summary() {  # keep_summary OUT NAME: RESULTS/NAME.summary.json, the rank l
   python3 -c "import torch, transformers, accelerate; print(torch.__version__, transformers.__version__, accelerate.__version__)"
   env | grep -E "^(NCCL_|TORCH_SYMM|NVSHMEM_)" | sort
 } > "$RESULTS/env.txt" 2>&1
-python3 -c "import json, subprocess, sys; fs = subprocess.run(['findmnt', '-n', '-o', 'FSTYPE', '--target', sys.argv[1]], capture_output=True, text=True).stdout.strip(); print(json.dumps(f'{sys.argv[1]} ({fs or \"unknown filesystem\"}, local disk)'))" "$WORK" > "$WORK/disk.json"
+FS=$(findmnt -n -o FSTYPE --target "$WORK" 2> /dev/null || stat -f -c %T "$WORK" 2> /dev/null || echo unknown)
+case $FS in tmpfs|ramfs) KIND="memory, not a disk" ;; *) KIND="a disk, not /dev/shm" ;; esac
+printf '"%s (%s filesystem: %s)"\n' "$WORK" "$FS" "$KIND" > "$WORK/disk.json"
 log "results in $RESULTS, outputs in $WORK ($(cat "$WORK/disk.json")), budget ${BUDGET}s$([ $DRY = 1 ] && echo ', DRY RUN ON CPU')"
 
 step data 90 python3 -m bench.replica_check data "$WORK" $DRYFLAG
