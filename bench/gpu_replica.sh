@@ -1,75 +1,139 @@
 #!/usr/bin/env bash
-# Targets larger than one GPU (`model.gpus_per_replica`, dflash_prep/replica.py), on one node of 2 GPUs
-# (nvidia-h200-x2), offline (wheels from WHEEL_DIR, see gpu_env.sh):
-#   bash bench/gpu_replica.sh [WORK_DIR]        (default /dev/shm/replica: outputs in memory, not on the disk)
+# Targets larger than one GPU (`model.gpus_per_replica`, dflash_prep/replica.py), on one node of 2 GPUs, offline,
+# random weights from configs. ONE command, about 6 minutes (every step under `timeout`, all of them within
+# REPLICA_BUDGET_SECONDS, default 500):
 #
-# 1. The Llama-3.3-70B shape (bench/configs/llama3.3-70b.json, random bf16 weights: 141 GB, more than one GPU)
-#    as ONE replica of 2 GPUs, EAGLE-3 layers [1, 39, 76] + the final state after the norm. Random weights are
-#    only sharded by transformers while a checkpoint loads, so this runs the layer split (one process holding both
-#    GPUs, `--num_processes 1`); then `dflash-prep verify` on it (rebuilt split over the same 2 GPUs) and its MFU
-#    over both GPUs (2 x decoder params run x tok/s / (2 x 989 TFLOP/s bf16 dense)).
-# 2. The Llama-3.1-8B shape saved as a checkpoint (random weights, 16 GB), so tensor parallelism applies: 1 GPU
-#    (gpus_per_replica 1) against one tensor-parallel replica of 2 GPUs (`--num_processes 2`, one per GPU), same
-#    data; both verified; the summary's tok/s and `replicas` printed side by side.
-# Prints the commands and the figures; copy them with the summaries to bench/results/.
-set -euo pipefail
-source "$(dirname "$0")/gpu_env.sh"
-WORK=${1:-/dev/shm/replica}
-mkdir -p "$WORK"
-TOK=recipes/tiny-demo/tokenizer  # any tokenizer serves pre-tokenized rows (ids checked against the config's vocab)
-LAUNCH="python3 -m dflash_prep.cli launch"
-VERIFY="python3 -m dflash_prep.cli verify"
-run() { echo "+ $*"; "$@" 2>&1 | grep -v "sample/s\|examples/s"; }
+#   export WHEEL_DIR=.whl; source bench/gpu_env.sh > /dev/null 2>&1; bash bench/gpu_replica.sh RESULTS_DIR
+#   bash bench/gpu_replica.sh RESULTS_DIR --dry-run-cpu      (every step on a CPU with tiny configs, seconds)
+#
+# Writes under RESULTS_DIR: steps.log (each step: start, command, status, seconds), one log per step, the
+# summaries (*.summary.json), gemm.json, env.txt and replica.json (every figure; bench/replica_check.py). Big
+# outputs go to WORK_DIR (default /tmp/dflash-replica: the local disk; its filesystem is recorded), each deleted
+# once its summary is copied. A failed step does not stop the next.
+#
+# Steps:
+# 1. data: 8000 pre-tokenized samples (the benchmark's lengths, mean ~320 tokens), the 8B and 70B configs.
+# 2. gemm: one GPU's dense bf16 GEMM rate (8192^3), the MFU denominator.
+# 3. 70b-tp: the Llama-3.3-70B shape (bench/configs/llama3.3-70b.json, random bf16 weights, 141 GB) as ONE replica
+#    of 2 GPUs, tensor parallel (2 processes), EAGLE-3 layers [1, 39, 76] + the final state after the norm, ~205k
+#    tokens; the random weights are drawn on the GPUs (each process its shards), never on the host.
+#    verify-70b-tp: `dflash-prep verify` (the reference rebuilt split by layers over the 2 GPUs, one process).
+#    If 70b-tp fails: 70b-layer-split (1 process holding both GPUs) and its verify instead.
+# 4. 8b-warmup (64 samples, not measured: fills the shared Triton cache, model.triton_cache_dir), then the
+#    Llama-3.1-8B shape on the same ~2.5M tokens with `dflash-prep launch --num_processes 1` (8b-1gpu) and 2
+#    (8b-2gpu: 2 replicas of 1 GPU, data parallel), EAGLE-3 layers stored as fp8_e4m3 (12 KB per token, so the
+#    2-GPU run writes ~0.9 GB/s and the disk does not set the pace; each summary's `disk` says if it did).
+# 5. report: the 8B's per-GPU tok/s ratio (2 GPUs / 2 over 1 GPU; target >= 0.95), the 70B's tok/s, MFU over both
+#    GPUs and verify's verdict, printed and in replica.json.
+set -uo pipefail
+RESULTS=${1:?usage: bash bench/gpu_replica.sh RESULTS_DIR [--dry-run-cpu]}
+DRY=0
+[ "${2:-}" = "--dry-run-cpu" ] && DRY=1
+mkdir -p "$RESULTS" && RESULTS=$(cd "$RESULTS" && pwd)
+cd "$(dirname "$0")/.." || exit 2
+T0=$(date +%s)
+BUDGET=${REPLICA_BUDGET_SECONDS:-500}
+WORK=${WORK_DIR:-/tmp/dflash-replica}
+rm -rf "$WORK" && mkdir -p "$WORK"
+if ! python3 -c "import webdataset, datasets" > /dev/null 2>&1; then
+  source bench/gpu_env.sh > "$RESULTS/env.log" 2>&1  # the wheels, when the caller did not source it
+fi
+export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
-python3 - "$WORK" <<'EOF'
-import sys
-from pathlib import Path
-from bench.samples import make_samples, write_pretokenized
-work = Path(sys.argv[1])
-s = make_samples(4000, 5.41, 0.9, 16, 4096, 128256, seed=0)  # the benchmark's lengths (mean ~320 tokens)
-write_pretokenized(work / "data.parquet", s, 4000)
-EOF
+if [ $DRY = 1 ]; then
+  export DFLASH_PREP_CPU_REPLICAS=1  # test-only: a node's processes stand for its GPUs (tensor parallel over gloo)
+  TWO_PROCS=(--config_file accelerate_configs/cpu_2proc.yaml)
+  N70=48; N8=240; NWARM=16; DRYFLAG=--dry-run-cpu
+else
+  TWO_PROCS=(--multi_gpu --num_processes 2)
+  N70=640; N8=7800; NWARM=64; DRYFLAG=
+fi
 
-COMMON=(--set "data.path=$WORK/data.parquet" --set data.max_length=4096 --set "model.tokenizer=$TOK"
-        --set model.dtype=bfloat16 --set layers.preset=eagle3 --set layers.capture_final=after_norm
-        --set batching.max_tokens_per_batch=auto --set output.overwrite=true)
+log() { echo "[$(date +%T) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$RESULTS/steps.log"; }
 
-# --- 1. the 70B shape, one replica of 2 GPUs (layer split) -----------------------------------------------------
-OUT70=$WORK/out-70b
-run $LAUNCH --num_processes 1 extract.py "${COMMON[@]}" --set model.config=bench/configs/llama3.3-70b.json \
-    --set model.gpus_per_replica=2 --set data.max_samples=1000 --set "output.dir=$OUT70"
-run $VERIFY "$OUT70" --num-samples 8 --seed 0
-python3 - "$OUT70" <<'EOF'
-import json, sys
-s = json.load(open(f"{sys.argv[1]}/summary.json"))
-r = s["ranks"][0]
-flops = 2 * r["decoder_params_run"] * s["tokens_per_second"]
-print("70B shape:", s["replicas"], f"{s['tokens_per_second']:,.0f} tok/s, MFU over 2 GPUs "
-      f"{flops / (2 * 989e12):.3f}, peak GPU memory (first GPU) {r['peak_gpu_memory_bytes'] / 1e9:.1f} GB")
-EOF
+# step NAME SECONDS CMD...: CMD under `timeout` (SECONDS, or less when the budget runs out), its output in
+# RESULTS/NAME.log, its status in WORK/steps.jsonl; returns CMD's exit code (99: skipped, no time left).
+step() {
+  local name=$1 want=$2; shift 2
+  local left=$(( BUDGET - ($(date +%s) - T0) - 10 ))
+  local limit=$(( want < left ? want : left ))
+  if [ "$limit" -lt 20 ]; then
+    log "$name: SKIPPED (no time left in the ${BUDGET}s budget)"
+    echo "{\"name\": \"$name\", \"status\": \"skipped\", \"seconds\": 0}" >> "$WORK/steps.jsonl"
+    return 99
+  fi
+  log "$name: start (timeout ${limit}s): $*"
+  local start=$(date +%s)
+  timeout -k 15 "$limit" "$@" > "$RESULTS/$name.log" 2>&1
+  local rc=$? status
+  case $rc in 0) status=ok ;; 124|137) status=timeout ;; *) status="failed (exit code $rc)" ;; esac
+  local secs=$(( $(date +%s) - start ))
+  echo "{\"name\": \"$name\", \"status\": \"$status\", \"exit_code\": $rc, \"seconds\": $secs}" >> "$WORK/steps.jsonl"
+  log "$name: $status in ${secs}s"
+  grep -v "sample/s\|examples/s\|it/s\]" "$RESULTS/$name.log" | grep "^\[dflash-prep\] done\|^error\|verify: \|Error" \
+    | tail -4 | sed 's/^/    /' | tee -a "$RESULTS/steps.log"
+  if [ $rc = 124 ] || [ $rc = 137 ]; then  # the launcher passed the stop on: let the ranks exit, then end any left
+    sleep 10                              # (workers run in sessions of their own; their command lines name $WORK)
+    for pid in $(pgrep -f -- "$WORK/"); do kill -9 "$pid" 2> /dev/null; done
+    sleep 3
+  fi
+  return $rc
+}
 
-# --- 2. the 8B shape as a checkpoint: 1 GPU against 1 tensor-parallel replica of 2 GPUs --------------------------
-CKPT=$WORK/llama3.1-8b-ckpt
-python3 - "$CKPT" <<'EOF'
-import sys, torch
-from transformers import AutoConfig, AutoModelForCausalLM
-from dflash_prep.norms import randomize_norm_gains
-config = AutoConfig.from_pretrained("bench/configs/llama3.1-8b.json")
-torch.manual_seed(0)
-with torch.device("cuda"):
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-randomize_norm_gains(model, 0)
-model.save_pretrained(sys.argv[1])
-EOF
-for n in 1 2; do
-  run $LAUNCH --num_processes $n extract.py "${COMMON[@]}" --set model.config=null --set "model.name_or_path=$CKPT" \
-      --set model.gpus_per_replica=$n --set "output.dir=$WORK/out-8b-gpus$n"
-  run $VERIFY "$WORK/out-8b-gpus$n" --num-samples 8 --seed 0
-done
-python3 - "$WORK" <<'EOF'
-import json, sys
-one, two = (json.load(open(f"{sys.argv[1]}/out-8b-gpus{n}/summary.json")) for n in (1, 2))
-print("8B shape, 1 GPU:", one["replicas"], f"{one['tokens_per_second']:,.0f} tok/s")
-print("8B shape, 1 replica of 2 GPUs:", two["replicas"], f"{two['tokens_per_second']:,.0f} tok/s "
-      f"({two['tokens_per_second'] / one['tokens_per_second']:.2f}x of 1 GPU on 2 GPUs)")
-EOF
+keep_summary() {  # keep_summary OUT NAME: RESULTS/NAME.summary.json, the rank logs; then OUT is deleted
+  cp "$1/summary.json" "$RESULTS/$2.summary.json" 2> /dev/null
+  mkdir -p "$RESULTS/$2.logs" && cp "$1"/logs/*.log "$RESULTS/$2.logs/" 2> /dev/null
+  rm -rf "$1"
+}
+
+{
+  echo "work dir: $WORK"; df -h "$WORK" | tail -1; findmnt -n -o FSTYPE,SOURCE --target "$WORK"
+  nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv 2>&1
+  python3 -c "import torch, transformers, accelerate; print(torch.__version__, transformers.__version__, accelerate.__version__)"
+  env | grep -E "^(NCCL_|TORCH_SYMM|NVSHMEM_)" | sort
+} > "$RESULTS/env.txt" 2>&1
+FS=$(findmnt -n -o FSTYPE --target "$WORK" 2> /dev/null || stat -f -c %T "$WORK" 2> /dev/null || echo unknown)
+case $FS in tmpfs|ramfs) KIND="memory, not a disk" ;; *) KIND="a disk, not /dev/shm" ;; esac
+printf '"%s (%s filesystem: %s)"\n' "$WORK" "$FS" "$KIND" > "$WORK/disk.json"
+log "results in $RESULTS, outputs in $WORK ($(cat "$WORK/disk.json")), budget ${BUDGET}s$([ $DRY = 1 ] && echo ', DRY RUN ON CPU')"
+
+step data 90 python3 -m bench.replica_check data "$WORK" $DRYFLAG
+step gemm 60 python3 -m bench.replica_check gemm "$RESULTS" $DRYFLAG
+
+COMMON=(--set "data.path=$WORK/data.parquet" --set data.max_length=4096 --set model.tokenizer=recipes/tiny-demo/tokenizer
+        --set model.dtype=bfloat16 --set layers.preset=eagle3 --set batching.max_tokens_per_batch=auto
+        --set batching.num_workers=2 --set "model.triton_cache_dir=$WORK/triton" --set output.overwrite=true)
+LAUNCH=(python3 -m dflash_prep.cli launch)
+
+# --- the 70B shape: one replica of 2 GPUs ------------------------------------------------------------------------
+C70=(--set "model.config=$WORK/configs/70b.json" --set model.gpus_per_replica=2 --set "data.max_samples=$N70"
+     --set layers.capture_final=after_norm --set output.dtype=bfloat16)
+if step 70b-tp 200 "${LAUNCH[@]}" "${TWO_PROCS[@]}" extract.py "${COMMON[@]}" "${C70[@]}" \
+    --set "output.dir=$WORK/out-70b-tp"; then
+  step verify-70b-tp 150 python3 -m dflash_prep.cli verify "$WORK/out-70b-tp" --num-samples 8 --seed 0
+  keep_summary "$WORK/out-70b-tp" 70b-tp
+else
+  keep_summary "$WORK/out-70b-tp" 70b-tp
+  if step 70b-layer-split 200 "${LAUNCH[@]}" --num_processes 1 extract.py "${COMMON[@]}" "${C70[@]}" \
+      --set model.replica_parallelism=layer_split --set "output.dir=$WORK/out-70b-ls"; then
+    step verify-70b-layer-split 150 python3 -m dflash_prep.cli verify "$WORK/out-70b-ls" --num-samples 8 --seed 0
+  fi
+  keep_summary "$WORK/out-70b-ls" 70b-layer-split
+fi
+
+# --- the 8B shape: 1 GPU, then 2 GPUs (2 replicas of 1), the same data -----------------------------------------------
+C8=(--set "model.config=$WORK/configs/8b.json" --set layers.capture_final=none --set output.dtype=fp8_e4m3)
+step 8b-warmup 90 "${LAUNCH[@]}" --num_processes 1 extract.py "${COMMON[@]}" "${C8[@]}" --set "data.max_samples=$NWARM" \
+    --set "output.dir=$WORK/out-8b-warmup"
+rm -rf "$WORK/out-8b-warmup"
+step 8b-1gpu 170 "${LAUNCH[@]}" --num_processes 1 extract.py "${COMMON[@]}" "${C8[@]}" --set "data.max_samples=$N8" \
+    --set "output.dir=$WORK/out-8b-1gpu"
+keep_summary "$WORK/out-8b-1gpu" 8b-1gpu
+step 8b-2gpu 130 "${LAUNCH[@]}" "${TWO_PROCS[@]}" extract.py "${COMMON[@]}" "${C8[@]}" --set "data.max_samples=$N8" \
+    --set "output.dir=$WORK/out-8b-2gpu"
+keep_summary "$WORK/out-8b-2gpu" 8b-2gpu
+
+# --- figures ------------------------------------------------------------------------------------------------------
+python3 -m bench.replica_check report "$WORK" "$RESULTS" 2>&1 | tee "$RESULTS/report.log"
+cp "$WORK/steps.jsonl" "$RESULTS/steps.jsonl" 2> /dev/null
+log "done in $(( $(date +%s) - T0 ))s"

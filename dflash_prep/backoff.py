@@ -87,9 +87,12 @@ def nonfinite_per_sample(hs_NK: torch.Tensor, final_NH: torch.Tensor | None, row
 class BatchRunner:
     """Forward with OOM split-and-retry and learned per-length batch caps (see the module docstring)."""
 
-    def __init__(self, capture: LayerCapture, faults=None):
+    def __init__(self, capture: LayerCapture, faults=None, agree_oom=None):
+        """`agree_oom(bool) -> bool`: whether any process of a tensor-parallel replica ran out of memory in this
+        attempt (replica.ReplicaAgreement), so every process splits the same batches the same way; None: alone."""
         self.capture = capture
         self.faults = faults
+        self.agree_oom = agree_oom
         self.caps: dict[int, int] = {}  # padded length -> largest batch size still expected to fit
         self.packed_token_cap: int | None = None  # packed rows: most tokens per forward still expected to fit
         self.num_ooms = 0
@@ -109,6 +112,8 @@ class BatchRunner:
         while todo:
             a, b = todo.pop()
             out = self._attempt(batch, tensors, a, b, offsets, T)
+            if self.agree_oom is not None and self.agree_oom(out is None) and out is not None:
+                out = None  # another process of the replica ran out of memory: drop this result, split with it
             if out is not None:
                 pieces.append((a, out))
                 continue
@@ -138,6 +143,8 @@ class BatchRunner:
                 self.faults.before_forward(batch.batch_id, [s.sample_id for s in batch.samples[a:b]])
             sub = self._piece(batch, tensors, a, b, offsets, T)
             captured = self.capture.run(**sub)
+            if self.faults is not None:
+                self.faults.after_forward(batch.batch_id)
             hs, final = captured.hidden_states_NK, captured.final_hidden_states_NH
             if self.faults is not None and self.faults.nan_samples:
                 self.faults.poison(hs, [s.sample_id for s in batch.samples[a:b]],

@@ -67,13 +67,15 @@ from .packing import replay_stored_layout, select_packing, use_packed_attention 
 from .planner import plan_stats, rank_finish_seconds, split_across_ranks  # noqa: E402
 from .recipe import Recipe, RecipeError, add_recipe_args  # noqa: E402
 from .sizes import check_free_space  # noqa: E402
-from .replica import LAYER_SPLIT, TENSOR_PARALLEL, choose_parallelism, replica_layout  # noqa: E402
+from .replica import (LAYER_SPLIT, TENSOR_PARALLEL, ReplicaAgreement, check_tensor_parallel_replicas,  # noqa: E402
+                      choose_parallelism, replica_layout)
 from .writer import (AsyncShardWriter, DiscardingWriter, NonFiniteStatesError, PendingBatch, lanes,  # noqa: E402
                      rank_name)
 
 log = logging.getLogger("dflash_prep")
 
 EXIT_STOPPED, EXIT_BAD_RECIPE, EXIT_FAILED_SAMPLES = 1, 2, 3
+CPU_REPLICAS_ENV = "DFLASH_PREP_CPU_REPLICAS"  # test-only: tensor-parallel replicas of CPU processes (_replica_of)
 
 
 class _StopRequest:
@@ -312,19 +314,26 @@ def _start(recipe: Recipe) -> Run:
     return Run(recipe=recipe, state=state, out_dir=out_dir, config=config, num_layers=num_layers,
                layer_ids=layer_ids, kernels=kernels, tokenizer=tokenizer, faults=faults, t_start=t_start,
                replica=replica, identity=run_identity(recipe, config, layer_ids, tokenizer, state.is_main_process),
-               triton_cache=triton_cache, packing=packing,
+               triton_cache=triton_cache, packing=packing, agreement=ReplicaAgreement.for_layout(replica),
                # the split's cost numbers (a meta-device build: before the model loads on a thread of its own)
                cost_model=batch_cost_model(recipe, config, layer_ids, num_layers))
 
 
 def _replica_of(state, recipe: Recipe, config):
-    """This process's replica (replica.py): which one, how many, its GPUs, whether it writes; RecipeError when the
-    GPUs or the launch do not divide into replicas of `model.gpus_per_replica`."""
+    """This process's replica (replica.py): which one, how many, its GPUs, whether it writes, and the agreement of
+    its processes; RecipeError when the GPUs or the launch do not divide into replicas of `model.gpus_per_replica`.
+    Test-only: without GPUs, `DFLASH_PREP_CPU_REPLICAS=1` lets a node's processes stand for its GPUs, so a
+    tensor-parallel replica runs over CPU processes (gloo)."""
     n = recipe.model.gpus_per_replica
+    num_local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes))
+    num_local_gpus = torch.cuda.device_count()
+    one_per_replica = bool(num_local_gpus) and num_local_processes == num_local_gpus // n < num_local_gpus
+    parallelism = choose_parallelism(config, n, recipe.model.replica_parallelism, one_per_replica)
+    if not num_local_gpus and parallelism == TENSOR_PARALLEL and os.environ.get(CPU_REPLICAS_ENV) == "1":
+        num_local_gpus = num_local_processes
     replica = replica_layout(state.process_index, state.num_processes, state.local_process_index,
-                             int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes)),
-                             torch.cuda.device_count(), n,
-                             choose_parallelism(config, n, random_weights=recipe.model.config is not None))
+                             num_local_processes, num_local_gpus, n, parallelism)
+    check_tensor_parallel_replicas(replica)
     if replica.parallelism == LAYER_SPLIT:  # the inputs, the capture buffers, the copy events: its first GPU
         torch.cuda.set_device(replica.gpu_ids[0])
     if n > 1:
@@ -399,6 +408,7 @@ def _run_rank(run: Run, data, rank_plan: RankPlan, lock_fds: tuple, load: _Targe
         log.info("every batch of the plan is committed: nothing to run, the model is not loaded")
         return {**_idle_rank_report(run.rank), "startup_seconds": dict(run.startup_seconds)}
     model = _load_target(run, load)
+    run.agreement.watch(model)  # a tensor-parallel replica's OOM splits compare its collectives (replica.py)
     writer = DiscardingWriter() if not run.is_writer else AsyncShardWriter(
         lanes(run.out_dir, run.rank, run.recipe.output.max_shard_bytes,
               next_shard_number(rank_plan.committed, rank_name(run.rank)), run.recipe.output.num_writer_threads,
@@ -530,7 +540,9 @@ class _LoopResult:
 def _forward_loop(run: Run, model, loader, writer: AsyncShardWriter, num_samples: int) -> _LoopResult:
     """Batches -> forward with the capture hooks -> one async copy to the host -> the writer, until the loader is
     done or a stop signal arrives (then the batches captured so far are committed and ExtractionError raised).
-    A write error or a fatal NaN stops the run cleanly (ExtractionError); the open shards are dropped."""
+    A write error or a fatal NaN stops the run cleanly (ExtractionError); the open shards are dropped. The
+    processes of a tensor-parallel replica agree after every batch whether any of them stops or failed
+    (replica.ReplicaAgreement), so they leave the loop together."""
     progress = _progress(run.is_main, num_samples, run.world)
     gpu_timer = _GpuTimer() if run.device.type == "cuda" else None
     stats, runner, stop, stopped_early = RankStats(), None, _StopRequest(), False
@@ -539,11 +551,11 @@ def _forward_loop(run: Run, model, loader, writer: AsyncShardWriter, num_samples
         with LayerCapture(model, run.layer_ids, capture_final=run.recipe.layers.capture_final,
                           storage_dtype=STORAGE_TORCH_DTYPES[run.recipe.output.dtype],
                           padding_mask=run.recipe.model.padding_mask) as capture:
-            runner = BatchRunner(capture, run.faults)  # OOM: split and retry, learn per-length batch caps
+            runner = BatchRunner(capture, run.faults, agree_oom=run.agreement.agree_attempt)
             t_wait = time.perf_counter()
             for batch in loader:
                 stats.data_wait_seconds += time.perf_counter() - t_wait
-                _forward_one(run, batch, runner, writer, stats, gpu_timer)
+                _forward_agreed(run, batch, runner, writer, stats, gpu_timer, stop)
                 if stats.num_batches == 1:  # its DataLoader start, collate, first-seen shape, hooks
                     run.startup_seconds["first_batch"] = time.perf_counter() - t_loop
                 _show_progress(progress, len(batch.samples), stats.num_real_tokens * run.world, t_loop,
@@ -567,6 +579,27 @@ def _forward_loop(run: Run, model, loader, writer: AsyncShardWriter, num_samples
     stats.writer_wait_seconds = writer.wait_seconds
     return _LoopResult(stats, runner, time.perf_counter() - t_loop,
                        gpu_timer.total_seconds() if gpu_timer is not None else None)
+
+
+def _forward_agreed(run: Run, batch, runner: BatchRunner, writer: AsyncShardWriter, stats: RankStats,
+                    gpu_timer: _GpuTimer | None, stop: _StopRequest) -> None:
+    """`_forward_one`, then one agreement of the replica's processes (replica.ReplicaAgreement; free with one
+    process per replica): a stop asked of any of them is a stop for all (`stop` is set), a failure of any (a write
+    error or a fatal NaN seen by the writer, an error in a forward) stops the others with ExtractionError; the
+    failing process says so before raising its own error."""
+    try:
+        _forward_one(run, batch, runner, writer, stats, gpu_timer)
+        if run.faults is not None:
+            run.faults.after_batch(run.state.process_index, stats.num_batches)
+    except Exception:
+        run.agreement.agree(stop.requested, True)
+        raise
+    stop_any, failed_any = run.agreement.agree(stop.requested, False)
+    if failed_any:
+        raise ExtractionError(f"rank {run.rank} stopped: another process of its replica failed (its log says why); "
+                              f"committed shards are intact, re-run the same command to resume")
+    if stop_any and not stop.requested:
+        stop.signal_name = "the stop of another process of its replica"
 
 
 def _forward_one(run: Run, batch, runner: BatchRunner, writer: AsyncShardWriter, stats: RankStats,

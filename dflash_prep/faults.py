@@ -7,6 +7,11 @@ Unset (the normal case), `Faults.from_env()` returns None and no code path pays 
                                              halves then run; later batches of its padded length are pre-split)
     oom_samples            [sample_id, ...]  every forward holding a listed sample raises a CUDA OOM, so the
                                              sample fails alone (recorded as failed `out_of_memory`)
+    oom_after_forward_batches [batch_id, ...] the first forward of each listed batch raises a CUDA OOM after it
+                                             ran (as an allocation after a tensor-parallel forward's last
+                                             collective would)
+    oom_process            P                 only the process of index P (torchrun's RANK) raises the OOMs of
+                                             oom_after_forward_batches (default: every process)
     nan_samples            [sample_id, ...]  a NaN is written into the captured states of each listed sample
     enospc_shard           N                 writing into shard number N raises OSError(ENOSPC) after part of
                                              the shard is on disk
@@ -18,6 +23,9 @@ Unset (the normal case), `Faults.from_env()` returns None and no code path pays 
                                              long enough for a test to start a second one beside it)
     write_delay_seconds    S                 every batch a writer thread writes first sleeps S seconds (a slow disk)
     load_delay_seconds     S                 the model load first sleeps S seconds (a checkpoint of tens of GB)
+    sigterm_after_batches  K                 the process sends itself SIGTERM (a preemption notice) after its
+                                             K-th batch
+    sigterm_process        P                 only the process of index P does (default: every process)
 
 Example: DFLASH_PREP_FAULTS='{"oom_batches": [3, 5], "nan_samples": ["0000000012"], "enospc_shard": 1}'.
 It is a test hook: it never mocks the model; the forward, the writer and the commit all run for real.
@@ -32,7 +40,8 @@ from dataclasses import dataclass, field
 
 ENV_VAR = "DFLASH_PREP_FAULTS"
 KNOWN_KEYS = ("oom_batches", "oom_samples", "nan_samples", "enospc_shard", "enospc_rank", "exit_after_rename_shard",
-              "forward_delay_seconds", "write_delay_seconds", "load_delay_seconds")
+              "forward_delay_seconds", "write_delay_seconds", "sigterm_after_batches", "sigterm_process",
+              "oom_after_forward_batches", "oom_process", "load_delay_seconds")
 
 
 @dataclass
@@ -46,7 +55,12 @@ class Faults:
     forward_delay_seconds: float = 0.0
     write_delay_seconds: float = 0.0
     load_delay_seconds: float = 0.0
+    sigterm_after_batches: int | None = None
+    sigterm_process: int | None = None
+    oom_after_forward_batches: set[int] = field(default_factory=set)
+    oom_process: int | None = None
     _oom_fired: set[int] = field(default_factory=set)
+    _oom_after_fired: set[int] = field(default_factory=set)
 
     @classmethod
     def from_env(cls) -> "Faults | None":
@@ -63,7 +77,10 @@ class Faults:
                    exit_after_rename_shard=spec.get("exit_after_rename_shard"),
                    forward_delay_seconds=float(spec.get("forward_delay_seconds", 0.0)),
                    write_delay_seconds=float(spec.get("write_delay_seconds", 0.0)),
-                   load_delay_seconds=float(spec.get("load_delay_seconds", 0.0)))
+                   load_delay_seconds=float(spec.get("load_delay_seconds", 0.0)),
+                   sigterm_after_batches=spec.get("sigterm_after_batches"), sigterm_process=spec.get("sigterm_process"),
+                   oom_after_forward_batches={int(b) for b in spec.get("oom_after_forward_batches", [])},
+                   oom_process=spec.get("oom_process"))
 
     # -- model load ----------------------------------------------------------------------------------------
     def before_load(self) -> None:
@@ -87,6 +104,22 @@ class Faults:
         hit = self.oom_samples.intersection(sample_ids)
         if hit:
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected by {ENV_VAR} for {sorted(hit)})")
+
+    def after_forward(self, batch_id: int) -> None:
+        """Raise an injected OOM after a forward ran, once per listed batch, on the listed process."""
+        if (batch_id in self.oom_after_forward_batches and batch_id not in self._oom_after_fired
+                and self.oom_process in (None, int(os.environ.get("RANK", "0")))):
+            import torch
+
+            self._oom_after_fired.add(batch_id)
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected by {ENV_VAR} after batch {batch_id})")
+
+    def after_batch(self, process_index: int, num_batches: int) -> None:
+        """SIGTERM to this process after its `sigterm_after_batches`-th batch, where the spec asks for it."""
+        if num_batches == self.sigterm_after_batches and self.sigterm_process in (None, process_index):
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def poison(self, hidden_states_NK, sample_ids: list[str], lengths: list[int]) -> None:
         """Write a NaN into the first captured value of each listed sample (in place); in a packed fp8 buffer

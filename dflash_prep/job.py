@@ -261,6 +261,7 @@ class Run:
     cost_model: Any = None  # planner.BatchCostModel: each batch's predicted seconds, for the split over ranks
     startup_seconds: dict = field(default_factory=dict)  # start, tokenize, plan, model_load(_wait), first_batch
     packing: Any = None  # packing.PackingChoice: packed rows or padded batches (the stored plan's layout wins)
+    agreement: Any = None  # replica.ReplicaAgreement: the decisions a tensor-parallel replica's processes share
 
     @property
     def rank(self) -> int:

@@ -52,15 +52,16 @@ def model_fingerprint(section: ModelSection, config) -> str:
     """sha256 of the config and where the weights come from (path or random seed).
 
     The config's own `_name_or_path` (the folder or file it was read from) is left out: the same config read
-    from another checkout is the same model. Random weights of a replica of several GPUs are drawn on the CPU
-    (load_replica_model), so they are another model than the same seed's on one GPU.
+    from another checkout is the same model. Random weights of a replica of several GPUs are drawn module by module
+    (load_replica_model: the same for every replica layout), so they are another model than the same seed's on one
+    GPU.
     """
     def without_source(d):
         return {k: without_source(v) if isinstance(v, dict) else v for k, v in d.items() if k != "_name_or_path"}
 
     weights = section.name_or_path or f"random:{section.init_seed}"
     if section.name_or_path is None and section.gpus_per_replica > 1:
-        weights += ":drawn-on-cpu"  # load_replica_model: other weights than those drawn on a GPU
+        weights += ":per-module"  # load_replica_model: drawn module by module, other weights than one GPU's
     payload = {"config": without_source(config.to_dict()), "weights": weights,
                "dtype": section.dtype}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
@@ -160,25 +161,27 @@ def describe_source(section: ModelSection) -> str:
 
 def load_replica_model(section: ModelSection, config, layout) -> nn.Module:
     """The CausalLM spread over a replica's GPUs (`model.gpus_per_replica` > 1; replica.py says how), eval mode,
-    frozen, in the recipe's compute dtype. Random weights (`model.config`) are drawn on the CPU with `init_seed`
-    (the only device that holds all of them, so every layout draws the same weights) and dispatched over the
-    replica's GPUs; their states differ from a `gpus_per_replica: 1` run's (drawn on the GPU)."""
-    from transformers import AutoModelForCausalLM
+    frozen, in the recipe's compute dtype. Tensor parallel: every process of the replica holds its shards (DTensor
+    parameters) on its own GPU; layer split: this process holds the layers spread over the replica's GPUs.
 
+    Random weights (`model.config`) are never drawn on the host (a 70B target is 141 GB in bf16): transformers
+    builds the model on the meta device and materializes each parameter (or its shard) on its GPU, then
+    `draw_random_weights` draws them per module from `init_seed`, so every layout (tensor parallel of any N, a
+    layer split, verify's rebuild) holds the same weights; they differ from a `gpus_per_replica: 1` run's
+    (drawn in one pass over the model: `load_model`)."""
     from .replica import TENSOR_PARALLEL, load_arguments
 
-    free_bytes = min(torch.cuda.mem_get_info(gpu)[0] for gpu in layout.gpu_ids)
-    placement = load_arguments(layout, section.config is not None, int(0.9 * free_bytes))
+    free_bytes = 0  # tensor parallel places by process (each its own GPU), over CPU processes in the tests
+    if layout.parallelism != TENSOR_PARALLEL:  # (asking another GPU would open a CUDA context on it)
+        free_bytes = min(torch.cuda.mem_get_info(gpu)[0] for gpu in layout.gpu_ids)
+    placement = load_arguments(layout, int(0.9 * free_bytes))
     kwargs = dict(dtype=DTYPES[section.dtype], attn_implementation=section.attn_implementation,
                   trust_remote_code=section.trust_remote_code)
     if section.config is not None:
-        from accelerate import dispatch_model
-
-        torch.manual_seed(section.init_seed)
-        model = AutoModelForCausalLM.from_config(config, **kwargs)
-        randomize_norm_gains(model, section.init_seed)
-        model = dispatch_model(model, device_map=balanced_device_map(model, placement["max_memory"]))
+        model = build_random_model(section, config, placement)
     else:
+        from transformers import AutoModelForCausalLM
+
         model = AutoModelForCausalLM.from_pretrained(section.name_or_path, **placement, **kwargs)
     if layout.parallelism != TENSOR_PARALLEL:
         log.info("layer split over GPUs %s: layers on %s", list(layout.gpu_ids),
@@ -187,13 +190,72 @@ def load_replica_model(section: ModelSection, config, layout) -> nn.Module:
     return model
 
 
-def balanced_device_map(model: nn.Module, max_memory: dict[int, int]) -> dict[str, int]:
-    """Module name -> GPU: the decoder layers spread evenly over the GPUs of `max_memory` (bytes per GPU), a layer
-    never split (accelerate's get_balanced_memory + infer_auto_device_map, as from_pretrained's `device_map="auto"`
-    does; filling the first GPU first would leave it no room for the activations)."""
-    from accelerate import infer_auto_device_map
-    from accelerate.utils import get_balanced_memory
+def build_random_model(section: ModelSection, config, placement: dict) -> nn.Module:
+    """Random weights (`model.config`, `init_seed`) as a replica holds them, placed by `placement` (from_pretrained
+    keywords: replica.load_arguments, or `{"device_map": {"": device}}` for one device): built on the meta device,
+    each parameter (or tensor-parallel shard) materialized where it lives, drawn per module
+    (`draw_random_weights`), norm gains drawn (norms.randomize_norm_gains). Eval mode, frozen."""
+    kwargs = dict(dtype=DTYPES[section.dtype], attn_implementation=section.attn_implementation,
+                  trust_remote_code=section.trust_remote_code)
+    torch.manual_seed(section.init_seed)  # transformers' first init pass (drawn again below) is seeded too
+    model = _causal_lm_class(config).from_pretrained(None, config=config, state_dict={}, **placement, **kwargs)
+    draw_random_weights(model, section.init_seed)
+    randomize_norm_gains(model, section.init_seed)
+    return model.eval().requires_grad_(False)
 
-    no_split = model._no_split_modules
-    balanced = get_balanced_memory(model, max_memory=max_memory, no_split_module_classes=no_split)
-    return dict(infer_auto_device_map(model, max_memory=balanced, no_split_module_classes=no_split))
+
+def _causal_lm_class(config):
+    """The CausalLM class transformers' Auto mapping picks for `config` (its `from_pretrained` accepts no path
+    with a config and an empty state dict: every parameter is then missing and initialized where it lives)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.auto_factory import _get_model_class
+
+    return _get_model_class(config, AutoModelForCausalLM._model_mapping)
+
+
+def _module_seed(seed: int, module_name: str) -> int:
+    """A 63-bit seed for one module's draws, from the run's seed and the module's name (stable across processes,
+    unlike Python's salted hash)."""
+    digest = hashlib.sha256(f"{seed}:{module_name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def draw_random_weights(model: nn.Module, seed: int) -> int:
+    """Draw every parameter of `model` again, module by module, with transformers' own initialization for the
+    architecture (`_init_weights`), the RNG seeded from (`seed`, module name) before each module; -> modules drawn.
+
+    The draws do not depend on where the module lives: a tensor-parallel shard (a DTensor parameter) is cut from
+    the whole parameter drawn on this process's device (`distribute_tensor(..., src_data_rank=None)`: every process
+    draws the same whole tensor, no communication), so a tensor-parallel replica of any size, a layer split and a
+    single device hold the same weights (same device type: CUDA's random streams differ from the CPU's).
+    Norm gains come out at unit gain; `norms.randomize_norm_gains` draws them next."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    drawn = 0
+    for name, module in model.named_modules():
+        own = list(module.named_parameters(recurse=False))
+        if not own:
+            continue
+        whole = {}
+        for param_name, param in own:  # a fresh tensor: transformers' init skips those marked initialized
+            shape = param.shape  # a DTensor's shape is the whole parameter's
+            local = param.to_local() if isinstance(param, DTensor) else param
+            whole[param_name] = nn.Parameter(torch.empty(shape, dtype=param.dtype, device=local.device),
+                                             requires_grad=False)
+        originals = dict(own)
+        module._parameters.update(whole)
+        torch.manual_seed(_module_seed(seed, name))
+        try:
+            model._init_weights(module)
+        finally:
+            module._parameters.update(originals)
+        with torch.no_grad():
+            for param_name, param in originals.items():
+                value = whole[param_name].data
+                if isinstance(param, DTensor):
+                    value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None).to_local()
+                    param.to_local().copy_(value)
+                else:
+                    param.copy_(value)
+        drawn += 1
+    return drawn

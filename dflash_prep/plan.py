@@ -201,16 +201,20 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
     plan = make_plan(lengths, recipe, packed=packing.packed)
     stats = plan_stats(plan)
 
+    replicas = _replicas(recipe, config, num_gpus)
     last_needed = num_layers - 1 if recipe.layers.capture_final != "none" else layer_ids[-1]
     params = decoder_params_run(recipe.model, config, last_needed)
     # the extraction's own split (same cost numbers), so the shards replayed per rank are the run's
     cost_model = batch_cost_model(recipe, config, layer_ids, num_layers, params)
-    shares = split_across_ranks(plan, num_gpus, functools.partial(cost_model.cost_of, lengths=lengths))
+    shares = split_across_ranks(plan, replicas["num_replicas"],  # a rank of the output is a replica
+                                functools.partial(cost_model.cost_of, lengths=lengths))
     disk = _disk_figures(recipe, plan, shares, cols, lengths, layer_ids, hidden_size, stats["num_real_tokens"])
     throughput = _throughput(recipe, config, params, tokens_per_second, bench_dir)
+    if throughput["tokens_per_second"]:
+        replicas["tokens_per_second_per_replica"] = throughput["tokens_per_second"] * replicas["computing_gpus"]
     ranks = [plan_stats(share) for share in shares]
-    wall = _wall_time(throughput["tokens_per_second"], throughput.get("seconds_per_new_shape") or 0.0, ranks,
-                      num_gpus, disk[recipe.output.dtype]["bytes_per_token"])
+    wall = _wall_time(replicas.get("tokens_per_second_per_replica"), throughput.get("seconds_per_new_shape") or 0.0,
+                      ranks, num_gpus, disk[recipe.output.dtype]["bytes_per_token"], recipe.model.gpus_per_replica)
 
     return {
         "recipe_fingerprint": recipe.fingerprint(),
@@ -233,7 +237,7 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
         "num_bytes": disk[recipe.output.dtype]["num_bytes"],
         "ranks": [{"rank": i, "num_batches": r["num_batches"], "num_samples": r["num_samples"],
                    "num_real_tokens": r["num_real_tokens"], "num_shapes": r["num_shapes"]} for i, r in enumerate(ranks)],
-        "throughput": throughput, "wall": wall,
+        "throughput": throughput, "replicas": replicas, "wall": wall,
         "lengths_histogram": length_histogram(lengths, recipe.data.max_length),
         "tokenize_seconds": tokenize_seconds, "plan_seconds": time.perf_counter() - t0,
     }
@@ -300,18 +304,37 @@ def _throughput(recipe: Recipe, config, params: int | None, tokens_per_second: f
     return throughput
 
 
+def _replicas(recipe: Recipe, config, num_gpus: int) -> dict:
+    """How `num_gpus` GPUs run the recipe: replicas of `model.gpus_per_replica` N (num_gpus / N of them), the
+    process model (replica.choose_parallelism: `auto` is a layer split for several replicas) and how many of a replica's GPUs compute at once (N under tensor
+    parallelism, taken as N x one GPU's rate: an upper bound; 1 for a layer split or N = 1). ValueError (exit code
+    2) when num_gpus is not a multiple of N."""
+    from .replica import TENSOR_PARALLEL, choose_parallelism
+
+    n = recipe.model.gpus_per_replica
+    if num_gpus % n:
+        raise ValueError(f"--num-gpus {num_gpus} does not divide into replicas of model.gpus_per_replica = {n} GPUs "
+                         f"(use a multiple of {n})")
+    # several replicas: one process per replica (tensor parallelism runs one replica per run)
+    parallelism = choose_parallelism(config, n, recipe.model.replica_parallelism, num_gpus // n > 1)
+    return {"gpus_per_replica": n, "num_replicas": num_gpus // n, "parallelism": parallelism,
+            "computing_gpus": n if parallelism == TENSOR_PARALLEL else 1}
+
+
 def _wall_time(tps: float | None, per_shape: float, ranks: list[dict], num_gpus: int,
-               bytes_per_token: float) -> dict | None:
-    """The busiest GPU's time (its tokens / tokens/s + first-seen-shape warm-up), GPU hours, write rate per GPU."""
+               bytes_per_token: float, gpus_per_replica: int = 1) -> dict | None:
+    """The busiest replica's time (its tokens / its tokens/s `tps` + first-seen-shape warm-up), GPU hours (each
+    replica holds `gpus_per_replica` GPUs), the write rate per replica (its one writer)."""
     if not tps:
         return None
     per_rank = [r["num_real_tokens"] / tps + per_shape * r["num_shapes"] for r in ranks]
     return {"num_gpus": num_gpus, "seconds": max(per_rank),
             "compute_seconds": max(r["num_real_tokens"] for r in ranks) / tps,
             "warmup_seconds": max(per_shape * r["num_shapes"] for r in ranks),
-            "gpu_hours": sum(per_rank) / 3600,
-            # what each GPU's writer threads must sustain so the GPU never waits on the disk
-            "write_bytes_per_second_per_gpu": tps * bytes_per_token}
+            "gpu_hours": sum(per_rank) * gpus_per_replica / 3600,
+            # what each replica's writer threads must sustain so its GPUs never wait on the disk
+            "write_bytes_per_second_per_gpu": tps * bytes_per_token / gpus_per_replica,
+            "write_bytes_per_second_per_replica": tps * bytes_per_token}
 
 def _size(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
@@ -360,9 +383,11 @@ def format_plan(p: dict) -> str:
         lines.append(("throughput", f"{t['tokens_per_second']:,.0f} real tok/s per GPU: {src}"))
         w = p["wall"]
         warm = (f" + {_duration(w['warmup_seconds'])} first-seen-shape warm-up" if w["warmup_seconds"] else "")
-        lines.append(("wall time", f"{_duration(w['seconds'])} on {w['num_gpus']} GPU(s) ({_duration(w['compute_seconds'])}"
-                                   f" compute{warm}; {w['gpu_hours']:.2f} GPU-hours)"))
-        lines.append(("writes", f"{w['write_bytes_per_second_per_gpu'] / 1e9:.2f} GB/s per GPU at that rate "
+        lines.append(("wall time", f"{_duration(w['seconds'])} on {w['num_gpus']} GPU(s){_replicas_note(p['replicas'])} "
+                                   f"({_duration(w['compute_seconds'])} compute{warm}; {w['gpu_hours']:.2f} GPU-hours)"))
+        per = ("per GPU" if p["replicas"]["gpus_per_replica"] == 1 else
+               f"per replica ({w['write_bytes_per_second_per_gpu'] / 1e9:.2f} GB/s per GPU)")
+        lines.append(("writes", f"{w['write_bytes_per_second_per_replica'] / 1e9:.2f} GB/s {per} at that rate "
                                 f"(bench/writer_bench.py measures what a disk and output.num_writer_threads give)"))
     else:
         lines.append(("throughput", f"unknown ({t['source']}): pass --tokens-per-second"))
@@ -383,6 +408,16 @@ def _batches_line(p: dict) -> tuple[str, str]:
                        f"(mean {p['batch_size_mean'] or 0:.1f})")
 
 
+def _replicas_note(replicas: dict) -> str:
+    """` as 2 replica(s) of 4 GPUs (tensor_parallel: 4 x one GPU's rate, an upper bound)` for N > 1, else ''."""
+    n = replicas["gpus_per_replica"]
+    if n == 1:
+        return ""
+    how = (f"{n} x one GPU's rate, an upper bound" if replicas["computing_gpus"] > 1 else
+           "one GPU computes at a time: one GPU's rate")
+    return f" as {replicas['num_replicas']} replica(s) of {n} GPUs ({replicas['parallelism']}: {how})"
+
+
 def _auto_note(how: str | None) -> str:
     if not how:
         return ""
@@ -396,7 +431,8 @@ def build_parser(prog: str = "dflash-prep plan") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="What a recipe will cost (samples, tokens, batches, padding, "
                                                        "bytes, wall time), without loading model weights.")
     add_recipe_args(p)
-    p.add_argument("--num-gpus", type=int, default=1, help="GPUs (ranks) of the run (default 1)")
+    p.add_argument("--num-gpus", type=int, default=1,
+                   help="GPUs of the run (default 1); with model.gpus_per_replica N, the run has num-gpus / N replicas")
     p.add_argument("--tokens-per-second", type=float, default=None,
                    help="real tokens/s per GPU (default: the benchmark figure, bench/results/*.json)")
     p.add_argument("--bench-results", default=str(BENCH_RESULTS_DIR), help="folder of benchmark reports")

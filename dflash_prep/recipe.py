@@ -29,6 +29,7 @@ DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny-demo
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 # Named fused kernels of `model.kernels` (dflash_prep/kernels.py says what each replaces, and for which models).
 KERNEL_NAMES = ("liger_rms_norm", "liger_swiglu", "liger_rope", "fla_conv")
+REPLICA_PARALLELISMS = ("auto", "tensor_parallel", "layer_split")  # model.replica_parallelism (replica.py)
 STORAGE_DTYPES = ("bfloat16", "float16", "float32", "fp8_e4m3")
 
 
@@ -99,6 +100,12 @@ class ModelSection:
     for a target larger than one GPU: tensor parallelism where transformers has a plan for the architecture (one
     process per GPU), else a layer split (one process per replica). Data parallelism runs over GPUs / N replicas.
     Not part of the job's identity (a resume may change it and the number of replicas)."""
+    replica_parallelism: str = "auto"
+    """How a replica of `gpus_per_replica` > 1 GPUs runs the target: `auto` (tensor parallel where transformers has
+    a plan for the architecture and the launch runs one process per GPU, else a layer split), `tensor_parallel`
+    (one replica per run; refused for an architecture without a plan) or `layer_split` (one process per replica,
+    one GPU computing at a time). Not part of the job's identity:
+    both hold the same weights (random weights too: drawn per module, model.draw_random_weights)."""
     triton_cache_dir: str | None = "~/.cache/dflash-prep/triton"
     """Where Triton keeps its compiled kernels and autotuning results (TRITON_CACHE_DIR, with
     TRITON_CACHE_AUTOTUNING=1), shared by the ranks of a node and by later runs, so each new (batch, length) shape is
@@ -123,6 +130,8 @@ class ModelSection:
             _fail(f"{p}.kernels", kernels, f"expected `auto`, `eager` or a list of names from {list(KERNEL_NAMES)}")
         if self.gpus_per_replica < 1:
             _fail(f"{p}.gpus_per_replica", self.gpus_per_replica, "expected a whole number of GPUs, at least 1")
+        if self.replica_parallelism not in REPLICA_PARALLELISMS:
+            _fail(f"{p}.replica_parallelism", self.replica_parallelism, f"expected one of {REPLICA_PARALLELISMS}")
 
     @property
     def tokenizer_path(self) -> str:
@@ -300,8 +309,8 @@ class Recipe:
 
     def fingerprint(self) -> str:
         """sha256 of what decides record content (model, data, layers, storage dtype); `model.kernels` is left out
-        (fused kernels change the rounding only), as are `model.gpus_per_replica` (where the model runs) and
-        `model.triton_cache_dir` (where compiled kernels are cached)."""
+        (fused kernels change the rounding only), as are `model.gpus_per_replica` and `model.replica_parallelism`
+        (where the model runs) and `model.triton_cache_dir` (where compiled kernels are cached)."""
         d = self.to_dict()
         data = {k: v for k, v in d["data"].items() if k not in ("num_proc", "max_skipped_fraction")
                 and not (k == "chat_template" and v is None)}
@@ -309,7 +318,8 @@ class Recipe:
         if template is not None and "{%" not in template and "{{" not in template and Path(template).is_file():
             data["chat_template"] = hashlib.sha256(Path(template).read_bytes()).hexdigest()  # the file's content
         content = {"model": {k: v for k, v in d["model"].items()
-                             if k not in ("kernels", "gpus_per_replica", "triton_cache_dir")},
+                             if k not in ("kernels", "gpus_per_replica", "replica_parallelism",
+                                                   "triton_cache_dir")},
                    "data": data,
                    "layers": d["layers"], "dtype": d["output"]["dtype"]}
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()

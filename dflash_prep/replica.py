@@ -6,22 +6,28 @@ A run has `num_replicas` replicas; the global plan's uncommitted batches are spl
 own `rank-RRRRR` folder from exactly one process (its writer). With N = 1 (the default) a replica is one process
 on one GPU: replica index = process index, every process writes, nothing changes.
 
-Process model for N > 1 (`choose_parallelism`), named in the log and in `OUT/summary.json` (`replicas`):
+Process model for N > 1 (`choose_parallelism`, `model.replica_parallelism`), named in the log and in
+`OUT/summary.json` (`replicas`):
 
-- `tensor_parallel` (preferred): transformers shards every decoder layer over the replica's N GPUs as it loads
-  the checkpoint (`DistributedConfig(tp_size=N, tp_plan="auto")`; the architecture's config class must carry a
-  `base_model_tp_plan`, as transformers itself decides in `PreTrainedModel.supports_tp_plan`). One process per GPU:
-  launch with `--num_processes` = number of GPUs. The N processes of a replica (consecutive process indexes on
-  one node) form its tensor-parallel group and all run every forward; each holds the whole residual stream that
-  the capture hooks read, and only the replica's first process (`rank_in_replica == 0`) writes.
-- `layer_split` (fallback: no TP plan for the architecture, or random weights from `model.config`, which
-  transformers only shards while reading a checkpoint): one process per replica holds the replica's N GPUs and
-  the decoder layers are spread over them with a `device_map` (accelerate's `infer_auto_device_map`): launch
-  with `--num_processes` = GPUs / N. Only one GPU computes at a time.
+- `tensor_parallel` (`auto` where transformers has a plan): transformers shards every decoder layer over the
+  replica's N GPUs (`DistributedConfig(tp_size=N, tp_plan="auto")`; the architecture's config class must carry a
+  `base_model_tp_plan`, as transformers itself decides in `PreTrainedModel.supports_tp_plan`), from a checkpoint
+  or, for random weights, materializing each shard on its GPU (model.load_replica_model). One process per GPU:
+  launch with `--num_processes` = number of GPUs; ONE replica per run (`check_tensor_parallel_replicas` says
+  why). The N processes of a replica (consecutive process indexes on one node) form its tensor-parallel group
+  and all run every forward; each holds the whole residual stream that the capture hooks read (the row-parallel
+  projections end in an all-reduce: a plain tensor, not a DTensor, leaves every decoder layer; checked on
+  transformers 5.17 and 5.24), and only the replica's first process (`rank_in_replica == 0`) writes. Every
+  decision that changes which forwards run (a stop, a failure, an OOM split) is agreed over the replica
+  (`ReplicaAgreement`).
+- `layer_split` (`auto` for an architecture without a plan or a launch of GPUs / N processes per node, or asked
+  for): one process per replica holds the replica's N GPUs and the decoder layers are spread over them with a
+  `device_map` (accelerate balances them): launch with `--num_processes` = GPUs / N. Only one GPU computes at a
+  time.
 
 Errors (`RecipeError`, exit code 2, before any weights load) name `model.gpus_per_replica`: N larger than the
-node's GPUs (a replica is GPUs of one node), the node's GPUs not a multiple of N, or a launch whose processes do
-not fit the process model.
+node's GPUs (a replica is GPUs of one node), the node's GPUs not a multiple of N, a launch whose processes do
+not fit the process model, or several tensor-parallel replicas.
 """
 
 from __future__ import annotations
@@ -78,13 +84,21 @@ def supports_tensor_parallel(config) -> bool:
     return bool(getattr(text, "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None))
 
 
-def choose_parallelism(config, gpus_per_replica: int, random_weights: bool) -> str:
-    """`single_gpu` for N = 1; else `tensor_parallel` where transformers supports it for the architecture and the
-    weights come from a checkpoint, `layer_split` otherwise."""
+def choose_parallelism(config, gpus_per_replica: int, preference: str = "auto",
+                       one_process_per_replica: bool = False) -> str:
+    """`single_gpu` for N = 1; else `model.replica_parallelism`: `auto` is `tensor_parallel` where transformers
+    has a plan for the architecture, `layer_split` otherwise or when the launch runs one process per replica
+    (`one_process_per_replica`: GPUs / N processes per node); `tensor_parallel` asked for an architecture without
+    a plan raises RecipeError (exit code 2, before any weights load)."""
     if gpus_per_replica == 1:
         return SINGLE_GPU
-    if supports_tensor_parallel(config) and not random_weights:
+    if preference == LAYER_SPLIT or (preference == "auto" and one_process_per_replica):
+        return LAYER_SPLIT
+    if supports_tensor_parallel(config):
         return TENSOR_PARALLEL
+    if preference == TENSOR_PARALLEL:
+        raise RecipeError(f"recipe key `model.replica_parallelism` = {TENSOR_PARALLEL!r}: transformers has no "
+                          f"tensor-parallel plan for {type(config).__name__}; use `auto` or `{LAYER_SPLIT}`")
     return LAYER_SPLIT
 
 
@@ -123,24 +137,125 @@ def replica_layout(process_index: int, num_processes: int, local_process_index: 
     return ReplicaLayout(n, LAYER_SPLIT, process_index, num_processes, 0, tuple(range(first_gpu, first_gpu + n)))
 
 
-def load_arguments(layout: ReplicaLayout, random_weights: bool, max_memory_bytes_per_gpu: int = 0) -> dict:
-    """The keyword arguments that place the target on the replica's GPUs (what `load_replica_model` passes to
-    transformers/accelerate), for N > 1:
-    - tensor_parallel: `{"distributed_config": DistributedConfig(tp_size=N, tp_plan="auto",
-      dp_replicate_size=num_replicas)}` (transformers builds its device mesh over the whole world: replicas are
-      its data-parallel dimension, each replica's N consecutive processes its `tp` dimension);
+def check_tensor_parallel_replicas(layout: ReplicaLayout) -> None:
+    """Tensor parallelism runs ONE replica per run (its N processes are the whole world): transformers builds its
+    device mesh over every process of the run, and the only way it offers to have several replicas in it
+    (`DistributedConfig(dp_replicate_size=...)`, transformers >= 5.2x; none in 5.17) wraps the model in FSDP,
+    whose forwards gather weights across replicas, so replicas running different batches would wait on each
+    other. Several replicas: a layer split (one process per replica). RecipeError otherwise."""
+    if layout.parallelism == TENSOR_PARALLEL and layout.num_replicas > 1:
+        n = layout.gpus_per_replica
+        raise RecipeError(
+            f"recipe key `{KEY}` = {n}: tensor parallelism runs one replica per run, this launch makes "
+            f"{layout.num_replicas}; use gpus_per_replica = the run's {n * layout.num_replicas} GPUs (one node), or "
+            f"a layer split: model.replica_parallelism: layer_split and --num_processes GPUs / {n} per node")
+
+
+def load_arguments(layout: ReplicaLayout, max_memory_bytes_per_gpu: int = 0) -> dict:
+    """The keyword arguments of transformers' `from_pretrained` that place the target on the replica's GPUs (what
+    `model.load_replica_model` passes, for a checkpoint and for random weights alike), for N > 1:
+    - tensor_parallel: `{"distributed_config": DistributedConfig(tp_size=N, tp_plan="auto")}` (one replica: its
+      N processes are the run's world, check_tensor_parallel_replicas);
     - layer_split: `{"device_map": "auto", "max_memory": {gpu: max_memory_bytes_per_gpu for each replica GPU}}`
-      (from_pretrained: only the replica's GPUs, no CPU offload), or for random weights `{"max_memory": ...}`
-      alone (accelerate's infer_auto_device_map + dispatch_model)."""
+      (only the replica's GPUs, no CPU offload; layers balanced over them by accelerate)."""
     if layout.parallelism == TENSOR_PARALLEL:
         from transformers.distributed.configuration_utils import DistributedConfig
 
-        config = DistributedConfig(tp_size=layout.gpus_per_replica, tp_plan="auto")
-        if layout.num_replicas > 1:
-            config = DistributedConfig(tp_size=layout.gpus_per_replica, tp_plan="auto",
-                                       dp_replicate_size=layout.num_replicas)
-        return {"distributed_config": config}
+        return {"distributed_config": DistributedConfig(tp_size=layout.gpus_per_replica, tp_plan="auto")}
     if layout.parallelism == LAYER_SPLIT:
-        max_memory = {gpu: max_memory_bytes_per_gpu for gpu in layout.gpu_ids}
-        return {"max_memory": max_memory} if random_weights else {"device_map": "auto", "max_memory": max_memory}
+        return {"device_map": "auto", "max_memory": {gpu: max_memory_bytes_per_gpu for gpu in layout.gpu_ids}}
     raise ValueError(f"no replica placement for {layout.parallelism}")
+
+
+class ReplicaAgreement:
+    """The processes of a tensor-parallel replica take every decision that changes which forwards run together:
+    each runs the same collectives in the same order, so one process leaving the loop (a stop signal, a write
+    error or a fatal NaN seen only by the writer) or splitting a batch after an OOM alone would leave the others
+    waiting in a collective for ever.
+
+    `agree(*flags)` is an all-reduce (max) of a few booleans over the replica's processes, on a gloo group of
+    its own (CPU tensors: no GPU sync, and never interleaved with the forward's NCCL collectives); called once per
+    batch by the loop (stop requested, failed). `agree_attempt(oom)` runs once per forward attempt of the OOM
+    backoff: it also compares how many collectives each process has issued on the tensor-parallel group (its
+    sequence number): equal, a split is safe (every process stopped at the same collective, or after the last);
+    different, a process ran out of memory between two collectives its peers went past, and a retry would pair
+    mismatched collectives, so the run stops (ExtractionError, resumable). With one process per replica both
+    return at once and cost nothing."""
+
+    def __init__(self, group=None, tp_group=None):
+        self.group = group
+        self.tp_group = tp_group
+
+    @classmethod
+    def for_layout(cls, layout: ReplicaLayout) -> "ReplicaAgreement":
+        """Every process of the world must call this (group creation is collective), in the same order."""
+        if layout.processes_per_replica == 1:
+            return cls(None)
+        import torch.distributed as dist
+
+        n = layout.processes_per_replica
+        groups = [dist.new_group(list(range(r * n, (r + 1) * n)), backend="gloo")
+                  for r in range(layout.num_replicas)]
+        return cls(groups[layout.replica_index])
+
+    def watch(self, model) -> None:
+        """Follow the collectives of `model`'s tensor-parallel group (its DTensor parameters' mesh)."""
+        if self.group is not None:
+            self.tp_group = tensor_parallel_group(model)
+
+    def agree(self, *flags: bool) -> tuple[bool, ...]:
+        """-> for each flag, whether any process of the replica raised it."""
+        if self.group is None:
+            return tuple(bool(f) for f in flags)
+        return tuple(v > 0 for v in self._max([int(bool(f)) for f in flags]))
+
+    def agree_attempt(self, oom: bool) -> bool:
+        """-> whether any process of the replica ran out of memory in this forward attempt (then all split it).
+        Raises ExtractionError when the processes' collectives are out of step (see the class docstring)."""
+        if self.group is None:
+            return oom
+        issued = collectives_issued(self.tp_group)
+        any_oom, most, minus_least = self._max([int(oom), issued, -issued])
+        if most != -minus_least:
+            from .finish import ExtractionError
+
+            raise ExtractionError(
+                f"out of memory inside a tensor-parallel forward on some process of the replica, between collectives "
+                f"the others went past ({-minus_least} vs {most} issued): a split would pair mismatched collectives, "
+                f"so the run stops; committed shards are intact; lower batching.max_tokens_per_batch and re-run the "
+                f"same command to resume")
+        return any_oom > 0
+
+    def _max(self, values: list[int]) -> list[int]:
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return [int(v) for v in tensor.tolist()]
+
+
+def tensor_parallel_group(model):
+    """The process group of a tensor-parallel model's collectives (its DTensor parameters' mesh, the `tp`
+    dimension of a 2-D one), or None."""
+    from torch.distributed.tensor import DTensor
+
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            mesh = param.device_mesh
+            if mesh.ndim == 1:
+                return mesh.get_group()
+            names = mesh.mesh_dim_names or ()
+            return mesh.get_group("tp") if "tp" in names else None
+    return None
+
+
+def collectives_issued(group) -> int:
+    """Collectives this process has issued on `group` (torch's per-group sequence number, NCCL and gloo), or 0
+    when unknown (no group; then the check compares nothing)."""
+    if group is None:
+        return 0
+    try:
+        return int(group._get_sequence_number_for_group())
+    except (AttributeError, RuntimeError):
+        return 0

@@ -247,7 +247,7 @@ def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: 
     log(f"verify: {len(chosen)} sample(s) drawn with seed {seed}: {', '.join(chosen)}")
     log(f"verify: tolerance {tol:.3g} (relative to each layer's max |value|; stored {manifest['dtype']}, "
         f"computed in {recipe.model.dtype})")
-    model = _reference_model(recipe, config, dev, report, log)
+    model = _reference_model(recipe, config, dev, report, log, manifest.get("kernels"))
     _compare_chosen(model, shards, ids_by_shard, set(chosen), layout, layer_ids, dev, tol, report)
     report.seconds = time.perf_counter() - t0
     return report
@@ -287,9 +287,12 @@ def _output_and_recipe(out_dir: Path, overrides: list[str] | None):
     return manifest, recipe, config, layer_ids
 
 
-def _reference_model(recipe, config, dev: torch.device, report: VerifyReport, log):
+def _reference_model(recipe, config, dev: torch.device, report: VerifyReport, log,
+                     extraction_kernels: dict | None = None):
     """The whole model (every layer: the reference is the whole HF forward) with the recipe's kernels on `dev`; with
-    `model.gpus_per_replica` N > 1, split by layers over the first N GPUs (one process; replica.py)."""
+    `model.gpus_per_replica` N > 1, split by layers over the first N GPUs (one process; replica.py), whatever the
+    extraction's process model (tensor parallel or layer split hold the same weights); on a CPU, a replica's
+    random weights are rebuilt as the replica draws them."""
     from .kernels import apply_kernels
     from .model import load_model
 
@@ -303,9 +306,13 @@ def _reference_model(recipe, config, dev: torch.device, report: VerifyReport, lo
             raise CannotVerify(f"model.gpus_per_replica = {n}: the model needs {n} GPUs, this machine has "
                                f"{torch.cuda.device_count()}")
         model = load_replica_model(recipe.model, config, ReplicaLayout(n, LAYER_SPLIT, 0, 1, 0, tuple(range(n))))
+    elif n > 1 and recipe.model.config is not None:  # a replica's random weights (drawn per module), on one device
+        from .model import build_random_model
+
+        model = build_random_model(recipe.model, config, {"device_map": {"": dev}})
     else:
         model = load_model(recipe.model, config, dev)
-    kernels = _reference_kernels(recipe, config, dev)
+    kernels = _reference_kernels(recipe, config, dev, extraction_kernels)
     apply_kernels(model, kernels)
     report.kernels = list(kernels.names)
     log(f"verify: model loaded in {time.perf_counter() - t_load:.1f}s on {dev}; kernels: "
@@ -341,14 +348,19 @@ def _compare_chosen(model, shards, ids_by_shard: dict, wanted: set, layout, laye
         report.integrity_problems.append(f"sample(s) not found in the shards: {sorted(wanted - done)[:5]}")
 
 
-def _reference_kernels(recipe, config, dev: torch.device):
-    """The fused kernels of the recipe's `model.kernels` on `dev`, chosen as the extraction chooses them; a named
-    list that cannot run here (no CUDA, a library missing) gives eager, with the reason."""
+def _reference_kernels(recipe, config, dev: torch.device, extraction_kernels: dict | None = None):
+    """The fused kernels of the recipe's `model.kernels` on `dev`, chosen as the extraction chooses them; `auto`
+    is the set the extraction applied (the manifest's `kernels`: a tensor-parallel replica applies none, while the
+    reference, split by layers, would choose some). A named list that cannot run here (no CUDA, a library missing)
+    gives eager, with the reason."""
     from .kernels import KernelChoice, select_kernels
     from .recipe import RecipeError
 
+    requested = recipe.model.kernels
+    if requested == "auto" and extraction_kernels is not None and dev.type == "cuda":
+        requested = extraction_kernels.get("applied") or "eager"
     try:
-        return select_kernels(recipe.model.kernels, config, dev.type)
+        return select_kernels(requested, config, dev.type)
     except RecipeError as e:
         return KernelChoice("eager", (), getattr(config, "model_type", None), f"{e}: eager reference")
 

@@ -585,8 +585,8 @@ class DiscardingWriter:
         self.peak_pending_bytes = self.bytes_written = 0
 
     def submit(self, pending: PendingBatch) -> None:
-        if pending.event is not None:
-            pending.event.synchronize()  # the host copy is done before its buffer is dropped
+        if pending.ready is not None:
+            pending.ready.synchronize()  # the host copy is done before its buffer is dropped
 
     def close(self) -> None:
         pass

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save as safetensors_save
 
 from conftest import REPO
-from dflash_prep.plan import bench_references, length_histogram, main, make_run_plan, shard_sizes
+from dflash_prep.plan import bench_references, format_plan, length_histogram, main, make_run_plan, shard_sizes
 from dflash_prep.sizes import safetensors_num_bytes, states_tensors
 from dflash_prep.recipe import load_recipe
 
@@ -82,6 +82,30 @@ def test_two_gpus_split_the_tokens(planned_and_run):
     assert plan2["wall"]["seconds"] < plan1["wall"]["seconds"]
     # Two ranks each close their own last shard: a shard's worth of records can only move between files.
     assert abs(plan2["num_bytes"] - plan1["num_bytes"]) <= 2 * 10240 * len(ranks)
+
+
+def test_replicas_of_several_gpus_split_the_plan_and_set_the_rate(planned_and_run):
+    """model.gpus_per_replica 4: --num-gpus 4 is one tensor-parallel replica (the demo's Qwen3.5 has a plan), 4
+    GPUs computing; --num-gpus 8 is 2 replicas (a layer split, one GPU computing each) sharing the plan as 2 GPUs
+    of 1 would; GPU-hours count every GPU of a replica."""
+    plan1, _, _ = planned_and_run
+    base = ["output.dir=/nonexistent/never-written", *BASE, "model.gpus_per_replica=4"]
+    tp = make_run_plan(load_recipe(None, base), num_gpus=4, tokens_per_second=1000.0)
+    split = make_run_plan(load_recipe(None, base), num_gpus=8, tokens_per_second=1000.0)
+    two = make_run_plan(load_recipe(None, ["output.dir=/nonexistent/never-written", *BASE]), num_gpus=2,
+                        tokens_per_second=1000.0)
+    assert tp["replicas"] == {"gpus_per_replica": 4, "num_replicas": 1, "parallelism": "tensor_parallel",
+                              "computing_gpus": 4, "tokens_per_second_per_replica": 4000.0}
+    assert split["replicas"] == {"gpus_per_replica": 4, "num_replicas": 2, "parallelism": "layer_split",
+                                 "computing_gpus": 1, "tokens_per_second_per_replica": 1000.0}
+    assert split["ranks"] == two["ranks"] and len(split["ranks"]) == 2 and len(tp["ranks"]) == 1
+    assert tp["wall"]["seconds"] == pytest.approx(plan1["num_tokens"] / 4000.0)
+    assert split["wall"]["seconds"] == pytest.approx(max(r["num_real_tokens"] for r in two["ranks"]) / 1000.0)
+    assert split["wall"]["gpu_hours"] == pytest.approx(plan1["num_tokens"] / 1000.0 * 4 / 3600)
+    assert "on 4 GPU(s) as 1 replica(s) of 4 GPUs (tensor_parallel: 4 x one GPU's rate" in format_plan(tp)
+    assert "on 8 GPU(s) as 2 replica(s) of 4 GPUs (layer_split: one GPU computes at a time" in format_plan(split)
+    with pytest.raises(ValueError, match=r"--num-gpus 6 does not divide into replicas of model.gpus_per_replica = 4"):
+        make_run_plan(load_recipe(None, base), num_gpus=6, tokens_per_second=1000.0)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "fp8_e4m3"])

@@ -17,8 +17,8 @@ from dflash_prep.layers import num_decoder_layers, resolve_layer_ids
 from dflash_prep.model import load_config, model_fingerprint
 from dflash_prep.planner import PlannedBatch, split_across_ranks
 from dflash_prep.recipe import RecipeError, load_recipe
-from dflash_prep.replica import (LAYER_SPLIT, SINGLE_GPU, TENSOR_PARALLEL, choose_parallelism, load_arguments,
-                                 replica_layout)
+from dflash_prep.replica import (LAYER_SPLIT, SINGLE_GPU, TENSOR_PARALLEL, check_tensor_parallel_replicas,
+                                 choose_parallelism, load_arguments, replica_layout)
 
 CONFIGS = REPO / "bench" / "configs"
 
@@ -104,23 +104,32 @@ def test_tensor_parallel_where_transformers_has_a_plan_else_a_layer_split():
 
     llama = load_config(load_recipe(None, [f"model.config={CONFIGS / 'llama3.3-70b.json'}"]).model)
     qwen35 = load_config(load_recipe(None).model)  # the demo's Qwen3.5 hybrid (a composite config)
-    assert choose_parallelism(llama, 1, random_weights=False) == SINGLE_GPU
-    assert choose_parallelism(llama, 4, random_weights=False) == TENSOR_PARALLEL
-    assert choose_parallelism(qwen35, 2, random_weights=False) == TENSOR_PARALLEL
-    assert choose_parallelism(llama, 4, random_weights=True) == LAYER_SPLIT  # transformers shards only checkpoints
-    assert choose_parallelism(GPT2Config(), 2, random_weights=False) == LAYER_SPLIT  # no tp plan for GPT-2
+    assert choose_parallelism(llama, 1) == SINGLE_GPU
+    assert choose_parallelism(llama, 1, LAYER_SPLIT) == SINGLE_GPU
+    assert choose_parallelism(llama, 4) == TENSOR_PARALLEL  # random weights too (materialized per shard)
+    assert choose_parallelism(qwen35, 2) == TENSOR_PARALLEL
+    assert choose_parallelism(llama, 4, LAYER_SPLIT) == LAYER_SPLIT  # asked for
+    assert choose_parallelism(llama, 4, one_process_per_replica=True) == LAYER_SPLIT  # launched GPUs / N processes
+    assert choose_parallelism(llama, 4, TENSOR_PARALLEL, one_process_per_replica=True) == TENSOR_PARALLEL
+    assert choose_parallelism(GPT2Config(), 2) == LAYER_SPLIT  # no tp plan for GPT-2
+    with pytest.raises(RecipeError, match=r"`model.replica_parallelism` = 'tensor_parallel': transformers has no "
+                                          r"tensor-parallel plan for GPT2Config"):
+        choose_parallelism(GPT2Config(), 2, TENSOR_PARALLEL)
+    with pytest.raises(RecipeError, match=r"`model.replica_parallelism` = 'pipeline': expected one of"):
+        load_recipe(None, ["model.replica_parallelism=pipeline"])
 
 
 def test_load_arguments_per_process_model():
     one_replica = layouts(1, 2, 2, TENSOR_PARALLEL)[1]
-    tp = load_arguments(one_replica, random_weights=False)["distributed_config"]
-    assert (tp.tp_size, tp.tp_plan, tp.dp_replicate_size) == (2, "auto", 1)
-    tp = load_arguments(layouts(1, 8, 4, TENSOR_PARALLEL)[5], random_weights=False)["distributed_config"]
-    assert (tp.tp_size, tp.tp_plan, tp.dp_replicate_size) == (4, "auto", 2)
+    tp = load_arguments(one_replica)["distributed_config"]
+    assert (tp.tp_size, tp.tp_plan) == (2, "auto")
+    check_tensor_parallel_replicas(one_replica)  # one replica: fine
+    with pytest.raises(RecipeError, match=r"`model.gpus_per_replica` = 4: tensor parallelism runs one replica per "
+                                          r"run, this launch makes 2; use gpus_per_replica = the run's 8 GPUs"):
+        check_tensor_parallel_replicas(layouts(1, 8, 4, TENSOR_PARALLEL)[5])
     split = layouts(1, 8, 4, LAYER_SPLIT)[1]
-    assert load_arguments(split, False, 10**11) == {"device_map": "auto",
-                                                    "max_memory": {4: 10**11, 5: 10**11, 6: 10**11, 7: 10**11}}
-    assert load_arguments(split, True, 10**11) == {"max_memory": {4: 10**11, 5: 10**11, 6: 10**11, 7: 10**11}}
+    assert load_arguments(split, 10**11) == {"device_map": "auto",
+                                             "max_memory": {4: 10**11, 5: 10**11, 6: 10**11, 7: 10**11}}
 
 
 def _plan(num_batches: int) -> list[PlannedBatch]:
@@ -189,11 +198,13 @@ def test_the_key_is_checked_and_is_not_part_of_the_jobs_identity():
         load_recipe(None, ["model.gpus_per_replica=1.5"])
     one, four = load_recipe(None), load_recipe(None, ["model.gpus_per_replica=4"])
     assert one.fingerprint() == four.fingerprint()
+    assert four.fingerprint() == load_recipe(None, ["model.gpus_per_replica=4",
+                                                    "model.replica_parallelism=layer_split"]).fingerprint()
     pretrained = [load_recipe(None, ["model.config=null", f"model.name_or_path={REPO}", f"model.gpus_per_replica={n}"])
                   for n in (1, 4)]
     config = load_config(one.model)
     assert model_fingerprint(pretrained[0].model, config) == model_fingerprint(pretrained[1].model, config)
-    # random weights of a replica of several GPUs are drawn on the CPU: another model than one GPU's
+    # random weights of a replica of several GPUs are drawn per module: another model than one GPU's
     assert model_fingerprint(one.model, config) != model_fingerprint(four.model, config)
 
 
@@ -206,18 +217,3 @@ def test_an_extraction_asking_for_more_gpus_than_the_node_has_stops_with_one_lin
     assert errors == ["error: recipe key `model.gpus_per_replica` = 2: this node has 0 GPU(s); a replica is GPUs of "
                       "one node (set it to 1 without GPUs)"]
     assert not (tmp_path / "out" / "plan.json").exists()  # stopped before the plan, the data, the weights
-
-
-def test_a_layer_split_spreads_the_layers_evenly_over_the_replicas_gpus():
-    import warnings
-
-    from conftest import build, tiny_llama_config
-    from dflash_prep.model import balanced_device_map
-
-    model = build(tiny_llama_config(num_layers=8))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # accelerate warns that GPUs 4 and 5 are not on this machine
-        device_map = balanced_device_map(model, {4: 10**9, 5: 10**9})
-    layers = [device_map[f"model.layers.{i}"] for i in range(8)]
-    assert sorted(set(device_map.values())) == [4, 5]
-    assert layers == sorted(layers) and 3 <= layers.count(4) <= 5  # consecutive, about half each

@@ -205,3 +205,17 @@ def test_a_final_layer_stored_after_the_norm_fails_as_before_norm(copy):
     report = verify(copy, num_samples=3, check_shards=False, log=_quiet)
     assert {r.layer for r in report.failures} == {"final (before_norm)"}
     assert min(r.relative_error for r in report.failures) > 0.2
+
+
+def test_the_reference_applies_the_kernels_the_extraction_applied():
+    """model.kernels: auto on a GPU is what the extraction applied (the manifest's `kernels`): none for a
+    tensor-parallel replica (its reference, split by layers, would otherwise choose fused kernels)."""
+    from conftest import tiny_llama_config
+    from dflash_prep.recipe import load_recipe
+    from dflash_prep.verify import _reference_kernels
+
+    recipe, config, cuda = load_recipe(None), tiny_llama_config(), torch.device("cuda")
+    tensor_parallel = {"requested": "auto", "applied": [], "reason": "tensor parallel: not measured on sharded layers"}
+    assert _reference_kernels(recipe, config, cuda, tensor_parallel).requested == "eager"
+    assert _reference_kernels(recipe, config, cuda, None).requested == "auto"  # no record: chosen as then
+    assert _reference_kernels(recipe, config, torch.device("cpu"), tensor_parallel).requested == "auto"  # eager on CPU
