@@ -42,10 +42,9 @@ gpu1() {
       --per-sample-max-seconds 20 --fixed-batch-max-seconds 20
   step 8b-packed 1 $B --model llama3.1-8b --out-dir $OUT8 \
       --modes dflash_prep,dflash_prep_warm,dflash_prep_variant,dflash_prep_fresh --variant-set batching.packing=false
-  if [ -f bench/packing_check.py ]; then
-    step packing-check 1 python3 bench/packing_check.py --json "$R/packing_check.json"
-  fi
-  # WHEEL_DIR unset: the wheels are installed once, above (reinstalling would swap files under the 27B run)
+  step packing-check 1 python3 bench/packing_check.py --json "$R/packing_check.json"
+  # WHEEL_DIR=/nonexistent: the wheels are installed once, above (reinstalling would swap files under the 27B run)
+  step packing-verify 1 env SKIP_CHECK=1 WHEEL_DIR=/nonexistent bash bench/gpu_packing.sh "$R"
   step kernels-verify 1 env SKIP_CHECK=1 WHEEL_DIR=/nonexistent bash bench/gpu_kernels.sh "$R"
 }
 gpu0 & gpu1 & wait

@@ -681,6 +681,7 @@ def _rank_report(run: Run, model, writer: AsyncShardWriter, loop: _LoopResult) -
         "num_oom": runner.num_ooms if runner is not None else 0,
         "num_split_batches": runner.num_split_batches if runner is not None else 0,
         "oom_batch_caps": {str(T): n for T, n in sorted(runner.caps.items())} if runner is not None else {},
+        "oom_packed_token_cap": runner.packed_token_cap if runner is not None else None,
         "kernels": list(run.kernels.names),
         "startup_seconds": dict(run.startup_seconds),
         "packed": run.packing.packed,
@@ -695,7 +696,8 @@ def _idle_rank_report(rank: int) -> dict:
     report.update({key: 0.0 for key in ("loop_seconds", "forward_seconds", "data_wait_seconds",
                                         "writer_wait_seconds", "writer_drain_seconds", "write_seconds")})
     report.update(rank=rank, gpu_forward_seconds=None, gpu_idle_seconds=None, peak_gpu_memory_bytes=None,
-                  failed={}, oom_batch_caps={}, kernels=[], startup_seconds={}, predicted_seconds=None)
+                  failed={}, oom_batch_caps={}, oom_packed_token_cap=None, kernels=[], startup_seconds={},
+                  predicted_seconds=None)
     return report
 
 
