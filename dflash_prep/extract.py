@@ -454,6 +454,10 @@ class _TargetLoad:
         self.model = None
         self.error: BaseException | None = None
         self.seconds: float | None = None
+        # The current CUDA device is per thread: the load thread takes this one's (`cuda` has no index of its own).
+        self._cuda_index = None
+        if run.device.type == "cuda":
+            self._cuda_index = run.device.index if run.device.index is not None else torch.cuda.current_device()
         self._thread = threading.Thread(target=self._load, name=self.THREAD_NAME, daemon=True)
         self._thread.start()
 
@@ -471,8 +475,8 @@ class _TargetLoad:
 
     def _load(self) -> None:
         try:
-            if self.run.device.type == "cuda":
-                torch.cuda.set_device(self.run.device)  # the current device is per thread
+            if self._cuda_index is not None:
+                torch.cuda.set_device(self._cuda_index)
             t0 = time.perf_counter()
             self.model = _build_target(self.run)
             self.seconds = time.perf_counter() - t0
