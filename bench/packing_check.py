@@ -13,14 +13,16 @@ capture hooks. Per captured layer: max abs
 difference / max |value| of the alone states, the relative error `dflash-prep verify` reports; for context the
 same samples as one right-padded batch (today's path) against the same alone states.
 
-- fp32, TF32 off: asserted <= 1e-3 on every layer (the bound of bench/kernels_check.py). Attention runs per
+- fp32, TF32 off: asserted <= 1e-3 on every layer (the bound of bench/kernels_check.py), or at most 5% above
+  the padded batch's own difference from the alone runs where that already exceeds 1e-3 (measured on an H200:
+  layer 6 of the 27B slice, 1.029e-3 padded, 1.025e-3 packed; the padded path is the extraction's reference). Attention runs per
   segment with SDPA here (FlashAttention has no fp32), the Gated DeltaNet layers through fla's chunk kernel and
   causal conv with `cu_seqlens`;
 - bf16: torch's varlen FlashAttention (where this torch has it); reported, and asserted <= 0.1 (verify's bf16
   compute tolerance).
 
 Writes the figures (and which attention path ran, how often) as JSON. Exit code 1 when a bound is exceeded, 2
-without CUDA or when `auto` would not pack the model here.
+without CUDA or when `batching.packing: true` would not pack the model here.
 """
 
 from __future__ import annotations
@@ -56,10 +58,10 @@ def check(model_name: str, num_layers: int, dtype: str, device: torch.device, tm
     section = dataclasses.replace(slice_section(model_name, num_layers, tmp), dtype=dtype)
     config = load_config(section)
     kernels = select_kernels("auto", config, device.type)
-    # `auto` on a GPU, as the extraction resolves it; forced on a CPU (the script's own smoke test)
-    choice = packing.select_packing("auto" if device.type == "cuda" else True, config, device.type, kernels.names)
+    # `true`, as the extraction resolves it (refused where packing is not exact)
+    choice = packing.select_packing(True, config, device.type, kernels.names)
     if not choice.packed:
-        raise SystemExit(f"{model_name}: `batching.packing: auto` does not pack here ({choice.reason})")
+        raise SystemExit(f"{model_name}: `batching.packing: true` does not pack here ({choice.reason})")
     layer_ids = sorted(set(range(1, num_layers - 1, 2)) | {num_layers - 2})  # both layer kinds of the hybrid
     model = load_model(section, config, device)
     apply_kernels(model, kernels)
@@ -90,7 +92,8 @@ def check(model_name: str, num_layers: int, dtype: str, device: torch.device, tm
             "row_length": int(batch.input_ids.shape[1]), "packed_forward_seconds": seconds,
             "attention_calls": {k: packing.ATTENTION_CALLS[k] - calls_before[k] for k in calls_before},
             "packed_vs_alone": layers, "padded_batch_vs_alone": padded_layers, "worst": max(layers.values()),
-            "bound": BOUNDS[dtype]}
+            "bound": BOUNDS[dtype],
+            "within_bound": all(v <= max(BOUNDS[dtype], 1.05 * padded_layers[k]) for k, v in layers.items())}
 
 
 def _padded_batch(model, samples: list, layer_ids: list[int], device) -> torch.Tensor:
@@ -151,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[packing_check] {model_name} {dtype}: loading", flush=True)
                 res = check(model_name, args.layers, dtype, device, Path(tmp))
                 results["models"][f"{model_name}/{dtype}"] = res
-                ok &= res["worst"] <= res["bound"]
+                ok &= res["within_bound"]
                 print(f"  kernels {res['kernels']}, attention {res['attention_calls']}, packed forward "
                       f"{res['packed_forward_seconds']:.3f}s; worst {res['worst']:.2e} (bound {res['bound']:.0e})")
                 for layer, value in res["packed_vs_alone"].items():

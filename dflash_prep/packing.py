@@ -113,9 +113,12 @@ def _fla_chunk_in_use(model_type: str) -> bool | None:
 
 def select_packing(requested, config, device_type: str, kernel_names, assume_fla: bool = False,
                    tensor_parallel: bool = False) -> PackingChoice:
-    """`batching.packing` resolved for this run: `auto` packs on CUDA where exact (not on a tensor-parallel
-    replica: not run on sharded layers yet), `true` packs where exact (else RecipeError naming the key: exit 2),
-    `false` never packs."""
+    """`batching.packing` resolved for this run: `true` packs where exact (else RecipeError naming the key: exit 2),
+    `false` never packs, `auto` runs padded batches for now: packed rows are exact on GPUs (bench/results/
+    packing_check.json: packed-vs-alone at the padded batch's own noise) but were measured slower end to end on an
+    H200 (Llama-3.1-8B shape, warm: 37,636 real tok/s packed vs 41,677 padded; the GPU idle 16% of the loop between
+    packed forwards against 2% padded; bench/results/llama3.1-8b-20261130-155146.json), so `auto` packs nowhere
+    until that gap is closed and measured."""
     why_not = not_exact_reason(config, device_type, kernel_names, assume_fla)
     if requested is False:
         return PackingChoice(False, False, "batching.packing: false")
@@ -130,7 +133,8 @@ def select_packing(requested, config, device_type: str, kernel_names, assume_fla
     if tensor_parallel:
         return PackingChoice("auto", False, "tensor parallel: packed rows not run on sharded layers yet: padded "
                                             "batches")
-    return PackingChoice("auto", True, "CUDA, exact for this architecture")
+    return PackingChoice("auto", False, "exact here, but measured slower end to end than padded batches so far "
+                                        "(batching.packing: true uses them): padded batches")
 
 
 def replay_stored_layout(choice: PackingChoice, stored_packed: bool, config, device_type: str,

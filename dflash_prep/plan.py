@@ -18,7 +18,8 @@ Guarantees (tests/test_plan.py checks them against real extractions):
 - wall time = (real tokens of the busiest rank) / (tokens/s per GPU), + first-seen-shape warm-up when the
   benchmark measured it for this very model. The tokens/s default is the warm dflash-prep figure of the newest
   complete benchmark report in `bench/results/*.json` (the file `bench/RESULTS.md` is written from: `modes.
-  dflash_prep_warm.tokens_per_second`; 9,450 for the Qwen3.6-27B shape, 34,195 for the Llama-3.1-8B shape),
+  dflash_prep_warm.tokens_per_second` of padded batches; 9,130 for the Qwen3.6-27B shape, 41,677 for the
+  Llama-3.1-8B shape),
   picked by model (same model_type, hidden size and depth), else the benchmarked model nearest in decoder
   parameters (within 4x), scaled by the ratio of decoder parameters run per token (FLOPs per token = 2 x those
   parameters; parameters counted on a meta-device model: no memory, no weights); `--tokens-per-second`
@@ -75,7 +76,8 @@ def shard_sizes(record_bytes_in_order: list[list[int]], max_shard_bytes: int, nu
 
 # ------------------------------------------------------------------------------------------ throughput
 def bench_references(results_dir: Path = BENCH_RESULTS_DIR) -> list[dict]:
-    """The warm dflash-prep figure of the newest complete benchmark report per (model, compute dtype)."""
+    """The warm dflash-prep figure of the newest complete benchmark report per (model, compute dtype), among the
+    runs of padded batches (what `batching.packing: auto` runs; a packed run's figure is not the default's)."""
     best: dict[tuple, dict] = {}
     for path in sorted(Path(results_dir).glob("*.json")):
         try:
@@ -87,6 +89,8 @@ def bench_references(results_dir: Path = BENCH_RESULTS_DIR) -> list[dict]:
         mode = (report.get("modes") or {}).get(BENCH_MODE) or {}
         info = report.get("model_info") or {}
         if mode.get("status") != "ok" or not mode.get("tokens_per_second") or not info.get("decoder_params_needed"):
+            continue
+        if ((mode.get("summary") or {}).get("packing") or {}).get("packed"):
             continue
         cold = (report.get("modes") or {}).get("dflash_prep") or {}
         ref = {
