@@ -97,3 +97,29 @@ def test_the_reader_derives_after_norm_final_states_on_request(outputs):
     assert sum(1 for _ in ShardDataset(after, final="after_norm")) == 24  # what is stored: a no-op
     with pytest.raises(ValueError, match="cannot be undone"):
         ShardDataset(after, final="before_norm")
+
+
+def test_norm_gains_are_drawn_for_norms_placed_by_a_device_map_over_several_devices():
+    """A model placed by `device_map` over several GPUs (a layer split: verify's reference of a tensor-parallel
+    output) carries accelerate hooks that send a module's inputs to its GPU; the final norm has one of its own.
+    Its gain must be drawn like any other (the form probe runs on a CPU copy of the module, which the copied hook
+    would send back to the GPU). On a CPU the hook's device is `meta` (any device but the copy's). The expected
+    gains are the documented rule written out: 1 + N(0, 0.25^2) from torch.Generator().manual_seed(seed), one draw
+    per RMSNorm in module order."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    from dflash_prep.norms import randomize_norm_gains
+
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(tiny_llama_config(num_layers=2), dtype=torch.float32)
+    norm = model.model.norm
+    add_hook_to_module(norm, AlignDevicesHook(execution_device=torch.device("meta"), io_same_device=False))
+    norm.weight = nn.Parameter(torch.ones(64))  # the weight stays where it lives (here the CPU), as on its GPU
+    assert randomize_norm_gains(model, 7) == 2 * 2 + 1
+    generator = torch.Generator().manual_seed(7)
+    norms = [m for m in model.modules() if "RMSNorm" in type(m).__name__]
+    for m in norms:
+        expected = 1.0 + torch.randn(m.weight.shape, generator=generator) * 0.25
+        assert torch.equal(m.weight.detach(), expected)
