@@ -2,8 +2,12 @@
 
 `dflash-prep verify` of the 70B shape extracted as one tensor-parallel replica of 2 GPUs failed on every layer
 (relative L2 ~1.0 at layer 1, ~1.41 deeper: about half of layer 1's state agrees, nothing deeper), while the
-same code passes on CPU processes (tests/test_replica_tp.py). This check localizes the difference, on the 70B
-shape cut to a few decoder layers (every width as in the 70B: about 8 GB of bf16 weights per model), ONE command:
+same code passes on CPU processes (tests/test_replica_tp.py). Cause found on CPU: verify's layer-split reference
+carries accelerate hooks on every module with parameters (placed by a device_map over 2 GPUs), and the norm-form
+probe of `norms.randomize_norm_gains` failed on them, so every norm kept unit gain there (fixed: the probe runs the
+module class's own forward); unit vs drawn gains give relative L2 1.05 at layer 1 of the 70B widths. This check
+confirms it on GPUs and localizes any other difference, on the 70B shape cut to a few decoder layers (every width
+as in the 70B: about 8 GB of bf16 weights per model), ONE command:
 
     python3 -m bench.tp_weights_check RESULTS_DIR [--config bench/configs/llama3.3-70b.json] [--layers 2]
     python3 -m bench.tp_weights_check RESULTS_DIR --dry-run-cpu        (2 CPU processes over gloo, tiny model)

@@ -100,26 +100,27 @@ def test_the_reader_derives_after_norm_final_states_on_request(outputs):
 
 
 def test_norm_gains_are_drawn_for_norms_placed_by_a_device_map_over_several_devices():
-    """A model placed by `device_map` over several GPUs (a layer split: verify's reference of a tensor-parallel
-    output) carries accelerate hooks that send a module's inputs to its GPU; the final norm has one of its own.
-    Its gain must be drawn like any other (the form probe runs on a CPU copy of the module, which the copied hook
-    would send back to the GPU). On a CPU the hook's device is `meta` (any device but the copy's). The expected
+    """A model placed by `device_map` over several GPUs (a layer split, e.g. verify's reference of a tensor-parallel
+    output) carries accelerate hooks on every module holding parameters, every RMSNorm included
+    (`attach_execution_device_hook`): each sends its module's inputs to the module's GPU. The gains must be drawn as
+    on one device: the form probe runs on a CPU copy of the module, which the copied hook sent back to the GPU, so
+    every norm was taken as unsupported and kept unit gain (the reference then differed from the tensor-parallel
+    extraction at every layer). On a CPU the hooks' device is `meta` (any device but the copy's). The expected
     gains are the documented rule written out: 1 + N(0, 0.25^2) from torch.Generator().manual_seed(seed), one draw
     per RMSNorm in module order."""
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+    from transformers import AutoModelForCausalLM
 
     from dflash_prep.norms import randomize_norm_gains
 
-    torch.manual_seed(0)
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_config(tiny_llama_config(num_layers=2), dtype=torch.float32)
-    norm = model.model.norm
-    add_hook_to_module(norm, AlignDevicesHook(execution_device=torch.device("meta"), io_same_device=False))
-    norm.weight = nn.Parameter(torch.ones(64))  # the weight stays where it lives (here the CPU), as on its GPU
-    assert randomize_norm_gains(model, 7) == 2 * 2 + 1
-    generator = torch.Generator().manual_seed(7)
     norms = [m for m in model.modules() if "RMSNorm" in type(m).__name__]
-    for m in norms:
-        expected = 1.0 + torch.randn(m.weight.shape, generator=generator) * 0.25
-        assert torch.equal(m.weight.detach(), expected)
+    assert len(norms) == 2 * 2 + 1
+    for norm in norms:
+        add_hook_to_module(norm, AlignDevicesHook(execution_device=torch.device("meta")))
+        norm.weight = nn.Parameter(torch.ones(64))  # the gain stays where it lives (here the CPU), as on its GPU
+    assert randomize_norm_gains(model, 7) == len(norms)
+    generator = torch.Generator().manual_seed(7)
+    for norm in norms:
+        expected = 1.0 + torch.randn(norm.weight.shape, generator=generator) * 0.25
+        assert torch.equal(norm.weight.detach(), expected)
