@@ -187,8 +187,8 @@ def extract_and_verify(args, results: Path, log) -> dict:
                                             *[a for s in sets for a in ("--set", s)]], results, 300, log)
     steps["verify"] = run_step("verify", [sys.executable, "-m", "dflash_prep.cli", "verify", str(out),
                                           "--num-samples", "8", "--skip-hash"], results, 240, log)
-    verdict = [line for line in (results / "verify.log").read_text().splitlines()
-               if line.startswith(("layer ", "verify: OK", "verify: FAILED"))] if (results / "verify.log").exists() else []
+    text = (results / "verify.log").read_text() if (results / "verify.log").exists() else ""
+    verdict = [line for line in text.splitlines() if line.startswith(("layer ", "verify: OK", "verify: FAILED"))]
     for line in verdict:
         log(f"verify: {line}")
     shutil.rmtree(out, ignore_errors=True)  # ~1 GB of states; the logs stay
