@@ -62,7 +62,6 @@ def _section(dry_run_cpu: bool):
 
 def _param_report(model, reference, slice_of) -> dict:
     """Per parameter: DTensor or not, max |local - reference slice|; -> {"params": {...}, "mismatched": [...]}."""
-    import torch
     from torch.distributed.tensor import DTensor
 
     ref = dict(reference.named_parameters())
