@@ -76,11 +76,16 @@ def describe_final_norm(norm: nn.Module) -> dict:
 
 
 def _run_in_float32(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The module's output for float32 input, on a float32 CPU copy of its gain (the model stays as it is)."""
+    """The module's output for float32 input, on a float32 CPU copy of its gain (the model stays as it is).
+
+    The copy runs its class's own forward: a model placed by a `device_map` over several GPUs (a layer split)
+    carries accelerate hooks on modules such as the final norm, which would send the probe to that GPU while the
+    copy's gain is on the CPU (then the probe failed and the norm was taken as unsupported: its random gain was
+    never drawn)."""
     import copy
 
     probe_norm = copy.deepcopy(norm).float().cpu()
-    return probe_norm(x).float()
+    return type(probe_norm).forward(probe_norm, x).float()
 
 
 def apply_final_norm(states_TH: torch.Tensor, norm: dict) -> torch.Tensor:

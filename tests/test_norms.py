@@ -97,3 +97,30 @@ def test_the_reader_derives_after_norm_final_states_on_request(outputs):
     assert sum(1 for _ in ShardDataset(after, final="after_norm")) == 24  # what is stored: a no-op
     with pytest.raises(ValueError, match="cannot be undone"):
         ShardDataset(after, final="before_norm")
+
+
+def test_norm_gains_are_drawn_for_norms_placed_by_a_device_map_over_several_devices():
+    """A model placed by `device_map` over several GPUs (a layer split, e.g. verify's reference of a tensor-parallel
+    output) carries accelerate hooks on every module holding parameters, every RMSNorm included
+    (`attach_execution_device_hook`): each sends its module's inputs to the module's GPU. The gains must be drawn as
+    on one device: the form probe runs on a CPU copy of the module, which the copied hook sent back to the GPU, so
+    every norm was taken as unsupported and kept unit gain (the reference then differed from the tensor-parallel
+    extraction at every layer). On a CPU the hooks' device is `meta` (any device but the copy's). The expected
+    gains are the documented rule written out: 1 + N(0, 0.25^2) from torch.Generator().manual_seed(seed), one draw
+    per RMSNorm in module order."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+    from transformers import AutoModelForCausalLM
+
+    from dflash_prep.norms import randomize_norm_gains
+
+    model = AutoModelForCausalLM.from_config(tiny_llama_config(num_layers=2), dtype=torch.float32)
+    norms = [m for m in model.modules() if "RMSNorm" in type(m).__name__]
+    assert len(norms) == 2 * 2 + 1
+    for norm in norms:
+        add_hook_to_module(norm, AlignDevicesHook(execution_device=torch.device("meta")))
+        norm.weight = nn.Parameter(torch.ones(64))  # the gain stays where it lives (here the CPU), as on its GPU
+    assert randomize_norm_gains(model, 7) == len(norms)
+    generator = torch.Generator().manual_seed(7)
+    for norm in norms:
+        expected = 1.0 + torch.randn(norm.weight.shape, generator=generator) * 0.25
+        assert torch.equal(norm.weight.detach(), expected)
