@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from bench.samples import make_samples
 from conftest import REPO, build, demo_overrides, raw_records, tiny_llama_config, tiny_qwen35_config
+
 from dflash_prep.capture import LayerCapture
 from dflash_prep.collate import SampleInfo
 from dflash_prep.extract import EXIT_STOPPED, main
@@ -24,6 +24,10 @@ from dflash_prep.packing import (collate_packed, replay_stored_layout, select_pa
 from dflash_prep.planner import packed_row_lengths, plan_packed_rows, plan_stats, split_across_ranks
 from dflash_prep.reader import ShardDataset
 from dflash_prep.recipe import RecipeError
+
+if str(REPO) not in sys.path:  # bench/ is a folder of the checkout, not part of the installed package
+    sys.path.insert(0, str(REPO))
+from bench.samples import make_samples  # noqa: E402
 
 ARCHS = {"llama": tiny_llama_config, "qwen3_5_hybrid": tiny_qwen35_config}
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
