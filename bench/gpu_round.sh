@@ -4,7 +4,7 @@
 # Per model, two processes on the same samples:
 #   (a) padded batches (batching.packing=false): the baselines, dflash_prep cold and warm, and the fused-kernel A/B
 #       (dflash_prep_variant with model.kernels=eager), the fused kernels' figures at today's padding;
-#   (b) batching.packing auto (packed rows on GPUs): dflash_prep cold and warm, the packing A/B (dflash_prep_variant
+#   (b) batching.packing true (packed rows): dflash_prep cold and warm, the packing A/B (dflash_prep_variant
 #       with batching.packing=false) and dflash_prep_fresh (a new process with the Triton cache (a) and (b) filled).
 # Outputs: the 27B's shards on the local disk (/tmp); the 8B's on /dev/shm when it has room (the two models write
 # at once, and the 8B alone needs ~0.9 GB/s), else /tmp. Each report says where (fs in its environment).
@@ -33,14 +33,14 @@ gpu0() {
   step 27b-padded 0 $B --model qwen3.6-27b --out-dir /tmp/bench-out --dflash-set batching.packing=false \
       --modes fixed_batch,dflash_prep,dflash_prep_warm,dflash_prep_variant --variant-set model.kernels=eager \
       --fixed-batch-max-seconds 20
-  step 27b-packed 0 $B --model qwen3.6-27b --out-dir /tmp/bench-out \
+  step 27b-packed 0 $B --model qwen3.6-27b --out-dir /tmp/bench-out --dflash-set batching.packing=true \
       --modes dflash_prep,dflash_prep_warm,dflash_prep_variant,dflash_prep_fresh --variant-set batching.packing=false
 }
 gpu1() {
   step 8b-padded 1 $B --model llama3.1-8b --out-dir $OUT8 --dflash-set batching.packing=false \
       --modes per_sample,fixed_batch,dflash_prep,dflash_prep_warm,dflash_prep_variant --variant-set model.kernels=eager \
       --per-sample-max-seconds 20 --fixed-batch-max-seconds 20
-  step 8b-packed 1 $B --model llama3.1-8b --out-dir $OUT8 \
+  step 8b-packed 1 $B --model llama3.1-8b --out-dir $OUT8 --dflash-set batching.packing=true \
       --modes dflash_prep,dflash_prep_warm,dflash_prep_variant,dflash_prep_fresh --variant-set batching.packing=false
   step packing-check 1 python3 bench/packing_check.py --json "$R/packing_check.json"
   # WHEEL_DIR=/nonexistent: the wheels are installed once, above (reinstalling would swap files under the 27B run)
