@@ -14,8 +14,11 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import shutil
+import subprocess
 import sys
 import time
 import traceback
@@ -305,10 +308,6 @@ def run_dflash_fresh(ctx: Ctx, out_dir: Path, repeat_of: dict) -> dict:
     """dflash_prep on the same samples in a new process (same environment, hence the same Triton cache dir that
     the earlier passes of this run filled): the cold figure of a fresh job on a machine that has run one before.
     Its extraction is moved to `out_dir/extraction`, where run_mode reads the states back."""
-    import json
-    import os
-    import subprocess
-
     out_dir.mkdir(parents=True)
     results_dir = out_dir / "report"
     env = dict(os.environ)

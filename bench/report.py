@@ -53,13 +53,16 @@ def new_report(ctx: Ctx, modes: list[str], timestamp: str, command: list[str], g
 
 def warm_overheads(results: dict) -> dict:
     """For each mode run cold then warm on the same samples: the extra seconds of the cold pass's forwards
-    (compilation, autotuning of first-seen shapes), in all and per distinct shape."""
+    (compilation, autotuning of first-seen shapes), in all and per distinct shape. `dflash_prep_fresh` (a new
+    process with the Triton cache the earlier passes filled) is set against the in-process warm pass."""
+    pairs = [(m, f"{m}_warm") for m in results if not m.endswith("_warm")]
+    pairs.append(("dflash_prep_fresh", "dflash_prep_warm"))
     out = {}
-    for mode, cold in results.items():
-        warm = results.get(f"{mode}_warm")
-        if mode.endswith("_warm") or not warm or cold.get("status") != "ok" or warm.get("status") != "ok":
+    for mode, warm_mode in pairs:
+        cold, warm = results.get(mode), results.get(warm_mode)
+        if not cold or not warm or cold.get("status") != "ok" or warm.get("status") != "ok":
             continue
-        key = "forward_gpu" if mode == "dflash_prep" else "forward"
+        key = "forward" if mode in ("per_sample", "fixed_batch") else "forward_gpu"
         extra = cold["breakdown_seconds"][key] - warm["breakdown_seconds"][key]
         out[mode] = {"cold_forward_seconds": cold["breakdown_seconds"][key],
                      "warm_forward_seconds": warm["breakdown_seconds"][key],
@@ -67,18 +70,9 @@ def warm_overheads(results: dict) -> dict:
                      "overhead_per_shape_seconds": extra / cold["num_shapes"] if cold["num_shapes"] else None,
                      "cold_tokens_per_second": cold["tokens_per_second"],
                      "warm_tokens_per_second": warm["tokens_per_second"]}
-    fresh, warm = results.get("dflash_prep_fresh"), results.get("dflash_prep_warm")
-    if fresh and warm and fresh.get("status") == "ok" and warm.get("status") == "ok":
-        # A new process with the Triton cache the earlier passes filled, against the in-process warm pass.
-        extra = fresh["breakdown_seconds"]["forward_gpu"] - warm["breakdown_seconds"]["forward_gpu"]
-        out["dflash_prep_fresh"] = {
-            "cold_forward_seconds": fresh["breakdown_seconds"]["forward_gpu"],
-            "warm_forward_seconds": warm["breakdown_seconds"]["forward_gpu"],
-            "first_shape_overhead_seconds": extra, "num_shapes": fresh["num_shapes"],
-            "overhead_per_shape_seconds": extra / fresh["num_shapes"] if fresh["num_shapes"] else None,
-            "cold_tokens_per_second": fresh["tokens_per_second"],
-            "warm_tokens_per_second": warm["tokens_per_second"],
-            "cold_to_warm_ratio": fresh["tokens_per_second"] / warm["tokens_per_second"]}
+    if "dflash_prep_fresh" in out:
+        fresh = out["dflash_prep_fresh"]
+        fresh["cold_to_warm_ratio"] = fresh["cold_tokens_per_second"] / fresh["warm_tokens_per_second"]
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tarfile
 from pathlib import Path
@@ -75,3 +76,35 @@ def copy(output, tmp_path) -> Path:
     dest = tmp_path / "copy"
     shutil.copytree(output, dest)
     return dest
+
+
+def processes_writing(out: Path) -> list[str]:
+    """Pids of the processes whose command line names `output.dir={out}` (a launched script, its DataLoader
+    workers): what must be gone once a run has stopped."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if entry.isdigit() and f"output.dir={out}" in cmdline:
+            found.append(entry)
+    return found
+
+
+def max_abs_diff_to_alone(decoder, records: dict, layer_ids: list[int], hidden_size: int) -> float:
+    """The largest |difference| between the written states (captured layers and the final state after the norm)
+    and each sample run alone through `decoder` with `output_hidden_states=True` (after-layer id i is
+    hidden_states[i + 1]). `records`: the reader's records (input_ids, tensors)."""
+    import numpy as np
+
+    H, worst = hidden_size, 0.0
+    for r in records.values():
+        with torch.inference_mode():
+            ref = decoder(input_ids=torch.from_numpy(r["input_ids"].astype(np.int64))[None], use_cache=False,
+                          output_hidden_states=True).hidden_states
+        hs = r["tensors"]["hidden_states"]
+        for slot, layer in enumerate(layer_ids):
+            worst = max(worst, (hs[:, slot * H:(slot + 1) * H] - ref[layer + 1][0]).abs().max().item())
+        worst = max(worst, (r["tensors"]["final_hidden_states"] - ref[-1][0]).abs().max().item())
+    return worst

@@ -15,7 +15,7 @@ import torch
 import webdataset as wds
 from safetensors.torch import load as safetensors_load
 
-from conftest import REPO, build, tiny_llama_config, tiny_qwen35_config
+from conftest import REPO, build, max_abs_diff_to_alone, tiny_llama_config, tiny_qwen35_config
 from dflash_prep.extract import OutputMismatchError, run_extraction
 from dflash_prep.layers import find_decoder
 from dflash_prep.recipe import load_recipe
@@ -125,16 +125,7 @@ def test_written_states_equal_each_sample_run_alone(arch, tmp_path, llama_config
     assert layer_ids == ([1, 2, 3] if arch == "llama" else [1, 3, 5])  # the dflash rule, k=3, for 6 and 8 layers
     model = build(tiny_llama_config() if arch == "llama" else tiny_qwen35_config(), seed=recipe.model.init_seed)
     decoder = find_decoder(model)
-    H = 64
-    worst = 0.0
-    for key, r in records.items():
-        with torch.inference_mode():
-            ref = decoder(input_ids=torch.from_numpy(r["input_ids"].astype(np.int64))[None], use_cache=False,
-                          output_hidden_states=True).hidden_states
-        hs = r["tensors"]["hidden_states"]
-        for slot, layer in enumerate(layer_ids):
-            worst = max(worst, (hs[:, slot * H:(slot + 1) * H] - ref[layer + 1][0]).abs().max().item())
-        worst = max(worst, (r["tensors"]["final_hidden_states"] - ref[-1][0]).abs().max().item())
+    worst = max_abs_diff_to_alone(decoder, records, layer_ids, 64)
     assert worst <= 1e-5, f"{arch}: max abs diff {worst}"
 
 

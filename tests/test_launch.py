@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, processes_writing
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
        "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -87,18 +87,6 @@ def _start_and_wait_for_a_commit(out: Path, num_workers: int = 1) -> subprocess.
     return proc
 
 
-def _processes_writing(out: Path) -> list[str]:
-    """Processes whose command line names `out` (the launcher's script, its DataLoader workers)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if entry.isdigit() and f"output.dir={out}" in cmdline:
-            found.append(entry)
-    return found
-
 
 def test_sigterm_to_the_launcher_stops_the_script_cleanly_and_leaves_nothing_running(tmp_path):
     """A preemption notice goes to the launcher's pid only: the script must still stop at a batch boundary
@@ -110,9 +98,9 @@ def test_sigterm_to_the_launcher_stops_the_script_cleanly_and_leaves_nothing_run
     assert proc.returncode == 1, err[-3000:]
     assert "stopped on SIGTERM" in err and "Traceback" not in err, err[-3000:]
     deadline = time.time() + 10
-    while _processes_writing(out) and time.time() < deadline:
+    while processes_writing(out) and time.time() < deadline:
         time.sleep(0.1)
-    assert _processes_writing(out) == []
+    assert processes_writing(out) == []
     assert not (out / "manifest.json").exists() and not list(Path(out).rglob("*.tmp"))
 
 
@@ -121,7 +109,7 @@ def test_a_script_killed_by_a_signal_is_named_in_one_line(tmp_path):
     happened, exit 1 (resumable)."""
     out = tmp_path / "out"
     proc = _start_and_wait_for_a_commit(out)
-    script = [int(p) for p in _processes_writing(out) if int(p) != proc.pid]
+    script = [int(p) for p in processes_writing(out) if int(p) != proc.pid]
     assert script
     for pid in script:
         try:

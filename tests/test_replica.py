@@ -4,10 +4,8 @@ of a replica. Expected values are worked out by hand from the layouts (8 GPUs pe
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 

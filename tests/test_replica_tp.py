@@ -14,12 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from conftest import REPO, tiny_llama_config
+from conftest import REPO, max_abs_diff_to_alone, tiny_llama_config
 from dflash_prep.layers import find_decoder
 from dflash_prep.norms import randomize_norm_gains
 from test_extract import read_records
@@ -83,15 +82,7 @@ def test_a_tensor_parallel_replica_writes_what_each_sample_gets_alone(tp_out):
     records = read_records(tp_out)  # asserts no sample twice
     assert len(records) == NUM_SAMPLES
     decoder = find_decoder(reference_model(SEED))
-    layer_ids, H, worst = manifest["layer_ids"], 64, 0.0
-    for r in records.values():
-        with torch.inference_mode():
-            ref = decoder(input_ids=torch.from_numpy(r["input_ids"].astype(np.int64))[None], use_cache=False,
-                          output_hidden_states=True).hidden_states
-        hs = r["tensors"]["hidden_states"]
-        for slot, layer in enumerate(layer_ids):
-            worst = max(worst, (hs[:, slot * H:(slot + 1) * H] - ref[layer + 1][0]).abs().max().item())
-        worst = max(worst, (r["tensors"]["final_hidden_states"] - ref[-1][0]).abs().max().item())
+    worst = max_abs_diff_to_alone(decoder, records, manifest["layer_ids"], 64)
     assert worst <= 1e-5, f"max abs diff {worst}"
 
 

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import REPO, raw_records
+from conftest import REPO, processes_writing, raw_records
 from dflash_prep.extract import run_extraction
 from dflash_prep.faults import ENV_VAR
 from dflash_prep.recipe import load_recipe
@@ -72,17 +72,6 @@ def test_a_finished_output_rerun_loads_nothing(tmp_path, monkeypatch):
     assert time.perf_counter() - t0 < 30
 
 
-def _processes_naming(out: Path) -> list[str]:
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if entry.isdigit() and f"output.dir={out}" in cmdline:
-            found.append(entry)
-    return found
-
 
 def test_a_refusal_on_the_main_process_while_both_ranks_load_ends_the_run_at_once_with_exit_code_2(tmp_path):
     """2 processes under the README's launch command; the main process refuses the rows (they differ from the
@@ -104,7 +93,7 @@ def test_a_refusal_on_the_main_process_while_both_ranks_load_ends_the_run_at_onc
     assert len(errors) == 1 and "data rows differ" in errors[0], proc.stderr[-3000:]
     # rank 1, waiting in a barrier, may see its peer gone before the launcher stops it (as without the overlap)
     assert not [line for line in proc.stderr.splitlines() if "Traceback" in line and not line.startswith("[rank1]")]
-    assert not _processes_naming(out)
+    assert not processes_writing(out)
 
 
 def test_two_processes_record_their_startup_and_predicted_seconds_and_the_balance_report_reads_them(tmp_path):
