@@ -92,7 +92,7 @@ keep_summary() {  # keep_summary OUT NAME: RESULTS/NAME.summary.json, the rank l
   python3 -c "import torch, transformers, accelerate; print(torch.__version__, transformers.__version__, accelerate.__version__)"
   env | grep -E "^(NCCL_|TORCH_SYMM|NVSHMEM_)" | sort
 } > "$RESULTS/env.txt" 2>&1
-FS=$(findmnt -n -o FSTYPE --target "$WORK" 2> /dev/null || stat -f -c %T "$WORK" 2> /dev/null || echo unknown)
+FS=$(findmnt -n -o FSTYPE --target "$WORK" 2> /dev/null | head -1 || stat -f -c %T "$WORK" 2> /dev/null || echo unknown)
 case $FS in tmpfs|ramfs) KIND="memory, not a disk" ;; *) KIND="a disk, not /dev/shm" ;; esac
 printf '"%s (%s filesystem: %s)"\n' "$WORK" "$FS" "$KIND" > "$WORK/disk.json"
 log "results in $RESULTS, outputs in $WORK ($(cat "$WORK/disk.json")), budget ${BUDGET}s$([ $DRY = 1 ] && echo ', DRY RUN ON CPU')"

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One benchmark round on a machine with 2 GPUs, both busy, under one deadline (DEADLINE_SECONDS, default 570):
-#   GPU 0: the Qwen3.6-27B-class hybrid; GPU 1: the Llama-3.1-8B shape, then the GPU exactness checks.
-# Per model, two processes on the same samples:
-#   (a) padded batches (batching.packing=false): the baselines, dflash_prep cold and warm, and the fused-kernel A/B
-#       (dflash_prep_variant with model.kernels=eager), the fused kernels' figures at today's padding;
-#   (b) batching.packing true (packed rows): dflash_prep cold and warm, the packing A/B (dflash_prep_variant
-#       with batching.packing=false) and dflash_prep_fresh (a new process with the Triton cache (a) and (b) filled).
-# Outputs: the 27B's shards on the local disk (/tmp); the 8B's on /dev/shm when it has room (the two models write
-# at once, and the 8B alone needs ~0.9 GB/s), else /tmp. Each report says where (fs in its environment).
+#   GPU 0: the Qwen3.6-27B-class hybrid; GPU 1: the Llama-3.1-8B shape.
+# Per model, one process on one sample list: packed rows of at most PACKED_ROW_TOKENS (default 32768) tokens
+# (`batching.packing=true`), cold and warm; the A/B, padded batches at the benchmark's auto budget
+# (dflash_prep_variant with batching.packing=false, cold, then dflash_prep_variant_warm: the padded shapes warm
+# too); dflash_prep_fresh (a new process with the Triton cache the earlier passes filled). The 8B also runs a
+# profiled packed pass (host and GPU time by op), then packed rows of 65,536 tokens (row-size A/B).
+# Outputs: the 27B's shards on the local disk (/tmp); the 8B's on /dev/shm when it has room, else /tmp. Each
+# report says where (fs in its environment).
 #   bash bench/gpu_round.sh RESULTS_DIR
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -29,23 +29,20 @@ SHM_FREE_GB=$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
 OUT8=/tmp/bench-out; [ "${SHM_FREE_GB:-0}" -ge 60 ] && OUT8=/dev/shm/bench-out
 echo "[round] /dev/shm free: ${SHM_FREE_GB:-?} GB; 8B outputs under $OUT8; 27B outputs under /tmp/bench-out"
 B="python3 bench/run_bench.py --results-dir $R"
+ROW=${PACKED_ROW_TOKENS:-32768}
 gpu0() {
-  step 27b-padded 0 $B --model qwen3.6-27b --out-dir /tmp/bench-out --dflash-set batching.packing=false \
-      --modes fixed_batch,dflash_prep,dflash_prep_warm,dflash_prep_variant --variant-set model.kernels=eager \
-      --fixed-batch-max-seconds 20
   step 27b-packed 0 $B --model qwen3.6-27b --out-dir /tmp/bench-out --dflash-set batching.packing=true \
-      --modes dflash_prep,dflash_prep_warm,dflash_prep_variant,dflash_prep_fresh --variant-set batching.packing=false
+      --dflash-set batching.max_tokens_per_batch=$ROW \
+      --modes dflash_prep,dflash_prep_warm,dflash_prep_variant,dflash_prep_variant_warm,dflash_prep_fresh \
+      --variant-set batching.packing=false --variant-set batching.max_tokens_per_batch=65536
 }
 gpu1() {
-  step 8b-padded 1 $B --model llama3.1-8b --out-dir $OUT8 --dflash-set batching.packing=false \
-      --modes per_sample,fixed_batch,dflash_prep,dflash_prep_warm,dflash_prep_variant --variant-set model.kernels=eager \
-      --per-sample-max-seconds 20 --fixed-batch-max-seconds 20
   step 8b-packed 1 $B --model llama3.1-8b --out-dir $OUT8 --dflash-set batching.packing=true \
-      --modes dflash_prep,dflash_prep_warm,dflash_prep_variant,dflash_prep_fresh --variant-set batching.packing=false
-  step packing-check 1 python3 bench/packing_check.py --json "$R/packing_check.json"
-  # WHEEL_DIR=/nonexistent: the wheels are installed once, above (reinstalling would swap files under the 27B run)
-  step packing-verify 1 env SKIP_CHECK=1 WHEEL_DIR=/nonexistent bash bench/gpu_packing.sh "$R"
-  step kernels-verify 1 env SKIP_CHECK=1 WHEEL_DIR=/nonexistent bash bench/gpu_kernels.sh "$R"
+      --dflash-set batching.max_tokens_per_batch=$ROW \
+      --modes dflash_prep,dflash_prep_warm,dflash_prep_variant,dflash_prep_fresh,dflash_prep_profile \
+      --variant-set batching.packing=false --variant-set batching.max_tokens_per_batch=131072
+  step 8b-packed-65k 1 $B --model llama3.1-8b --out-dir $OUT8 --dflash-set batching.packing=true \
+      --dflash-set batching.max_tokens_per_batch=65536 --modes dflash_prep,dflash_prep_warm
 }
 gpu0 & gpu1 & wait
 echo "[round] done after $(( $(date +%s) - T0 )) s"

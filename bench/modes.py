@@ -6,6 +6,8 @@
                              `--variant-set batching.packing=false` is the A/B)
   X_warm                     X again on exactly the samples X ran (same shapes: compiled kernels reused)
   dflash_prep_variant        dflash_prep again on its samples with `--variant-set` on top (an A/B in one run)
+  dflash_prep_variant_warm   the variant again on the same samples (its own shapes warm: an A/B of warm passes
+                             when the variant's shapes differ, e.g. padded batches against packed rows)
   dflash_prep_profile        dflash_prep again on its samples under torch.profiler (where the GPU time goes)
   dflash_prep_fresh          dflash_prep again on its samples in a NEW process that shares the Triton cache the
                              earlier passes filled (model.triton_cache_dir): what the next job on the same machine
@@ -35,10 +37,11 @@ from bench.timing import BatchLog, DflashTimings, finish_result, free_memory, pe
 from dflash_prep.recipe import recipe_from_dict
 
 ALL_MODES = ("per_sample", "fixed_batch", "dflash_prep", "per_sample_warm", "fixed_batch_warm", "dflash_prep_warm",
-             "dflash_prep_variant", "dflash_prep_profile", "dflash_prep_fresh")
+             "dflash_prep_variant", "dflash_prep_variant_warm", "dflash_prep_profile", "dflash_prep_fresh")
 VARIANT = "dflash_prep_variant"  # dflash_prep again on its samples with --variant-set on top: an A/B in one run
 PROFILE = "dflash_prep_profile"  # dflash_prep again on its samples under torch.profiler: where the GPU time goes
 FRESH = "dflash_prep_fresh"  # dflash_prep again on its samples in a new process, Triton's disk cache warm
+VARIANT_WARM = "dflash_prep_variant_warm"  # the variant again on its samples: its own shapes warm
 REPEATS_OF_DFLASH = (VARIANT, PROFILE, FRESH)
 DEFAULT_MODES = "per_sample,fixed_batch,dflash_prep"
 
@@ -349,13 +352,14 @@ def run_mode(ctx: Ctx, mode: str, gemm: dict, check_ids: list[str], done: dict) 
     states: dict = {}
     print(f"[bench] {mode}: start", file=sys.stderr, flush=True)
     try:
-        kind = "dflash_prep" if mode in REPEATS_OF_DFLASH else mode.removesuffix("_warm")
+        kind = "dflash_prep" if mode in REPEATS_OF_DFLASH + (VARIANT_WARM,) else mode.removesuffix("_warm")
         repeat_of = None
         if mode.endswith("_warm") or mode in REPEATS_OF_DFLASH:
-            repeat_of = done.get(kind)
+            repeated = VARIANT if mode == VARIANT_WARM else kind
+            repeat_of = done.get(repeated)
             if not repeat_of or repeat_of.get("status") != "ok":
-                raise RuntimeError(f"{mode} repeats {kind}, which did not run successfully before it")
-        if mode == VARIANT:
+                raise RuntimeError(f"{mode} repeats {repeated}, which did not run successfully before it")
+        if mode in (VARIANT, VARIANT_WARM):
             res = run_dflash(ctx, out_dir, repeat_of, ctx.args.variant_overrides)
             res["variant_overrides"] = ctx.args.variant_set
         elif mode == PROFILE:

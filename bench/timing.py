@@ -143,9 +143,14 @@ class DflashTimings:
                 return out
 
         def timed_to_host(captured, device):
+            t0 = time.perf_counter()
             out = orig_to_host(captured, device)
             if timings.batches:
                 timings.batches[-1]["copy_end"] = timings.mark()
+                # host time of the copy's enqueue (pinned allocation included), and when it ended: the gap to the
+                # next forward's start is the loop's own host time (writer hand-off, the next batch)
+                timings.batches[-1]["host_copy"] = time.perf_counter() - t0
+                timings.batches[-1]["host_copy_end"] = time.perf_counter()
             return out
 
         def timed_load(section, config, device):
@@ -168,7 +173,7 @@ class DflashTimings:
             torch.cuda.synchronize()
         seen, fwd, copy, first_s, first_n, first_real, host_fwd = set(), 0.0, 0.0, 0.0, 0, 0, 0.0
         per_batch = []
-        for rec in self.batches:
+        for i, rec in enumerate(self.batches):
             f = self.span(rec["start"], rec["forward_end"])
             c = self.span(rec["forward_end"], rec["copy_end"]) if "copy_end" in rec else 0.0
             fwd, copy, host_fwd = fwd + f, copy + c, host_fwd + rec["host_forward"]
@@ -178,6 +183,9 @@ class DflashTimings:
                 first_s, first_n, first_real = first_s + f, first_n + 1, first_real + rec["real"]
             per_batch.append({"B": rec["shape"][0], "T": rec["shape"][1], "real_tokens": rec["real"],
                               "forward_seconds": f, "copy_seconds": c, "host_forward_seconds": rec["host_forward"],
+                              "host_copy_seconds": rec.get("host_copy"),
+                              "host_gap_seconds": (self.batches[i + 1]["host_start"] - rec["host_copy_end"]
+                                                   if i + 1 < len(self.batches) and "host_copy_end" in rec else None),
                               "first_of_shape": first})
         return {"forward": fwd, "copy": copy, "first_shape_seconds": first_s, "first_shape_batches": first_n,
                 "first_shape_real_tokens": first_real, "num_shapes": len(seen), "host_forward": host_fwd,
