@@ -8,7 +8,7 @@
 # profiled packed pass (host and GPU time by op), then packed rows of 65,536 tokens (row-size A/B).
 # Outputs: the 27B's shards on the local disk (/tmp); the 8B's on /dev/shm when it has room, else /tmp. Each
 # report says where (fs in its environment).
-#   bash bench/gpu_round.sh RESULTS_DIR
+#   bash bench/gpu_round.sh RESULTS_DIR          (ONE_GPU=1: both models on GPU 0, the 27B first)
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 R=${1:-bench/results}
@@ -36,14 +36,18 @@ gpu0() {
       --modes dflash_prep,dflash_prep_warm,dflash_prep_variant,dflash_prep_variant_warm,dflash_prep_fresh \
       --variant-set batching.packing=false --variant-set batching.max_tokens_per_batch=65536
 }
-gpu1() {
-  step 8b-packed 1 $B --model llama3.1-8b --out-dir $OUT8 --dflash-set batching.packing=true \
+gpu1() {  # gpu1 GPU
+  step 8b-packed $1 $B --model llama3.1-8b --out-dir $OUT8 --dflash-set batching.packing=true \
       --dflash-set batching.max_tokens_per_batch=$ROW \
       --modes dflash_prep,dflash_prep_warm,dflash_prep_variant,dflash_prep_fresh,dflash_prep_profile \
       --variant-set batching.packing=false --variant-set batching.max_tokens_per_batch=131072
-  step 8b-packed-65k 1 $B --model llama3.1-8b --out-dir $OUT8 --dflash-set batching.packing=true \
+  step 8b-packed-65k $1 $B --model llama3.1-8b --out-dir $OUT8 --dflash-set batching.packing=true \
       --dflash-set batching.max_tokens_per_batch=65536 --modes dflash_prep,dflash_prep_warm
 }
-gpu0 & gpu1 & wait
+if [ "${ONE_GPU:-0}" = 1 ]; then  # a machine of one GPU: the 27B, then the 8B, one after the other on GPU 0
+  gpu0; gpu1 0
+else
+  gpu0 & gpu1 1 & wait
+fi
 echo "[round] done after $(( $(date +%s) - T0 )) s"
 ls -la "$R"
