@@ -39,13 +39,13 @@ gpu0() {
 gpu1() {  # gpu1 GPU
   step 8b-packed $1 $B --model llama3.1-8b --out-dir $OUT8 --dflash-set batching.packing=true \
       --dflash-set batching.max_tokens_per_batch=$ROW \
-      --modes dflash_prep,dflash_prep_warm,dflash_prep_variant,dflash_prep_fresh,dflash_prep_profile \
+      --modes ${MODES_8B:-dflash_prep,dflash_prep_warm,dflash_prep_variant,dflash_prep_fresh,dflash_prep_profile} \
       --variant-set batching.packing=false --variant-set batching.max_tokens_per_batch=131072
   step 8b-packed-65k $1 $B --model llama3.1-8b --out-dir $OUT8 --dflash-set batching.packing=true \
       --dflash-set batching.max_tokens_per_batch=65536 --modes dflash_prep,dflash_prep_warm
 }
 if [ "${ONE_GPU:-0}" = 1 ]; then  # a machine of one GPU: the 27B, then the 8B, one after the other on GPU 0
-  gpu0; gpu1 0
+  gpu0; MODES_8B=${MODES_8B:-dflash_prep,dflash_prep_warm,dflash_prep_profile,dflash_prep_variant} gpu1 0
 else
   gpu0 & gpu1 1 & wait
 fi
