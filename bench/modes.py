@@ -31,7 +31,7 @@ import torch
 from bench.context import Ctx, logits_kwargs
 from bench.models import weights_checksum
 from bench.outputs import dir_bytes, fixed_batch_path, read_samples, written_ids
-from bench.profiling import kernel_profile
+from bench.profiling import kernel_profile, synchronizing_calls
 from bench.samples import write_pretokenized
 from bench.timing import BatchLog, DflashTimings, finish_result, free_memory, peak_memory, sync
 from dflash_prep.recipe import recipe_from_dict
@@ -281,7 +281,11 @@ def run_dflash_profiled(ctx: Ctx, out_dir: Path, repeat_of: dict) -> dict:
     # synchronizations, pinned allocations, copies from pageable memory) show up by their self CPU time.
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=activities) as prof:
-        res = run_dflash(ctx, out_dir, repeat_of)
+        if cuda:  # and every synchronizing call torch's debug mode reports, by the frames that made it
+            res, syncs = synchronizing_calls(lambda: run_dflash(ctx, out_dir, repeat_of))
+            res["synchronizing_calls"] = syncs
+        else:
+            res = run_dflash(ctx, out_dir, repeat_of)
     res["profile"] = kernel_profile(prof, cuda)
     if cuda:
         res["host_profile"] = kernel_profile(prof, False)

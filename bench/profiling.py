@@ -41,3 +41,38 @@ def kernel_profile(prof, cuda: bool, top: int = 40) -> dict:
             "categories": {c: {"seconds": t, "share": t / total}
                            for c, t in sorted(categories.items(), key=lambda kv: -kv[1])},
             "top": [{"name": n[:160], "seconds": t, "share": t / total, "calls": c} for n, t, c in rows[:top]]}
+
+
+def synchronizing_calls(fn):
+    """Run `fn()` with torch's CUDA sync debug mode on; returns (its result, {message | innermost frames: count})
+    for every synchronizing call the mode reports (item(), copies to pageable memory, explicit syncs; it does not
+    see implicit driver waits such as a pinned allocation, which torch.profiler's runtime calls show)."""
+    import collections
+    import traceback
+    import warnings
+    from pathlib import Path
+
+    import torch
+
+    found = collections.Counter()
+
+    def frames() -> str:
+        stack = [f for f in traceback.extract_stack()[:-2] if "/warnings.py" not in f.filename]
+        return " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(stack[-6:]))
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        found[f"{str(message)[:60]} | {threading_name()} | {frames()}"] += 1
+
+    def threading_name() -> str:
+        import threading
+        return threading.current_thread().name
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return result, dict(found.most_common(30))
