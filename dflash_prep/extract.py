@@ -300,7 +300,7 @@ def _start(recipe: Recipe) -> Run:
     kernels = select_kernels(recipe.model.kernels, config, state.device.type,
                              tensor_parallel=replica.parallelism == TENSOR_PARALLEL)
     packing = select_packing(recipe.batching.packing, config, state.device.type, kernels.names,
-                             tensor_parallel=replica.parallelism == TENSOR_PARALLEL)
+                             several_gpus=replica.gpus_per_replica > 1, compute_dtype=recipe.model.dtype)
     recipe, budget_how = resolve_token_budget(
         recipe, config, layer_ids, num_layers,
         torch.cuda.get_device_properties(state.device).total_memory if state.device.type == "cuda" else None)

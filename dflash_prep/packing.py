@@ -112,13 +112,15 @@ def _fla_chunk_in_use(model_type: str) -> bool | None:
 
 
 def select_packing(requested, config, device_type: str, kernel_names, assume_fla: bool = False,
-                   tensor_parallel: bool = False) -> PackingChoice:
+                   several_gpus: bool = False, compute_dtype: str = "bfloat16") -> PackingChoice:
     """`batching.packing` resolved for this run: `true` packs where exact (else RecipeError naming the key: exit 2),
-    `false` never packs, `auto` runs padded batches for now: packed rows are exact on GPUs (bench/results/
-    packing_check.json: packed-vs-alone at the padded batch's own noise) but were measured slower end to end on an
-    H200 (Llama-3.1-8B shape, warm: 37,636 real tok/s packed vs 41,677 padded; the GPU idle 16% of the loop between
-    packed forwards against 2% padded; bench/results/llama3.1-8b-20261130-155146.json), so `auto` packs nowhere
-    until that gap is closed and measured."""
+    `false` never packs, `auto` packs on CUDA where exact, on replicas of one GPU (`several_gpus`: a replica of
+    several GPUs, tensor parallel or split by layers, where packed rows have not run yet). Why `auto` packs there: exact at the padded batch's own noise (bench/results/
+    packing_check.json) and faster end to end on an H200 with rows of up to 32,768 tokens (planner.
+    PACKED_ROW_TOKENS_AUTO: warm, same samples, 8B shape 43,224 real tok/s against 42,042 padded, 27B hybrid
+    9,645 against 9,275). `auto` runs padded batches on a CPU (each Gated DeltaNet module would run once per sample
+    there, and nothing was measured) and for a `compute_dtype` (model.dtype) other than bfloat16 / float16, or a
+    torch without `varlen_attn`: attention would then run once per sample (SDPA), not as one FlashAttention call."""
     why_not = not_exact_reason(config, device_type, kernel_names, assume_fla)
     if requested is False:
         return PackingChoice(False, False, "batching.packing: false")
@@ -130,11 +132,13 @@ def select_packing(requested, config, device_type: str, kernel_names, assume_fla
         return PackingChoice("auto", False, f"no CUDA device ({device_type}): padded batches")
     if why_not:
         return PackingChoice("auto", False, f"{why_not}: padded batches")
-    if tensor_parallel:
-        return PackingChoice("auto", False, "tensor parallel: packed rows not run on sharded layers yet: padded "
+    if several_gpus:
+        return PackingChoice("auto", False, "a replica of several GPUs: packed rows not run there yet: padded "
                                             "batches")
-    return PackingChoice("auto", False, "exact here, but measured slower end to end than padded batches so far "
-                                        "(batching.packing: true uses them): padded batches")
+    if compute_dtype not in ("bfloat16", "float16") or _varlen_attn() is None:
+        return PackingChoice("auto", False, f"no varlen FlashAttention for {compute_dtype} with torch "
+                                            f"{torch.__version__} (attention would run per sample): padded batches")
+    return PackingChoice("auto", True, "exact here and measured faster than padded batches: packed rows")
 
 
 def replay_stored_layout(choice: PackingChoice, stored_packed: bool, config, device_type: str,

@@ -75,9 +75,10 @@ def shard_sizes(record_bytes_in_order: list[list[int]], max_shard_bytes: int, nu
 
 
 # ------------------------------------------------------------------------------------------ throughput
-def bench_references(results_dir: Path = BENCH_RESULTS_DIR) -> list[dict]:
+def bench_references(results_dir: Path = BENCH_RESULTS_DIR, packed: bool = False) -> list[dict]:
     """The warm dflash-prep figure of the newest complete benchmark report per (model, compute dtype), among the
-    runs of padded batches (what `batching.packing: auto` runs; a packed run's figure is not the default's)."""
+    runs of the planned layout: packed rows (`packed`: what `batching.packing: auto` runs on GPUs where exact) or
+    padded batches (a packed run's figure is not a padded run's, nor the reverse)."""
     best: dict[tuple, dict] = {}
     for path in sorted(Path(results_dir).glob("*.json")):
         try:
@@ -90,7 +91,7 @@ def bench_references(results_dir: Path = BENCH_RESULTS_DIR) -> list[dict]:
         info = report.get("model_info") or {}
         if mode.get("status") != "ok" or not mode.get("tokens_per_second") or not info.get("decoder_params_needed"):
             continue
-        if ((mode.get("summary") or {}).get("packing") or {}).get("packed"):
+        if bool(((mode.get("summary") or {}).get("packing") or {}).get("packed")) != packed:
             continue
         cold = (report.get("modes") or {}).get("dflash_prep") or {}
         ref = {
@@ -213,7 +214,7 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
     shares = split_across_ranks(plan, replicas["num_replicas"],  # a rank of the output is a replica
                                 functools.partial(cost_model.cost_of, lengths=lengths))
     disk = _disk_figures(recipe, plan, shares, cols, lengths, layer_ids, hidden_size, stats["num_real_tokens"])
-    throughput = _throughput(recipe, config, params, tokens_per_second, bench_dir)
+    throughput = _throughput(recipe, config, params, tokens_per_second, bench_dir, packing.packed)
     if throughput["tokens_per_second"]:
         replicas["tokens_per_second_per_replica"] = throughput["tokens_per_second"] * replicas["computing_gpus"]
     ranks = [plan_stats(share) for share in shares]
@@ -256,7 +257,8 @@ def plan_packing(recipe: Recipe, config, for_gpus: bool):
 
     kernels = recipe.model.kernels
     names = ("fla_conv",) if kernels == "auto" else () if kernels == "eager" else tuple(kernels)
-    return select_packing(recipe.batching.packing, config, "cuda" if for_gpus else "cpu", names, assume_fla=for_gpus)
+    return select_packing(recipe.batching.packing, config, "cuda" if for_gpus else "cpu", names, assume_fla=for_gpus,
+                          several_gpus=recipe.model.gpus_per_replica > 1, compute_dtype=recipe.model.dtype)
 
 
 def _shape_counts(plan: list) -> dict[str, int]:
@@ -294,10 +296,11 @@ def _disk_figures(recipe: Recipe, plan: list, shares: list, cols: dict, lengths:
 
 
 def _throughput(recipe: Recipe, config, params: int | None, tokens_per_second: float | None,
-                bench_dir: Path | None) -> dict:
-    """tokens/s per GPU: given, or the nearest benchmarked model's scaled by decoder parameters run per token."""
+                bench_dir: Path | None, packed: bool) -> dict:
+    """tokens/s per GPU: given, or the nearest benchmarked model's (runs of the same layout: `packed` rows or
+    padded batches) scaled by decoder parameters run per token."""
     ref, why = (None, "given with --tokens-per-second") if tokens_per_second else (
-        choose_reference(bench_references(bench_dir), config, params, recipe.model.dtype)
+        choose_reference(bench_references(bench_dir, packed), config, params, recipe.model.dtype)
         if bench_dir is not None else (None, "no benchmark folder"))
     throughput: dict = {"tokens_per_second": tokens_per_second, "source": why, "reference": ref}
     if ref is not None:

@@ -502,13 +502,28 @@ def _packed_batches(rows: list[list[int]], used: list[int], row_lengths: tuple[i
                          num_real_tokens=used[r], packed=True) for batch_id, r in enumerate(order)]
 
 
+PACKED_ROW_TOKENS_AUTO = 32768
+"""`batching.max_tokens_per_row: auto`. Measured on an H200 (bench/RESULTS.md, warm passes, same samples): rows of
+32,768 tokens ran the Llama-3.1-8B shape at 43,224 real tok/s against 42,042 for padded batches of up to 131,072
+tokens, and the Qwen3.6-27B hybrid at 9,645 against 9,275; rows of 131,072 tokens ran the 8B at 37,636 against
+41,677 padded. A big row needs big pinned host buffers for its states (a first pinned allocation took 3.4 s for
+5.4 GB, bench/results/sync_probe.json) and leaves more to write after the last forward."""
+
+
+def packed_row_budget(batching) -> int:
+    """Tokens per packed row at most: `max_tokens_per_row` (`auto`: PACKED_ROW_TOKENS_AUTO), never above the
+    resolved `max_tokens_per_batch` (an int: budget.py resolves `auto` first)."""
+    row = PACKED_ROW_TOKENS_AUTO if batching.max_tokens_per_row == "auto" else int(batching.max_tokens_per_row)
+    return min(row, _as_int(batching.max_tokens_per_batch, "max_tokens_per_batch"))
+
+
 def make_plan(lengths: list[int], recipe: Recipe, packed: bool = False) -> list[PlannedBatch]:
     """The global batch plan of `recipe` for the kept samples' `lengths` (what OUT/plan.json freezes; also what
     `dflash-prep plan` reports, so its figures are the run's): packed rows (`packed`, plan_packed_rows) or
     right-padded batches of a few lengths (plan_batches)."""
     b = recipe.batching
     if packed:
-        return plan_packed_rows(lengths, max_tokens_per_batch=b.max_tokens_per_batch,
+        return plan_packed_rows(lengths, max_tokens_per_batch=packed_row_budget(b),
                                 length_multiple=b.length_multiple)
     buckets = ShapeBuckets(b.length_multiple, b.length_growth, recipe.data.max_length)
     return plan_batches(lengths, max_tokens_per_batch=b.max_tokens_per_batch, max_batch_size=b.max_batch_size,
@@ -519,4 +534,5 @@ def plan_settings(recipe: Recipe) -> dict:
     b = recipe.batching
     return {"max_tokens_per_batch": b.max_tokens_per_batch, "max_batch_size": b.max_batch_size,
             "length_multiple": b.length_multiple, "length_growth": b.length_growth,
-            "max_length": recipe.data.max_length, "packing": recipe.batching.packing}
+            "max_length": recipe.data.max_length, "packing": recipe.batching.packing,
+            "max_tokens_per_row": b.max_tokens_per_row}

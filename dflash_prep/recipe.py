@@ -231,12 +231,16 @@ class BatchingSection:
     the Qwen3.5 hybrid with flash-linear-attention's chunk kernel and `fla_conv`), padded batches otherwise (CPU);
     `true`: packed (also on CPU), refused (exit 2) where not exact; `false`: padded batches. Recorded in the
     summary and the manifest; not part of the job's identity (a resume replays the stored plan's layout)."""
+    max_tokens_per_row: int | str = "auto"
+    """Packed rows only: tokens per row (one forward) at most, never above `max_tokens_per_batch`. `auto`: 32,768
+    (planner.PACKED_ROW_TOKENS_AUTO; on an H200 rows of 32,768 tokens ran faster than padded batches and rows of
+    131,072 slower, bench/RESULTS.md)."""
 
     def validate(self, p: str) -> None:
         if self.packing not in ("auto", True, False):
             _fail(f"{p}.packing", self.packing, "expected `auto`, true or false")
-        for name in ("max_tokens_per_batch", "max_batch_size", "length_multiple"):
-            if name == "max_tokens_per_batch" and self.max_tokens_per_batch == "auto":
+        for name in ("max_tokens_per_batch", "max_batch_size", "length_multiple", "max_tokens_per_row"):
+            if name.startswith("max_tokens_per_") and getattr(self, name) == "auto":
                 continue
             if getattr(self, name) < 1:
                 _fail(f"{p}.{name}", getattr(self, name), "must be >= 1")
@@ -395,7 +399,7 @@ def _build(cls: type, raw: Any, prefix: str, base_dir: Path | None) -> Any:
         if key == "batching.packing":  # `auto`, true or false: checked by BatchingSection.validate
             kwargs[name] = value
             continue
-        if key == "batching.max_tokens_per_batch":
+        if key in ("batching.max_tokens_per_batch", "batching.max_tokens_per_row"):
             if value != "auto" and (isinstance(value, bool) or not isinstance(value, int)):
                 _fail(key, value, "expected an integer or `auto`")
             kwargs[name] = value

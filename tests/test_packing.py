@@ -74,19 +74,43 @@ def test_row_lengths_never_exceed_the_budget():
     assert packed_row_lengths(1000, 64) == (128, 256, 512, 768, 1000)
 
 
+def test_packed_rows_hold_at_most_the_row_budget(tmp_path):
+    from dflash_prep.planner import make_plan
+    from dflash_prep.recipe import RecipeError, load_recipe
+
+    g = np.random.default_rng(3)
+    lengths = [int(x) for x in np.clip(g.lognormal(5.4, 0.9, 3000), 16, 4096)]  # ~1M tokens
+    for row, budget, want in (("auto", 131072, 32768), ("auto", 16384, 16384), (65536, 131072, 65536),
+                              (65536, 8192, 8192)):
+        recipe = load_recipe(None, demo_overrides(tmp_path / "o", **{"batching.max_tokens_per_batch": budget,
+                                                                     "batching.max_tokens_per_row": row}))
+        plan = make_plan(lengths, recipe, packed=True)
+        assert max(p.padded_length for p in plan) == want  # rows filled to the row budget, never above it
+        assert sum(p.num_real_tokens for p in plan) == sum(lengths)
+        assert sum(p.num_real_tokens for p in plan) / sum(p.padded_length for p in plan) >= 0.98
+    for bad in (0, "big", True):
+        with pytest.raises(RecipeError, match="batching.max_tokens_per_row"):
+            load_recipe(None, demo_overrides(tmp_path / "o", **{"batching.max_tokens_per_row": bad}))
+
+
 # ------------------------------------------------------------------------------------------------ choice
 def test_packing_choice_by_device_architecture_and_kernels():
     llama, qwen = tiny_llama_config(), tiny_qwen35_config()
     assert not select_packing("auto", llama, "cpu", ()).packed  # CPU default: padded batches
     assert select_packing(True, llama, "cpu", ()).packed
     assert select_packing(True, qwen, "cpu", ()).packed  # Gated DeltaNet per segment on the CPU
-    auto = select_packing("auto", llama, "cuda", ())  # exact, but measured slower so far: padded batches
-    assert not auto.packed and "batching.packing: true" in auto.reason
+    auto = select_packing("auto", llama, "cuda", ())  # exact and measured faster on a GPU: packed rows
+    assert auto.packed and "faster" in auto.reason
+    for not_flash in ("float32", "float16x"):  # attention would run per sample: padded batches
+        assert not select_packing("auto", llama, "cuda", (), compute_dtype=not_flash).packed
+    assert select_packing("auto", llama, "cuda", (), compute_dtype="float16").packed
+    assert not select_packing("auto", llama, "cuda", (), several_gpus=True).packed
+    assert select_packing(True, llama, "cuda", (), compute_dtype="float32").packed  # asked for: packed anyway
     assert select_packing(True, llama, "cuda", ()).packed
     assert not select_packing(False, llama, "cuda", ()).packed
     auto = select_packing("auto", qwen, "cuda", (), assume_fla=True)  # no fla_conv: the torch conv would leak
     assert not auto.packed and "fla_conv" in auto.reason
-    assert not select_packing("auto", qwen, "cuda", ("fla_conv",), assume_fla=True).packed
+    assert select_packing("auto", qwen, "cuda", ("fla_conv",), assume_fla=True).packed
     assert select_packing(True, qwen, "cuda", ("fla_conv",), assume_fla=True).packed
     with pytest.raises(RecipeError, match="batching.packing"):
         select_packing(True, qwen, "cuda", (), assume_fla=True)
@@ -237,12 +261,15 @@ def test_plan_command_reports_the_packed_rows(padded_and_packed, tmp_path):
     assert p["padding_efficiency"] == summary["padding_efficiency"]
     assert "packed rows" in format_plan(p)
     # planned for GPUs from this CPU machine: `true` resolves as the GPU run would (the [gpu] extra installed);
-    # `auto` plans padded batches there too (packed rows measured slower so far)
+    # `auto` plans packed rows there in bf16 (what the GPU run does), padded batches in fp32 and on this CPU
     gpu = make_run_plan(recipe, bench_dir=None, gpu_memory_bytes=141 * 10**9)
     assert gpu["packing"] == {"requested": True, "packed": True, "reason": "batching.packing: true"}
     assert gpu["num_batches"] == len(stored)
-    recipe = load_recipe(None, demo_overrides(tmp_path / "o", **SETTINGS))
-    assert not make_run_plan(recipe, bench_dir=None, gpu_memory_bytes=141 * 10**9)["packing"]["packed"]
+    for dtype, packed_on_gpus in (("bfloat16", True), ("float32", False)):
+        recipe = load_recipe(None, demo_overrides(tmp_path / "o", **SETTINGS, **{"model.dtype": dtype}))
+        assert make_run_plan(recipe, bench_dir=None, gpu_memory_bytes=141 * 10**9)["packing"]["packed"] is \
+            packed_on_gpus
+        assert not make_run_plan(recipe, bench_dir=None)["packing"]["packed"]
     cpu = make_run_plan(recipe, bench_dir=None)
     assert not cpu["packing"]["packed"] and any(not k.startswith("1x") for k in cpu["shapes"])
 

@@ -148,11 +148,16 @@ def _results_md_headlines() -> dict[str, int]:
 
 
 def test_default_tokens_per_second_is_the_benchmark_headline():
-    refs = {r["model"]: r for r in bench_references() if r["compute_dtype"] == "bfloat16"}
+    """The headline is the default's figure on GPUs (`batching.packing: auto` packs there); padded batches keep
+    their own figures (CPU planning, `batching.packing: false`)."""
+    refs = {r["model"]: r for r in bench_references(packed=True) if r["compute_dtype"] == "bfloat16"}
     headline = _results_md_headlines()
-    assert headline == {"qwen3.6-27b": 9130, "llama3.1-8b": 41677}
+    assert headline == {"qwen3.6-27b": 9645, "llama3.1-8b": 43224}
     for model, figure in headline.items():
         assert round(refs[model]["tokens_per_second"]) == figure
+    padded = {r["model"]: round(r["tokens_per_second"]) for r in bench_references(packed=False)
+              if r["compute_dtype"] == "bfloat16"}
+    assert padded == {"qwen3.6-27b": 9130, "llama3.1-8b": 41677}
 
 
 @pytest.mark.parametrize("config,layers,expected", [
@@ -177,6 +182,12 @@ def test_plan_of_a_benchmarked_model_uses_its_figure(config, layers, expected, t
     assert more["decoder_params_run"] > plan["decoder_params_run"]
     assert more["throughput"]["tokens_per_second"] == pytest.approx(
         t["tokens_per_second"] * plan["decoder_params_run"] / more["decoder_params_run"])
+    # Planned for GPUs (an H200's memory given): packed rows, so the packed runs' figure of the same model.
+    gpu = make_run_plan(recipe, num_gpus=1, gpu_memory_bytes=141 * 10**9)
+    assert gpu["packing"]["packed"] and gpu["throughput"]["source"] == "same model"
+    packed_figure = {r["model"]: r["tokens_per_second"] for r in bench_references(packed=True)
+                     if r["compute_dtype"] == "bfloat16"}[config.removesuffix(".json")]
+    assert gpu["throughput"]["tokens_per_second"] == pytest.approx(packed_figure) and packed_figure != expected
 
 
 def test_cli_prints_the_plan_and_its_json(capsys, planned_and_run):
