@@ -17,7 +17,9 @@
 # 3. 70b-tp: the Llama-3.3-70B shape (bench/configs/llama3.3-70b.json, random bf16 weights, 141 GB) as ONE replica
 #    of 2 GPUs, tensor parallel (2 processes), EAGLE-3 layers [1, 39, 76] + the final state after the norm, ~205k
 #    tokens; the random weights are drawn on the GPUs (each process its shards), never on the host.
-#    verify-70b-tp: `dflash-prep verify` (the reference rebuilt split by layers over the 2 GPUs, one process).
+#    verify-70b-tp: `dflash-prep verify` launched as the same tensor-parallel replica of 2 processes (the reference
+#    computed as the extraction computed it); verify-70b-tp-one-process: one process, the reference split by layers
+#    over the 2 GPUs (whole GEMMs: other bf16 rounding), with the shard hashes.
 #    If 70b-tp fails: 70b-layer-split (1 process holding both GPUs) and its verify instead.
 # 4. 8b-warmup (64 samples, not measured: fills the shared Triton cache, model.triton_cache_dir), then the
 #    Llama-3.1-8B shape on the same ~2.5M tokens with `dflash-prep launch --num_processes 1` (8b-1gpu) and 2
@@ -123,7 +125,11 @@ C70=(--set "model.config=$WORK/configs/70b.json" --set model.gpus_per_replica=2 
      --set layers.capture_final=after_norm --set output.dtype=bfloat16)
 if step 70b-tp 200 "${LAUNCH[@]}" "${TWO_PROCS[@]}" extract.py "${COMMON[@]}" "${C70[@]}" \
     --set "output.dir=$WORK/out-70b-tp"; then
-  step verify-70b-tp 150 python3 -m dflash_prep.cli verify "$WORK/out-70b-tp" --num-samples 8 --seed 0
+  # the reference computed as the extraction ran: the same tensor-parallel replica of 2 processes
+  step verify-70b-tp 150 "${LAUNCH[@]}" "${TWO_PROCS[@]}" -m dflash_prep.cli verify "$WORK/out-70b-tp" \
+      --num-samples 8 --seed 0 --skip-hash
+  # and, for comparison, one process (the reference split by layers over the GPUs: whole GEMMs)
+  step verify-70b-tp-one-process 120 python3 -m dflash_prep.cli verify "$WORK/out-70b-tp" --num-samples 8 --seed 0
   keep_summary "$WORK/out-70b-tp" 70b-tp
 else
   keep_summary "$WORK/out-70b-tp" 70b-tp

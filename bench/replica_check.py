@@ -125,6 +125,8 @@ def report(work: Path, results: Path) -> dict:
         run["mfu_over_all_gpus"] = 2 * params * run["tokens_per_second"] / (gpus * peak) if peak else None
         verify = steps.get(f"verify-{name}", {})
         run["verify"] = verify.get("status")
+        one = steps.get(f"verify-{name}-one-process")  # a tensor-parallel output, also checked by one process
+        run["verify_one_process"] = one.get("status") if one else None
         out[name] = run
         computing = ("both GPUs compute (tensor parallel)" if run["replicas"]["parallelism"] == "tensor_parallel"
                      else "one GPU computes at a time (layer split)")
@@ -135,7 +137,8 @@ def report(work: Path, results: Path) -> dict:
               f"({computing}; "
               f"{params / 1e9:.1f}B decoder params, GEMM peak {peak_text} TFLOP/s per GPU); "
               f"peak memory {[round((b or 0) / 1e9, 1) for b in run['peak_gpu_memory_bytes']]} GB; "
-              f"verify: {run['verify']}")
+              f"verify: {run['verify']}" + (f" (one process: {run['verify_one_process']})"
+                                            if run["verify_one_process"] else ""))
     (results / "replica.json").write_text(json.dumps(out, indent=2, default=str))
     print(f"-> {results / 'replica.json'}")
     return out

@@ -67,15 +67,13 @@ from .packing import replay_stored_layout, select_packing, use_packed_attention 
 from .planner import plan_stats, rank_finish_seconds, split_across_ranks  # noqa: E402
 from .recipe import Recipe, RecipeError, add_recipe_args  # noqa: E402
 from .sizes import check_free_space  # noqa: E402
-from .replica import (LAYER_SPLIT, TENSOR_PARALLEL, ReplicaAgreement, check_tensor_parallel_replicas,  # noqa: E402
-                      choose_parallelism, replica_layout)
+from .replica import TENSOR_PARALLEL, ReplicaAgreement, replica_of_process  # noqa: E402
 from .writer import (AsyncShardWriter, DiscardingWriter, NonFiniteStatesError, PendingBatch, lanes,  # noqa: E402
                      rank_name)
 
 log = logging.getLogger("dflash_prep")
 
 EXIT_STOPPED, EXIT_BAD_RECIPE, EXIT_FAILED_SAMPLES = 1, 2, 3
-CPU_REPLICAS_ENV = "DFLASH_PREP_CPU_REPLICAS"  # test-only: tensor-parallel replicas of CPU processes (_replica_of)
 
 
 class _StopRequest:
@@ -296,7 +294,7 @@ def _start(recipe: Recipe) -> Run:
     config = load_config(recipe.model)
     num_layers = num_decoder_layers(config)
     layer_ids = resolve_layer_ids(recipe.layers, num_layers)
-    replica = _replica_of(state, recipe, config)
+    replica = replica_of_process(state, recipe, config)
     kernels = select_kernels(recipe.model.kernels, config, state.device.type,
                              tensor_parallel=replica.parallelism == TENSOR_PARALLEL)
     packing = select_packing(recipe.batching.packing, config, state.device.type, kernels.names,
@@ -317,28 +315,6 @@ def _start(recipe: Recipe) -> Run:
                triton_cache=triton_cache, packing=packing, agreement=ReplicaAgreement.for_layout(replica),
                # the split's cost numbers (a meta-device build: before the model loads on a thread of its own)
                cost_model=batch_cost_model(recipe, config, layer_ids, num_layers))
-
-
-def _replica_of(state, recipe: Recipe, config):
-    """This process's replica (replica.py): which one, how many, its GPUs, whether it writes, and the agreement of
-    its processes; RecipeError when the GPUs or the launch do not divide into replicas of `model.gpus_per_replica`.
-    Test-only: without GPUs, `DFLASH_PREP_CPU_REPLICAS=1` lets a node's processes stand for its GPUs, so a
-    tensor-parallel replica runs over CPU processes (gloo)."""
-    n = recipe.model.gpus_per_replica
-    num_local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes))
-    num_local_gpus = torch.cuda.device_count()
-    one_per_replica = bool(num_local_gpus) and num_local_processes == num_local_gpus // n < num_local_gpus
-    parallelism = choose_parallelism(config, n, recipe.model.replica_parallelism, one_per_replica)
-    if not num_local_gpus and parallelism == TENSOR_PARALLEL and os.environ.get(CPU_REPLICAS_ENV) == "1":
-        num_local_gpus = num_local_processes
-    replica = replica_layout(state.process_index, state.num_processes, state.local_process_index,
-                             num_local_processes, num_local_gpus, n, parallelism)
-    check_tensor_parallel_replicas(replica)
-    if replica.parallelism == LAYER_SPLIT:  # the inputs, the capture buffers, the copy events: its first GPU
-        torch.cuda.set_device(replica.gpu_ids[0])
-    if n > 1:
-        log.info("%s", replica.describe(), extra={"console": state.is_main_process})
-    return replica
 
 
 def _claim_output(run: Run, held: list) -> None:

@@ -32,9 +32,14 @@ not fit the process model, or several tensor-parallel replicas.
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 
 from .recipe import RecipeError
+
+log = logging.getLogger("dflash_prep")
+CPU_REPLICAS_ENV = "DFLASH_PREP_CPU_REPLICAS"  # test-only: tensor-parallel replicas of CPU processes
 
 SINGLE_GPU, TENSOR_PARALLEL, LAYER_SPLIT = "single_gpu", "tensor_parallel", "layer_split"
 KEY = "model.gpus_per_replica"
@@ -259,3 +264,27 @@ def collectives_issued(group) -> int:
         return int(group._get_sequence_number_for_group())
     except (AttributeError, RuntimeError):
         return 0
+
+
+def replica_of_process(state, recipe, config) -> ReplicaLayout:
+    """This process's replica (accelerate's `state`: which one, how many, its GPUs, whether it writes); RecipeError
+    when the GPUs or the launch do not divide into replicas of `model.gpus_per_replica`. Used by the extraction and
+    by verify's tensor-parallel reference. Test-only: without GPUs, `DFLASH_PREP_CPU_REPLICAS=1` lets a node's
+    processes stand for its GPUs, so a tensor-parallel replica runs over CPU processes (gloo)."""
+    import torch
+
+    n = recipe.model.gpus_per_replica
+    num_local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes))
+    num_local_gpus = torch.cuda.device_count()
+    one_per_replica = bool(num_local_gpus) and num_local_processes == num_local_gpus // n < num_local_gpus
+    parallelism = choose_parallelism(config, n, recipe.model.replica_parallelism, one_per_replica)
+    if not num_local_gpus and parallelism == TENSOR_PARALLEL and os.environ.get(CPU_REPLICAS_ENV) == "1":
+        num_local_gpus = num_local_processes
+    replica = replica_layout(state.process_index, state.num_processes, state.local_process_index,
+                             num_local_processes, num_local_gpus, n, parallelism)
+    check_tensor_parallel_replicas(replica)
+    if replica.parallelism == LAYER_SPLIT:  # the inputs, the capture buffers, the copy events: its first GPU
+        torch.cuda.set_device(replica.gpu_ids[0])
+    if n > 1:
+        log.info("%s", replica.describe(), extra={"console": state.is_main_process})
+    return replica

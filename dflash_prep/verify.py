@@ -38,6 +38,14 @@ vs alone noise); in bf16 61 random-weight layers amplify that past the tolerance
 27B shape, layer 61: 0.104-0.122 measured), hence the reference runs with the extraction's kernels by default.
 `--tolerance` replaces the sum.
 
+A target larger than one GPU (`model.gpus_per_replica` N > 1): one process rebuilds it split by layers over the
+first N GPUs. An output of a tensor-parallel replica is best verified by the same replica:
+`dflash-prep launch --multi_gpu --num_processes N -m dflash_prep.cli verify OUT` makes the N processes one
+tensor-parallel replica that computes the reference as the extraction computed the states (sharded GEMMs summed
+over an all-reduce round differently in bf16 from whole GEMMs: on the Llama-3.3-70B shape, relative L2 0.16 at
+layer 76 against a one-process reference, bench/RESULTS.md); its first process hashes the shards after the forwards
+and prints the report.
+
 Exit codes: 0 every check passed; 1 a check failed (each failure printed as `FAIL ...`, naming the shard, or the
 sample and the layer); 2 the output cannot be verified (no manifest, no recipe, model or tokenizer fingerprint
 differs, device mismatch for random weights).
@@ -47,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -99,6 +108,8 @@ class VerifyReport:
     results: list[LayerResult] = field(default_factory=list)
     seconds: float = 0.0
     kernels: list[str] = field(default_factory=list)  # fused kernels of the reference run (empty: eager)
+    reference: str = "one device"  # how the reference model ran: one device, a layer split, a tensor-parallel replica
+    is_main_process: bool = True  # False on the other processes of a tensor-parallel reference (they print nothing)
 
     @property
     def failures(self) -> list[LayerResult]:
@@ -122,7 +133,7 @@ class VerifyReport:
                 "tolerance": self.tolerance, "seed": self.seed, "sample_ids": self.sample_ids,
                 "integrity_problems": self.integrity_problems, "worst_by_layer": self.worst_by_layer(),
                 "failures": [r.__dict__ for r in self.failures], "results": [r.__dict__ for r in self.results],
-                "seconds": self.seconds, "kernels": self.kernels}
+                "seconds": self.seconds, "kernels": self.kernels, "reference": self.reference}
 
 
 # -------------------------------------------------------------------------------------------- reference
@@ -219,14 +230,16 @@ def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: 
            log=print, progress: bool = False) -> VerifyReport:
     """Run the checks of the module docstring; raises `CannotVerify` when they cannot run."""
     from .export import sample_ids_by_shard
-    from .inspect_output import check_output
     from .reader import OutputLayout, shards_of
 
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
     manifest, recipe, config, layer_ids = _output_and_recipe(out_dir, overrides)
     layout = OutputLayout.from_manifest(manifest)
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    replica, state = _tensor_parallel_replica(recipe, config) if _num_launched_processes() > 1 else (None, None)
+    if state is not None and not state.is_main_process:
+        log, progress = (lambda *a: None), False  # one process speaks for the replica
+    dev = state.device if state is not None else torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     made_on = _extraction_device_type(out_dir)
     if recipe.model.config is not None and made_on is not None and made_on != dev.type:
         raise CannotVerify(f"the output was extracted on {made_on} with random weights (model.config, seed "
@@ -235,22 +248,79 @@ def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: 
 
     tol = tolerance if tolerance is not None else tolerance_for(manifest["dtype"], recipe.model.dtype)
     shards = shards_of(out_dir, manifest)
-    report = VerifyReport(str(out_dir), manifest["dtype"], recipe.model.dtype, tol, seed, [])
-    if check_shards:
-        log(f"verify: checking the manifest and {len(shards)} shard(s) (sizes, sha256, members)")
-        report.integrity_problems = check_output(out_dir, progress=progress)
-        for p in report.integrity_problems:
-            log(f"FAIL {p}")
+    report = VerifyReport(str(out_dir), manifest["dtype"], recipe.model.dtype, tol, seed, [],
+                          is_main_process=state is None or state.is_main_process)
+    # Under a tensor-parallel reference the shards are hashed after the forwards, by the main process alone: the
+    # other processes would otherwise wait in the forward's first collective while a large output is read.
+    hash_first = check_shards and replica is None
+    if hash_first:
+        _check_integrity(out_dir, shards, report, log, progress)
     ids_by_shard = sample_ids_by_shard(out_dir, shards)
     chosen = choose_samples([i for ids in ids_by_shard.values() for i in ids], num_samples, seed)
     report.sample_ids = chosen
     log(f"verify: {len(chosen)} sample(s) drawn with seed {seed}: {', '.join(chosen)}")
     log(f"verify: tolerance {tol:.3g} (relative to each layer's max |value|; stored {manifest['dtype']}, "
         f"computed in {recipe.model.dtype})")
-    model = _reference_model(recipe, config, dev, report, log, manifest.get("kernels"))
+    _hint_parallelism(out_dir, recipe, replica, dev, log)
+    model = _reference_model(recipe, config, dev, report, log, manifest.get("kernels"), replica)
     _compare_chosen(model, shards, ids_by_shard, set(chosen), layout, layer_ids, dev, tol, report)
+    if check_shards and not hash_first and report.is_main_process:
+        _check_integrity(out_dir, shards, report, log, progress)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _check_integrity(out_dir: Path, shards, report: VerifyReport, log, progress: bool) -> None:
+    from .inspect_output import check_output
+
+    log(f"verify: checking the manifest and {len(shards)} shard(s) (sizes, sha256, members)")
+    report.integrity_problems = check_output(out_dir, progress=progress)
+    for p in report.integrity_problems:
+        log(f"FAIL {p}")
+
+
+def _num_launched_processes() -> int:
+    """Processes of this launch (accelerate / torchrun set WORLD_SIZE); 1 for a plain `dflash-prep verify`."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _tensor_parallel_replica(recipe, config):
+    """(replica, accelerate state) of a verify launched as several processes: they must form ONE tensor-parallel
+    replica of `model.gpus_per_replica` processes, which then computes the reference the way a tensor-parallel
+    extraction computed the states (sharded GEMMs summed over the replica: in bf16 they round differently from a
+    whole-GEMM reference, and through 80 layers that difference exceeds the bf16 tolerance). CannotVerify
+    otherwise."""
+    from accelerate import PartialState
+
+    from .recipe import RecipeError
+    from .replica import TENSOR_PARALLEL, replica_of_process
+
+    state = PartialState(cpu=not torch.cuda.is_available())
+    try:
+        replica = replica_of_process(state, recipe, config)
+    except RecipeError as e:
+        raise CannotVerify(str(e)) from None
+    if replica.parallelism != TENSOR_PARALLEL or replica.num_replicas != 1:
+        raise CannotVerify(f"verify launched as {state.num_processes} processes runs its reference as ONE "
+                           f"tensor-parallel replica: launch it with model.gpus_per_replica = "
+                           f"{recipe.model.gpus_per_replica} processes, on a target transformers can shard (this "
+                           f"launch: {replica.describe()}); or run it as one process")
+    return replica, state
+
+
+def _hint_parallelism(out_dir: Path, recipe, replica, dev: torch.device, log) -> None:
+    """Say when a tensor-parallel output is checked by one process (a reference split by layers over the GPUs:
+    whole GEMMs, other rounding than the extraction's)."""
+    try:
+        made = json.loads((out_dir / "summary.json").read_text()).get("replicas") or {}
+    except (OSError, ValueError):
+        return
+    if replica is None and made.get("parallelism") == "tensor_parallel" and recipe.model.gpus_per_replica > 1:
+        n = recipe.model.gpus_per_replica
+        log(f"verify: the output was extracted by a tensor-parallel replica of {n}; this reference runs in one "
+            f"process (split by layers on {dev.type}) and rounds differently, which deep bf16 models can take past "
+            f"the tolerance; `dflash-prep launch --num_processes {n} -m dflash_prep.cli verify {out_dir}` computes "
+            f"it tensor parallel, as the extraction did")
 
 
 def _output_and_recipe(out_dir: Path, overrides: list[str] | None):
@@ -288,7 +358,7 @@ def _output_and_recipe(out_dir: Path, overrides: list[str] | None):
 
 
 def _reference_model(recipe, config, dev: torch.device, report: VerifyReport, log,
-                     extraction_kernels: dict | None = None):
+                     extraction_kernels: dict | None = None, replica=None):
     """The whole model (every layer: the reference is the whole HF forward) with the recipe's kernels on `dev`; with
     `model.gpus_per_replica` N > 1, split by layers over the first N GPUs (one process; replica.py), whatever the
     extraction's process model (tensor parallel or layer split hold the same weights); on a CPU, a replica's
@@ -298,7 +368,12 @@ def _reference_model(recipe, config, dev: torch.device, report: VerifyReport, lo
 
     t_load = time.perf_counter()
     n = recipe.model.gpus_per_replica
-    if n > 1 and dev.type == "cuda":  # a target larger than one GPU: a layer split over this process's first n GPUs
+    if replica is not None:  # this process is one of a tensor-parallel replica (_tensor_parallel_replica)
+        from .model import load_replica_model
+
+        model = load_replica_model(recipe.model, config, replica)
+        report.reference = f"tensor parallel over {n} processes"
+    elif n > 1 and dev.type == "cuda":  # a target larger than one GPU: a layer split over this process's first n GPUs
         from .model import load_replica_model
         from .replica import LAYER_SPLIT, ReplicaLayout
 
@@ -306,6 +381,7 @@ def _reference_model(recipe, config, dev: torch.device, report: VerifyReport, lo
             raise CannotVerify(f"model.gpus_per_replica = {n}: the model needs {n} GPUs, this machine has "
                                f"{torch.cuda.device_count()}")
         model = load_replica_model(recipe.model, config, ReplicaLayout(n, LAYER_SPLIT, 0, 1, 0, tuple(range(n))))
+        report.reference = f"split by layers over {n} GPUs"
     elif n > 1 and recipe.model.config is not None:  # a replica's random weights (drawn per module), on one device
         from .model import build_random_model
 
@@ -315,7 +391,7 @@ def _reference_model(recipe, config, dev: torch.device, report: VerifyReport, lo
     kernels = _reference_kernels(recipe, config, dev, extraction_kernels)
     apply_kernels(model, kernels)
     report.kernels = list(kernels.names)
-    log(f"verify: model loaded in {time.perf_counter() - t_load:.1f}s on {dev}; kernels: "
+    log(f"verify: model loaded in {time.perf_counter() - t_load:.1f}s on {dev} ({report.reference}); kernels: "
         f"{', '.join(kernels.names) or 'eager'}{f' ({kernels.reason})' if kernels.reason else ''}")
     return model
 
@@ -414,7 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     except CannotVerify as e:
         print(f"error: cannot verify: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report))
+    if report.is_main_process:
+        print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report))
     return 0 if report.ok else 1
 
 

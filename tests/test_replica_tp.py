@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -93,6 +94,44 @@ def test_verify_rebuilds_a_tensor_parallel_replicas_weights(tp_out):
     assert "verify: OK: 6 sample(s)" in proc.stdout
 
 
+def verify_launched(out: Path, num_processes: int, *extra: str) -> subprocess.CompletedProcess:
+    """`dflash-prep launch ... -m dflash_prep.cli verify OUT` as a user runs it for a tensor-parallel output."""
+    cmd = [sys.executable, "-m", "dflash_prep.cli", "launch", "--config_file",
+           str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "--num_processes", str(num_processes), "-m",
+           "dflash_prep.cli", "verify", str(out), "--num-samples", "6", *extra]
+    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+
+
+def test_verify_launched_as_the_replica_computes_its_reference_tensor_parallel(tp_out):
+    proc = verify_launched(tp_out, 2, "--json")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(proc.stdout)  # one report: the replica's other process prints nothing
+    assert report["ok"] and report["reference"] == "tensor parallel over 2 processes"
+    assert len(report["results"]) == 6 * (len(report["worst_by_layer"]))
+    # fp32, the same sharded computation as the extraction: only batching differs
+    assert max(w["relative_error"] for w in report["worst_by_layer"].values()) < 1e-4
+    assert report["integrity_problems"] == []
+    one = subprocess.run([sys.executable, "-m", "dflash_prep.cli", "verify", str(tp_out), "--num-samples", "6",
+                          "--json"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert json.loads(one.stdout)["reference"] == "one device"
+    # a corrupted shard is found by the main process, after the forwards: exit code 1, named once
+    bad = tp_out.parent / "corrupt"
+    shutil.copytree(tp_out, bad)
+    shard = sorted(bad.rglob("*.tar"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-2000] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    proc = verify_launched(bad, 2)
+    assert proc.returncode == 1 and proc.stdout.count("FAIL ") == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert shard.name in proc.stdout and "1 integrity problem(s)" in proc.stdout
+
+
+def test_verify_launched_as_several_replicas_is_refused(tp_out):
+    proc = verify_launched(tp_out, 4)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "cannot verify" in proc.stderr and "one replica per run" in proc.stderr
+
+
 def test_a_stop_signal_to_one_process_stops_the_replica_and_a_resume_completes_it(tp_out, llama_config_file,
                                                                                     tmp_path):
     """SIGTERM to the replica's second process (not the writer) after its 3rd batch: both stop at that batch,
@@ -150,8 +189,11 @@ def test_the_gpu_replica_check_runs_every_step_on_a_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((results / "replica.json").read_text())
     assert {name: s["status"] for name, s in report["steps"].items()} == {
-        name: "ok" for name in ("data", "gemm", "70b-tp", "verify-70b-tp", "8b-warmup", "8b-1gpu", "8b-2gpu")}
+        name: "ok" for name in ("data", "gemm", "70b-tp", "verify-70b-tp", "verify-70b-tp-one-process", "8b-warmup",
+                                "8b-1gpu", "8b-2gpu")}
     assert report["70b-tp"]["replicas"]["parallelism"] == "tensor_parallel" and report["70b-tp"]["verify"] == "ok"
+    assert report["70b-tp"]["verify_one_process"] == "ok"
+    assert "(tensor parallel over 2 processes)" in (results / "verify-70b-tp.log").read_text()
     assert report["70b-tp"]["mfu_over_all_gpus"] > 0 and report["8b_per_gpu_ratio"] > 0
     assert report["8b_1gpu"]["num_tokens"] == report["8b_2gpu"]["num_tokens"]  # the same data
     assert report["8b_2gpu"]["replicas"]["num_replicas"] == 2
