@@ -256,6 +256,8 @@ def run_dflash(ctx: Ctx, out_dir: Path, repeat_of: dict | None = None, extra_ove
             "idle_gpu": loop_s - t["forward"] - t["copy"],  # loop time with neither on the GPU
             "forward_host": r["forward_seconds"],  # host time inside forward + copy enqueue (summary)
             "writer_wait": r["writer_wait_seconds"],  # loop blocked on a full writer queue
+            # after the last forward until the writers had written everything (part of idle_gpu: a run's tail)
+            "writer_drain": r.get("writer_drain_seconds"),
             "write": r["write_seconds"],  # writer threads' busy time, summed: encode + tar + fsync (overlaps the GPU)
         },
         "peak_pending_bytes": r.get("peak_pending_bytes"),  # host memory held by batches awaiting the writers

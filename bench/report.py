@@ -132,6 +132,7 @@ BREAKDOWN_NOTES = {
     (True, "idle_gpu"): "loop time with neither on the GPU",
     (True, "forward_host"): "host time in forward + copy enqueue (overlaps the GPU)",
     (True, "writer_wait"): "loop blocked on a full writer queue",
+    (True, "writer_drain"): "after the last forward, the writers finishing (part of idle_gpu)",
     (True, "write"): "writer threads, busy time summed: encode, tar, fsync (overlaps the GPU)",
 }
 
@@ -240,8 +241,8 @@ def _breakdown_lines(res: dict, modes: list[str]) -> list[str]:
         for part in res[group[0]]["breakdown_seconds"]:
             cells = []
             for m in group:
-                v, loop = res[m]["breakdown_seconds"][part], res[m]["loop_seconds"]
-                cells.append(f"{v:.2f}" + (f" ({v / loop:.0%})" if loop and part != "setup" else ""))
+                v, loop = res[m]["breakdown_seconds"].get(part), res[m]["loop_seconds"]
+                cells.append("-" if v is None else f"{v:.2f}" + (f" ({v / loop:.0%})" if loop and part != "setup" else ""))
             lines.append(f"| {part} | " + " | ".join(cells) + f" | {BREAKDOWN_NOTES.get((is_dflash, part), '')} |")
     return lines
 
