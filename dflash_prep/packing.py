@@ -115,12 +115,13 @@ def select_packing(requested, config, device_type: str, kernel_names, assume_fla
                    several_gpus: bool = False, compute_dtype: str = "bfloat16") -> PackingChoice:
     """`batching.packing` resolved for this run: `true` packs where exact (else RecipeError naming the key: exit 2),
     `false` never packs, `auto` packs on CUDA where exact, on replicas of one GPU (`several_gpus`: a replica of
-    several GPUs, tensor parallel or split by layers, where packed rows have not run yet). Why `auto` packs there: exact at the padded batch's own noise (bench/results/
-    packing_check.json) and faster end to end on an H200 with rows of up to 32,768 tokens (planner.
-    PACKED_ROW_TOKENS_AUTO: warm, same samples, 8B shape 43,224 real tok/s against 42,042 padded, 27B hybrid
-    9,645 against 9,275). `auto` runs padded batches on a CPU (each Gated DeltaNet module would run once per sample
-    there, and nothing was measured) and for a `compute_dtype` (model.dtype) other than bfloat16 / float16, or a
-    torch without `varlen_attn`: attention would then run once per sample (SDPA), not as one FlashAttention call."""
+    several GPUs, tensor parallel or split by layers, where packed rows have not run yet). Why `auto` packs there:
+    exact at the padded batch's own noise (bench/results/packing_check.json) and faster end to end on an H200 with
+    rows of up to 32,768 tokens (planner.PACKED_ROW_TOKENS_AUTO: warm, same samples, 8B shape 43,224 real tok/s
+    against 42,042 padded, 27B hybrid 9,645 against 9,275). `auto` runs padded batches on a CPU (each Gated
+    DeltaNet module would run once per sample there, and nothing was measured) and for a `compute_dtype`
+    (model.dtype) other than bfloat16 / float16, or a torch without `varlen_attn`: attention would then run once
+    per sample (SDPA), not as one FlashAttention call."""
     why_not = not_exact_reason(config, device_type, kernel_names, assume_fla)
     if requested is False:
         return PackingChoice(False, False, "batching.packing: false")

@@ -239,7 +239,8 @@ def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: 
     replica, state = _tensor_parallel_replica(recipe, config) if _num_launched_processes() > 1 else (None, None)
     if state is not None and not state.is_main_process:
         log, progress = (lambda *a: None), False  # one process speaks for the replica
-    dev = state.device if state is not None else torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = state.device if state is not None else \
+        torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     made_on = _extraction_device_type(out_dir)
     if recipe.model.config is not None and made_on is not None and made_on != dev.type:
         raise CannotVerify(f"the output was extracted on {made_on} with random weights (model.config, seed "
@@ -319,8 +320,8 @@ def _hint_parallelism(out_dir: Path, recipe, replica, dev: torch.device, log) ->
         n = recipe.model.gpus_per_replica
         log(f"verify: the output was extracted by a tensor-parallel replica of {n}; this reference runs in one "
             f"process (split by layers on {dev.type}) and rounds differently, which deep bf16 models can take past "
-            f"the tolerance; `dflash-prep launch --num_processes {n} -m dflash_prep.cli verify {out_dir}` computes "
-            f"it tensor parallel, as the extraction did")
+            f"the tolerance; `dflash-prep launch --multi_gpu --num_processes {n} -m dflash_prep.cli verify "
+            f"{out_dir}` computes it tensor parallel, as the extraction did")
 
 
 def _output_and_recipe(out_dir: Path, overrides: list[str] | None):
