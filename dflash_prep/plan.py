@@ -182,7 +182,7 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
     from .cost import batch_cost_model
     from .model import (decoder_params_run, describe_source, hidden_size_of, load_config, load_tokenizer,
                         vocab_size_of)
-    from .planner import make_plan, plan_stats, split_across_ranks
+    from .planner import make_plan, packed_row_budget, plan_stats, split_across_ranks
 
     if num_gpus < 1:
         raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
@@ -238,6 +238,7 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
         "padded_length_min": stats["padded_length_min"], "padded_length_max": stats["padded_length_max"],
         "packing": packing.record(), "shapes": _shape_counts(plan),
         "max_tokens_per_batch": recipe.batching.max_tokens_per_batch, "max_tokens_per_batch_auto": budget_how,
+        "max_tokens_per_row": packed_row_budget(recipe.batching) if packing.packed else None,
         "dtype": recipe.output.dtype, "max_shard_bytes": recipe.output.max_shard_bytes, "disk": disk,
         "num_bytes": disk[recipe.output.dtype]["num_bytes"],
         "ranks": [{"rank": i, "num_batches": r["num_batches"], "num_samples": r["num_samples"],
@@ -372,7 +373,9 @@ def format_plan(p: dict) -> str:
         ("tokens", f"{p['num_tokens']:,} (mean {p['num_tokens'] / max(p['num_samples'], 1):.1f} per sample)"),
         _batches_line(p),
         ("padding", f"efficiency {p['padding_efficiency'] or 0:.3f} ({p['num_padded_tokens']:,} padded tokens)"),
-        ("budget", f"{p['max_tokens_per_batch']:,} padded tokens per batch" + _auto_note(p["max_tokens_per_batch_auto"])),
+        ("budget", f"{p['max_tokens_per_batch']:,} padded tokens per batch" + _auto_note(p["max_tokens_per_batch_auto"])
+         + (f"; packed rows of at most {p['max_tokens_per_row']:,} tokens (batching.max_tokens_per_row)"
+            if p.get("max_tokens_per_row") else "")),
     ]
     bf16 = p["disk"]["bfloat16"]["num_bytes"]
     for i, (dtype, d) in enumerate(p["disk"].items()):

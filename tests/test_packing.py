@@ -260,6 +260,7 @@ def test_plan_command_reports_the_packed_rows(padded_and_packed, tmp_path):
     summary = json.loads((padded_and_packed["packed"] / "summary.json").read_text())
     assert p["padding_efficiency"] == summary["padding_efficiency"]
     assert "packed rows" in format_plan(p)
+    assert p["max_tokens_per_row"] == 4096 and "packed rows of at most 4,096 tokens" in format_plan(p)
     # planned for GPUs from this CPU machine: `true` resolves as the GPU run would (the [gpu] extra installed);
     # `auto` plans packed rows there in bf16 (what the GPU run does), padded batches in fp32 and on this CPU
     gpu = make_run_plan(recipe, bench_dir=None, gpu_memory_bytes=141 * 10**9)
