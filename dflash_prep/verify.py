@@ -289,8 +289,8 @@ def _tensor_parallel_replica(recipe, config):
     """(replica, accelerate state) of a verify launched as several processes: they must form ONE tensor-parallel
     replica of `model.gpus_per_replica` processes, which then computes the reference the way a tensor-parallel
     extraction computed the states (sharded GEMMs summed over the replica: in bf16 they round differently from a
-    whole-GEMM reference, and through 80 layers that difference exceeds the bf16 tolerance). CannotVerify
-    otherwise."""
+    whole-GEMM reference; through the 80 layers of the Llama-3.3-70B shape that difference exceeded the bf16
+    tolerance). CannotVerify otherwise."""
     from accelerate import PartialState
 
     from .recipe import RecipeError
@@ -319,7 +319,7 @@ def _hint_parallelism(out_dir: Path, recipe, replica, dev: torch.device, log) ->
     if replica is None and made.get("parallelism") == "tensor_parallel" and recipe.model.gpus_per_replica > 1:
         n = recipe.model.gpus_per_replica
         log(f"verify: the output was extracted by a tensor-parallel replica of {n}; this reference runs in one "
-            f"process (split by layers on {dev.type}) and rounds differently, which deep bf16 models can take past "
+            f"process (whole GEMMs on {dev.type}) and rounds differently, which deep bf16 models can take past "
             f"the tolerance; `dflash-prep launch --multi_gpu --num_processes {n} -m dflash_prep.cli verify "
             f"{out_dir}` computes it tensor parallel, as the extraction did")
 
