@@ -398,6 +398,14 @@ def check_chat_template(tokenizer, chat_template: str | None = None) -> None:
     _check_template_syntax(template, "data.chat_template" if chat_template else "model.tokenizer")
 
 
+def check_recipe_chat_template(section: DataSection) -> None:
+    """A `data.chat_template` the recipe gives must compile, whatever the rows turn out to be (RecipeError naming
+    the key and the template's line): checked before the run claims its output folder."""
+    template = read_chat_template(section)
+    if template:
+        _check_template_syntax(template, "data.chat_template")
+
+
 def _check_template_syntax(template: str, key: str) -> None:
     """A Jinja syntax error is one line naming the key and the template's line, before any row is rendered
     (else every row would be skipped as `chat_template_error` without the reason). Compiled as transformers

@@ -29,6 +29,7 @@ import errno
 import functools
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -48,7 +49,8 @@ from .budget import resolve_token_budget  # noqa: E402
 from .capture import LayerCapture  # noqa: E402
 from .collate import PlannedBatches  # noqa: E402
 from .cost import batch_cost_model  # noqa: E402
-from .data import check_data_source, check_data_verdict, load_rows, tokenize_dataset  # noqa: E402
+from .data import (check_data_source, check_data_verdict, check_recipe_chat_template, load_rows,  # noqa: E402
+                   tokenize_dataset)
 from .faults import Faults  # noqa: E402
 from .finish import DISK_BOUND_FRACTION, ExtractionError, finish_run  # noqa: E402
 from .identity import rows_fingerprint  # noqa: E402
@@ -278,6 +280,7 @@ def _start(recipe: Recipe) -> Run:
     state = PartialState(cpu=not torch.cuda.is_available())
     out_dir = Path(recipe.output.dir)
     refuse_unsafe_output_dir(recipe)
+    created = not out_dir.exists()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a parent that is a file, a read-only or virtual filesystem: no run can fix that
@@ -286,6 +289,29 @@ def _start(recipe: Recipe) -> Run:
     _setup_logging(out_dir, state.process_index, state.is_main_process)
     log.info("dflash-prep %s: rank %d of %d on %s", __version__, state.process_index, state.num_processes,
              state.device)
+    try:
+        return _checked_run(recipe, state, out_dir, t_start)
+    except Exception:
+        if created:  # a refused job leaves no folder behind (the console said why)
+            _remove_if_only_logs(out_dir)
+        raise
+
+
+def _remove_if_only_logs(out_dir: Path) -> None:
+    """Delete `out_dir` when it holds nothing but what `_start` made (logs, lock folder): a run refused before it
+    claimed the folder."""
+    from .locks import LOCKS_DIR
+
+    for h in list(log.handlers):  # the rank log file is inside
+        if isinstance(h, logging.FileHandler):
+            log.removeHandler(h)
+            h.close()
+    if out_dir.is_dir() and {p.name for p in out_dir.iterdir()} <= {"logs", LOCKS_DIR}:
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def _checked_run(recipe: Recipe, state, out_dir: Path, t_start: float) -> Run:
+    """`_start`'s checks and the Run they give (RecipeError and the data errors on a bad job)."""
     # Before anything imports Triton: compiled kernels and autotuning shared by the node's ranks and later runs.
     triton_cache = configure_triton_cache(recipe.model.triton_cache_dir) if state.device.type == "cuda" else None
     if triton_cache is not None and state.is_main_process:
@@ -306,6 +332,7 @@ def _start(recipe: Recipe) -> Run:
         log.info("batching.max_tokens_per_batch: auto = %d (%s)", recipe.batching.max_tokens_per_batch, budget_how)
     tokenizer = load_tokenizer(recipe.model)
     check_data_source(recipe.data)
+    check_recipe_chat_template(recipe.data)
     faults = Faults.from_env()  # test-only fault injection (faults.py); None unless DFLASH_PREP_FAULTS is set
     if faults is not None:
         log.warning("fault injection active (DFLASH_PREP_FAULTS): %s", faults)

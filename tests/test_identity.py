@@ -147,3 +147,19 @@ def test_an_output_inside_the_data_is_refused(tmp_path, data_file, pattern, caps
     err = capsys.readouterr().err
     assert "it lies inside the data" in err and "`output.dir`" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_job_refused_before_it_starts_leaves_no_new_folder(tmp_path, data_file, capsys):
+    """A bad chat template (the recipe's own) is refused before the output is claimed: exit code 2, one line naming
+    the key and the line, and no folder left where none was; a folder the user made stays as it was."""
+    template = tmp_path / "bad.jinja"
+    template.write_text("{% for m in messages %}\n{{ m.content }\n{% endfor %}")
+    out = tmp_path / "new" / "out"
+    assert main(argv(out, data_file, "--set", f"data.chat_template={template}")) == EXIT_BAD_RECIPE
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "`data.chat_template`" in errors[0] and "line 2" in errors[0]
+    assert not out.exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    assert main(argv(mine, data_file, "--set", f"data.chat_template={template}")) == EXIT_BAD_RECIPE
+    assert mine.is_dir()
