@@ -120,6 +120,44 @@ def test_committed_shards_deleted_truncated_or_swapped_are_redone(output, copy, 
         json.loads((output / "manifest.json").read_text())["summary"]
 
 
+def _edit_plan(edit: str, plan: dict) -> str:
+    """One edit of a stored plan that keeps it valid JSON -> what the error must name."""
+    batches = plan["batches"]
+    if edit == "sample twice":
+        batch = next(b for b in batches if len(b[1]) > 1)
+        batch[1].append(batch[1][0])  # a padded batch: its length still holds it
+        return "planned twice"
+    if edit == "sample dropped":
+        next(b for b in batches if len(b[1]) > 1)[1].pop()
+        return "never"
+    if edit == "index out of range":
+        batches[0][1][0] = 10**6
+        return "batch 0 is not"
+    if edit == "row too short":
+        batches[0][0] = 1
+        return "batch 0: padded length 1"
+    if edit == "not a plan":
+        plan.clear()
+        plan.update({"rows": [1, 2, 3]})
+        return "expected the keys"
+    batches[0][0] = "long"  # a length that is not an integer
+    return "batch 0 is not"
+
+
+@pytest.mark.parametrize("edit", ["sample twice", "sample dropped", "index out of range", "row too short",
+                                  "not a plan", "length not an int"])
+def test_a_plan_edited_in_place_is_one_line_naming_it(output, copy, data_file, edit, capsys):
+    """A plan.json that is still JSON but no longer a plan of these samples (a sample twice or never, an index
+    out of range, a row that cannot hold its samples, keys missing) is refused before any work: exit code 2."""
+    path = copy / "plan.json"
+    plan = json.loads(path.read_text())
+    expected = _edit_plan(edit, plan)
+    path.write_text(json.dumps(plan))
+    assert main(argv(copy, data_file)) == EXIT_BAD_RECIPE
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"{path} is damaged" in errors[0] and expected in errors[0], errors
+
+
 @pytest.mark.parametrize("name", ["plan.json", "run_state.json"])
 def test_a_truncated_state_file_is_one_line_naming_it(output, copy, data_file, name, capsys):
     path = copy / name
