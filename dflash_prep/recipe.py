@@ -237,7 +237,7 @@ class BatchingSection:
     131,072 slower, bench/RESULTS.md)."""
 
     def validate(self, p: str) -> None:
-        if self.packing not in ("auto", True, False):
+        if self.packing != "auto" and not isinstance(self.packing, bool):  # 0/1 compare equal to False/True
             _fail(f"{p}.packing", self.packing, "expected `auto`, true or false")
         for name in ("max_tokens_per_batch", "max_batch_size", "length_multiple", "max_tokens_per_row"):
             if name.startswith("max_tokens_per_") and getattr(self, name) == "auto":

@@ -91,6 +91,9 @@ def test_packed_rows_hold_at_most_the_row_budget(tmp_path):
     for bad in (0, "big", True):
         with pytest.raises(RecipeError, match="batching.max_tokens_per_row"):
             load_recipe(None, demo_overrides(tmp_path / "o", **{"batching.max_tokens_per_row": bad}))
+    for bad in (0, 1, "maybe"):  # 0 and 1 would read as false/true in a tuple test: refused, not taken as auto
+        with pytest.raises(RecipeError, match="batching.packing"):
+            load_recipe(None, demo_overrides(tmp_path / "o", **{"batching.packing": bad}))
 
 
 # ------------------------------------------------------------------------------------------------ choice
