@@ -264,7 +264,7 @@ def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: 
         f"computed in {recipe.model.dtype})")
     _hint_parallelism(out_dir, recipe, replica, dev, log)
     model = _reference_model(recipe, config, dev, report, log, manifest.get("kernels"), replica)
-    _compare_chosen(model, shards, ids_by_shard, set(chosen), layout, layer_ids, dev, tol, report)
+    _compare_chosen(model, shards, ids_by_shard, set(chosen), layout, layer_ids, dev, tol, report, log)
     if check_shards and not hash_first and report.is_main_process:
         _check_integrity(out_dir, shards, report, log, progress)
     report.seconds = time.perf_counter() - t0
@@ -398,31 +398,43 @@ def _reference_model(recipe, config, dev: torch.device, report: VerifyReport, lo
 
 
 def _compare_chosen(model, shards, ids_by_shard: dict, wanted: set, layout, layer_ids: list[int],
-                    dev: torch.device, tol: float, report: VerifyReport) -> None:
+                    dev: torch.device, tol: float, report: VerifyReport, log=print) -> None:
     """Each chosen sample's stored layers against its reference run alone; results appended to `report`."""
-    from .reader import iter_shard
+    from .reader import ShardFormatError
 
-    H, final_name = layout.hidden_size, f"final ({layout.capture_final})"
+    unreadable: set[str] = set()
     for shard in shards:
         positions = {j for j, sid in enumerate(ids_by_shard[shard.rel_path]) if sid in wanted}
         if not positions:
             continue
-        for sample in iter_shard(shard, layout, wanted=lambda j, p=positions: j in p, check_tokens=False,
-                                 fp8="float32", verify_sha256=False):  # hashes: check_output above
-            sid = sample["sample_id"]
-            if sid not in wanted:
-                raise CannotVerify(f"{shard.path}: sample order differs from the index ({sid})")
-            ref = run_alone(model, sample["input_ids"], layer_ids, layout.capture_final, dev)
-            stored = sample["hidden_states"].float()
-            for slot, layer in enumerate(layer_ids):
-                report.results.append(compare(sid, str(layer), stored[:, slot * H:(slot + 1) * H], ref[str(layer)],
-                                              tol))
-            if layout.has_final:
-                report.results.append(compare(sid, final_name, sample["final_hidden_states"].float(),
-                                              ref["final"], tol))
-    done = {r.sample_id for r in report.results}
-    if done != wanted:
-        report.integrity_problems.append(f"sample(s) not found in the shards: {sorted(wanted - done)[:5]}")
+        try:
+            _compare_shard(model, shard, positions, wanted, layout, layer_ids, dev, tol, report)
+        except ShardFormatError as e:  # a damaged shard is a failed check, named, not a traceback
+            report.integrity_problems.append(f"{shard.rel_path}: its drawn samples cannot be read ({e})")
+            log(f"FAIL {report.integrity_problems[-1]}")
+            unreadable |= {ids_by_shard[shard.rel_path][j] for j in positions}
+    missing = wanted - {r.sample_id for r in report.results} - unreadable
+    if missing:
+        report.integrity_problems.append(f"sample(s) not found in the shards: {sorted(missing)[:5]}")
+        log(f"FAIL {report.integrity_problems[-1]}")
+
+
+def _compare_shard(model, shard, positions: set, wanted: set, layout, layer_ids: list[int], dev: torch.device,
+                   tol: float, report: VerifyReport) -> None:
+    from .reader import iter_shard
+
+    H, final_name = layout.hidden_size, f"final ({layout.capture_final})"
+    for sample in iter_shard(shard, layout, wanted=lambda j, p=positions: j in p, check_tokens=False,
+                             fp8="float32", verify_sha256=False):  # hashes: check_output
+        sid = sample["sample_id"]
+        if sid not in wanted:
+            raise CannotVerify(f"{shard.path}: sample order differs from the index ({sid})")
+        ref = run_alone(model, sample["input_ids"], layer_ids, layout.capture_final, dev)
+        stored = sample["hidden_states"].float()
+        for slot, layer in enumerate(layer_ids):
+            report.results.append(compare(sid, str(layer), stored[:, slot * H:(slot + 1) * H], ref[str(layer)], tol))
+        if layout.has_final:
+            report.results.append(compare(sid, final_name, sample["final_hidden_states"].float(), ref["final"], tol))
 
 
 def _reference_kernels(recipe, config, dev: torch.device, extraction_kernels: dict | None = None):

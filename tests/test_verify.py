@@ -113,6 +113,20 @@ def test_a_shard_whose_bytes_changed_fails_the_hash_check(copy, capsys):
     assert f"FAIL {shard.relative_to(copy)}: sha256" in out and "verify: FAILED" in out
 
 
+def test_a_shard_whose_tar_header_is_damaged_fails_without_a_traceback(copy, capsys):
+    """Samples drawn from an unreadable shard: the hash check and the read both fail, named; the other shards' samples
+    are still compared and the verdict line is printed (exit code 1)."""
+    shard = next(iter(sorted((copy / "shards").rglob("*.tar"))))
+    data = bytearray(shard.read_bytes())
+    data[:136] = b"\0" * 136  # the first member's tar header
+    shard.write_bytes(bytes(data))
+    assert main([str(copy), "--num-samples", str(NUM_ROWS)]) == 1
+    out = capsys.readouterr().out
+    rel = str(shard.relative_to(copy))
+    assert f"FAIL {rel}: sha256" in out and f"{rel}: its drawn samples cannot be read" in out
+    assert "verify: FAILED" in out and "layer result(s) out of tolerance" in out
+
+
 def test_samples_are_drawn_with_the_printed_seed(output, capsys):
     assert main([str(output), "--num-samples", "3", "--seed", "7", "--skip-hash"]) == 0
     out = capsys.readouterr().out
