@@ -104,6 +104,18 @@ def test_sigterm_to_the_launcher_stops_the_script_cleanly_and_leaves_nothing_run
     assert not (out / "manifest.json").exists() and not list(Path(out).rglob("*.tmp"))
 
 
+def test_sigterm_to_the_whole_job_stops_at_a_batch_boundary(tmp_path):
+    """A scheduler that signals every process of the job: the script gets the SIGTERM and the launcher's forward of
+    it, one request; it still stops at a batch boundary, commits what it captured and exits 1."""
+    out = tmp_path / "out"
+    proc = _start_and_wait_for_a_commit(out)
+    os.killpg(proc.pid, signal.SIGTERM)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 1, err[-3000:]
+    assert "stopped on SIGTERM" in err and "killed by SIGTERM" not in err and "Traceback" not in err, err[-3000:]
+    assert not list(Path(out).rglob("*.tmp"))
+
+
 def test_a_script_killed_by_a_signal_is_named_in_one_line(tmp_path):
     """What the OOM killer does: SIGKILL to the script alone. It can print nothing; the launcher says what
     happened, exit 1 (resumable)."""
