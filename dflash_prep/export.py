@@ -78,7 +78,7 @@ from . import __version__
 from .fp8 import dequantize as fp8_dequantize
 from .fp8 import quantize_rows as fp8_quantize_rows
 from .locks import FileLock
-from .manifest import read_committed, read_manifest
+from .manifest import OutputStateError, read_committed, read_manifest
 from .norms import can_derive_after_norm, read_final_norm, with_after_norm_final
 from .reader import (OutputLayout, ShardFormatError, ShardInfo, iter_shard, iter_tar_samples, manifest_shard_problems,
                      shards_of)
@@ -544,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ShardFormatError, ExportIncompleteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except (ExportError, FileNotFoundError, ValueError) as e:  # ValueError: a damaged or unknown manifest
+    except (ExportError, FileNotFoundError, ValueError, OutputStateError) as e:  # a damaged manifest or index
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"exported {report.num_samples} samples ({report.num_tokens} tokens) to {report.dest} as "

@@ -21,9 +21,11 @@ STATE_NAME = "run_state.json"
 def read_committed(out_dir: str | Path) -> list[ShardRecord]:
     """Every committed shard of every rank index, in (index file, line) order.
 
-    A torn last line (a crash while appending) is ignored: its shard is then not committed and is redone.
+    A torn last line (a crash while appending) is ignored: its shard is then not committed and is redone. The
+    same record listed twice (a line copied) counts once. Raises OutputStateError when two records claim the same
+    shard file or the same sample (an index edited or merged by hand): a resume would write those samples twice.
     """
-    records = []
+    records: dict[str, ShardRecord] = {}
     for index in sorted((Path(out_dir) / INDEX_DIR).glob("rank-*.jsonl")):
         with open(index) as f:
             for line in f:
@@ -31,10 +33,21 @@ def read_committed(out_dir: str | Path) -> list[ShardRecord]:
                 if not line:
                     continue
                 try:
-                    records.append(ShardRecord(**json.loads(line)))
+                    record = ShardRecord(**json.loads(line))
                 except (json.JSONDecodeError, TypeError):
                     break  # torn tail
-    return records
+                if records.setdefault(record.path, record) != record:
+                    raise _damaged_index(out_dir, f"{record.path} is listed twice, differently")
+    sample_ids = [s for r in records.values() for s in r.sample_ids]
+    if len(sample_ids) != len(set(sample_ids)):
+        twice = sorted({s for s in sample_ids if sample_ids.count(s) > 1})[:5]
+        raise _damaged_index(out_dir, f"samples {twice} are listed in two shards")
+    return list(records.values())
+
+
+def _damaged_index(out_dir, why: str) -> "OutputStateError":
+    return OutputStateError(f"{Path(out_dir) / INDEX_DIR} is damaged ({why}); the output cannot be resumed from it: "
+                            f"start afresh with --set output.overwrite=true, or use another output.dir")
 
 
 def repair_indexes(out_dir: str | Path) -> list[str]:

@@ -201,3 +201,18 @@ def test_a_job_refused_before_it_starts_leaves_no_new_folder(tmp_path, data_file
     mine.mkdir()
     assert main(argv(mine, data_file, "--set", f"data.chat_template={template}")) == EXIT_BAD_RECIPE
     assert mine.is_dir()
+
+
+def test_a_copied_index_line_counts_once_and_a_conflicting_one_is_refused(output, copy, data_file, capsys):
+    index = sorted((copy / "index").glob("rank-*.jsonl"))[0]
+    lines = index.read_text().splitlines(keepends=True)
+    assert len(lines) >= 2
+    index.write_text("".join(lines + [lines[0]]))  # the same commit listed twice
+    assert main(argv(copy, data_file)) == 0
+    assert raw_records(copy) == raw_records(output)  # nothing written twice
+    second = json.loads(lines[1])
+    second["sample_ids"] = second["sample_ids"][:-1] + [json.loads(lines[0])["sample_ids"][0]]  # another claim
+    index.write_text("".join([lines[0], json.dumps(second) + "\n"] + lines[2:]))
+    assert main(argv(copy, data_file)) == EXIT_BAD_RECIPE
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "index is damaged" in errors[0] and "listed in two shards" in errors[0], errors
