@@ -287,7 +287,7 @@ def _cut_group(padded_length: int, members: list[tuple[int, int]], max_tokens_pe
         raise ValueError(
             f"max_tokens_per_batch={max_tokens_per_batch} is smaller than the padded length "
             f"{padded_length} of sample {index} (true length {true_length}); "
-            f"set max_tokens_per_batch >= {padded_length} or lower buckets.max_length"
+            f"set batching.max_tokens_per_batch >= {padded_length} or lower data.max_length"
         )
     chunks = []
     for start in range(0, len(members), batch_size):
