@@ -90,16 +90,19 @@ def _forward_terminate(signum, frame) -> None:
             pass
 
 
-def _killed_message(codes: list[int]) -> None:
-    """One line when a rank was killed by a signal (it could print nothing itself), e.g. by the OOM killer. Not
-    when another rank exited with a code of its own: torch elastic then stops the others with SIGTERM, and the
-    code's own line says what happened."""
-    killed = sorted({-c for c in codes if c < 0})
-    if killed and not any(c > 0 for c in codes):
-        names = ", ".join(signal.Signals(s).name if s in signal.Signals._value2member_map_ else str(s)
-                          for s in killed)
-        print(f"error: the extraction process was killed by {names}; committed shards are intact, re-run the same "
-              f"command to resume", file=sys.stderr)
+def _killed_message(codes: dict[int, int]) -> None:
+    """One line per rank (`codes`: rank -> exit code, negative: killed by that signal) killed by a signal, which
+    could print nothing itself, e.g. SIGKILL from the kernel's OOM killer. A SIGTERM or SIGINT is not named when
+    another rank exited with a code of its own: torch elastic then stops the others with SIGTERM, and that code's
+    own line says what happened."""
+    own_code = any(c > 0 for c in codes.values())
+    for rank, code in sorted(codes.items()):
+        if code >= 0 or (own_code and -code in (signal.SIGTERM, signal.SIGINT)):
+            continue
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
+        who = "the extraction process" if len(codes) == 1 else f"rank {rank}"
+        print(f"error: {who} was killed by {name}; committed shards are intact, re-run the same command to resume",
+              file=sys.stderr)
 
 
 def _ignore_interrupt(signum, frame) -> None:
@@ -124,12 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         launch_command(args)
     except subprocess.CalledProcessError as e:
-        _killed_message([e.returncode])
+        _killed_message({0: e.returncode})
         return rank_exit_code([e.returncode])
     except ChildFailedError as e:
-        codes = [f.exitcode for f in e.failures.values()]
-        _killed_message(codes)
-        return rank_exit_code(codes)
+        _killed_message({rank: f.exitcode for rank, f in e.failures.items()})
+        return rank_exit_code([f.exitcode for f in e.failures.values()])
     except (SignalException, KeyboardInterrupt):
         return EXIT_STOPPED
     except ValueError as e:  # accelerate's own argument checks

@@ -131,3 +131,17 @@ def test_a_script_killed_by_a_signal_is_named_in_one_line(tmp_path):
     err = proc.communicate(timeout=120)[1]
     assert proc.returncode == 1, err[-3000:]
     assert "killed by SIGKILL" in err and "re-run the same command to resume" in err and "Traceback" not in err
+
+
+def test_a_rank_killed_by_a_signal_is_named_even_when_another_rank_exited_with_a_code(capsys):
+    """Two processes: rank 1 killed by the OOM killer (SIGKILL), rank 0 then stopped with exit code 1; the SIGTERM
+    torch elastic sends the other ranks after a refusal (exit code 2) is not news."""
+    from dflash_prep.launch import _killed_message
+
+    _killed_message({0: 1, 1: -int(signal.SIGKILL)})
+    assert capsys.readouterr().err.strip() == ("error: rank 1 was killed by SIGKILL; committed shards are intact, "
+                                               "re-run the same command to resume")
+    _killed_message({0: 2, 1: -int(signal.SIGTERM)})
+    assert capsys.readouterr().err == ""
+    _killed_message({0: -int(signal.SIGTERM)})
+    assert "the extraction process was killed by SIGTERM" in capsys.readouterr().err
