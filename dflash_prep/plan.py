@@ -239,6 +239,7 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
         "packing": packing.record(), "shapes": _shape_counts(plan),
         "max_tokens_per_batch": recipe.batching.max_tokens_per_batch, "max_tokens_per_batch_auto": budget_how,
         "max_tokens_per_row": packed_row_budget(recipe.batching) if packing.packed else None,
+        "stored_plan": _stored_plan(Path(recipe.output.dir)),
         "dtype": recipe.output.dtype, "max_shard_bytes": recipe.output.max_shard_bytes, "disk": disk,
         "num_bytes": disk[recipe.output.dtype]["num_bytes"],
         "ranks": [{"rank": i, "num_batches": r["num_batches"], "num_samples": r["num_samples"],
@@ -362,8 +363,28 @@ def _duration(s: float) -> str:
     return f"{s / 86400:.1f} days"
 
 
+def _stored_plan(out_dir: Path) -> dict | None:
+    """What OUT/plan.json holds when the output exists (a resume runs those batches, not a new plan): its number of
+    batches and layout, or that it is damaged; None without one."""
+    from .manifest import OutputStateError, read_state_json
+
+    path = out_dir / "plan.json"
+    if not path.is_file():
+        return None
+    try:
+        stored = read_state_json(path)
+        return {"path": str(path), "num_batches": len(stored["batches"]), "packed": bool(stored.get("packed"))}
+    except (OutputStateError, KeyError, TypeError) as e:
+        return {"path": str(path), "damaged": str(e)}
+
+
 def format_plan(p: dict) -> str:
-    lines = [
+    stored = p.get("stored_plan")
+    resume = [] if not stored else [("resume", f"{stored['path']} is damaged: a resume refuses it" if "damaged" in
+                                     stored else f"{stored['path']} holds {stored['num_batches']:,} "
+                                     f"{'packed rows' if stored['packed'] else 'padded batches'}: a resume runs "
+                                     f"those, not the plan below")]
+    lines = resume + [
         ("model", f"{p['model']}  [{p['model_type']}, {p['num_hidden_layers']} layers, hidden {p['hidden_size']}]; "
                   f"{p['layers_run']} decoder layers run"
                   + (f" ({p['decoder_params_run'] / 1e9:.3g}B parameters)" if p["decoder_params_run"] else "")),

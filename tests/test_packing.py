@@ -264,6 +264,12 @@ def test_plan_command_reports_the_packed_rows(padded_and_packed, tmp_path):
     assert p["padding_efficiency"] == summary["padding_efficiency"]
     assert "packed rows" in format_plan(p)
     assert p["max_tokens_per_row"] == 4096 and "packed rows of at most 4,096 tokens" in format_plan(p)
+    assert p["stored_plan"] is None and "resume" not in format_plan(p)
+    # planned into the existing packed output, with other batching: the stored plan is what a resume runs
+    other = load_recipe(None, [f"output.dir={padded_and_packed['packed']}"] + demo_overrides(
+        tmp_path / "o", **SETTINGS, **{"batching.packing": "false"})[1:])
+    text = format_plan(make_run_plan(other, bench_dir=None))
+    assert f"holds {len(stored):,} packed rows: a resume runs those, not the plan below" in text
     # planned for GPUs from this CPU machine: `true` resolves as the GPU run would (the [gpu] extra installed);
     # `auto` plans packed rows there in bf16 (what the GPU run does), padded batches in fp32 and on this CPU
     gpu = make_run_plan(recipe, bench_dir=None, gpu_memory_bytes=141 * 10**9)
