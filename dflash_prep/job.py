@@ -189,7 +189,7 @@ def prepare_output(out_dir: Path, recipe: Recipe, identity: dict) -> bool:
         log.info("removed %d uncommitted file(s) left by an interrupted run", len(removed))
     if not damaged and not removed and manifest_readable(out_dir):
         return True
-    (out_dir / RECIPE_NAME).write_text(recipe.to_yaml())
+    (out_dir / RECIPE_NAME).write_text(_with_stored_batching(recipe, out_dir).to_yaml())
     state_path = out_dir / STATE_NAME
     runs = read_state_json(state_path).get("runs", []) if state_path.exists() else []
     runs.append({"started_at": time.time(), "dflash_prep_version": __version__,
@@ -237,6 +237,23 @@ def load_or_make_plan(out_dir: Path, lengths: list[int], recipe: Recipe, is_main
     return [PlannedBatch(batch_id=i, sample_indices=tuple(idx), padded_length=T,
                         num_real_tokens=sum(lengths[j] for j in idx), packed=stored_packed)
             for i, (T, idx) in enumerate(stored["batches"])]
+
+
+def _with_stored_batching(recipe: Recipe, out_dir: Path) -> Recipe:
+    """`recipe` with the batching settings of the output's stored plan, when there is one: a resume runs those
+    batches whatever its own `batching` says, so the recipe saved beside the output says what ran. (A plan.json
+    that cannot be read is left to load_or_make_plan, which names it.)"""
+    import dataclasses
+
+    try:
+        stored = read_state_json(out_dir / PLAN_NAME)["batching"] if (out_dir / PLAN_NAME).is_file() else None
+    except (OutputStateError, KeyError, TypeError):
+        return recipe
+    if not isinstance(stored, dict):
+        return recipe
+    names = {f.name for f in dataclasses.fields(recipe.batching)}
+    batching = dataclasses.replace(recipe.batching, **{k: v for k, v in stored.items() if k in names})
+    return dataclasses.replace(recipe, batching=batching)
 
 
 def _check_stored_plan(stored, lengths: list[int], path: Path) -> None:

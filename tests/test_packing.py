@@ -23,7 +23,7 @@ from dflash_prep.layers import find_decoder
 from dflash_prep.packing import (collate_packed, replay_stored_layout, select_packing, use_packed_attention)
 from dflash_prep.planner import packed_row_lengths, plan_packed_rows, plan_stats, split_across_ranks
 from dflash_prep.reader import ShardDataset
-from dflash_prep.recipe import RecipeError
+from dflash_prep.recipe import RecipeError, load_recipe
 
 if str(REPO) not in sys.path:  # bench/ is a folder of the checkout, not part of the installed package
     sys.path.insert(0, str(REPO))
@@ -314,8 +314,11 @@ def test_a_resume_without_packing_finishes_a_packed_plan(padded_and_packed, tmp_
     assert main(_argv(out, **{"batching.packing": "true", "batching.num_workers": 0})) == EXIT_STOPPED
     monkeypatch.delenv(ENV_VAR)
     capsys.readouterr()
-    assert main(_argv(out, **{"batching.num_workers": 0})) == 0  # packing: auto (padded on the CPU)
+    # packing: auto (padded on the CPU), and another row budget: the stored plan runs, and the saved recipe says so
+    assert main(_argv(out, **{"batching.num_workers": 0, "batching.max_tokens_per_row": 1024})) == 0
     assert "the stored plan has packed rows: resuming with them" in capsys.readouterr().err
+    saved = load_recipe(out / "recipe.resolved.yaml").batching
+    assert (saved.packing, saved.max_tokens_per_row, saved.num_workers) == (True, "auto", 0)
     _assert_same_samples(_by_id(out), _by_id(padded_and_packed["packed"]), rtol=0)
     assert json.loads((out / "summary.json").read_text())["packing"]["packed"] is True
     assert raw_records(out).keys() == raw_records(padded_and_packed["packed"]).keys()
