@@ -111,7 +111,8 @@ def test_fingerprint_ignores_where_and_how_but_not_what():
 ])
 def test_bad_recipe_fails_before_the_model_loads_naming_the_key(tmp_path, capsys, override, key, fix):
     """Errors that need the model config or the file system come from `run_extraction`, still before any
-    weights load and before anything is written to the output (so the corrected command can use it)."""
+    weights load and before anything is written to the output: the folder the refused run made for its logs is
+    gone again (so the corrected command starts clean)."""
     from dflash_prep.extract import EXIT_BAD_RECIPE, main
 
     out = tmp_path / "out"
@@ -120,9 +121,8 @@ def test_bad_recipe_fails_before_the_model_loads_naming_the_key(tmp_path, capsys
     assert main(argv) == EXIT_BAD_RECIPE
     err = capsys.readouterr().err
     assert f"error: recipe key `{key}`" in err and fix in err
-    log = (out / "logs" / "rank-00000.log").read_text()
-    assert "model loaded" not in log and "data:" not in log  # nothing loaded, nothing tokenized
-    assert sorted(p.name for p in out.iterdir()) == ["logs"]  # no run_state.json to block the fixed command
+    assert "model loaded" not in err and "data:" not in err  # nothing loaded, nothing tokenized
+    assert not out.exists()  # no folder, no run_state.json to block the fixed command
 
 
 def test_model_fingerprint_depends_on_the_config_not_on_where_it_was_read(tmp_path):
