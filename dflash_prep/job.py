@@ -175,8 +175,12 @@ def prepare_output(out_dir: Path, recipe: Recipe, identity: dict) -> bool:
     Returns True for a finished output found intact (a readable manifest, nothing repaired, dropped or removed):
     then nothing is written, so re-running a finished job leaves the output as it was."""
     check_identity(out_dir, identity)
-    for index in repair_indexes(out_dir):
-        log.warning("%s ended in a torn line (a crash while appending): cut back to its last complete line", index)
+    for index, records_cut in repair_indexes(out_dir):
+        if records_cut:
+            log.warning("%s holds an unreadable line before %d readable record(s) (an edit, or damage): cut at that "
+                        "line; the shards of those records are redone", index, records_cut)
+        else:
+            log.warning("%s ended in a torn line (a crash while appending): cut back to its last complete line", index)
     committed = read_committed(out_dir)
     damaged = damaged_shards(out_dir, committed)
     for path, why in damaged.items():

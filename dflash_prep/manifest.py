@@ -50,33 +50,39 @@ def _damaged_index(out_dir, why: str) -> "OutputStateError":
                             f"start afresh with --set output.overwrite=true, or use another output.dir")
 
 
-def repair_indexes(out_dir: str | Path) -> list[str]:
-    """Cut each rank index back to its last complete line (a crash or a full disk can leave a torn tail).
+def repair_indexes(out_dir: str | Path) -> list[tuple[str, int]]:
+    """Cut each rank index back to its last complete line before the first unreadable one (a crash or a full disk
+    can leave a torn tail; an edit can leave a bad line anywhere).
 
     Without this a resumed run would append after the torn bytes, and every line it commits would be unreadable
-    (read_committed stops at the first bad line). Main process only, before any rank writes. Returns the files
-    repaired.
+    (read_committed stops at the first bad line). Main process only, before any rank writes. Returns (file, number
+    of readable records cut after the bad line: their shards are redone; 0 for a torn tail) per file repaired.
     """
     repaired = []
     for index in sorted((Path(out_dir) / INDEX_DIR).glob("rank-*.jsonl")):
         data = index.read_bytes()
-        good = 0
-        for line in data.splitlines(keepends=True):
-            if not line.endswith(b"\n"):
+        lines = data.splitlines(keepends=True)
+        good, cut_at = 0, len(lines)
+        for i, line in enumerate(lines):
+            if not line.endswith(b"\n") or (line.strip() and not _is_record(line)):
+                cut_at = i
                 break
-            try:
-                ShardRecord(**json.loads(line))
-            except (json.JSONDecodeError, TypeError, UnicodeDecodeError):
-                if line.strip():
-                    break
             good += len(line)
         if good != len(data):
             with open(index, "r+b") as f:
                 f.truncate(good)
                 f.flush()
                 os.fsync(f.fileno())
-            repaired.append(str(index))
+            repaired.append((str(index), sum(1 for line in lines[cut_at + 1:] if _is_record(line))))
     return repaired
+
+
+def _is_record(line: bytes) -> bool:
+    try:
+        ShardRecord(**json.loads(line))
+        return True
+    except (json.JSONDecodeError, TypeError, UnicodeDecodeError):
+        return False
 
 
 class OutputStateError(RuntimeError):

@@ -199,11 +199,16 @@ def test_a_torn_index_line_is_cut_before_a_resume_appends(tmp_path, clean):
     index.parent.mkdir()
     lines = (clean["out"] / "index" / "rank-00000.jsonl").read_text().splitlines(keepends=True)
     index.write_text(lines[0] + lines[1][: len(lines[1]) // 2])
-    assert repair_indexes(tmp_path) == [str(index)]
+    assert repair_indexes(tmp_path) == [(str(index), 0)]
     with open(index, "a") as f:
         f.write(lines[1])
     assert [r.path for r in read_committed(tmp_path)] == [json.loads(line)["path"] for line in lines[:2]]
     assert repair_indexes(tmp_path) == []
+    # a bad line in the middle: cut there, and the readable records after it are counted (their shards redone)
+    assert len(lines) >= 3
+    index.write_text(lines[0] + "not a record\n" + "".join(lines[1:3]))
+    assert repair_indexes(tmp_path) == [(str(index), 2)]
+    assert index.read_text() == lines[0]
 
 
 def test_a_slow_disk_is_reported_with_the_figures_and_what_would_fix_it(tmp_path, monkeypatch, capsys):
