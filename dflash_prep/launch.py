@@ -82,8 +82,14 @@ def _forward_terminate(signum, frame) -> None:
     """SIGTERM to the launcher (a scheduler's preemption notice, `kill PID`): pass it on to the script's process,
     which stops at the next batch boundary after committing what it captured; keep waiting for it. Without this
     the launcher dies at once and the script runs on, orphaned, holding the output's locks. (With several
-    processes torch elastic installs its own handler, which forwards the signal to the ranks itself.)"""
-    for pid in _child_pids():
+    processes torch elastic installs its own handler, which forwards the signal to the ranks itself.) Before the
+    script started (the launcher's own imports take a second or more): stop with exit code 1, nothing written."""
+    children = _child_pids()
+    if not children:
+        print(f"error: stopped by {signal.Signals(signum).name} before the extraction started; nothing was written, "
+              f"re-run the same command", file=sys.stderr)
+        raise SystemExit(EXIT_STOPPED)
+    for pid in children:
         try:
             os.kill(pid, signum)
         except ProcessLookupError:
@@ -111,6 +117,8 @@ def _ignore_interrupt(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # first: a preemption notice during the imports below is an orderly stop (exit code 1), not a death by SIGTERM
+    previous_term = signal.signal(signal.SIGTERM, _forward_terminate)
     from accelerate.commands.launch import launch_command, launch_command_parser
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -123,7 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     # torch elastic logs each failed rank with its own block; the ranks printed their one-line errors already.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     previous = signal.signal(signal.SIGINT, _ignore_interrupt)
-    previous_term = signal.signal(signal.SIGTERM, _forward_terminate)
     try:
         launch_command(args)
     except subprocess.CalledProcessError as e:

@@ -145,3 +145,16 @@ def test_a_rank_killed_by_a_signal_is_named_even_when_another_rank_exited_with_a
     assert capsys.readouterr().err == ""
     _killed_message({0: -int(signal.SIGTERM)})
     assert "the extraction process was killed by SIGTERM" in capsys.readouterr().err
+
+
+def test_sigterm_before_the_script_started_is_an_orderly_stop(monkeypatch, capsys):
+    """The launcher's imports take a second or more: a preemption notice then ends it with exit code 1 (resumable)
+    and one line, not a death by SIGTERM (exit 143, not a documented code)."""
+    from dflash_prep import launch
+
+    monkeypatch.setattr(launch, "_child_pids", lambda: [])
+    with pytest.raises(SystemExit) as stop:
+        launch._forward_terminate(signal.SIGTERM, None)
+    assert stop.value.code == 1
+    assert capsys.readouterr().err.strip() == ("error: stopped by SIGTERM before the extraction started; nothing was "
+                                               "written, re-run the same command")
