@@ -21,8 +21,8 @@ from typing import Any
 from . import __version__
 from .identity import describe_weights_change, weights_fingerprint
 from .locks import LOCKS_DIR
-from .manifest import (MANIFEST_NAME, STATE_NAME, OutputStateError, atomic_write_json, damaged_shards, drop_records,
-                       read_committed, read_manifest, read_state_json, remove_uncommitted, repair_indexes)
+from .manifest import (MANIFEST_NAME, STATE_NAME, OutputStateError, atomic_write_json, damaged_shards, damaged_state,
+                       drop_records, read_committed, read_manifest, read_state_json, remove_uncommitted, repair_indexes)
 from .model import describe_source, model_fingerprint, tokenizer_fingerprint
 from .planner import PlannedBatch, make_plan, plan_settings
 from .recipe import Recipe, RecipeError
@@ -217,26 +217,16 @@ def load_or_make_plan(out_dir: Path, lengths: list[int], recipe: Recipe, is_main
     resumes run the same batches whatever the number of ranks); every rank reads it back. A stored plan keeps its
     layout (`PlannedBatch.packed`, false for a plan.json written before packing existed)."""
     path = out_dir / PLAN_NAME
-    if is_main:
-        if path.exists():
-            stored = read_state_json(path)
-            if isinstance(stored, dict) and _is_int(stored.get("num_samples")) and \
-                    stored["num_samples"] != len(lengths):
-                raise OutputMismatchError(f"{path} plans {stored['num_samples']} samples but the data has "
-                                          f"{len(lengths)}: the dataset changed; use --set output.overwrite=true")
-            _check_stored_plan(stored, lengths, path)
-            if {k: v for k, v in stored["batching"].items() if k != "packing"} != \
-                    {k: v for k, v in plan_settings(recipe).items() if k != "packing"}:
-                log.warning("batching settings differ from the stored plan; resuming with the stored plan %s",
-                            stored["batching"])
-        else:
-            plan = make_plan(lengths, recipe, packed=packed)
-            atomic_write_json(path, {"batching": plan_settings(recipe), "num_samples": len(lengths),
-                                     "packed": packed,
-                                     "batches": [[p.padded_length, list(p.sample_indices)] for p in plan]})
+    if is_main and not path.exists():
+        plan = make_plan(lengths, recipe, packed=packed)
+        atomic_write_json(path, {"batching": plan_settings(recipe), "num_samples": len(lengths), "packed": packed,
+                                 "batches": [[p.padded_length, list(p.sample_indices)] for p in plan]})
     state.wait_for_everyone()
-    stored = read_state_json(path)
-    _check_stored_plan(stored, lengths, path)
+    stored = read_stored_plan(path, lengths)
+    if is_main and {k: v for k, v in stored["batching"].items() if k != "packing"} != \
+            {k: v for k, v in plan_settings(recipe).items() if k != "packing"}:
+        log.warning("batching settings differ from the stored plan; resuming with the stored plan %s",
+                    stored["batching"])
     stored_packed = bool(stored.get("packed", False))
     return [PlannedBatch(batch_id=i, sample_indices=tuple(idx), padded_length=T,
                         num_real_tokens=sum(lengths[j] for j in idx), packed=stored_packed)
@@ -260,32 +250,40 @@ def _with_stored_batching(recipe: Recipe, out_dir: Path) -> Recipe:
     return dataclasses.replace(recipe, batching=batching)
 
 
+def read_stored_plan(path: Path, lengths: list[int]) -> dict:
+    """OUT/plan.json, checked against the kept samples' `lengths`: OutputMismatchError when it plans another number
+    of samples (the dataset changed), OutputStateError when it is damaged or edited into something that is not a
+    plan of them (`_check_stored_plan`)."""
+    stored = read_state_json(path)
+    if isinstance(stored, dict) and _is_int(stored.get("num_samples")) and stored["num_samples"] != len(lengths):
+        raise OutputMismatchError(f"{path} plans {stored['num_samples']} samples but the data has {len(lengths)}: "
+                                  f"the dataset changed; use --set output.overwrite=true")
+    _check_stored_plan(stored, lengths, path)
+    return stored
+
+
 def _check_stored_plan(stored, lengths: list[int], path: Path) -> None:
     """OutputStateError (one line, exit code 2) unless `stored` is a plan of these samples: its keys, each batch
     `[padded length, [sample indices]]` with indices in range and a length that holds its samples (their sum for
     a packed row, the longest for a padded batch), and every sample in exactly one batch. A plan edited or damaged
     in place would otherwise write a sample twice, or never finish."""
-    def damaged(why: str):
-        return OutputStateError(f"{path} is damaged ({why}); the output cannot be resumed from it: start afresh "
-                                f"with --set output.overwrite=true, or use another output.dir")
-
     if not isinstance(stored, dict) or not isinstance(stored.get("batches"), list) \
             or not isinstance(stored.get("batching"), dict) or stored.get("num_samples") != len(lengths):
-        raise damaged(f"expected the keys num_samples (= {len(lengths)}), batching and batches")
+        raise damaged_state(path, f"expected the keys num_samples (= {len(lengths)}), batching and batches")
     packed, count = bool(stored.get("packed", False)), [0] * len(lengths)
     for i, batch in enumerate(stored["batches"]):
         ok = isinstance(batch, list) and len(batch) == 2 and _is_int(batch[0]) and isinstance(batch[1], list) \
             and batch[1] and all(_is_int(j) and 0 <= j < len(lengths) for j in batch[1])
         if not ok:
-            raise damaged(f"batch {i} is not [padded length, [sample indices in 0..{len(lengths) - 1}]]")
+            raise damaged_state(path, f"batch {i} is not [padded length, [sample indices in 0..{len(lengths) - 1}]]")
         needed = (sum if packed else max)(lengths[j] for j in batch[1])
         if batch[0] < needed:
-            raise damaged(f"batch {i}: padded length {batch[0]} < the {needed} tokens of its samples")
+            raise damaged_state(path, f"batch {i}: padded length {batch[0]} < the {needed} tokens of its samples")
         for j in batch[1]:
             count[j] += 1
     twice, never = [j for j, c in enumerate(count) if c > 1], [j for j, c in enumerate(count) if c == 0]
     if twice or never:
-        raise damaged(f"samples planned twice: {twice[:5]}, never: {never[:5]}")
+        raise damaged_state(path, f"samples planned twice: {twice[:5]}, never: {never[:5]}")
 
 
 def _is_int(value) -> bool:

@@ -46,8 +46,13 @@ def read_committed(out_dir: str | Path) -> list[ShardRecord]:
 
 
 def _damaged_index(out_dir, why: str) -> "OutputStateError":
-    return OutputStateError(f"{Path(out_dir) / INDEX_DIR} is damaged ({why}); the output cannot be resumed from it: "
-                            f"start afresh with --set output.overwrite=true, or use another output.dir")
+    return damaged_state(Path(out_dir) / INDEX_DIR, why)
+
+
+def damaged_state(path: Path, why: str) -> "OutputStateError":
+    """The one-line error (exit code 2) for a state file or folder of the output that cannot be resumed from."""
+    return OutputStateError(f"{path} is damaged ({why}); the output cannot be resumed from it: start afresh with "
+                            f"--set output.overwrite=true, or use another output.dir")
 
 
 def repair_indexes(out_dir: str | Path) -> list[tuple[str, int]]:
@@ -96,9 +101,7 @@ def read_state_json(path: Path) -> dict:
         with open(path, "rb") as f:
             return json.loads(f.read())
     except (ValueError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
-        raise OutputStateError(
-            f"{path} is damaged ({type(e).__name__}: {e}); the output cannot be resumed from it: start afresh with "
-            f"--set output.overwrite=true, or use another output.dir") from None
+        raise damaged_state(path, f"{type(e).__name__}: {e}") from None
 
 
 def damaged_shards(out_dir: str | Path, committed: list[ShardRecord]) -> dict[str, str]:

@@ -239,7 +239,7 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
         "packing": packing.record(), "shapes": _shape_counts(plan),
         "max_tokens_per_batch": recipe.batching.max_tokens_per_batch, "max_tokens_per_batch_auto": budget_how,
         "max_tokens_per_row": packed_row_budget(recipe.batching) if packing.packed else None,
-        "stored_plan": _stored_plan(Path(recipe.output.dir)),
+        "stored_plan": _stored_plan(Path(recipe.output.dir), lengths),
         "dtype": recipe.output.dtype, "max_shard_bytes": recipe.output.max_shard_bytes, "disk": disk,
         "num_bytes": disk[recipe.output.dtype]["num_bytes"],
         "ranks": [{"rank": i, "num_batches": r["num_batches"], "num_samples": r["num_samples"],
@@ -363,24 +363,26 @@ def _duration(s: float) -> str:
     return f"{s / 86400:.1f} days"
 
 
-def _stored_plan(out_dir: Path) -> dict | None:
+def _stored_plan(out_dir: Path, lengths: list[int]) -> dict | None:
     """What OUT/plan.json holds when the output exists (a resume runs those batches, not a new plan): its number of
-    batches and layout, or that it is damaged; None without one."""
-    from .manifest import OutputStateError, read_state_json
+    batches and layout, or why a resume would refuse it (job.read_stored_plan, the resume's own check); None
+    without one."""
+    from .job import PLAN_NAME, OutputMismatchError, read_stored_plan
+    from .manifest import OutputStateError
 
-    path = out_dir / "plan.json"
+    path = out_dir / PLAN_NAME
     if not path.is_file():
         return None
     try:
-        stored = read_state_json(path)
+        stored = read_stored_plan(path, lengths)
         return {"path": str(path), "num_batches": len(stored["batches"]), "packed": bool(stored.get("packed"))}
-    except (OutputStateError, KeyError, TypeError) as e:
-        return {"path": str(path), "damaged": str(e)}
+    except (OutputStateError, OutputMismatchError) as e:
+        return {"path": str(path), "refused": str(e)}
 
 
 def format_plan(p: dict) -> str:
     stored = p.get("stored_plan")
-    resume = [] if not stored else [("resume", f"{stored['path']} is damaged: a resume refuses it" if "damaged" in
+    resume = [] if not stored else [("resume", f"a resume refuses it: {stored['refused']}" if "refused" in
                                      stored else f"{stored['path']} holds {stored['num_batches']:,} "
                                      f"{'packed rows' if stored['packed'] else 'padded batches'}: a resume runs "
                                      f"those, not the plan below")]

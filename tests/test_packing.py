@@ -270,6 +270,13 @@ def test_plan_command_reports_the_packed_rows(padded_and_packed, tmp_path):
         tmp_path / "o", **SETTINGS, **{"batching.packing": "false"})[1:])
     text = format_plan(make_run_plan(other, bench_dir=None))
     assert f"holds {len(stored):,} packed rows: a resume runs those, not the plan below" in text
+    edited = tmp_path / "edited"  # a stored plan a resume would refuse (a sample twice): plan says so, and why
+    edited.mkdir()
+    plan_json = json.loads((padded_and_packed["packed"] / "plan.json").read_text())
+    plan_json["batches"][0][1].append(plan_json["batches"][-1][1][0])
+    (edited / "plan.json").write_text(json.dumps(plan_json))
+    other = load_recipe(None, [f"output.dir={edited}"] + demo_overrides(tmp_path / "o", **SETTINGS)[1:])
+    assert "a resume refuses it: " in format_plan(make_run_plan(other, bench_dir=None))
     # planned for GPUs from this CPU machine: `true` resolves as the GPU run would (the [gpu] extra installed);
     # `auto` plans packed rows there in bf16 (what the GPU run does), padded batches in fp32 and on this CPU
     gpu = make_run_plan(recipe, bench_dir=None, gpu_memory_bytes=141 * 10**9)
