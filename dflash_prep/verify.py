@@ -265,6 +265,9 @@ def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: 
     _hint_parallelism(out_dir, recipe, replica, dev, log)
     model = _reference_model(recipe, config, dev, report, log, manifest.get("kernels"), replica)
     _compare_chosen(model, shards, ids_by_shard, set(chosen), layout, layer_ids, dev, tol, report, log)
+    if state is not None:  # the replica's last collective: its processes leave together, then hash or exit alone
+        state.wait_for_everyone()
+        torch.distributed.destroy_process_group()
     if check_shards and not hash_first and report.is_main_process:
         _check_integrity(out_dir, shards, report, log, progress)
     report.seconds = time.perf_counter() - t0
