@@ -108,19 +108,6 @@ COMMON=(--set "data.path=$WORK/data.parquet" --set data.max_length=4096 --set mo
 LAUNCH=(python3 -m dflash_prep.cli launch)
 
 # --- the 70B shape: one replica of 2 GPUs ------------------------------------------------------------------------
-C8=(--set "model.config=$WORK/configs/8b.json" --set layers.capture_final=none --set output.dtype=fp8_e4m3)
-step 8b-warmup 90 "${LAUNCH[@]}" --num_processes 1 extract.py "${COMMON[@]}" "${C8[@]}" --set "data.max_samples=$NWARM" \
-    --set "output.dir=$WORK/out-8b-warmup"
-rm -rf "$WORK/out-8b-warmup"
-step 8b-1gpu 170 "${LAUNCH[@]}" --num_processes 1 extract.py "${COMMON[@]}" "${C8[@]}" --set "data.max_samples=$N8" \
-    --set "output.dir=$WORK/out-8b-1gpu"
-keep_summary "$WORK/out-8b-1gpu" 8b-1gpu
-step 8b-2gpu 130 "${LAUNCH[@]}" "${TWO_PROCS[@]}" extract.py "${COMMON[@]}" "${C8[@]}" --set "data.max_samples=$N8" \
-    --set "output.dir=$WORK/out-8b-2gpu"
-keep_summary "$WORK/out-8b-2gpu" 8b-2gpu
-
-# --- figures ------------------------------------------------------------------------------------------------------
-
 C70=(--set "model.config=$WORK/configs/70b.json" --set model.gpus_per_replica=2 --set "data.max_samples=$N70"
      --set layers.capture_final=after_norm --set output.dtype=bfloat16)
 if step 70b-tp 200 "${LAUNCH[@]}" "${TWO_PROCS[@]}" extract.py "${COMMON[@]}" "${C70[@]}" \
@@ -141,7 +128,18 @@ else
 fi
 
 # --- the 8B shape: 1 GPU, then 2 GPUs (2 replicas of 1), the same data -----------------------------------------------
+C8=(--set "model.config=$WORK/configs/8b.json" --set layers.capture_final=none --set output.dtype=fp8_e4m3)
+step 8b-warmup 90 "${LAUNCH[@]}" --num_processes 1 extract.py "${COMMON[@]}" "${C8[@]}" --set "data.max_samples=$NWARM" \
+    --set "output.dir=$WORK/out-8b-warmup"
+rm -rf "$WORK/out-8b-warmup"
+step 8b-1gpu 170 "${LAUNCH[@]}" --num_processes 1 extract.py "${COMMON[@]}" "${C8[@]}" --set "data.max_samples=$N8" \
+    --set "output.dir=$WORK/out-8b-1gpu"
+keep_summary "$WORK/out-8b-1gpu" 8b-1gpu
+step 8b-2gpu 130 "${LAUNCH[@]}" "${TWO_PROCS[@]}" extract.py "${COMMON[@]}" "${C8[@]}" --set "data.max_samples=$N8" \
+    --set "output.dir=$WORK/out-8b-2gpu"
+keep_summary "$WORK/out-8b-2gpu" 8b-2gpu
 
+# --- figures ------------------------------------------------------------------------------------------------------
 python3 -m bench.replica_check report "$WORK" "$RESULTS" 2>&1 | tee "$RESULTS/report.log"
 cp "$WORK/steps.jsonl" "$RESULTS/steps.jsonl" 2> /dev/null
 log "done in $(( $(date +%s) - T0 ))s"

@@ -8,6 +8,7 @@ Named kernels (each replaces one piece of transformers' eager forward on the loa
 | `liger_swiglu` | liger-kernel | `silu(gate) * up` of the MLPs by one Triton kernel | llama, qwen3_5 (silu MLPs) |
 | `liger_rope` | liger-kernel | the rotary embedding of q and k | llama |
 | `fla_conv` | flash-linear-attention | transformers' torch fallback of the Gated DeltaNet causal conv (`conv_depthwise2d`) by fla's Triton `causal_conv1d` | qwen3_5 |
+| `fla_gated_norm` | flash-linear-attention | the Gated DeltaNet output norm (`Qwen3_5RMSNormGated`: RMSNorm, weight, times silu(z)), ten eager element-wise kernels through fp32 copies, by fla's one Triton `rms_norm_gated` | qwen3_5 |
 
 `auto` (the default): on CUDA, every kernel of the architecture's row above (all measured exact and faster on an
 H200: bench/RESULTS.md); eager on CPU and for architectures not listed (said once in the log). `eager`: none.
@@ -50,8 +51,8 @@ log = logging.getLogger("dflash_prep")
 ARCHITECTURES = {
     "llama": ("transformers.models.llama.modeling_llama", ("liger_rms_norm", "liger_swiglu", "liger_rope"),
               "apply_liger_kernel_to_llama"),
-    "qwen3_5": ("transformers.models.qwen3_5.modeling_qwen3_5", ("liger_rms_norm", "liger_swiglu", "fla_conv"),
-                "apply_liger_kernel_to_qwen3_5"),
+    "qwen3_5": ("transformers.models.qwen3_5.modeling_qwen3_5",
+                ("liger_rms_norm", "liger_swiglu", "fla_conv", "fla_gated_norm"), "apply_liger_kernel_to_qwen3_5"),
 }
 ARCHITECTURES["qwen3_5_text"] = ARCHITECTURES["qwen3_5"]
 LIBRARIES = {"liger": ("liger_kernel", "liger-kernel"), "fla": ("fla", "flash-linear-attention")}
@@ -158,6 +159,8 @@ def apply_kernels(model: nn.Module, choice: KernelChoice) -> None:
         _apply_liger(model, modeling, liger_apply, set(liger))
     if "fla_conv" in choice.names:
         _apply_fla_conv(model, modeling)
+    if "fla_gated_norm" in choice.names:
+        _apply_fla_gated_norm(model)
     log.info("model.kernels: %s applied (%s)", ", ".join(choice.names),
              ", ".join(f"{k} {v}" for k, v in sorted(choice.libraries.items())))
 
@@ -186,6 +189,36 @@ def _apply_fla_conv(model: nn.Module, modeling) -> None:
     """fla's Triton causal conv in the Gated DeltaNet layers of this model (transformers' `causal_conv1d_fn`)."""
     conv = importlib.import_module("fla.modules.causal_conv1d").causal_conv1d  # fla 0.6 (`convolution` before)
     _scope_global_in_forwards(model, modeling, "causal_conv1d_fn", fla_causal_conv1d_fn(conv))
+
+
+def _apply_fla_gated_norm(model: nn.Module) -> None:
+    """fla's fused `rms_norm_gated` as the forward of every gated RMSNorm of this model's Gated DeltaNet layers."""
+    try:  # fla 0.6 (`fla.modules.fused_norm_gate` before)
+        fused = importlib.import_module("fla.modules.norm.fused_norm_gate").rms_norm_gated
+    except ModuleNotFoundError:
+        fused = importlib.import_module("fla.modules.fused_norm_gate").rms_norm_gated
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNormGated")]
+    if not norms:
+        raise RuntimeError("no gated RMSNorm in this model: this transformers version is not supported by "
+                           "fla_gated_norm")
+    for norm in norms:
+        norm.forward = fla_rms_norm_gated_forward(norm, fused)
+
+
+def fla_rms_norm_gated_forward(norm: nn.Module, fused):
+    """transformers' `RMSNormGated.forward(x [..., D], gate [..., D]) -> [..., D]` (x normalised in fp32, times
+    its weight, times silu(gate)) on fla's `rms_norm_gated(x, g, weight, bias, activation, eps=...)`, which computes
+    the same in fp32 inside one kernel and rounds once (transformers rounds to the input dtype before the weight:
+    the results differ by that rounding). Raises ValueError for an activation fla does not fuse."""
+    activation = getattr(norm, "activation", "silu")
+    if activation not in ("silu", "swish", "sigmoid"):
+        raise ValueError(f"fla_gated_norm: activation {activation!r} is not one fla fuses")
+    eps = getattr(norm, "variance_epsilon", None) or norm.eps
+
+    def forward(hidden_states, gate):
+        return fused(hidden_states, gate, norm.weight, None, activation=activation, eps=eps)
+
+    return forward
 
 
 def fla_causal_conv1d_fn(fla_conv):

@@ -75,6 +75,14 @@ def fake_fla_conv(x, weight, bias=None, activation=None, cu_seqlens=None, **kwar
     return (y * torch.sigmoid(y) if activation in ("silu", "swish") else y), None
 
 
+def fake_rms_norm_gated(x, g, weight, bias, activation="swish", eps=1e-6, **kwargs):
+    """fla's rms_norm_gated contract: RMSNorm of x over its last dim, times weight, times activation(g); by hand."""
+    _count("gated_norm", {"activation": activation, "eps": eps, "bias": bias})
+    x32, g32 = x.double(), g.double()
+    normed = x32 / torch.sqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+    return (normed * g32 * torch.sigmoid(g32)).to(x.dtype)
+
+
 def _fake_apply(modeling_name, rms_offset, rebinds):
     def apply(rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True,
               model=None):
@@ -120,7 +128,10 @@ def fake_libraries(monkeypatch):
     fakes = {"liger_kernel": _module("liger_kernel"), "liger_kernel.transformers": liger_transformers,
              "liger_kernel.transformers.rope": _module("liger_kernel.transformers.rope", liger_rotary_pos_emb=fake_rope),
              "fla": _module("fla"), "fla.modules": _module("fla.modules"),
-             "fla.modules.causal_conv1d": _module("fla.modules.causal_conv1d", causal_conv1d=fake_fla_conv)}
+             "fla.modules.causal_conv1d": _module("fla.modules.causal_conv1d", causal_conv1d=fake_fla_conv),
+             "fla.modules.norm": _module("fla.modules.norm"),
+             "fla.modules.norm.fused_norm_gate": _module("fla.modules.norm.fused_norm_gate",
+                                                         rms_norm_gated=fake_rms_norm_gated)}
     for name, module in fakes.items():
         monkeypatch.setitem(sys.modules, name, module)
     yield CALLS
@@ -137,7 +148,7 @@ def test_auto_is_eager_on_cpu_for_every_architecture():
 def test_auto_on_cuda_picks_the_architectures_kernels(fake_libraries):
     assert select_kernels("auto", tiny_llama_config(), "cuda").names == ("liger_rms_norm", "liger_swiglu", "liger_rope")
     qwen = select_kernels("auto", tiny_qwen35_config(), "cuda")
-    assert qwen.names == ("liger_rms_norm", "liger_swiglu", "fla_conv") and qwen.reason is None
+    assert qwen.names == ("liger_rms_norm", "liger_swiglu", "fla_conv", "fla_gated_norm") and qwen.reason is None
     assert set(qwen.record()["libraries"]) == {"liger-kernel", "flash-linear-attention"}
     gelu = tiny_llama_config()
     gelu.hidden_act = "gelu"
@@ -213,7 +224,7 @@ def test_fused_model_captures_what_the_eager_model_gives_each_sample_alone(fake_
     modeling = sys.modules[f"transformers.models.{arch}.modeling_{arch}"]
     module_before = dict(vars(modeling))
     eager, fused = build(config), build(config)
-    names = ("liger_rms_norm", "liger_swiglu", "liger_rope" if arch == "llama" else "fla_conv")
+    names = ("liger_rms_norm", "liger_swiglu") + (("liger_rope",) if arch == "llama" else ("fla_conv", "fla_gated_norm"))
     layer_ids = [0, 2, 3]
     assert drop_layers_after(fused, layer_ids[-1]) == 4  # as the extraction: truncate, then the kernels
     apply_kernels(fused, KernelChoice(names, names, config.model_type))
@@ -247,6 +258,9 @@ def test_fused_model_captures_what_the_eager_model_gives_each_sample_alone(fake_
         conv = CALLS["conv"]
         assert len(conv) == 3 and all(c["contiguous"] and c["activation"] == "silu" for c in conv)
         assert conv[0]["shape"][:2] == (3, 48), "fla's conv takes [B, T, D]"
+        gated = CALLS["gated_norm"]  # one per Gated DeltaNet layer, with the module's own eps and activation
+        assert len(gated) == 3 and all(c["activation"] == "silu" and c["eps"] == config.rms_norm_eps
+                                       and c["bias"] is None for c in gated)
     CALLS.clear()
     _alone_states(eager, samples[0])
     _alone_states(build(config), samples[0])  # built after the patch: eager too
