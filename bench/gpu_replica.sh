@@ -25,6 +25,7 @@
 #    Llama-3.1-8B shape on the same ~2.5M tokens with `dflash-prep launch --num_processes 1` (8b-1gpu) and 2
 #    (8b-2gpu: 2 replicas of 1 GPU, data parallel), EAGLE-3 layers stored as fp8_e4m3 (12 KB per token, so the
 #    2-GPU run writes ~0.9 GB/s and the disk does not set the pace; each summary's `disk` says if it did).
+#    RUN_8B=0 skips this step.
 # 5. report: the 8B's per-GPU tok/s ratio (2 GPUs / 2 over 1 GPU; target >= 0.95), the 70B's tok/s, MFU over both
 #    GPUs and verify's verdict, printed and in replica.json.
 set -uo pipefail
@@ -127,7 +128,8 @@ else
   keep_summary "$WORK/out-70b-ls" 70b-layer-split
 fi
 
-# --- the 8B shape: 1 GPU, then 2 GPUs (2 replicas of 1), the same data -----------------------------------------------
+# --- the 8B shape: 1 GPU, then 2 GPUs (2 replicas of 1), the same data (RUN_8B=0 skips it) ---------------------------
+if [ "${RUN_8B:-1}" = 1 ]; then
 C8=(--set "model.config=$WORK/configs/8b.json" --set layers.capture_final=none --set output.dtype=fp8_e4m3)
 step 8b-warmup 90 "${LAUNCH[@]}" --num_processes 1 extract.py "${COMMON[@]}" "${C8[@]}" --set "data.max_samples=$NWARM" \
     --set "output.dir=$WORK/out-8b-warmup"
@@ -138,6 +140,7 @@ keep_summary "$WORK/out-8b-1gpu" 8b-1gpu
 step 8b-2gpu 130 "${LAUNCH[@]}" "${TWO_PROCS[@]}" extract.py "${COMMON[@]}" "${C8[@]}" --set "data.max_samples=$N8" \
     --set "output.dir=$WORK/out-8b-2gpu"
 keep_summary "$WORK/out-8b-2gpu" 8b-2gpu
+fi
 
 # --- figures ------------------------------------------------------------------------------------------------------
 python3 -m bench.replica_check report "$WORK" "$RESULTS" 2>&1 | tee "$RESULTS/report.log"
