@@ -589,8 +589,9 @@ def _drawn_input_ids(drawn: list, wanted: set, layout) -> list[tuple[str, torch.
 
 class _PaddedBatches:
     """The padded-batch reference of the drawn samples (`run_padded_batch`), grouped in reading order under
-    NOISE_FLOOR_BATCH_TOKENS padded tokens (or twice the longest sample), each group run when its first sample is
-    compared and dropped at the next: one group's states are held at a time. Every process of a tensor-parallel
+    NOISE_FLOOR_BATCH_TOKENS padded tokens (or twice the longest sample; a lone last sample takes the previous
+    group's last one: two samples always fit), each group run when its first sample is compared and dropped at the
+    next: one group's states are held at a time. Every process of a tensor-parallel
     replica reads the same samples in the same order, so they run the same forwards in the same order."""
 
     def __init__(self, model, samples: list[tuple[str, torch.Tensor]], layer_ids: list[int], capture_final: str,
@@ -603,6 +604,8 @@ class _PaddedBatches:
             if group is None or (len(group) + 1) * max(int(ids.shape[0]), *(int(x.shape[0]) for _, x in group)) > cap:
                 self.groups.append(group := [])
             group.append((sid, ids))
+        if len(self.groups) > 1 and len(self.groups[-1]) == 1 and len(self.groups[-2]) > 2:
+            self.groups[-1].insert(0, self.groups[-2].pop())  # no sample alone in its batch (its noise would be ~0)
         self.group_of = {sid: g for g, group in enumerate(self.groups) for sid, _ in group}
         self._current, self._states = None, {}
 

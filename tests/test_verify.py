@@ -429,3 +429,20 @@ def test_no_noise_floor_runs_no_padded_batch_reference(bf16_output, capsys):
     out = capsys.readouterr().out
     assert "no noise floor (--no-noise-floor): the fixed tolerance only" in out and "padded-batch" not in out
     assert "tolerance 0.104 (no noise floor)" in out.splitlines()[-1]
+
+
+def test_padded_batches_group_the_drawn_samples_in_reading_order_under_the_token_cap():
+    from dflash_prep.verify import NOISE_FLOOR_BATCH_TOKENS, _PaddedBatches
+
+    def groups(lengths):
+        samples = [(f"s{i}", torch.zeros(n, dtype=torch.int64)) for i, n in enumerate(lengths)]
+        batches = _PaddedBatches(None, samples, [1], "none", torch.device("cpu"))
+        return [[int(sid[1:]) for sid, _ in group] for group in batches.groups]
+
+    assert NOISE_FLOOR_BATCH_TOKENS == 8192
+    assert groups([100] * 8) == [list(range(8))]  # 800 padded tokens: one batch
+    # cap max(8192, 2 x 5000): [5000, 3000] (10000), then 3000, 100, 100 (9000); reading order kept
+    assert groups([5000, 3000, 3000, 100, 100]) == [[0, 1], [2, 3, 4]]
+    # 4000 x 3 = 12000 > 8192: the lone last sample joins the previous batch's last one
+    assert groups([1000, 1000, 1000, 4000]) == [[0, 1], [2, 3]]
+    assert groups([50]) == [[0]]
