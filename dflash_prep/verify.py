@@ -45,7 +45,8 @@ every sample reached relative L2 0.098 at layer 39 and 0.154 at layer 76 (relati
 wrong. So verify measures each layer's rounding noise with a second, independent reference: the drawn samples run
 TOGETHER through the same reference model (dtype, kernels, layer mapping) as right-padded batches with their
 attention mask (`run_padded_batch`; groups in reading order of at most NOISE_FLOOR_BATCH_TOKENS = 8192 padded
-tokens, or twice the longest drawn sample). Their real tokens are compared with the alone reference like the
+tokens, or twice the longest drawn sample; in one process a batch that runs out of memory gives its samples no
+floor, said in one line). Their real tokens are compared with the alone reference like the
 stored states are; a layer's noise floor is the worst relative error over the drawn samples. Right padding with a
 mask leaves a causal decoder's real tokens unchanged (in fp32 the floor is ~2e-7 on the tiny Llama and the Qwen3.5
 Gated DeltaNet hybrid through transformers' torch path), so the floor is rounding only. A layer passes when its
@@ -554,8 +555,8 @@ def _compare_chosen(model, shards, ids_by_shard: dict, wanted: set, layout, laye
 
     drawn = [(shard, {j for j, sid in enumerate(ids_by_shard[shard.rel_path]) if sid in wanted}) for shard in shards]
     drawn = [(shard, positions) for shard, positions in drawn if positions]
-    padded = _PaddedBatches(model, _drawn_input_ids(drawn, wanted, layout), layer_ids, layout.capture_final, dev) \
-        if report.noise_floor_measured else None
+    padded = _PaddedBatches(model, _drawn_input_ids(drawn, wanted, layout), layer_ids, layout.capture_final, dev,
+                            skip_on_oom=_num_launched_processes() == 1, log=log) if report.noise_floor_measured else None
     unreadable: set[str] = set()
     for shard, positions in drawn:
         try:
@@ -595,8 +596,11 @@ class _PaddedBatches:
     replica reads the same samples in the same order, so they run the same forwards in the same order."""
 
     def __init__(self, model, samples: list[tuple[str, torch.Tensor]], layer_ids: list[int], capture_final: str,
-                 device: torch.device):
+                 device: torch.device, skip_on_oom: bool = False, log=print):
+        """`skip_on_oom`: a group that runs out of memory gives no noise floor (one process only: the processes of
+        a tensor-parallel replica must run the same collectives, so there it raises)."""
         self.model, self.layer_ids, self.capture_final, self.device = model, layer_ids, capture_final, device
+        self.skip_on_oom, self.log = skip_on_oom, log
         cap = max([NOISE_FLOOR_BATCH_TOKENS] + [2 * int(ids.shape[0]) for _, ids in samples])
         self.groups: list[list[tuple[str, torch.Tensor]]] = []
         for sid, ids in samples:
@@ -617,9 +621,17 @@ class _PaddedBatches:
         if g != self._current:
             self._states = {}  # free the previous group before the next forward
             group = self.groups[g]
-            batch = run_padded_batch(self.model, [ids for _, ids in group], self.layer_ids, self.capture_final,
-                                     self.device)
-            self._current, self._states = g, {sid: states for (sid, _), states in zip(group, batch)}
+            self._current = g
+            try:
+                batch = run_padded_batch(self.model, [ids for _, ids in group], self.layer_ids, self.capture_final,
+                                         self.device)
+            except torch.OutOfMemoryError:
+                if not self.skip_on_oom:  # a replica's other processes may be past this forward: stop as before
+                    raise
+                self.log(f"verify: out of memory in the padded batch of {len(group)} sample(s) "
+                         f"({', '.join(sid for sid, _ in group)}): they give no noise floor")
+                return None
+            self._states = {sid: states for (sid, _), states in zip(group, batch)}
         return self._states.get(sample_id)
 
 

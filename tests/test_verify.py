@@ -446,3 +446,18 @@ def test_padded_batches_group_the_drawn_samples_in_reading_order_under_the_token
     # 4000 x 3 = 12000 > 8192: the lone last sample joins the previous batch's last one
     assert groups([1000, 1000, 1000, 4000]) == [[0, 1], [2, 3]]
     assert groups([50]) == [[0]]
+
+
+def test_a_padded_batch_out_of_memory_gives_no_noise_floor_in_one_process(output, monkeypatch):
+    """One process: the samples of a padded batch that ran out of memory are judged on the tolerance alone."""
+    import dflash_prep.verify as verify_module
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(verify_module, "run_padded_batch", out_of_memory)
+    lines = []
+    report = verify(output, num_samples=3, check_shards=False, log=lines.append)
+    assert report.ok and report.noise == [] and all(r.allowed == report.tolerance for r in report.results)
+    assert any(line.startswith("verify: out of memory in the padded batch of 3 sample(s)") for line in lines)
+    assert "padded-batch" not in format_report(report)
