@@ -46,8 +46,8 @@ wrong. So verify measures each layer's rounding noise with a second, independent
 TOGETHER through the same reference model (dtype, kernels, layer mapping) as right-padded batches with their
 attention mask (`run_padded_batch`; groups in reading order of at most NOISE_FLOOR_BATCH_TOKENS = 8192 padded
 tokens, or twice the longest drawn sample; in one process a batch that runs out of memory gives its samples no
-floor, said in one line). Their real tokens are compared with the alone reference like the
-stored states are; a layer's noise floor is the worst relative error over the drawn samples. Right padding with a
+floor, said in one line). Their real tokens are compared with the alone reference like the stored states are;
+a layer's noise floor is the worst relative error over the drawn samples. Right padding with a
 mask leaves a causal decoder's real tokens unchanged (in fp32 the floor is ~2e-7 on the tiny Llama and the Qwen3.5
 Gated DeltaNet hybrid through transformers' torch path), so the floor is rounding only. A layer passes when its
 relative error is <= max(tolerance, NOISE_FLOOR_FACTOR x floor), factor 2: the extraction's batched forward and
@@ -555,8 +555,9 @@ def _compare_chosen(model, shards, ids_by_shard: dict, wanted: set, layout, laye
 
     drawn = [(shard, {j for j, sid in enumerate(ids_by_shard[shard.rel_path]) if sid in wanted}) for shard in shards]
     drawn = [(shard, positions) for shard, positions in drawn if positions]
-    padded = _PaddedBatches(model, _drawn_input_ids(drawn, wanted, layout), layer_ids, layout.capture_final, dev,
-                            skip_on_oom=_num_launched_processes() == 1, log=log) if report.noise_floor_measured else None
+    padded = None if not report.noise_floor_measured else _PaddedBatches(
+        model, _drawn_input_ids(drawn, wanted, layout), layer_ids, layout.capture_final, dev,
+        skip_on_oom=_num_launched_processes() == 1, log=log)
     unreadable: set[str] = set()
     for shard, positions in drawn:
         try:
