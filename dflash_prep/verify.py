@@ -593,8 +593,8 @@ class _PaddedBatches:
     """The padded-batch reference of the drawn samples (`run_padded_batch`), grouped in reading order under
     NOISE_FLOOR_BATCH_TOKENS padded tokens (or twice the longest sample; a lone last sample takes the previous
     group's last one: two samples always fit), each group run when its first sample is compared and dropped at the
-    next: one group's states are held at a time. Every process of a tensor-parallel
-    replica reads the same samples in the same order, so they run the same forwards in the same order."""
+    next: one group's states are held at a time. Every process of a tensor-parallel replica reads the same samples
+    in the same order, so they run the same forwards in the same order."""
 
     def __init__(self, model, samples: list[tuple[str, torch.Tensor]], layer_ids: list[int], capture_final: str,
                  device: torch.device, skip_on_oom: bool = False, log=print):
