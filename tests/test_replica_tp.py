@@ -111,6 +111,10 @@ def test_verify_launched_as_the_replica_computes_its_reference_tensor_parallel(t
     # fp32, the same sharded computation as the extraction: only batching differs
     assert max(w["relative_error"] for w in report["worst_by_layer"].values()) < 1e-4
     assert report["integrity_problems"] == []
+    # the padded-batch reference ran on the replica too (every process, the same forwards): fp32, right padding
+    floors = report["noise_floor"]["by_layer"]
+    assert set(floors) == set(report["worst_by_layer"]) and all(f["num_samples"] == 6 for f in floors.values())
+    assert max(f["relative_error"] for f in floors.values()) < 1e-4
     one = subprocess.run([sys.executable, "-m", "dflash_prep.cli", "verify", str(tp_out), "--num-samples", "6",
                           "--json"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert json.loads(one.stdout)["reference"] == "one device"

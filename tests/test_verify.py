@@ -1,9 +1,11 @@
 """`dflash-prep verify`: passes on a fresh output (errors at the level of bf16 rounding), fails naming the sample
 and the layer when one stored value is altered and the shard hash updated (so only the value check can catch
 it), fails on a shard whose hash is wrong, refuses another model, and draws its samples with the printed seed.
+Its noise floor (padded batch vs alone, per layer) is what plain transformers gives, widens a layer's bound to 2x
+that floor only without --tolerance, and is skipped with --no-noise-floor.
 
-One small extraction (bf16 storage, fp32 compute, final layer after the norm) is shared by the module; each
-corruption works on its own copy.
+Two small extractions (bf16 storage, fp32 or bf16 compute, final layer after the norm) are shared by the module;
+each corruption works on its own copy.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_prep.verify import STORAGE_TOLERANCE, choose_samples, main, verify
+from dflash_prep.verify import (NOISE_FLOOR_CAP, NOISE_FLOOR_FACTOR, STORAGE_TOLERANCE, LayerResult, NoiseResult,
+                                 VerifyReport, allowed_error, choose_samples, format_report, judge, main, verify)
 
 NUM_ROWS = 12
 BASE = [f"data.max_samples={NUM_ROWS}", "data.max_length=192", "batching.max_tokens_per_batch=1024",
@@ -31,6 +34,17 @@ def output(tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("verify") / "out"
     run_extraction(load_recipe(None, [f"output.dir={out}", *BASE]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def bf16_output(tmp_path_factory) -> Path:
+    """The same rows computed in bfloat16: batched and alone forwards round differently (a noise floor > 0)."""
+    from dflash_prep.extract import run_extraction
+    from dflash_prep.recipe import load_recipe
+
+    out = tmp_path_factory.mktemp("verify-bf16") / "out"
+    run_extraction(load_recipe(None, [f"output.dir={out}", "model.dtype=bfloat16", *BASE]))
     return out
 
 
@@ -55,11 +69,10 @@ def test_fresh_output_passes_with_bf16_rounding_errors(output, capsys):
     assert "verify: OK" in capsys.readouterr().out
 
 
-def _alter_one_value(out: Path, sample_id: str, slot: int, token: int, column: int, factor: float) -> tuple:
-    """Add `factor` x (max |value| of that layer of that sample) to one stored bf16 value, in place in its shard,
-    and update the manifest's sha256 so that only a value check can see it. Returns (old, new) values."""
+def _rewrite_states(out: Path, sample_id: str, change) -> None:
+    """Apply `change(states [T, k*H] bf16)` in place to one sample's stored states in its shard, and update the
+    manifest's sha256 so that only a value check can see it."""
     manifest = json.loads((out / "manifest.json").read_text())
-    H = manifest["hidden_size"]
     for entry in manifest["shards"]:
         path = out / entry["path"]
         with tarfile.open(path, "r:") as tar:
@@ -74,16 +87,29 @@ def _alter_one_value(out: Path, sample_id: str, slot: int, token: int, column: i
         T, W = info["shape"]
         base = start + 8 + n + info["data_offsets"][0]
         states = torch.frombuffer(bytearray(data[base:base + T * W * 2]), dtype=torch.bfloat16).view(T, W)
-        layer_max = float(states[:, slot * H:(slot + 1) * H].float().abs().max())
-        old = states[token, slot * H + column].clone()
-        new = (old.float() + factor * layer_max).to(torch.bfloat16)
-        at = base + (token * W + slot * H + column) * 2
-        data[at:at + 2] = new.reshape(1).view(torch.uint8).numpy().tobytes()
+        change(states)
+        data[base:base + T * W * 2] = states.view(torch.uint8).numpy().tobytes()
         path.write_bytes(bytes(data))
         entry["sha256"] = _sha256(path)
         (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
-        return float(old), float(new)
+        return
     raise AssertionError(f"sample {sample_id} not found")
+
+
+def _alter_one_value(out: Path, sample_id: str, slot: int, token: int, column: int, factor: float) -> tuple:
+    """Add `factor` x (max |value| of that layer of that sample) to one stored bf16 value (see `_rewrite_states`).
+    Returns (old, new) values."""
+    H = json.loads((out / "manifest.json").read_text())["hidden_size"]
+    values = []
+
+    def change(states):
+        layer_max = float(states[:, slot * H:(slot + 1) * H].float().abs().max())
+        old = states[token, slot * H + column].clone()
+        states[token, slot * H + column] = (old.float() + factor * layer_max).to(torch.bfloat16)
+        values.extend([float(old), float(states[token, slot * H + column])])
+
+    _rewrite_states(out, sample_id, change)
+    return tuple(values)
 
 
 def test_one_altered_value_fails_naming_the_sample_and_the_layer(copy, capsys):
@@ -233,3 +259,205 @@ def test_the_reference_applies_the_kernels_the_extraction_applied():
     assert _reference_kernels(recipe, config, cuda, tensor_parallel).requested == "eager"
     assert _reference_kernels(recipe, config, cuda, None).requested == "auto"  # no record: chosen as then
     assert _reference_kernels(recipe, config, torch.device("cpu"), tensor_parallel).requested == "auto"  # eager on CPU
+
+
+# ------------------------------------------------------------------------------------- noise floor (padded batch)
+def _padded_vs_alone_by_layer(out: Path) -> dict[str, float]:
+    """Worst relative error per layer (max abs difference / max |alone|) of every sample's states in ONE
+    right-padded batch with its attention mask vs run alone: plain transformers on the output's model."""
+    import io
+
+    import numpy as np
+    from conftest import raw_records
+    from dflash_prep.model import load_config, load_model
+    from dflash_prep.recipe import load_recipe
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    recipe = load_recipe(out / "recipe.resolved.yaml")
+    decoder = load_model(recipe.model, load_config(recipe.model), torch.device("cpu")).model
+    records = raw_records(out)
+    ids = [torch.from_numpy(np.load(io.BytesIO(records[k]["input_ids.npy"])).astype(np.int64)) for k in sorted(records)]
+    T = max(len(x) for x in ids)
+    batch, mask = torch.zeros(len(ids), T, dtype=torch.int64), torch.zeros(len(ids), T, dtype=torch.int64)
+    for b, x in enumerate(ids):
+        batch[b, :len(x)], mask[b, :len(x)] = x, 1
+    names = {str(i): i + 1 for i in manifest["layer_ids"]} | {"final (after_norm)": -1}
+    worst = dict.fromkeys(names, 0.0)
+    with torch.inference_mode():
+        padded = decoder(input_ids=batch, attention_mask=mask, use_cache=False, output_hidden_states=True).hidden_states
+        for b, x in enumerate(ids):
+            alone = decoder(input_ids=x[None], use_cache=False, output_hidden_states=True).hidden_states
+            for name, k in names.items():
+                ref = alone[k][0].float()
+                diff = float((padded[k][b, :len(x)].float() - ref).abs().max() / ref.abs().max())
+                worst[name] = max(worst[name], diff)
+    return worst
+
+
+def test_the_noise_floor_is_the_padded_batch_vs_alone_difference_per_layer(output, bf16_output, capsys):
+    """A correct output passes and reports, per layer, the worst padded-batch vs alone relative error: what plain
+    transformers gives (fp32: equal up to kernel noise, right padding changes no real token; bf16: rounding > 0)."""
+    for out, compute in ((output, "float32"), (bf16_output, "bfloat16")):
+        report = verify(out, num_samples=NUM_ROWS, check_shards=False, log=_quiet)
+        assert report.ok and report.compute_dtype == compute
+        floors = {layer: f["relative_error"] for layer, f in report.noise_floor_by_layer().items()}
+        expected = _padded_vs_alone_by_layer(out)
+        assert floors == pytest.approx(expected, rel=1e-3, abs=1e-9)
+        assert all(f["num_samples"] == NUM_ROWS for f in report.noise_floor_by_layer().values())
+        if compute == "float32":
+            assert max(floors.values()) < 1e-5
+        else:
+            assert max(floors.values()) > 1e-3  # measured > 0: batched and alone bf16 forwards round differently
+        worst = report.to_json()["worst_by_layer"]
+        assert set(worst) == {"1", "3", "5", "final (after_norm)"}
+        for layer, w in worst.items():
+            assert w["noise_floor_relative_error"] == floors[layer] >= 0
+            assert w["allowed_relative_error"] == max(report.tolerance, 2 * floors[layer])
+    assert main([str(bf16_output), "--num-samples", "3", "--skip-hash", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["noise_floor"]["measured"] and data["noise_floor"]["widen"] and data["noise_floor"]["factor"] == 2
+    assert set(data["noise_floor"]["by_layer"]) == {"1", "3", "5", "final (after_norm)"}
+    assert all(r["allowed"] >= data["tolerance"] and r["verdict"] == "pass" for r in data["results"])
+    assert main([str(bf16_output), "--num-samples", "3", "--skip-hash"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("layer ")]
+    assert len(lines) == 4 and all("; padded-batch vs alone (rounding noise) relative " in line
+                                   and " -> allowed 0.104 (worst over 3 sample(s))" in line for line in lines)
+
+
+def test_one_layer_of_one_sample_scaled_by_1_3_fails_with_the_noise_floor_on(bf16_output, tmp_path, capsys):
+    import shutil
+
+    copy = tmp_path / "scaled"
+    shutil.copytree(bf16_output, copy)
+    H = json.loads((copy / "manifest.json").read_text())["hidden_size"]
+    sample_id = "0000000004"
+
+    def scale_layer_5(states):
+        states[:, 2 * H:3 * H] = (states[:, 2 * H:3 * H].float() * 1.3).to(torch.bfloat16)
+
+    _rewrite_states(copy, sample_id, scale_layer_5)
+    assert main([str(copy), "--num-samples", str(NUM_ROWS)]) == 1
+    out = capsys.readouterr().out
+    fails = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert len(fails) == 1 and fails[0].startswith(f"FAIL sample {sample_id} layer 5:"), out
+    assert fails[0].endswith("> tolerance 0.104")  # the floor (< 0.052 here) does not widen it
+    report = verify(copy, num_samples=NUM_ROWS, check_shards=False, log=_quiet)
+    assert [(r.sample_id, r.layer, r.verdict) for r in report.failures] == [(sample_id, "5", "fail")]
+    assert report.failures[0].relative_error == pytest.approx(0.3, abs=0.02)
+
+
+def test_the_bound_is_the_tolerance_or_twice_the_noise_floor_under_a_cap():
+    """Numbers chosen here: relative 0.15 against the bf16 tolerance 0.104."""
+    assert (NOISE_FLOOR_FACTOR, NOISE_FLOOR_CAP) == (2.0, 0.5)
+    assert judge(0.15, 0.104, 0.1) == "pass" and allowed_error(0.104, 0.1) == (pytest.approx(0.2), True)
+    assert judge(0.15, 0.104, 0.05) == "fail" and allowed_error(0.104, 0.05) == (0.104, True)
+    assert judge(0.15, 0.104, 0.6) == "inconclusive" and allowed_error(0.104, 0.6) == (0.104, False)
+    assert judge(0.1, 0.104, 0.6) == "pass"  # within the fixed tolerance whatever the floor
+    assert judge(0.15, 0.104, float("nan")) == "inconclusive"  # a broken padded reference widens nothing
+    assert judge(0.15, 0.104, 0.1, widen=False) == "fail" and judge(0.15, 0.104, None) == "fail"
+    assert judge(float("nan"), 0.104, 0.1) == "fail" and judge(float("nan"), 0.104, 0.6) == "fail"
+
+
+def _report(floor_by_layer: dict[str, float], errors: dict[str, float], widen: bool = True) -> VerifyReport:
+    report = VerifyReport("OUT", "bfloat16", "bfloat16", 0.104, 0, ["s1"], widen=widen)
+    for layer, rel in errors.items():
+        report.results.append(LayerResult("s1", layer, 10, rel * 100, 100.0, rel, rel / 2, 3, ok=True))
+        report.noise.append(NoiseResult("s1", layer, floor_by_layer[layer], floor_by_layer[layer] / 2))
+    report.judge()
+    return report
+
+
+def test_the_report_names_the_bound_each_layer_failed_and_notes_amplified_rounding():
+    report = _report({"1": 0.01, "39": 0.1, "76": 0.17, "79": 0.6}, {"1": 0.011, "39": 0.25, "76": 0.176, "79": 0.2})
+    assert [(r.layer, r.verdict) for r in report.results] == [("1", "pass"), ("39", "fail"), ("76", "pass"),
+                                                              ("79", "inconclusive")]
+    text = format_report(report)
+    assert "layer                 76: max abs error 17.6, relative 0.176, rel L2 0.088; padded-batch vs alone " \
+           "(rounding noise) relative 0.17 -> allowed 0.34 (worst over 1 sample(s))" in text
+    assert "layer                 79: max abs error 20, relative 0.2, rel L2 0.1; padded-batch vs alone " \
+           "(rounding noise) relative 0.6 -> allowed 0.104 (noise above 0.5: not used)" in text
+    notes = [line for line in text.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "at layer(s) 76" in notes[0] and "2 x the measured noise" in notes[0]
+    fails = [line for line in text.splitlines() if line.startswith("FAIL")]
+    assert fails[0].startswith("FAIL sample s1 layer 39:") and fails[0].endswith(
+        "> allowed 0.2 (2 x the rounding noise 0.1 at this layer)")
+    assert fails[1].startswith("FAIL sample s1 layer 79:") and fails[1].endswith(
+        "> tolerance 0.104; inconclusive: the model's rounding noise at this depth is 0.6 (padded batch vs alone, "
+        "above 0.5: not used)")
+    assert "verify: FAILED" in text and "2 layer result(s) out of tolerance (1 inconclusive)" in text
+    assert not _report({"76": 0.17}, {"76": 0.176}, widen=False).ok
+
+
+def _layer_3_floor_and_tampered_copy(bf16_output: Path, dest: Path) -> tuple[float, str]:
+    """(layer 3's measured noise floor f, sample id) after adding 1.4 f x the layer's max |value| to one stored value
+    of layer 3 of that sample in a copy: an error above 1.1 f that 2 f covers."""
+    import shutil
+
+    floor = verify(bf16_output, num_samples=NUM_ROWS, check_shards=False, log=_quiet).noise_floor_by_layer()
+    f = floor["3"]["relative_error"]
+    shutil.copytree(bf16_output, dest)
+    sample_id = "0000000005"
+    _alter_one_value(dest, sample_id, slot=1, token=7, column=11, factor=1.4 * f)
+    return f, sample_id
+
+
+def test_the_noise_floor_widens_the_bound_only_without_a_given_tolerance(bf16_output, tmp_path, capsys):
+    """An error of 1.4x the measured floor: with a tolerance of 1.1x the floor, widening to 2x the floor passes it;
+    `--tolerance` (no widening) and a run without widening fail it."""
+    f, sample_id = _layer_3_floor_and_tampered_copy(bf16_output, tmp_path / "tampered")
+    tol = 1.1 * f
+    widened = verify(tmp_path / "tampered", num_samples=NUM_ROWS, check_shards=False, log=_quiet, tolerance=tol,
+                     widen=True)
+    tampered = next(r for r in widened.results if (r.sample_id, r.layer) == (sample_id, "3"))
+    assert tol < tampered.relative_error <= NOISE_FLOOR_FACTOR * f and tampered.ok
+    assert tampered.allowed == pytest.approx(2 * f)
+    fixed = verify(tmp_path / "tampered", num_samples=NUM_ROWS, check_shards=False, log=_quiet, tolerance=tol)
+    assert not fixed.widen and (sample_id, "3") in [(r.sample_id, r.layer) for r in fixed.failures]
+    assert all(r.allowed == tol and r.ok == (r.relative_error <= tol) for r in fixed.results)
+    assert main([str(tmp_path / "tampered"), "--num-samples", str(NUM_ROWS), "--skip-hash",
+                 "--tolerance", repr(tol)]) == 1
+    out = capsys.readouterr().out
+    assert f"FAIL sample {sample_id} layer 3:" in out and f"> tolerance {tol:.3g}" in out
+    assert "(--tolerance: not widened)" in out and "(not widened)" in out.splitlines()[-1]
+
+
+def test_no_noise_floor_runs_no_padded_batch_reference(bf16_output, capsys):
+    report = verify(bf16_output, num_samples=3, check_shards=False, log=_quiet, noise_floor=False)
+    assert report.ok and report.noise == [] and not report.noise_floor_measured and not report.widen
+    assert all(r.allowed == report.tolerance for r in report.results)
+    assert main([str(bf16_output), "--num-samples", "3", "--skip-hash", "--no-noise-floor"]) == 0
+    out = capsys.readouterr().out
+    assert "no noise floor (--no-noise-floor): the fixed tolerance only" in out and "padded-batch" not in out
+    assert "tolerance 0.104 (no noise floor)" in out.splitlines()[-1]
+
+
+def test_padded_batches_group_the_drawn_samples_in_reading_order_under_the_token_cap():
+    from dflash_prep.verify import NOISE_FLOOR_BATCH_TOKENS, _PaddedBatches
+
+    def groups(lengths):
+        samples = [(f"s{i}", torch.zeros(n, dtype=torch.int64)) for i, n in enumerate(lengths)]
+        batches = _PaddedBatches(None, samples, [1], "none", torch.device("cpu"))
+        return [[int(sid[1:]) for sid, _ in group] for group in batches.groups]
+
+    assert NOISE_FLOOR_BATCH_TOKENS == 8192
+    assert groups([100] * 8) == [list(range(8))]  # 800 padded tokens: one batch
+    # cap max(8192, 2 x 5000): [5000, 3000] (10000), then 3000, 100, 100 (9000); reading order kept
+    assert groups([5000, 3000, 3000, 100, 100]) == [[0, 1], [2, 3, 4]]
+    # 4000 x 3 = 12000 > 8192: the lone last sample joins the previous batch's last one
+    assert groups([1000, 1000, 1000, 4000]) == [[0, 1], [2, 3]]
+    assert groups([50]) == [[0]]
+
+
+def test_a_padded_batch_out_of_memory_gives_no_noise_floor_in_one_process(output, monkeypatch):
+    """One process: the samples of a padded batch that ran out of memory are judged on the tolerance alone."""
+    import dflash_prep.verify as verify_module
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(verify_module, "run_padded_batch", out_of_memory)
+    lines = []
+    report = verify(output, num_samples=3, check_shards=False, log=lines.append)
+    assert report.ok and report.noise == [] and all(r.allowed == report.tolerance for r in report.results)
+    assert any(line.startswith("verify: out of memory in the padded batch of 3 sample(s)") for line in lines)
+    assert "padded-batch" not in format_report(report)
