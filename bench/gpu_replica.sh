@@ -114,10 +114,10 @@ C70=(--set "model.config=$WORK/configs/70b.json" --set model.gpus_per_replica=2 
 if step 70b-tp 200 "${LAUNCH[@]}" "${TWO_PROCS[@]}" extract.py "${COMMON[@]}" "${C70[@]}" \
     --set "output.dir=$WORK/out-70b-tp"; then
   # the reference computed as the extraction ran: the same tensor-parallel replica of 2 processes
-  step verify-70b-tp 150 "${LAUNCH[@]}" "${TWO_PROCS[@]}" -m dflash_prep.cli verify "$WORK/out-70b-tp" \
+  step verify-70b-tp 200 "${LAUNCH[@]}" "${TWO_PROCS[@]}" -m dflash_prep.cli verify "$WORK/out-70b-tp" \
       --num-samples 8 --seed 0 --skip-hash
   # and, for comparison, one process (the reference split by layers over the GPUs: whole GEMMs)
-  step verify-70b-tp-one-process 120 python3 -m dflash_prep.cli verify "$WORK/out-70b-tp" --num-samples 8 --seed 0
+  step verify-70b-tp-one-process 170 python3 -m dflash_prep.cli verify "$WORK/out-70b-tp" --num-samples 8 --seed 0
   keep_summary "$WORK/out-70b-tp" 70b-tp
 else
   keep_summary "$WORK/out-70b-tp" 70b-tp
