@@ -45,10 +45,11 @@ every sample reached relative L2 0.098 at layer 39 and 0.154 at layer 76 (relati
 wrong. So verify measures each layer's rounding noise with a second, independent reference: the drawn samples run
 TOGETHER through the same reference model (dtype, kernels, layer mapping) as right-padded batches with their
 attention mask (`run_padded_batch`; groups in reading order of at most NOISE_FLOOR_BATCH_TOKENS = 8192 padded
-tokens, or twice the longest drawn sample; in one process a batch that runs out of memory gives its samples no
-floor, said in one line). Their real tokens are compared with the alone reference like the stored states are;
-a layer's noise floor is the worst relative error over the drawn samples. Right padding with a
-mask leaves a causal decoder's real tokens unchanged (in fp32 the floor is ~2e-7 on the tiny Llama and the Qwen3.5
+tokens, or twice the longest drawn sample; a sample alone in its group, as with `--num-samples 1`, runs with a
+filler row of its own tokens 1.25x as long, `filler_row`, since a batch of one is the run alone itself; in one
+process a batch that runs out of memory gives its samples no floor, said in one line). Their real tokens are
+compared with the alone reference like the stored states are; a layer's noise floor is the worst relative error
+over the drawn samples. Right padding with a mask leaves a causal decoder's real tokens unchanged (in fp32 the floor is ~2e-7 on the tiny Llama and the Qwen3.5
 Gated DeltaNet hybrid through transformers' torch path), so the floor is rounding only. A layer passes when its
 relative error is <= max(tolerance, NOISE_FLOOR_FACTOR x floor), factor 2: the extraction's batched forward and
 the padded-batch reference differ from the alone forward by rounding of the same kind and size. A floor above
@@ -102,7 +103,8 @@ NOISE_FLOOR_FACTOR = 2.0
 NOISE_FLOOR_CAP = 0.5
 # Padded tokens (rows x longest row) of one padded-batch forward at most, or twice the longest drawn sample when that
 # is more (so any two samples share a batch): `output_hidden_states=True` keeps every layer's [B, T, H] states, so
-# a batch costs at most twice the memory of the longest sample's run alone.
+# a batch costs at most twice the memory of the longest sample's run alone (2.5x for a lone sample and its filler
+# row, `filler_row`).
 NOISE_FLOOR_BATCH_TOKENS = 8192
 
 
@@ -592,7 +594,7 @@ def _drawn_input_ids(drawn: list, wanted: set, layout) -> list[tuple[str, torch.
 class _PaddedBatches:
     """The padded-batch reference of the drawn samples (`run_padded_batch`), grouped in reading order under
     NOISE_FLOOR_BATCH_TOKENS padded tokens (or twice the longest sample; a lone last sample takes the previous
-    group's last one: two samples always fit), each group run when its first sample is compared and dropped at the
+    group's last one: two samples always fit; a group of one runs with a `filler_row`), each group run when its first sample is compared and dropped at the
     next: one group's states are held at a time. Every process of a tensor-parallel replica reads the same samples
     in the same order, so they run the same forwards in the same order."""
 
@@ -623,9 +625,11 @@ class _PaddedBatches:
             self._states = {}  # free the previous group before the next forward
             group = self.groups[g]
             self._current = g
+            rows = [ids for _, ids in group]
+            if len(rows) == 1:  # a batch of one IS the run alone (no noise measured): give it a second row
+                rows.append(filler_row(rows[0]))
             try:
-                batch = run_padded_batch(self.model, [ids for _, ids in group], self.layer_ids, self.capture_final,
-                                         self.device)
+                batch = run_padded_batch(self.model, rows, self.layer_ids, self.capture_final, self.device)
             except torch.OutOfMemoryError:
                 if not self.skip_on_oom:  # a replica's other processes may be past this forward: stop as before
                     raise
@@ -634,6 +638,16 @@ class _PaddedBatches:
                 return None
             self._states = {sid: states for (sid, _), states in zip(group, batch)}
         return self._states.get(sample_id)
+
+
+def filler_row(input_ids_T: torch.Tensor) -> torch.Tensor:
+    """The second row of a padded batch whose group holds one sample: the sample's own tokens repeated to
+    T + max(1, T // 4) tokens (int64 [T']), so the sample runs with a batch of two and right padding (at least one
+    padded token, up to a quarter of its length: the extraction's `length_growth: 1.25` buckets pad that much);
+    the filler's states are not used. Without it the padded batch of a lone sample (`--num-samples 1`, an output of
+    one sample) is the very forward of its run alone and its noise floor is 0."""
+    T = int(input_ids_T.shape[0])
+    return input_ids_T.repeat(2)[:T + max(1, T // 4)]
 
 
 def _compare_shard(model, shard, positions: set, wanted: set, layout, layer_ids: list[int], dev: torch.device,

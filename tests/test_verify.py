@@ -461,3 +461,42 @@ def test_a_padded_batch_out_of_memory_gives_no_noise_floor_in_one_process(output
     assert report.ok and report.noise == [] and all(r.allowed == report.tolerance for r in report.results)
     assert any(line.startswith("verify: out of memory in the padded batch of 3 sample(s)") for line in lines)
     assert "padded-batch" not in format_report(report)
+
+
+def _lone_padded_vs_alone_by_layer(out: Path, sample_id: str) -> dict[str, float]:
+    """Relative error per layer of one sample's states in a right-padded batch of two rows (the sample; its own
+    tokens repeated to T + max(1, T // 4), the documented filler) vs run alone: plain transformers."""
+    import io
+
+    import numpy as np
+    from conftest import raw_records
+    from dflash_prep.model import load_config, load_model
+    from dflash_prep.recipe import load_recipe
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    recipe = load_recipe(out / "recipe.resolved.yaml")
+    decoder = load_model(recipe.model, load_config(recipe.model), torch.device("cpu")).model
+    x = torch.from_numpy(np.load(io.BytesIO(raw_records(out)[sample_id]["input_ids.npy"])).astype(np.int64))
+    T = len(x)
+    filler = torch.cat([x, x])[:T + max(1, T // 4)]
+    batch, mask = torch.zeros(2, len(filler), dtype=torch.int64), torch.zeros(2, len(filler), dtype=torch.int64)
+    batch[0, :T], mask[0, :T], batch[1], mask[1] = x, 1, filler, 1
+    names = {str(i): i + 1 for i in manifest["layer_ids"]} | {"final (after_norm)": -1}
+    with torch.inference_mode():
+        padded = decoder(input_ids=batch, attention_mask=mask, use_cache=False, output_hidden_states=True).hidden_states
+        alone = decoder(input_ids=x[None], use_cache=False, output_hidden_states=True).hidden_states
+    return {name: float((padded[k][0, :T].float() - alone[k][0].float()).abs().max() / alone[k][0].float().abs().max())
+            for name, k in names.items()}
+
+
+def test_a_lone_drawn_sample_measures_its_noise_in_a_batch_of_two(bf16_output):
+    """--num-samples 1 (or an output of one sample): a padded batch of that sample alone is its run alone, whose
+    noise is 0 by construction; a filler row makes it a real padded batch, and the floor is what plain transformers
+    gives for the sample in that batch (seed 0 draws a sample whose bf16 rounding differs there)."""
+    report = verify(bf16_output, num_samples=1, seed=0, check_shards=False, log=_quiet)
+    (sample_id,) = report.sample_ids
+    expected = _lone_padded_vs_alone_by_layer(bf16_output, sample_id)
+    assert max(expected.values()) > 1e-4  # a batch of two rounds differently from the run alone here
+    floors = report.noise_floor_by_layer()
+    assert {layer: f["relative_error"] for layer, f in floors.items()} == pytest.approx(expected, rel=1e-3, abs=1e-9)
+    assert all(f["num_samples"] == 1 for f in floors.values()) and report.ok
