@@ -768,6 +768,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_samples < 1:
         print("error: --num-samples must be >= 1", file=sys.stderr)
         return 2
+    if args.tolerance is not None and not 0 <= args.tolerance < float("inf"):  # NaN too: it would fail every layer
+        print(f"error: --tolerance must be a finite number >= 0 (a relative error), got {args.tolerance}",
+              file=sys.stderr)
+        return 2
     import transformers
 
     transformers.logging.set_verbosity_error()  # no kernel-fallback notices on the console

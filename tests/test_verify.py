@@ -500,3 +500,12 @@ def test_a_lone_drawn_sample_measures_its_noise_in_a_batch_of_two(bf16_output):
     floors = report.noise_floor_by_layer()
     assert {layer: f["relative_error"] for layer, f in floors.items()} == pytest.approx(expected, rel=1e-3, abs=1e-9)
     assert all(f["num_samples"] == 1 for f in floors.values()) and report.ok
+
+
+def test_a_tolerance_that_is_negative_nan_or_infinite_is_refused(output, capsys):
+    """-0.1 or nan would fail every layer of a correct output, inf would pass any: bad input, exit code 2, one
+    line, before the model loads."""
+    for value in ("-0.1", "nan", "inf"):
+        assert main([str(output), "--num-samples", "1", "--skip-hash", "--tolerance", value]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --tolerance must be a finite number >= 0") and err.count("\n") == 1, err
