@@ -564,7 +564,7 @@ def _compare_chosen(model, shards, ids_by_shard: dict, wanted: set, layout, laye
     for shard, positions in drawn:
         try:
             _compare_shard(model, shard, positions, wanted, layout, layer_ids, dev, tol, report, padded)
-        except ShardFormatError as e:  # a damaged shard is a failed check, named, not a traceback
+        except (ShardFormatError, OSError) as e:  # a damaged or missing shard is a failed check, named
             report.integrity_problems.append(f"{shard.rel_path}: its drawn samples cannot be read ({e})")
             log(f"FAIL {report.integrity_problems[-1]}")
             unreadable |= {ids_by_shard[shard.rel_path][j] for j in positions}
@@ -576,7 +576,8 @@ def _compare_chosen(model, shards, ids_by_shard: dict, wanted: set, layout, laye
 
 def _drawn_input_ids(drawn: list, wanted: set, layout) -> list[tuple[str, torch.Tensor]]:
     """(sample id, input_ids [T]) of the drawn samples in reading order (the order `_compare_shard` meets them);
-    a shard that cannot be read gives none (its samples get no noise floor; the compare pass names the shard)."""
+    a shard that cannot be read or is missing gives none (its samples get no noise floor; the compare pass names
+    the shard)."""
     from .reader import ShardFormatError, iter_shard
 
     out: list[tuple[str, torch.Tensor]] = []
@@ -585,7 +586,7 @@ def _drawn_input_ids(drawn: list, wanted: set, layout) -> list[tuple[str, torch.
             found = [(sample["sample_id"], sample["input_ids"]) for sample in iter_shard(
                 shard, layout, wanted=lambda j, p=positions: j in p, check_tokens=False, fp8="raw",
                 verify_sha256=False)]
-        except ShardFormatError:
+        except (ShardFormatError, OSError):  # damaged or missing: the compare pass names it
             continue
         out += [(sid, ids) for sid, ids in found if sid in wanted]
     return out

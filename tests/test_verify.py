@@ -509,3 +509,19 @@ def test_a_tolerance_that_is_negative_nan_or_infinite_is_refused(output, capsys)
         assert main([str(output), "--num-samples", "1", "--skip-hash", "--tolerance", value]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: --tolerance must be a finite number >= 0") and err.count("\n") == 1, err
+
+
+def test_a_missing_shard_fails_naming_it_without_a_traceback(copy, capsys):
+    """A shard file deleted after the extraction: with or without --skip-hash, exit code 1 naming the shard (its
+    drawn samples cannot be read), with the noise floor on or off; the other shards' samples are still checked."""
+    manifest = json.loads((copy / "manifest.json").read_text())
+    missing = manifest["shards"][0]["path"]
+    (copy / missing).unlink()
+    for extra in (["--skip-hash"], ["--skip-hash", "--no-noise-floor"], []):
+        assert main([str(copy), "--num-samples", str(NUM_ROWS), *extra]) == 1
+        out = capsys.readouterr().out
+        assert f"FAIL {missing}: its drawn samples cannot be read" in out, out
+        assert "verify: FAILED" in out.splitlines()[-1]
+    report = verify(copy, num_samples=NUM_ROWS, check_shards=False, log=_quiet)
+    checked = {r.sample_id for r in report.results}
+    assert len(checked) == NUM_ROWS - manifest["shards"][0]["num_samples"] and report.failures == []
