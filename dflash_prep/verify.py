@@ -70,7 +70,8 @@ and prints the report.
 
 Exit codes: 0 every check passed; 1 a check failed (each failure printed as `FAIL ...`, naming the shard, or the
 sample, the layer and the bound it exceeded; an inconclusive layer too); 2 the output cannot be verified (no
-manifest, no recipe, model or tokenizer fingerprint differs, device mismatch for random weights).
+manifest, no recipe, model or tokenizer fingerprint differs, device mismatch for random weights, a
+`--tolerance` that is not a finite number >= 0).
 """
 
 from __future__ import annotations
