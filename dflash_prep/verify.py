@@ -744,6 +744,19 @@ def _bound(report: VerifyReport, r: LayerResult, floor: dict | None) -> str:
 
 
 # --------------------------------------------------------------------------------------------------- CLI
+def _finite_or_null(value):
+    """`value` (nested dicts and lists of the report) with every NaN or infinite float as None: `--json` stays
+    strict JSON (json.dumps would write NaN / Infinity, which JSON parsers other than Python's reject); a null
+    error is a non-finite stored value (its verdict says "fail")."""
+    if isinstance(value, float) and value - value != 0:  # NaN, inf, -inf
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
+    return value
+
+
 def build_parser(prog: str = "dflash-prep verify") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Check an output's manifest and shard hashes, then re-run "
                                                        "random samples alone through the model and compare.")
@@ -786,7 +799,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot verify: {e}", file=sys.stderr)
         return 2
     if report.is_main_process:
-        print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report))
+        print(json.dumps(_finite_or_null(report.to_json()), indent=2, allow_nan=False) if args.json
+              else format_report(report))
     return 0 if report.ok else 1
 
 

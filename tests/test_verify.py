@@ -525,3 +525,24 @@ def test_a_missing_shard_fails_naming_it_without_a_traceback(copy, capsys):
     report = verify(copy, num_samples=NUM_ROWS, check_shards=False, log=_quiet)
     checked = {r.sample_id for r in report.results}
     assert len(checked) == NUM_ROWS - manifest["shards"][0]["num_samples"] and report.failures == []
+
+
+def test_json_stays_strict_when_a_stored_value_is_not_finite(copy, capsys):
+    """A stored Inf and NaN (hash updated): exit code 1 naming both layers, and `--json` is strict JSON (no NaN /
+    Infinity literals, which other parsers reject): their errors are null, their verdicts "fail"."""
+    sample_id = "0000000004"
+
+    def not_finite(states):
+        states[3, 5] = float("inf")
+        states[4, states.shape[1] - 1] = float("nan")
+
+    _rewrite_states(copy, sample_id, not_finite)
+    assert main([str(copy), "--num-samples", str(NUM_ROWS), "--skip-hash", "--json"]) == 1
+
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    data = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    assert [(f["sample_id"], f["layer"], f["relative_error"], f["verdict"]) for f in data["failures"]] == [
+        (sample_id, "1", None, "fail"), (sample_id, "5", None, "fail")]  # column 5 of layer 1, the last of 5
+    assert data["worst_by_layer"]["1"]["relative_error"] is None and not data["ok"]
