@@ -49,10 +49,10 @@ tokens, or twice the longest drawn sample; a sample alone in its group, as with 
 filler row of its own tokens 1.25x as long, `filler_row`, since a batch of one is the run alone itself; in one
 process a batch that runs out of memory gives its samples no floor, said in one line). Their real tokens are
 compared with the alone reference like the stored states are; a layer's noise floor is the worst relative error
-over the drawn samples. Right padding with a mask leaves a causal decoder's real tokens unchanged (in fp32 the floor is ~2e-7 on the tiny Llama and the Qwen3.5
-Gated DeltaNet hybrid through transformers' torch path), so the floor is rounding only. A layer passes when its
-relative error is <= max(tolerance, NOISE_FLOOR_FACTOR x floor), factor 2: the extraction's batched forward and
-the padded-batch reference differ from the alone forward by rounding of the same kind and size. A floor above
+over the drawn samples. Right padding with a mask leaves a causal decoder's real tokens unchanged (in fp32 the
+floor is ~2e-7 on the tiny Llama and the Qwen3.5 Gated DeltaNet hybrid through transformers' torch path), so the
+floor is rounding only. A layer passes when its relative error is <= max(tolerance, NOISE_FLOOR_FACTOR x floor),
+factor 2: the extraction's batched forward and the padded-batch reference differ from the alone forward by rounding of the same kind and size. A floor above
 NOISE_FLOOR_CAP = 0.5 is not used (a reference that far off is more likely broken than noisy, and twice it would
 pass nearly anything): such a layer passes only within the tolerance, and above it is reported inconclusive ("the
 model's rounding noise at this depth is X"), a failure (exit code 1). `--tolerance` is used as given (the floor is
@@ -596,9 +596,10 @@ def _drawn_input_ids(drawn: list, wanted: set, layout) -> list[tuple[str, torch.
 class _PaddedBatches:
     """The padded-batch reference of the drawn samples (`run_padded_batch`), grouped in reading order under
     NOISE_FLOOR_BATCH_TOKENS padded tokens (or twice the longest sample; a lone last sample takes the previous
-    group's last one: two samples always fit; a group of one runs with a `filler_row`), each group run when its first sample is compared and dropped at the
-    next: one group's states are held at a time. Every process of a tensor-parallel replica reads the same samples
-    in the same order, so they run the same forwards in the same order."""
+    group's last one: two samples always fit; a group of one runs with a `filler_row`), each group run when its
+    first sample is compared and dropped at the next: one group's states are held at a time. Every process of a
+    tensor-parallel replica reads the same samples in the same order, so they run the same forwards in the same
+    order."""
 
     def __init__(self, model, samples: list[tuple[str, torch.Tensor]], layer_ids: list[int], capture_final: str,
                  device: torch.device, skip_on_oom: bool = False, log=print):
