@@ -10,8 +10,8 @@
    (batch of one, no padding, the whole base decoder with `use_cache=False`) in the recipe's compute dtype, with
    the fused kernels the recipe's `model.kernels` selects on this device (as the extraction does: kernels.py; a
    named list that cannot run here falls back to eager; `--set model.kernels=eager` compares with transformers'
-   own forward), and compared with the stored states, per layer (and for the final layer when captured): max abs error, relative
-   error = max abs error / max |reference| of that sample's layer, and relative L2 error. A layer passes when its
+   own forward), and compared with the stored states, per layer (and for the final layer when captured): max abs
+   error, relative error = max abs error / max |reference| of that sample's layer, and relative L2 error. A layer passes when its
    relative error is <= its allowed bound (the tolerance, or twice the layer's measured rounding noise: below);
    the output passes when every checked layer of every checked sample passes.
    The reference is transformers' own, not a hook: `output_hidden_states=True`, so layer id i is checked against
@@ -52,8 +52,8 @@ compared with the alone reference like the stored states are; a layer's noise fl
 over the drawn samples. Right padding with a mask leaves a causal decoder's real tokens unchanged (in fp32 the
 floor is ~2e-7 on the tiny Llama and the Qwen3.5 Gated DeltaNet hybrid through transformers' torch path), so the
 floor is rounding only. A layer passes when its relative error is <= max(tolerance, NOISE_FLOOR_FACTOR x floor),
-factor 2: the extraction's batched forward and the padded-batch reference differ from the alone forward by rounding of the same kind and size. A floor above
-NOISE_FLOOR_CAP = 0.5 is not used (a reference that far off is more likely broken than noisy, and twice it would
+factor 2: the extraction's batched forward and the padded-batch reference differ from the alone forward by
+rounding of the same kind and size. A floor above NOISE_FLOOR_CAP = 0.5 is not used (a reference that far off is more likely broken than noisy, and twice it would
 pass nearly anything): such a layer passes only within the tolerance, and above it is reported inconclusive ("the
 model's rounding noise at this depth is X"), a failure (exit code 1). `--tolerance` is used as given (the floor is
 still measured and shown, never widens it); `--no-noise-floor` skips the second reference (the tolerance only).
