@@ -7,19 +7,19 @@
    weights are loaded; a random-weight model (`model.config`) is rebuilt from its seed on the device type the
    extraction used (its weights depend on the device's random generator).
 3. Values: N samples, drawn with `random.Random(seed)` from all sample ids (sorted) and printed, are run ALONE
-   (batch of one, no padding, the whole base decoder with `use_cache=False`) in the recipe's compute dtype, with
-   the fused kernels the recipe's `model.kernels` selects on this device (as the extraction does: kernels.py; a
-   named list that cannot run here falls back to eager; `--set model.kernels=eager` compares with transformers'
-   own forward), and compared with the stored states, per layer (and for the final layer when captured): max abs
-   error, relative error = max abs error / max |reference| of that sample's layer, and relative L2 error. A layer passes when its
-   relative error is <= its allowed bound (the tolerance, or twice the layer's measured rounding noise: below);
-   the output passes when every checked layer of every checked sample passes.
-   The reference is transformers' own, not a hook: `output_hidden_states=True`, so layer id i is checked against
-   HF `hidden_states[i + 1]` (the format's definition), `after_norm` against `hidden_states[L]` (after the final
-   norm) and `before_norm` against the final norm's input in that same forward (a pre-hook on the norm module:
-   no transformers switch needed, nothing shared with the extraction's hooks on the last decoder layer).
-   An output whose layer ids include L-1 (refused since; older outputs stored the last layer's output before the
-   norm there) is checked against `hidden_states[L]` like any other id, so it fails.
+   (batch of one, no padding, the whole base decoder with `use_cache=False`) in the recipe's compute dtype, with the
+   fused kernels the recipe's `model.kernels` selects on this device (as the extraction does: kernels.py; a named
+   list that cannot run here falls back to eager; `--set model.kernels=eager` compares with transformers' own
+   forward), and compared with the stored states, per layer (and for the final layer when captured): max abs error,
+   relative error = max abs error / max |reference| of that sample's layer, and relative L2 error. A layer passes
+   when its relative error is <= its allowed bound (the tolerance, or twice the layer's measured rounding noise:
+   below); the output passes when every checked layer of every checked sample passes. The reference is transformers'
+   own, not a hook: `output_hidden_states=True`, so layer id i is checked against HF `hidden_states[i + 1]` (the
+   format's definition), `after_norm` against `hidden_states[L]` (after the final norm) and `before_norm` against
+   the final norm's input in that same forward (a pre-hook on the norm module: no transformers switch needed,
+   nothing shared with the extraction's hooks on the last decoder layer). An output whose layer ids include L-1
+   (refused since; older outputs stored the last layer's output before the norm there) is checked against
+   `hidden_states[L]` like any other id, so it fails.
 
 Tolerance = storage term (the stored dtype's rounding, relative to the layer's max |value|) + compute term (the
 difference between a sample's states in a padded batch and alone, from the kernels' numerics in the compute dtype):
@@ -41,23 +41,23 @@ vs alone noise); in bf16 61 random-weight layers amplify that past the tolerance
 
 Noise floor. A fixed tolerance cannot tell rounding amplified over many layers from a bug at depth: on the
 Llama-3.3-70B shape (80 random-weight bf16 layers, tensor parallel over 2 GPUs, verify launched as that replica)
-every sample reached relative L2 0.098 at layer 39 and 0.154 at layer 76 (relative 0.15-0.18), with nothing
-wrong. So verify measures each layer's rounding noise with a second, independent reference: the drawn samples run
-TOGETHER through the same reference model (dtype, kernels, layer mapping) as right-padded batches with their
-attention mask (`run_padded_batch`; groups in reading order of at most NOISE_FLOOR_BATCH_TOKENS = 8192 padded
-tokens, or twice the longest drawn sample; a sample alone in its group, as with `--num-samples 1`, runs with a
-filler row of its own tokens 1.25x as long, `filler_row`, since a batch of one is the run alone itself; in one
-process a batch that runs out of memory gives its samples no floor, said in one line). Their real tokens are
-compared with the alone reference like the stored states are; a layer's noise floor is the worst relative error
-over the drawn samples. Right padding with a mask leaves a causal decoder's real tokens unchanged (in fp32 the
-floor is ~2e-7 on the tiny Llama and the Qwen3.5 Gated DeltaNet hybrid through transformers' torch path), so the
-floor is rounding only. A layer passes when its relative error is <= max(tolerance, NOISE_FLOOR_FACTOR x floor),
-factor 2: the extraction's batched forward and the padded-batch reference differ from the alone forward by
-rounding of the same kind and size. A floor above NOISE_FLOOR_CAP = 0.5 is not used (a reference that far off is more likely broken than noisy, and twice it would
+every sample reached relative L2 0.098 at layer 39 and 0.154 at layer 76 (relative 0.15-0.18), with nothing wrong.
+So verify measures each layer's rounding noise with a second, independent reference: the drawn samples run TOGETHER
+through the same reference model (dtype, kernels, layer mapping) as right-padded batches with their attention mask
+(`run_padded_batch`; groups in reading order of at most NOISE_FLOOR_BATCH_TOKENS = 8192 padded tokens, or twice the
+longest drawn sample; a sample alone in its group, as with `--num-samples 1`, runs with a filler row of its own
+tokens 1.25x as long, `filler_row`, since a batch of one is the run alone itself; in one process a batch that runs
+out of memory gives its samples no floor, said in one line). Their real tokens are compared with the alone reference
+like the stored states are; a layer's noise floor is the worst relative error over the drawn samples. Right padding
+with a mask leaves a causal decoder's real tokens unchanged (in fp32 the floor is ~2e-7 on the tiny Llama and the
+Qwen3.5 Gated DeltaNet hybrid through transformers' torch path), so the floor is rounding only. A layer passes when
+its relative error is <= max(tolerance, NOISE_FLOOR_FACTOR x floor), factor 2: the extraction's batched forward and
+the padded-batch reference differ from the alone forward by rounding of the same kind and size. A floor above
+NOISE_FLOOR_CAP = 0.5 is not used (a reference that far off is more likely broken than noisy, and twice it would
 pass nearly anything): such a layer passes only within the tolerance, and above it is reported inconclusive ("the
 model's rounding noise at this depth is X"), a failure (exit code 1). `--tolerance` is used as given (the floor is
-still measured and shown, never widens it); `--no-noise-floor` skips the second reference (the tolerance only).
-At a depth where the noise is large a wrong value of the same size passes: the floor bounds what verify can see.
+still measured and shown, never widens it); `--no-noise-floor` skips the second reference (the tolerance only). At a
+depth where the noise is large a wrong value of the same size passes: the floor bounds what verify can see.
 
 A target larger than one GPU (`model.gpus_per_replica` N > 1): one process rebuilds it split by layers over the
 first N GPUs. An output of a tensor-parallel replica is best verified by the same replica:
