@@ -71,7 +71,7 @@ and prints the report.
 Exit codes: 0 every check passed; 1 a check failed (each failure printed as `FAIL ...`, naming the shard, or the
 sample, the layer and the bound it exceeded; an inconclusive layer too); 2 the output cannot be verified (no
 manifest, no recipe, model or tokenizer fingerprint differs, device mismatch for random weights, a
-`--tolerance` that is not a finite number >= 0).
+`--tolerance` that is not a finite number >= 0, a `--device` that cannot run here).
 """
 
 from __future__ import annotations
@@ -778,6 +778,19 @@ def build_parser(prog: str = "dflash-prep verify") -> argparse.ArgumentParser:
     return p
 
 
+def _device_problem(name: str) -> str | None:
+    """Why `--device name` cannot run the reference here (not a torch device, or CUDA absent), None if it can."""
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        return f"not a torch device ({str(e).splitlines()[0][:120]})"
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        return "no CUDA device on this machine"
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        return f"this machine has {torch.cuda.device_count()} CUDA device(s)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """`dflash-prep verify OUT [--num-samples N] [--seed S]`: 0 pass, 1 fail, 2 cannot verify."""
     args = build_parser().parse_args(argv)
@@ -787,6 +800,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.tolerance is not None and not 0 <= args.tolerance < float("inf"):  # NaN too: it would fail every layer
         print(f"error: --tolerance must be a finite number >= 0 (a relative error), got {args.tolerance}",
               file=sys.stderr)
+        return 2
+    if args.device is not None and (problem := _device_problem(args.device)):
+        print(f"error: --device {args.device}: {problem}", file=sys.stderr)
         return 2
     import transformers
 

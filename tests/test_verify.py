@@ -546,3 +546,13 @@ def test_json_stays_strict_when_a_stored_value_is_not_finite(copy, capsys):
     assert [(f["sample_id"], f["layer"], f["relative_error"], f["verdict"]) for f in data["failures"]] == [
         (sample_id, "1", None, "fail"), (sample_id, "5", None, "fail")]  # column 5 of layer 1, the last of 5
     assert data["worst_by_layer"]["1"]["relative_error"] is None and not data["ok"]
+
+
+def test_a_device_that_cannot_run_here_is_refused_in_one_line(output, capsys):
+    """`--device bogus` (not a torch device) was a RuntimeError traceback; `--device cuda` on a machine without
+    CUDA is refused the same way: exit code 2, one line naming the flag."""
+    cases = ["bogus"] + ([] if torch.cuda.is_available() else ["cuda"])
+    for device in cases:
+        assert main([str(output), "--num-samples", "1", "--skip-hash", "--device", device]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --device {device}: ") and err.count("\n") == 1, err
