@@ -564,7 +564,8 @@ def _compare_chosen(model, shards, ids_by_shard: dict, wanted: set, layout, laye
     unreadable: set[str] = set()
     for shard, positions in drawn:
         try:
-            _compare_shard(model, shard, positions, wanted, layout, layer_ids, dev, tol, report, padded)
+            unreadable |= _compare_shard(model, shard, positions, wanted, layout, layer_ids, dev, tol, report, padded,
+                                         log)
         except (ShardFormatError, OSError) as e:  # a damaged or missing shard is a failed check, named
             report.integrity_problems.append(f"{shard.rel_path}: its drawn samples cannot be read ({e})")
             log(f"FAIL {report.integrity_problems[-1]}")
@@ -589,7 +590,7 @@ def _drawn_input_ids(drawn: list, wanted: set, layout) -> list[tuple[str, torch.
                 verify_sha256=False)]
         except (ShardFormatError, OSError):  # damaged or missing: the compare pass names it
             continue
-        out += [(sid, ids) for sid, ids in found if sid in wanted]
+        out += [(sid, ids) for sid, ids in found if sid in wanted and ids.shape[0] > 0]  # 0 tokens: nothing to run
     return out
 
 
@@ -654,15 +655,22 @@ def filler_row(input_ids_T: torch.Tensor) -> torch.Tensor:
 
 
 def _compare_shard(model, shard, positions: set, wanted: set, layout, layer_ids: list[int], dev: torch.device,
-                   tol: float, report: VerifyReport, padded: _PaddedBatches | None = None) -> None:
+                   tol: float, report: VerifyReport, padded: _PaddedBatches | None = None, log=print) -> set[str]:
+    """The drawn samples of one shard against their reference run alone (results appended to `report`); returns
+    the ids of those that hold no token (an integrity problem, named: there is nothing to run)."""
     from .reader import iter_shard
 
-    H, final_name = layout.hidden_size, f"final ({layout.capture_final})"
+    H, final_name, empty = layout.hidden_size, f"final ({layout.capture_final})", set()
     for sample in iter_shard(shard, layout, wanted=lambda j, p=positions: j in p, check_tokens=False,
                              fp8="float32", verify_sha256=False):  # hashes: check_output
         sid = sample["sample_id"]
         if sid not in wanted:
             raise CannotVerify(f"{shard.path}: sample order differs from the index ({sid})")
+        if sample["input_ids"].shape[0] == 0:  # a forward of 0 tokens raises inside transformers
+            report.integrity_problems.append(f"{shard.rel_path}: sample {sid} holds no token")
+            log(f"FAIL {report.integrity_problems[-1]}")
+            empty.add(sid)
+            continue
         ref = run_alone(model, sample["input_ids"], layer_ids, layout.capture_final, dev)
         stored = sample["hidden_states"].float()
         for slot, layer in enumerate(layer_ids):
@@ -676,6 +684,7 @@ def _compare_shard(model, shard, positions: set, wanted: set, layout, layer_ids:
             for key, name in names:
                 noise = compare(sid, name, batch[key].float(), ref[key], tol)
                 report.noise.append(NoiseResult(sid, name, noise.relative_error, noise.relative_l2_error))
+    return empty
 
 
 def _reference_kernels(recipe, config, dev: torch.device, extraction_kernels: dict | None = None):

@@ -556,3 +556,46 @@ def test_a_device_that_cannot_run_here_is_refused_in_one_line(output, capsys):
         assert main([str(output), "--num-samples", "1", "--skip-hash", "--device", device]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"error: --device {device}: ") and err.count("\n") == 1, err
+
+
+def _empty_first_sample(out: Path) -> str:
+    """Cut the first sample of the first shard to 0 tokens (input_ids, loss_mask and states; the tar rewritten,
+    the manifest's size and sha256 updated): returns its id."""
+    import io
+
+    import numpy as np
+    from safetensors.torch import load, save
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    entry = manifest["shards"][0]
+    path = out / entry["path"]
+    with tarfile.open(path, "r:") as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar]
+    key = members[0][0].name.split(".")[0]
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for member, data in members:
+            if member.name.startswith(f"{key}.") and member.name.endswith(".npy"):
+                array, data = np.load(io.BytesIO(data)), io.BytesIO()
+                np.save(data, array[:0])
+                data = data.getvalue()
+            elif member.name.startswith(f"{key}.") and member.name.endswith(".safetensors"):
+                data = save({k: v[:0].contiguous() for k, v in load(data).items()})
+            member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
+    path.write_bytes(buf.getvalue())
+    entry["sha256"], entry["num_bytes"] = _sha256(path), path.stat().st_size
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return key
+
+
+def test_a_sample_of_no_token_fails_naming_it_without_a_traceback(copy, capsys):
+    """A forward of 0 tokens raised inside transformers (a traceback); now the sample is a named integrity problem
+    and the other drawn samples are still checked."""
+    sample_id = _empty_first_sample(copy)
+    assert main([str(copy), "--num-samples", str(NUM_ROWS), "--skip-hash"]) == 1
+    out = capsys.readouterr().out
+    assert f"sample {sample_id} holds no token" in out and "not found in the shards" not in out, out
+    report = verify(copy, num_samples=NUM_ROWS, check_shards=False, log=_quiet)
+    assert {r.sample_id for r in report.results} == set(report.sample_ids) - {sample_id} and not report.failures
+    assert len(report.integrity_problems) == 1 and not report.ok
