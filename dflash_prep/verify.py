@@ -559,7 +559,7 @@ def _compare_chosen(model, shards, ids_by_shard: dict, wanted: set, layout, laye
     drawn = [(shard, {j for j, sid in enumerate(ids_by_shard[shard.rel_path]) if sid in wanted}) for shard in shards]
     drawn = [(shard, positions) for shard, positions in drawn if positions]
     padded = None if not report.noise_floor_measured else _PaddedBatches(
-        model, _drawn_input_ids(drawn, wanted, layout), layer_ids, layout.capture_final, dev,
+        model, _drawn_input_ids(model, drawn, wanted, layout), layer_ids, layout.capture_final, dev,
         skip_on_oom=_num_launched_processes() == 1, log=log)
     unreadable: set[str] = set()
     for shard, positions in drawn:
@@ -576,10 +576,10 @@ def _compare_chosen(model, shards, ids_by_shard: dict, wanted: set, layout, laye
         log(f"FAIL {report.integrity_problems[-1]}")
 
 
-def _drawn_input_ids(drawn: list, wanted: set, layout) -> list[tuple[str, torch.Tensor]]:
+def _drawn_input_ids(model, drawn: list, wanted: set, layout) -> list[tuple[str, torch.Tensor]]:
     """(sample id, input_ids [T]) of the drawn samples in reading order (the order `_compare_shard` meets them);
-    a shard that cannot be read or is missing gives none (its samples get no noise floor; the compare pass names
-    the shard)."""
+    a shard that cannot be read or is missing gives none, nor does a sample that cannot run (`_unrunnable`): they
+    get no noise floor; the compare pass names them."""
     from .reader import ShardFormatError, iter_shard
 
     out: list[tuple[str, torch.Tensor]] = []
@@ -590,7 +590,7 @@ def _drawn_input_ids(drawn: list, wanted: set, layout) -> list[tuple[str, torch.
                 verify_sha256=False)]
         except (ShardFormatError, OSError):  # damaged or missing: the compare pass names it
             continue
-        out += [(sid, ids) for sid, ids in found if sid in wanted and ids.shape[0] > 0]  # 0 tokens: nothing to run
+        out += [(sid, ids) for sid, ids in found if sid in wanted and not _unrunnable(ids, _vocab_size(model))]
     return out
 
 
@@ -654,10 +654,25 @@ def filler_row(input_ids_T: torch.Tensor) -> torch.Tensor:
     return input_ids_T.repeat(2)[:T + max(1, T // 4)]
 
 
+def _vocab_size(model) -> int:
+    return int(model.config.get_text_config().vocab_size)
+
+
+def _unrunnable(input_ids_T: torch.Tensor, vocab_size: int) -> str | None:
+    """Why a stored sample cannot run through the model (no token; a token id outside [0, vocab_size): the
+    embedding would raise), None when it can."""
+    if input_ids_T.shape[0] == 0:
+        return "holds no token"
+    low, high = int(input_ids_T.min()), int(input_ids_T.max())
+    if low < 0 or high >= vocab_size:
+        return f"holds token id {high if high >= vocab_size else low}, outside the model's vocabulary of {vocab_size}"
+    return None
+
+
 def _compare_shard(model, shard, positions: set, wanted: set, layout, layer_ids: list[int], dev: torch.device,
                    tol: float, report: VerifyReport, padded: _PaddedBatches | None = None, log=print) -> set[str]:
     """The drawn samples of one shard against their reference run alone (results appended to `report`); returns
-    the ids of those that hold no token (an integrity problem, named: there is nothing to run)."""
+    the ids of those that cannot run (`_unrunnable`: an integrity problem, named)."""
     from .reader import iter_shard
 
     H, final_name, empty = layout.hidden_size, f"final ({layout.capture_final})", set()
@@ -666,8 +681,8 @@ def _compare_shard(model, shard, positions: set, wanted: set, layout, layer_ids:
         sid = sample["sample_id"]
         if sid not in wanted:
             raise CannotVerify(f"{shard.path}: sample order differs from the index ({sid})")
-        if sample["input_ids"].shape[0] == 0:  # a forward of 0 tokens raises inside transformers
-            report.integrity_problems.append(f"{shard.rel_path}: sample {sid} holds no token")
+        if problem := _unrunnable(sample["input_ids"], _vocab_size(model)):
+            report.integrity_problems.append(f"{shard.rel_path}: sample {sid} {problem}")
             log(f"FAIL {report.integrity_problems[-1]}")
             empty.add(sid)
             continue

@@ -558,9 +558,9 @@ def test_a_device_that_cannot_run_here_is_refused_in_one_line(output, capsys):
         assert err.startswith(f"error: --device {device}: ") and err.count("\n") == 1, err
 
 
-def _empty_first_sample(out: Path) -> str:
-    """Cut the first sample of the first shard to 0 tokens (input_ids, loss_mask and states; the tar rewritten,
-    the manifest's size and sha256 updated): returns its id."""
+def _rewrite_first_sample(out: Path, empty: bool, token_id: int = 0) -> str:
+    """Cut the first sample of the first shard to 0 tokens (input_ids, loss_mask and states) when `empty`, else set
+    its input id 5 to `token_id`; the tar rewritten, the manifest's size and sha256 updated. Returns its id."""
     import io
 
     import numpy as np
@@ -577,9 +577,11 @@ def _empty_first_sample(out: Path) -> str:
         for member, data in members:
             if member.name.startswith(f"{key}.") and member.name.endswith(".npy"):
                 array, data = np.load(io.BytesIO(data)), io.BytesIO()
-                np.save(data, array[:0])
+                if not empty and member.name.endswith("input_ids.npy"):
+                    array[5] = token_id
+                np.save(data, array[:0] if empty else array)
                 data = data.getvalue()
-            elif member.name.startswith(f"{key}.") and member.name.endswith(".safetensors"):
+            elif empty and member.name.startswith(f"{key}.") and member.name.endswith(".safetensors"):
                 data = save({k: v[:0].contiguous() for k, v in load(data).items()})
             member.size = len(data)
             tar.addfile(member, io.BytesIO(data))
@@ -592,10 +594,22 @@ def _empty_first_sample(out: Path) -> str:
 def test_a_sample_of_no_token_fails_naming_it_without_a_traceback(copy, capsys):
     """A forward of 0 tokens raised inside transformers (a traceback); now the sample is a named integrity problem
     and the other drawn samples are still checked."""
-    sample_id = _empty_first_sample(copy)
+    sample_id = _rewrite_first_sample(copy, empty=True)
     assert main([str(copy), "--num-samples", str(NUM_ROWS), "--skip-hash"]) == 1
     out = capsys.readouterr().out
     assert f"sample {sample_id} holds no token" in out and "not found in the shards" not in out, out
     report = verify(copy, num_samples=NUM_ROWS, check_shards=False, log=_quiet)
     assert {r.sample_id for r in report.results} == set(report.sample_ids) - {sample_id} and not report.failures
     assert len(report.integrity_problems) == 1 and not report.ok
+
+
+def test_a_token_id_outside_the_vocabulary_fails_naming_it_without_a_traceback(copy, capsys):
+    """A stored input id >= the model's vocab_size (1024 for the demo model; set here to 10**6) made the embedding
+    raise IndexError; now the sample is a named integrity problem and the other drawn samples are still checked."""
+    sample_id = _rewrite_first_sample(copy, empty=False, token_id=10 ** 6)
+    assert main([str(copy), "--num-samples", str(NUM_ROWS), "--skip-hash"]) == 1
+    out = capsys.readouterr().out
+    assert f"sample {sample_id} holds token id 1000000, outside the model's vocabulary of 1024" in out, out
+    report = verify(copy, num_samples=NUM_ROWS, check_shards=False, log=_quiet)
+    assert {r.sample_id for r in report.results} == set(report.sample_ids) - {sample_id} and not report.failures
+    assert {n.sample_id for n in report.noise} == set(report.sample_ids) - {sample_id}
