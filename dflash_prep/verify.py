@@ -729,7 +729,7 @@ def format_report(report: VerifyReport) -> str:
             line += (f"; padded-batch vs alone (rounding noise) relative {w['noise_floor_relative_error']:.3g} -> "
                      f"allowed {w['allowed_relative_error']:.3g}")
             if not w["conclusive"]:
-                line += f" (noise above {NOISE_FLOOR_CAP:g}: not used)"
+                line += f" (noise {_above_cap(w['noise_floor_relative_error'])}: not used)"
             elif not report.widen:
                 line += " (--tolerance: not widened)"
             line += f" (worst over {w['noise_floor_samples']} sample(s))"
@@ -757,11 +757,17 @@ def format_report(report: VerifyReport) -> str:
     return "\n".join(lines)
 
 
+def _above_cap(noise_floor: float) -> str:
+    """Why a floor is not used: above NOISE_FLOOR_CAP, or not finite (NaN / Inf in the padded-batch reference)."""
+    return f"above {NOISE_FLOOR_CAP:g}" if noise_floor - noise_floor == 0 else "not finite"
+
+
 def _bound(report: VerifyReport, r: LayerResult, floor: dict | None) -> str:
     """The bound a failed result exceeded, for its FAIL line."""
     if r.verdict == "inconclusive":
         return (f"tolerance {report.tolerance:.3g}; inconclusive: the model's rounding noise at this depth is "
-                f"{floor['relative_error']:.3g} (padded batch vs alone, above {NOISE_FLOOR_CAP:g}: not used)")
+                f"{floor['relative_error']:.3g} (padded batch vs alone, {_above_cap(floor['relative_error'])}: "
+                f"not used)")
     if r.allowed > report.tolerance:
         return (f"allowed {r.allowed:.3g} ({NOISE_FLOOR_FACTOR:g} x the rounding noise "
                 f"{floor['relative_error']:.3g} at this layer)")

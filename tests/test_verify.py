@@ -613,3 +613,12 @@ def test_a_token_id_outside_the_vocabulary_fails_naming_it_without_a_traceback(c
     report = verify(copy, num_samples=NUM_ROWS, check_shards=False, log=_quiet)
     assert {r.sample_id for r in report.results} == set(report.sample_ids) - {sample_id} and not report.failures
     assert {n.sample_id for n in report.noise} == set(report.sample_ids) - {sample_id}
+
+
+def test_a_floor_that_is_not_finite_is_called_so_not_above_the_cap():
+    """A NaN padded-batch reference (its floor) makes a layer above the tolerance inconclusive; the report said
+    'above 0.5' of a NaN."""
+    text = format_report(_report({"5": float("nan")}, {"5": 0.2}))
+    assert "(noise not finite: not used)" in text and "above 0.5" not in text, text
+    fail = next(line for line in text.splitlines() if line.startswith("FAIL"))
+    assert fail.endswith("rounding noise at this depth is nan (padded batch vs alone, not finite: not used)"), fail
