@@ -7,19 +7,19 @@
    weights are loaded; a random-weight model (`model.config`) is rebuilt from its seed on the device type the
    extraction used (its weights depend on the device's random generator).
 3. Values: N samples, drawn with `random.Random(seed)` from all sample ids (sorted) and printed, are run ALONE
-   (batch of one, no padding, the whole base decoder with `use_cache=False`) in the recipe's compute dtype, with
-   the fused kernels the recipe's `model.kernels` selects on this device (as the extraction does: kernels.py; a
-   named list that cannot run here falls back to eager; `--set model.kernels=eager` compares with transformers'
-   own forward), and compared with the stored states, per layer (and for the final layer when captured): max abs error, relative
-   error = max abs error / max |reference| of that sample's layer, and relative L2 error. A layer passes when its
-   relative error is <= its allowed bound (the tolerance, or twice the layer's measured rounding noise: below);
-   the output passes when every checked layer of every checked sample passes.
-   The reference is transformers' own, not a hook: `output_hidden_states=True`, so layer id i is checked against
-   HF `hidden_states[i + 1]` (the format's definition), `after_norm` against `hidden_states[L]` (after the final
-   norm) and `before_norm` against the final norm's input in that same forward (a pre-hook on the norm module:
-   no transformers switch needed, nothing shared with the extraction's hooks on the last decoder layer).
-   An output whose layer ids include L-1 (refused since; older outputs stored the last layer's output before the
-   norm there) is checked against `hidden_states[L]` like any other id, so it fails.
+   (batch of one, no padding, the whole base decoder with `use_cache=False`) in the recipe's compute dtype, with the
+   fused kernels the recipe's `model.kernels` selects on this device (as the extraction does: kernels.py; a named
+   list that cannot run here falls back to eager; `--set model.kernels=eager` compares with transformers' own
+   forward), and compared with the stored states, per layer (and for the final layer when captured): max abs error,
+   relative error = max abs error / max |reference| of that sample's layer, and relative L2 error. A layer passes
+   when its relative error is <= its allowed bound (the tolerance, or twice the layer's measured rounding noise:
+   below); the output passes when every checked layer of every checked sample passes. The reference is transformers'
+   own, not a hook: `output_hidden_states=True`, so layer id i is checked against HF `hidden_states[i + 1]` (the
+   format's definition), `after_norm` against `hidden_states[L]` (after the final norm) and `before_norm` against
+   the final norm's input in that same forward (a pre-hook on the norm module: no transformers switch needed,
+   nothing shared with the extraction's hooks on the last decoder layer). An output whose layer ids include L-1
+   (refused since; older outputs stored the last layer's output before the norm there) is checked against
+   `hidden_states[L]` like any other id, so it fails.
 
 Tolerance = storage term (the stored dtype's rounding, relative to the layer's max |value|) + compute term (the
 difference between a sample's states in a padded batch and alone, from the kernels' numerics in the compute dtype):
@@ -41,22 +41,23 @@ vs alone noise); in bf16 61 random-weight layers amplify that past the tolerance
 
 Noise floor. A fixed tolerance cannot tell rounding amplified over many layers from a bug at depth: on the
 Llama-3.3-70B shape (80 random-weight bf16 layers, tensor parallel over 2 GPUs, verify launched as that replica)
-every sample reached relative L2 0.098 at layer 39 and 0.154 at layer 76 (relative 0.15-0.18), with nothing
-wrong. So verify measures each layer's rounding noise with a second, independent reference: the drawn samples run
-TOGETHER through the same reference model (dtype, kernels, layer mapping) as right-padded batches with their
-attention mask (`run_padded_batch`; groups in reading order of at most NOISE_FLOOR_BATCH_TOKENS = 8192 padded
-tokens, or twice the longest drawn sample; in one process a batch that runs out of memory gives its samples no
-floor, said in one line). Their real tokens are compared with the alone reference like the stored states are;
-a layer's noise floor is the worst relative error over the drawn samples. Right padding with a
-mask leaves a causal decoder's real tokens unchanged (in fp32 the floor is ~2e-7 on the tiny Llama and the Qwen3.5
-Gated DeltaNet hybrid through transformers' torch path), so the floor is rounding only. A layer passes when its
-relative error is <= max(tolerance, NOISE_FLOOR_FACTOR x floor), factor 2: the extraction's batched forward and
+every sample reached relative L2 0.098 at layer 39 and 0.154 at layer 76 (relative 0.15-0.18), with nothing wrong.
+So verify measures each layer's rounding noise with a second, independent reference: the drawn samples run TOGETHER
+through the same reference model (dtype, kernels, layer mapping) as right-padded batches with their attention mask
+(`run_padded_batch`; groups in reading order of at most NOISE_FLOOR_BATCH_TOKENS = 8192 padded tokens, or twice the
+longest drawn sample; a sample alone in its group, as with `--num-samples 1`, runs with a filler row of its own
+tokens 1.25x as long, `filler_row`, since a batch of one is the run alone itself; in one process a batch that runs
+out of memory gives its samples no floor, said in one line). Their real tokens are compared with the alone reference
+like the stored states are; a layer's noise floor is the worst relative error over the drawn samples. Right padding
+with a mask leaves a causal decoder's real tokens unchanged (in fp32 the floor is ~2e-7 on the tiny Llama and the
+Qwen3.5 Gated DeltaNet hybrid through transformers' torch path), so the floor is rounding only. A layer passes when
+its relative error is <= max(tolerance, NOISE_FLOOR_FACTOR x floor), factor 2: the extraction's batched forward and
 the padded-batch reference differ from the alone forward by rounding of the same kind and size. A floor above
 NOISE_FLOOR_CAP = 0.5 is not used (a reference that far off is more likely broken than noisy, and twice it would
 pass nearly anything): such a layer passes only within the tolerance, and above it is reported inconclusive ("the
 model's rounding noise at this depth is X"), a failure (exit code 1). `--tolerance` is used as given (the floor is
-still measured and shown, never widens it); `--no-noise-floor` skips the second reference (the tolerance only).
-At a depth where the noise is large a wrong value of the same size passes: the floor bounds what verify can see.
+still measured and shown, never widens it); `--no-noise-floor` skips the second reference (the tolerance only). At a
+depth where the noise is large a wrong value of the same size passes: the floor bounds what verify can see.
 
 A target larger than one GPU (`model.gpus_per_replica` N > 1): one process rebuilds it split by layers over the
 first N GPUs. An output of a tensor-parallel replica is best verified by the same replica:
@@ -69,7 +70,8 @@ and prints the report.
 
 Exit codes: 0 every check passed; 1 a check failed (each failure printed as `FAIL ...`, naming the shard, or the
 sample, the layer and the bound it exceeded; an inconclusive layer too); 2 the output cannot be verified (no
-manifest, no recipe, model or tokenizer fingerprint differs, device mismatch for random weights).
+manifest, no recipe, model or tokenizer fingerprint differs, device mismatch for random weights, a
+`--tolerance` that is not a finite number >= 0, a `--device` that cannot run here).
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ NOISE_FLOOR_FACTOR = 2.0
 NOISE_FLOOR_CAP = 0.5
 # Padded tokens (rows x longest row) of one padded-batch forward at most, or twice the longest drawn sample when that
 # is more (so any two samples share a batch): `output_hidden_states=True` keeps every layer's [B, T, H] states, so
-# a batch costs at most twice the memory of the longest sample's run alone.
+# a batch costs at most twice the memory of the longest sample's run alone (2.5x for a lone sample and its filler
+# row, `filler_row`).
 NOISE_FLOOR_BATCH_TOKENS = 8192
 
 
@@ -556,13 +559,14 @@ def _compare_chosen(model, shards, ids_by_shard: dict, wanted: set, layout, laye
     drawn = [(shard, {j for j, sid in enumerate(ids_by_shard[shard.rel_path]) if sid in wanted}) for shard in shards]
     drawn = [(shard, positions) for shard, positions in drawn if positions]
     padded = None if not report.noise_floor_measured else _PaddedBatches(
-        model, _drawn_input_ids(drawn, wanted, layout), layer_ids, layout.capture_final, dev,
+        model, _drawn_input_ids(model, drawn, wanted, layout), layer_ids, layout.capture_final, dev,
         skip_on_oom=_num_launched_processes() == 1, log=log)
     unreadable: set[str] = set()
     for shard, positions in drawn:
         try:
-            _compare_shard(model, shard, positions, wanted, layout, layer_ids, dev, tol, report, padded)
-        except ShardFormatError as e:  # a damaged shard is a failed check, named, not a traceback
+            unreadable |= _compare_shard(model, shard, positions, wanted, layout, layer_ids, dev, tol, report, padded,
+                                         log)
+        except (ShardFormatError, OSError) as e:  # a damaged or missing shard is a failed check, named
             report.integrity_problems.append(f"{shard.rel_path}: its drawn samples cannot be read ({e})")
             log(f"FAIL {report.integrity_problems[-1]}")
             unreadable |= {ids_by_shard[shard.rel_path][j] for j in positions}
@@ -572,9 +576,10 @@ def _compare_chosen(model, shards, ids_by_shard: dict, wanted: set, layout, laye
         log(f"FAIL {report.integrity_problems[-1]}")
 
 
-def _drawn_input_ids(drawn: list, wanted: set, layout) -> list[tuple[str, torch.Tensor]]:
+def _drawn_input_ids(model, drawn: list, wanted: set, layout) -> list[tuple[str, torch.Tensor]]:
     """(sample id, input_ids [T]) of the drawn samples in reading order (the order `_compare_shard` meets them);
-    a shard that cannot be read gives none (its samples get no noise floor; the compare pass names the shard)."""
+    a shard that cannot be read or is missing gives none, nor does a sample that cannot run (`_unrunnable`): they
+    get no noise floor; the compare pass names them."""
     from .reader import ShardFormatError, iter_shard
 
     out: list[tuple[str, torch.Tensor]] = []
@@ -583,18 +588,19 @@ def _drawn_input_ids(drawn: list, wanted: set, layout) -> list[tuple[str, torch.
             found = [(sample["sample_id"], sample["input_ids"]) for sample in iter_shard(
                 shard, layout, wanted=lambda j, p=positions: j in p, check_tokens=False, fp8="raw",
                 verify_sha256=False)]
-        except ShardFormatError:
+        except (ShardFormatError, OSError):  # damaged or missing: the compare pass names it
             continue
-        out += [(sid, ids) for sid, ids in found if sid in wanted]
+        out += [(sid, ids) for sid, ids in found if sid in wanted and not _unrunnable(ids, _vocab_size(model))]
     return out
 
 
 class _PaddedBatches:
     """The padded-batch reference of the drawn samples (`run_padded_batch`), grouped in reading order under
     NOISE_FLOOR_BATCH_TOKENS padded tokens (or twice the longest sample; a lone last sample takes the previous
-    group's last one: two samples always fit), each group run when its first sample is compared and dropped at the
-    next: one group's states are held at a time. Every process of a tensor-parallel replica reads the same samples
-    in the same order, so they run the same forwards in the same order."""
+    group's last one: two samples always fit; a group of one runs with a `filler_row`), each group run when its
+    first sample is compared and dropped at the next: one group's states are held at a time. Every process of a
+    tensor-parallel replica reads the same samples in the same order, so they run the same forwards in the same
+    order."""
 
     def __init__(self, model, samples: list[tuple[str, torch.Tensor]], layer_ids: list[int], capture_final: str,
                  device: torch.device, skip_on_oom: bool = False, log=print):
@@ -623,9 +629,11 @@ class _PaddedBatches:
             self._states = {}  # free the previous group before the next forward
             group = self.groups[g]
             self._current = g
+            rows = [ids for _, ids in group]
+            if len(rows) == 1:  # a batch of one IS the run alone (no noise measured): give it a second row
+                rows.append(filler_row(rows[0]))
             try:
-                batch = run_padded_batch(self.model, [ids for _, ids in group], self.layer_ids, self.capture_final,
-                                         self.device)
+                batch = run_padded_batch(self.model, rows, self.layer_ids, self.capture_final, self.device)
             except torch.OutOfMemoryError:
                 if not self.skip_on_oom:  # a replica's other processes may be past this forward: stop as before
                     raise
@@ -636,16 +644,48 @@ class _PaddedBatches:
         return self._states.get(sample_id)
 
 
+def filler_row(input_ids_T: torch.Tensor) -> torch.Tensor:
+    """The second row of a padded batch whose group holds one sample: the sample's own tokens repeated to
+    T + max(1, T // 4) tokens (int64 [T']), so the sample runs with a batch of two and right padding (at least one
+    padded token, up to a quarter of its length: the extraction's `length_growth: 1.25` buckets pad that much);
+    the filler's states are not used. Without it the padded batch of a lone sample (`--num-samples 1`, an output of
+    one sample) is the very forward of its run alone and its noise floor is 0."""
+    T = int(input_ids_T.shape[0])
+    return input_ids_T.repeat(2)[:T + max(1, T // 4)]
+
+
+def _vocab_size(model) -> int:
+    return int(model.config.get_text_config().vocab_size)
+
+
+def _unrunnable(input_ids_T: torch.Tensor, vocab_size: int) -> str | None:
+    """Why a stored sample cannot run through the model (no token; a token id outside [0, vocab_size): the
+    embedding would raise), None when it can."""
+    if input_ids_T.shape[0] == 0:
+        return "holds no token"
+    low, high = int(input_ids_T.min()), int(input_ids_T.max())
+    if low < 0 or high >= vocab_size:
+        return f"holds token id {high if high >= vocab_size else low}, outside the model's vocabulary of {vocab_size}"
+    return None
+
+
 def _compare_shard(model, shard, positions: set, wanted: set, layout, layer_ids: list[int], dev: torch.device,
-                   tol: float, report: VerifyReport, padded: _PaddedBatches | None = None) -> None:
+                   tol: float, report: VerifyReport, padded: _PaddedBatches | None = None, log=print) -> set[str]:
+    """The drawn samples of one shard against their reference run alone (results appended to `report`); returns
+    the ids of those that cannot run (`_unrunnable`: an integrity problem, named)."""
     from .reader import iter_shard
 
-    H, final_name = layout.hidden_size, f"final ({layout.capture_final})"
+    H, final_name, empty = layout.hidden_size, f"final ({layout.capture_final})", set()
     for sample in iter_shard(shard, layout, wanted=lambda j, p=positions: j in p, check_tokens=False,
                              fp8="float32", verify_sha256=False):  # hashes: check_output
         sid = sample["sample_id"]
         if sid not in wanted:
             raise CannotVerify(f"{shard.path}: sample order differs from the index ({sid})")
+        if problem := _unrunnable(sample["input_ids"], _vocab_size(model)):
+            report.integrity_problems.append(f"{shard.rel_path}: sample {sid} {problem}")
+            log(f"FAIL {report.integrity_problems[-1]}")
+            empty.add(sid)
+            continue
         ref = run_alone(model, sample["input_ids"], layer_ids, layout.capture_final, dev)
         stored = sample["hidden_states"].float()
         for slot, layer in enumerate(layer_ids):
@@ -659,6 +699,7 @@ def _compare_shard(model, shard, positions: set, wanted: set, layout, layer_ids:
             for key, name in names:
                 noise = compare(sid, name, batch[key].float(), ref[key], tol)
                 report.noise.append(NoiseResult(sid, name, noise.relative_error, noise.relative_l2_error))
+    return empty
 
 
 def _reference_kernels(recipe, config, dev: torch.device, extraction_kernels: dict | None = None):
@@ -688,7 +729,7 @@ def format_report(report: VerifyReport) -> str:
             line += (f"; padded-batch vs alone (rounding noise) relative {w['noise_floor_relative_error']:.3g} -> "
                      f"allowed {w['allowed_relative_error']:.3g}")
             if not w["conclusive"]:
-                line += f" (noise above {NOISE_FLOOR_CAP:g}: not used)"
+                line += f" (noise {_above_cap(w['noise_floor_relative_error'])}: not used)"
             elif not report.widen:
                 line += " (--tolerance: not widened)"
             line += f" (worst over {w['noise_floor_samples']} sample(s))"
@@ -716,11 +757,17 @@ def format_report(report: VerifyReport) -> str:
     return "\n".join(lines)
 
 
+def _above_cap(noise_floor: float) -> str:
+    """Why a floor is not used: above NOISE_FLOOR_CAP, or not finite (NaN / Inf in the padded-batch reference)."""
+    return f"above {NOISE_FLOOR_CAP:g}" if noise_floor - noise_floor == 0 else "not finite"
+
+
 def _bound(report: VerifyReport, r: LayerResult, floor: dict | None) -> str:
     """The bound a failed result exceeded, for its FAIL line."""
     if r.verdict == "inconclusive":
         return (f"tolerance {report.tolerance:.3g}; inconclusive: the model's rounding noise at this depth is "
-                f"{floor['relative_error']:.3g} (padded batch vs alone, above {NOISE_FLOOR_CAP:g}: not used)")
+                f"{floor['relative_error']:.3g} (padded batch vs alone, {_above_cap(floor['relative_error'])}: "
+                f"not used)")
     if r.allowed > report.tolerance:
         return (f"allowed {r.allowed:.3g} ({NOISE_FLOOR_FACTOR:g} x the rounding noise "
                 f"{floor['relative_error']:.3g} at this layer)")
@@ -728,6 +775,19 @@ def _bound(report: VerifyReport, r: LayerResult, floor: dict | None) -> str:
 
 
 # --------------------------------------------------------------------------------------------------- CLI
+def _finite_or_null(value):
+    """`value` (nested dicts and lists of the report) with every NaN or infinite float as None: `--json` stays
+    strict JSON (json.dumps would write NaN / Infinity, which JSON parsers other than Python's reject); a null
+    error is a non-finite stored value (its verdict says "fail")."""
+    if isinstance(value, float) and value - value != 0:  # NaN, inf, -inf
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
+    return value
+
+
 def build_parser(prog: str = "dflash-prep verify") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Check an output's manifest and shard hashes, then re-run "
                                                        "random samples alone through the model and compare.")
@@ -748,11 +808,31 @@ def build_parser(prog: str = "dflash-prep verify") -> argparse.ArgumentParser:
     return p
 
 
+def _device_problem(name: str) -> str | None:
+    """Why `--device name` cannot run the reference here (not a torch device, or CUDA absent), None if it can."""
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        return f"not a torch device ({str(e).splitlines()[0][:120]})"
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        return "no CUDA device on this machine"
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        return f"this machine has {torch.cuda.device_count()} CUDA device(s)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """`dflash-prep verify OUT [--num-samples N] [--seed S]`: 0 pass, 1 fail, 2 cannot verify."""
     args = build_parser().parse_args(argv)
     if args.num_samples < 1:
         print("error: --num-samples must be >= 1", file=sys.stderr)
+        return 2
+    if args.tolerance is not None and not 0 <= args.tolerance < float("inf"):  # NaN too: it would fail every layer
+        print(f"error: --tolerance must be a finite number >= 0 (a relative error), got {args.tolerance}",
+              file=sys.stderr)
+        return 2
+    if args.device is not None and (problem := _device_problem(args.device)):
+        print(f"error: --device {args.device}: {problem}", file=sys.stderr)
         return 2
     import transformers
 
@@ -766,7 +846,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot verify: {e}", file=sys.stderr)
         return 2
     if report.is_main_process:
-        print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report))
+        print(json.dumps(_finite_or_null(report.to_json()), indent=2, allow_nan=False) if args.json
+              else format_report(report))
     return 0 if report.ok else 1
 
 

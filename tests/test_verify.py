@@ -461,3 +461,164 @@ def test_a_padded_batch_out_of_memory_gives_no_noise_floor_in_one_process(output
     assert report.ok and report.noise == [] and all(r.allowed == report.tolerance for r in report.results)
     assert any(line.startswith("verify: out of memory in the padded batch of 3 sample(s)") for line in lines)
     assert "padded-batch" not in format_report(report)
+
+
+def _lone_padded_vs_alone_by_layer(out: Path, sample_id: str) -> dict[str, float]:
+    """Relative error per layer of one sample's states in a right-padded batch of two rows (the sample; its own
+    tokens repeated to T + max(1, T // 4), the documented filler) vs run alone: plain transformers."""
+    import io
+
+    import numpy as np
+    from conftest import raw_records
+    from dflash_prep.model import load_config, load_model
+    from dflash_prep.recipe import load_recipe
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    recipe = load_recipe(out / "recipe.resolved.yaml")
+    decoder = load_model(recipe.model, load_config(recipe.model), torch.device("cpu")).model
+    x = torch.from_numpy(np.load(io.BytesIO(raw_records(out)[sample_id]["input_ids.npy"])).astype(np.int64))
+    T = len(x)
+    filler = torch.cat([x, x])[:T + max(1, T // 4)]
+    batch, mask = torch.zeros(2, len(filler), dtype=torch.int64), torch.zeros(2, len(filler), dtype=torch.int64)
+    batch[0, :T], mask[0, :T], batch[1], mask[1] = x, 1, filler, 1
+    names = {str(i): i + 1 for i in manifest["layer_ids"]} | {"final (after_norm)": -1}
+    with torch.inference_mode():
+        padded = decoder(input_ids=batch, attention_mask=mask, use_cache=False, output_hidden_states=True).hidden_states
+        alone = decoder(input_ids=x[None], use_cache=False, output_hidden_states=True).hidden_states
+    return {name: float((padded[k][0, :T].float() - alone[k][0].float()).abs().max() / alone[k][0].float().abs().max())
+            for name, k in names.items()}
+
+
+def test_a_lone_drawn_sample_measures_its_noise_in_a_batch_of_two(bf16_output):
+    """--num-samples 1 (or an output of one sample): a padded batch of that sample alone is its run alone, whose
+    noise is 0 by construction; a filler row makes it a real padded batch, and the floor is what plain transformers
+    gives for the sample in that batch (seed 0 draws a sample whose bf16 rounding differs there)."""
+    report = verify(bf16_output, num_samples=1, seed=0, check_shards=False, log=_quiet)
+    (sample_id,) = report.sample_ids
+    expected = _lone_padded_vs_alone_by_layer(bf16_output, sample_id)
+    assert max(expected.values()) > 1e-4  # a batch of two rounds differently from the run alone here
+    floors = report.noise_floor_by_layer()
+    assert {layer: f["relative_error"] for layer, f in floors.items()} == pytest.approx(expected, rel=1e-3, abs=1e-9)
+    assert all(f["num_samples"] == 1 for f in floors.values()) and report.ok
+
+
+def test_a_tolerance_that_is_negative_nan_or_infinite_is_refused(output, capsys):
+    """-0.1 or nan would fail every layer of a correct output, inf would pass any: bad input, exit code 2, one
+    line, before the model loads."""
+    for value in ("-0.1", "nan", "inf"):
+        assert main([str(output), "--num-samples", "1", "--skip-hash", "--tolerance", value]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --tolerance must be a finite number >= 0") and err.count("\n") == 1, err
+
+
+def test_a_missing_shard_fails_naming_it_without_a_traceback(copy, capsys):
+    """A shard file deleted after the extraction: with or without --skip-hash, exit code 1 naming the shard (its
+    drawn samples cannot be read), with the noise floor on or off; the other shards' samples are still checked."""
+    manifest = json.loads((copy / "manifest.json").read_text())
+    missing = manifest["shards"][0]["path"]
+    (copy / missing).unlink()
+    for extra in (["--skip-hash"], ["--skip-hash", "--no-noise-floor"], []):
+        assert main([str(copy), "--num-samples", str(NUM_ROWS), *extra]) == 1
+        out = capsys.readouterr().out
+        assert f"FAIL {missing}: its drawn samples cannot be read" in out, out
+        assert "verify: FAILED" in out.splitlines()[-1]
+    report = verify(copy, num_samples=NUM_ROWS, check_shards=False, log=_quiet)
+    checked = {r.sample_id for r in report.results}
+    assert len(checked) == NUM_ROWS - manifest["shards"][0]["num_samples"] and report.failures == []
+
+
+def test_json_stays_strict_when_a_stored_value_is_not_finite(copy, capsys):
+    """A stored Inf and NaN (hash updated): exit code 1 naming both layers, and `--json` is strict JSON (no NaN /
+    Infinity literals, which other parsers reject): their errors are null, their verdicts "fail"."""
+    sample_id = "0000000004"
+
+    def not_finite(states):
+        states[3, 5] = float("inf")
+        states[4, states.shape[1] - 1] = float("nan")
+
+    _rewrite_states(copy, sample_id, not_finite)
+    assert main([str(copy), "--num-samples", str(NUM_ROWS), "--skip-hash", "--json"]) == 1
+
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    data = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    assert [(f["sample_id"], f["layer"], f["relative_error"], f["verdict"]) for f in data["failures"]] == [
+        (sample_id, "1", None, "fail"), (sample_id, "5", None, "fail")]  # column 5 of layer 1, the last of 5
+    assert data["worst_by_layer"]["1"]["relative_error"] is None and not data["ok"]
+
+
+def test_a_device_that_cannot_run_here_is_refused_in_one_line(output, capsys):
+    """`--device bogus` (not a torch device) was a RuntimeError traceback; `--device cuda` on a machine without
+    CUDA is refused the same way: exit code 2, one line naming the flag."""
+    cases = ["bogus"] + ([] if torch.cuda.is_available() else ["cuda"])
+    for device in cases:
+        assert main([str(output), "--num-samples", "1", "--skip-hash", "--device", device]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --device {device}: ") and err.count("\n") == 1, err
+
+
+def _rewrite_first_sample(out: Path, empty: bool, token_id: int = 0) -> str:
+    """Cut the first sample of the first shard to 0 tokens (input_ids, loss_mask and states) when `empty`, else set
+    its input id 5 to `token_id`; the tar rewritten, the manifest's size and sha256 updated. Returns its id."""
+    import io
+
+    import numpy as np
+    from safetensors.torch import load, save
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    entry = manifest["shards"][0]
+    path = out / entry["path"]
+    with tarfile.open(path, "r:") as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar]
+    key = members[0][0].name.split(".")[0]
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for member, data in members:
+            if member.name.startswith(f"{key}.") and member.name.endswith(".npy"):
+                array, data = np.load(io.BytesIO(data)), io.BytesIO()
+                if not empty and member.name.endswith("input_ids.npy"):
+                    array[5] = token_id
+                np.save(data, array[:0] if empty else array)
+                data = data.getvalue()
+            elif empty and member.name.startswith(f"{key}.") and member.name.endswith(".safetensors"):
+                data = save({k: v[:0].contiguous() for k, v in load(data).items()})
+            member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
+    path.write_bytes(buf.getvalue())
+    entry["sha256"], entry["num_bytes"] = _sha256(path), path.stat().st_size
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return key
+
+
+def test_a_sample_of_no_token_fails_naming_it_without_a_traceback(copy, capsys):
+    """A forward of 0 tokens raised inside transformers (a traceback); now the sample is a named integrity problem
+    and the other drawn samples are still checked."""
+    sample_id = _rewrite_first_sample(copy, empty=True)
+    assert main([str(copy), "--num-samples", str(NUM_ROWS), "--skip-hash"]) == 1
+    out = capsys.readouterr().out
+    assert f"sample {sample_id} holds no token" in out and "not found in the shards" not in out, out
+    report = verify(copy, num_samples=NUM_ROWS, check_shards=False, log=_quiet)
+    assert {r.sample_id for r in report.results} == set(report.sample_ids) - {sample_id} and not report.failures
+    assert len(report.integrity_problems) == 1 and not report.ok
+
+
+def test_a_token_id_outside_the_vocabulary_fails_naming_it_without_a_traceback(copy, capsys):
+    """A stored input id >= the model's vocab_size (1024 for the demo model; set here to 10**6) made the embedding
+    raise IndexError; now the sample is a named integrity problem and the other drawn samples are still checked."""
+    sample_id = _rewrite_first_sample(copy, empty=False, token_id=10 ** 6)
+    assert main([str(copy), "--num-samples", str(NUM_ROWS), "--skip-hash"]) == 1
+    out = capsys.readouterr().out
+    assert f"sample {sample_id} holds token id 1000000, outside the model's vocabulary of 1024" in out, out
+    report = verify(copy, num_samples=NUM_ROWS, check_shards=False, log=_quiet)
+    assert {r.sample_id for r in report.results} == set(report.sample_ids) - {sample_id} and not report.failures
+    assert {n.sample_id for n in report.noise} == set(report.sample_ids) - {sample_id}
+
+
+def test_a_floor_that_is_not_finite_is_called_so_not_above_the_cap():
+    """A NaN padded-batch reference (its floor) makes a layer above the tolerance inconclusive; the report said
+    'above 0.5' of a NaN."""
+    text = format_report(_report({"5": float("nan")}, {"5": 0.2}))
+    assert "(noise not finite: not used)" in text and "above 0.5" not in text, text
+    fail = next(line for line in text.splitlines() if line.startswith("FAIL"))
+    assert fail.endswith("rounding noise at this depth is nan (padded batch vs alone, not finite: not used)"), fail
