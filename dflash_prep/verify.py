@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import sys
@@ -134,7 +135,7 @@ def judge(relative_error: float, tolerance: float, noise_floor: float | None, wi
     allowed, conclusive = allowed_error(tolerance, noise_floor, widen)
     if relative_error <= allowed:  # False for NaN
         return "pass"
-    return "fail" if conclusive or relative_error != relative_error else "inconclusive"
+    return "fail" if conclusive or math.isnan(relative_error) else "inconclusive"
 
 
 @dataclass
@@ -244,7 +245,7 @@ class VerifyReport:
 
 def _worst(a: float, b: float) -> float:
     """max that keeps a NaN (a non-finite result must show)."""
-    return b if b != b or b > a else a
+    return b if math.isnan(b) or b > a else a
 
 
 # -------------------------------------------------------------------------------------------- reference
@@ -759,7 +760,7 @@ def format_report(report: VerifyReport) -> str:
 
 def _above_cap(noise_floor: float) -> str:
     """Why a floor is not used: above NOISE_FLOOR_CAP, or not finite (NaN / Inf in the padded-batch reference)."""
-    return f"above {NOISE_FLOOR_CAP:g}" if noise_floor - noise_floor == 0 else "not finite"
+    return f"above {NOISE_FLOOR_CAP:g}" if math.isfinite(noise_floor) else "not finite"
 
 
 def _bound(report: VerifyReport, r: LayerResult, floor: dict | None) -> str:
@@ -779,7 +780,7 @@ def _finite_or_null(value):
     """`value` (nested dicts and lists of the report) with every NaN or infinite float as None: `--json` stays
     strict JSON (json.dumps would write NaN / Infinity, which JSON parsers other than Python's reject); a null
     error is a non-finite stored value (its verdict says "fail")."""
-    if isinstance(value, float) and value - value != 0:  # NaN, inf, -inf
+    if isinstance(value, float) and not math.isfinite(value):  # NaN, inf, -inf
         return None
     if isinstance(value, dict):
         return {k: _finite_or_null(v) for k, v in value.items()}
