@@ -22,9 +22,15 @@ KERNEL_CATEGORIES = (  # attention first: flash / mem-efficient kernels carry "c
 def kernel_profile(prof, cuda: bool, top: int = 40) -> dict:
     """Seconds and share per kernel category and the `top` kernels (GPU: kernels by self device time; CPU: ops
     by self CPU time), from a finished torch.profiler session."""
+    from torch.autograd import DeviceType
+
     rows = []
     for evt in prof.key_averages():
         if cuda:
+            # Kernels, copies and memsets only: a CPU op (aten::mm) or runtime event (cudaLaunchKernel, "Command
+            # Buffer Full") also carries the device time of what it launched or waited for, which counted twice.
+            if getattr(evt, "device_type", None) != DeviceType.CUDA:
+                continue
             t = getattr(evt, "self_device_time_total", None)
             t = getattr(evt, "self_cuda_time_total", 0) if t is None else t
         else:
