@@ -189,3 +189,38 @@ def test_a_producer_waiting_for_memory_sees_a_writer_error(tmp_path):
     t.join(5)
     assert not t.is_alive() and errors and "No space left" in str(errors[0])
     writer.abort()
+
+
+def test_each_committed_shards_sha256_is_that_of_its_file_bytes(tmp_path):
+    """The hashing runs on its own thread beside the file writes: what the index records must still be the
+    sha256 of the bytes on disk, for small members (batched before hashing) and large ones alike."""
+    import hashlib
+
+    writer = AsyncShardWriter(lanes(tmp_path, 0, 200_000, first_shard_number=0, num_lanes=2))
+    for b in range(9):  # 1 to 3 samples of 5-1,200 tokens: members from a few bytes to ~150 KB
+        writer.submit(_pending(b, 1 + b % 3, T=5 + 150 * b, width=64))
+    writer.close()
+    committed = read_committed(tmp_path)
+    assert len(committed) >= 3
+    for record in committed:
+        data = (tmp_path / record.path).read_bytes()
+        assert record.num_bytes == len(data)
+        assert record.sha256 == hashlib.sha256(data).hexdigest()
+
+
+def test_a_batch_is_fully_hashed_before_its_buffers_are_released(tmp_path):
+    """write_batch returns only after the hashing thread has read the batch's bytes: the writer's caller then
+    drops (and the pinned allocator reuses) the host buffer. Overwrite the buffer right after: the digest must
+    still be that of the file."""
+    import hashlib
+
+    w = ShardWriter(tmp_path, 0, max_shard_bytes=1 << 40)
+    pending = _pending(0, 3, T=4000, width=64)
+    from dflash_prep.writer import encode_batch
+
+    w.write_batch(0, encode_batch(pending))
+    pending.hidden_states_NK.fill_(7.0)  # what a reused buffer would hold by the time a late hash read it
+    w.close()
+    record = read_committed(tmp_path)[0]
+    data = (tmp_path / record.path).read_bytes()
+    assert record.sha256 == hashlib.sha256(data).hexdigest()
