@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The 27B hybrid end to end on a longer job, and the exactness of the transformers it runs, on one H200 (one
+# command, every step under `timeout`, all within DEADLINE_SECONDS, default 540):
+#
+#   export WHEEL_DIR=.whl; source bench/gpu_env.sh > /dev/null 2>&1
+#   ALT_WHEELS=.whl524 bash bench/gpu_long.sh RESULTS_DIR
+#
+# ALT_WHEELS (optional): a folder of wheels (e.g. transformers 5.24 and a huggingface_hub it accepts) installed
+# first on PYTHONPATH for every step: all figures are then those of that transformers. Outputs on /dev/shm.
+# Steps, each logged to RESULTS_DIR/logs/NAME.log; a failed step does not stop the next:
+# 1. packing-check: bench/packing_check.py on the 27B slice (fp32 and bf16, packed row vs each sample alone);
+# 2. 27b-long: bench/run_bench.py, defaults (packed rows, `model.kernels: auto`), LONG_TOKENS real tokens
+#    (default 800,000: ~41 GB of bf16 states, ~3x the standard 250,000), cold then warm pass;
+# 3. 27b-short (SHORT=1): the standard 250,000-token run, cold then warm (the Triton cache of step 2 is warm).
+set -uo pipefail
+R=${1:?usage: bash bench/gpu_long.sh RESULTS_DIR}
+mkdir -p "$R/logs" && R=$(cd "$R" && pwd)
+cd "$(dirname "$0")/.." || exit 2
+T0=$(date +%s)
+DEADLINE=${DEADLINE_SECONDS:-540}
+OUT=${OUT_DIR:-/dev/shm/bench-out}
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 want=$2; shift 2
+  local left=$(( DEADLINE - ($(date +%s) - T0) ))
+  local limit=$(( want < left ? want : left ))
+  if [ "$limit" -le 20 ]; then echo "[long] $name: skipped, deadline"; return; fi
+  echo "[long] $name: start (timeout ${limit}s)"
+  timeout -k 10 "$limit" "$@" > "$R/logs/$name.log" 2>&1
+  echo "[long] $name: exit $? after $(( $(date +%s) - T0 )) s"
+  grep -h "tok/s\|\[bench\].*: \(ok\|error\)\|worst\|error\|Error" "$R/logs/$name.log" | tail -8 | cut -c1-240
+}
+if [ -n "${ALT_WHEELS:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-alt "$ALT_WHEELS"/*.whl
+  export PYTHONPATH="/tmp/site-alt:${PYTHONPATH:-$PWD}"
+fi
+python3 -c "import transformers, torch; print('transformers', transformers.__version__, 'torch', torch.__version__)" \
+  | tee "$R/logs/versions.txt"
+MODEL=${MODEL:-qwen3.6-27b}  # tiny-qwen3.5 ... for a dry run of this script on a CPU
+PC_DEVICE=${PC_DEVICE:-cuda}
+step packing-check 150 python3 bench/packing_check.py --models "${PC_MODELS:-qwen3.6-27b}" --device "$PC_DEVICE" \
+  --json "$R/packing_check_long.json"
+B=(python3 bench/run_bench.py --results-dir "$R" --model "$MODEL" --out-dir "$OUT" --modes dflash_prep,dflash_prep_warm)
+step 27b-long 330 "${B[@]}" --num-samples "${LONG_SAMPLES:-3000}" --dflash-max-tokens "${LONG_TOKENS:-800000}"
+[ "${SHORT:-0}" = 1 ] && step 27b-short 200 "${B[@]}"
+echo "[long] done after $(( $(date +%s) - T0 )) s"
