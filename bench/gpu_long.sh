@@ -8,7 +8,8 @@
 # ALT_WHEELS (optional): a folder of wheels (e.g. transformers 5.24 and a huggingface_hub it accepts) installed
 # first on PYTHONPATH for every step: all figures are then those of that transformers. Outputs on /dev/shm.
 # Steps, each logged to RESULTS_DIR/logs/NAME.log; a failed step does not stop the next:
-# 1. packing-check: bench/packing_check.py on the 27B slice (fp32 and bf16, packed row vs each sample alone);
+# 1. packing-check: bench/packing_check.py on the 27B slice (fp32 and bf16, packed row vs each sample alone; cold
+#    Triton compiles of both dtypes take more than 150 s on a fresh machine: PC_SECONDS, default 300);
 # 2. 27b-long: bench/run_bench.py, defaults (packed rows, `model.kernels: auto`), LONG_TOKENS real tokens
 #    (default 800,000: ~41 GB of bf16 states, ~3x the standard 250,000), cold then warm pass;
 # 3. 27b-short (SHORT=1): the standard 250,000-token run, cold then warm (the Triton cache of step 2 is warm).
@@ -37,9 +38,9 @@ python3 -c "import transformers, torch; print('transformers', transformers.__ver
   | tee "$R/logs/versions.txt"
 MODEL=${MODEL:-qwen3.6-27b}  # tiny-qwen3.5 ... for a dry run of this script on a CPU
 PC_DEVICE=${PC_DEVICE:-cuda}
-step packing-check 150 python3 bench/packing_check.py --models "${PC_MODELS:-qwen3.6-27b}" --device "$PC_DEVICE" \
+step packing-check "${PC_SECONDS:-300}" python3 bench/packing_check.py --models "${PC_MODELS:-qwen3.6-27b}" --device "$PC_DEVICE" \
   --json "$R/packing_check_long.json"
 B=(python3 bench/run_bench.py --results-dir "$R" --model "$MODEL" --out-dir "$OUT" --modes dflash_prep,dflash_prep_warm)
-step 27b-long 330 "${B[@]}" --num-samples "${LONG_SAMPLES:-3000}" --dflash-max-tokens "${LONG_TOKENS:-800000}"
+[ "${LONG:-1}" = 1 ] && step 27b-long 330 "${B[@]}" --num-samples "${LONG_SAMPLES:-3000}" --dflash-max-tokens "${LONG_TOKENS:-800000}"
 [ "${SHORT:-0}" = 1 ] && step 27b-short 200 "${B[@]}"
 echo "[long] done after $(( $(date +%s) - T0 )) s"
