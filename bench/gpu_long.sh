@@ -12,7 +12,9 @@
 #    Triton compiles of both dtypes take more than 150 s on a fresh machine: PC_SECONDS, default 300);
 # 2. 27b-long: bench/run_bench.py, defaults (packed rows, `model.kernels: auto`), LONG_TOKENS real tokens
 #    (default 800,000: ~41 GB of bf16 states, ~3x the standard 250,000), cold then warm pass;
-# 3. 27b-short (SHORT=1): the standard 250,000-token run, cold then warm (the Triton cache of step 2 is warm).
+# 3. 27b-short (SHORT=1): the standard 250,000-token run, cold then warm (SHORT_MODES: e.g. add dflash_prep_fresh,
+#    a new process with the Triton cache the first pass filled);
+# 4. 8b (RUN_8B=1): the Llama-3.1-8B shape's standard run, cold then warm.
 set -uo pipefail
 R=${1:?usage: bash bench/gpu_long.sh RESULTS_DIR}
 mkdir -p "$R/logs" && R=$(cd "$R" && pwd)
@@ -38,9 +40,12 @@ python3 -c "import transformers, torch; print('transformers', transformers.__ver
   | tee "$R/logs/versions.txt"
 MODEL=${MODEL:-qwen3.6-27b}  # tiny-qwen3.5 ... for a dry run of this script on a CPU
 PC_DEVICE=${PC_DEVICE:-cuda}
-step packing-check "${PC_SECONDS:-300}" python3 bench/packing_check.py --models "${PC_MODELS:-qwen3.6-27b}" --device "$PC_DEVICE" \
+[ "${PC_SECONDS:-300}" -gt 0 ] && step packing-check "${PC_SECONDS:-300}" python3 bench/packing_check.py --models "${PC_MODELS:-qwen3.6-27b}" --device "$PC_DEVICE" \
   --json "$R/packing_check_long.json"
 B=(python3 bench/run_bench.py --results-dir "$R" --model "$MODEL" --out-dir "$OUT" --modes dflash_prep,dflash_prep_warm)
 [ "${LONG:-1}" = 1 ] && step 27b-long 330 "${B[@]}" --num-samples "${LONG_SAMPLES:-3000}" --dflash-max-tokens "${LONG_TOKENS:-800000}"
-[ "${SHORT:-0}" = 1 ] && step 27b-short 200 "${B[@]}"
+B=(python3 bench/run_bench.py --results-dir "$R" --out-dir "$OUT")
+[ "${SHORT:-0}" = 1 ] && step 27b-short "${SHORT_SECONDS:-200}" "${B[@]}" --model "$MODEL" \
+  --modes "${SHORT_MODES:-dflash_prep,dflash_prep_warm}"
+[ "${RUN_8B:-0}" = 1 ] && step 8b 200 "${B[@]}" --model "${MODEL_8B:-llama3.1-8b}" --modes dflash_prep,dflash_prep_warm
 echo "[long] done after $(( $(date +%s) - T0 )) s"
