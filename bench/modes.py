@@ -252,8 +252,9 @@ def run_dflash(ctx: Ctx, out_dir: Path, repeat_of: dict | None = None, extra_ove
             "setup": wall - loop_s,  # tokenize (datasets), plan, model build, manifest
             "data_wait": r["data_wait_seconds"],  # the loop waiting on the DataLoader
             "forward_gpu": t["forward"],  # GPU span of each forward (CUDA events)
-            "copy_to_host_gpu": t["copy"],  # GPU span of the device-to-host copy
-            "idle_gpu": loop_s - t["forward"] - t["copy"],  # loop time with neither on the GPU
+            # from each forward's end to its device-to-host copy's end, on the copy stream (overlaps the next forward)
+            "copy_to_host_gpu": t["copy"],
+            "idle_gpu": loop_s - t["forward"],  # loop time with no forward on the GPU
             "forward_host": r["forward_seconds"],  # host time inside forward + copy enqueue (summary)
             "writer_wait": r["writer_wait_seconds"],  # loop blocked on a full writer queue
             # after the last forward until the writers had written everything (part of idle_gpu: a run's tail)

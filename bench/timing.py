@@ -114,10 +114,10 @@ class DflashTimings:
         self.checksum: float | None = None
         self.load_seconds: float | None = None
 
-    def mark(self):
+    def mark(self, stream=None):
         if self.cuda:
             e = torch.cuda.Event(enable_timing=True)
-            e.record()
+            e.record(stream)
             return e
         return time.perf_counter()
 
@@ -146,7 +146,8 @@ class DflashTimings:
             t0 = time.perf_counter()
             out = orig_to_host(captured, device)
             if timings.batches:
-                timings.batches[-1]["copy_end"] = timings.mark()
+                # the copy runs on extract's copy stream: its end is marked there (on CPU, now)
+                timings.batches[-1]["copy_end"] = timings.mark(ex._copy_stream(device) if timings.cuda else None)
                 # host time of the copy's enqueue (pinned allocation included), and when it ended: the gap to the
                 # next forward's start is the loop's own host time (writer hand-off, the next batch)
                 timings.batches[-1]["host_copy"] = time.perf_counter() - t0
