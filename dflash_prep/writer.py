@@ -86,10 +86,19 @@ class _HashingFile:
         self._small: list = []
         self._small_bytes = 0
         self._last = None
+        self._error: BaseException | None = None  # the first hashing error: the digest is void from then on
 
     def _hash(self, pieces: list) -> None:
-        for piece in pieces:
-            self.sha256.update(piece)
+        # Only the last hand-over's future is waited for; an earlier one's error would be lost (and the later
+        # pieces hashed without the failed ones: a wrong digest committed), so it is kept here for `wait`.
+        if self._error is not None:
+            return
+        try:
+            for piece in pieces:
+                self.sha256.update(piece)
+        except BaseException as e:
+            self._error = e
+            raise
 
     def _hand_over(self) -> None:
         if self._small:
@@ -97,13 +106,16 @@ class _HashingFile:
             self._small, self._small_bytes = [], 0
 
     def write(self, data) -> int:
+        # Bytes, not len(): a member buffer may be an array of wider items or of several dimensions (`Parts`),
+        # whose len() counts elements or rows while the tar header and the file hold its bytes.
+        nbytes = memoryview(data).nbytes
         if self.discarded:  # an aborted shard: late writes go nowhere
-            return len(data)
+            return nbytes
         self._small.append(data)
-        self._small_bytes += len(data)
+        self._small_bytes += nbytes
         if self._small_bytes >= self._HASH_BATCH_BYTES:
             self._hand_over()
-        self.num_bytes += len(data)
+        self.num_bytes += nbytes
         return self.f.write(data)
 
     def wait(self) -> None:
@@ -111,6 +123,8 @@ class _HashingFile:
         self._hand_over()
         if self._last is not None:
             self._last.result()
+        if self._error is not None:  # raised on every later wait too: no digest of this shard is ever valid
+            raise self._error
 
     def hexdigest(self) -> str:
         """The sha256 of everything written (hashes what is still pending first)."""
@@ -156,7 +170,7 @@ class _TarStream:
             if isinstance(data, str):
                 data = data.encode("utf-8")
             parts = data if isinstance(data, Parts) else (data,)
-            size = data.num_bytes if isinstance(data, Parts) else len(data)
+            size = data.num_bytes if isinstance(data, Parts) else memoryview(data).nbytes  # bytes, not items
             info = tarfile.TarInfo(f"{key}.{member}")
             info.size, info.mtime, info.mode, info.uname, info.gname = size, 0, 0o444, "bigdata", "bigdata"
             self._put(info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))
