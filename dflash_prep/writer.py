@@ -611,7 +611,9 @@ class AsyncShardWriter:
                 w.close()
             except BaseException as e:
                 self._error = e  # a write error of a last commit is reported like one of a thread
-                for other in self.writers[j + 1:]:
+                # The failing lane too: a commit that failed before its rename leaves its shard open (the .tmp,
+                # the hashing thread); this close may be the caller's last call.
+                for other in self.writers[j:]:
                     other.abort()
                 raise
 
