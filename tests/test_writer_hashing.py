@@ -43,11 +43,21 @@ def _pending(batch_id: int, lengths: list[int], width: int, fp8: bool = False, k
     return PendingBatch(batch_id, infos, states, None, None, list(range(k)))
 
 
+_LEFT_BEFORE: set[threading.Thread] = set()
+
+
+@pytest.fixture(autouse=True)
+def _threads_left_before():
+    """Hashing threads alive before the test (left by another one): not charged to this test."""
+    _LEFT_BEFORE.clear()
+    _LEFT_BEFORE.update(t for t in threading.enumerate() if t.name.startswith("shard-sha256"))
+
+
 def _hash_threads() -> list[threading.Thread]:
-    """The live hashing threads, after giving finishing ones a moment to go."""
+    """The hashing threads this test left alive, after giving finishing ones a moment to go."""
     deadline = time.time() + 2
     while True:
-        alive = [t for t in threading.enumerate() if t.name.startswith("shard-sha256")]
+        alive = [t for t in threading.enumerate() if t.name.startswith("shard-sha256") and t not in _LEFT_BEFORE]
         if not alive or time.time() > deadline:
             return alive
         time.sleep(0.02)
