@@ -17,16 +17,9 @@ cd "$(dirname "$0")/.." || exit 2
 T0=$(date +%s)
 DEADLINE=${DEADLINE_SECONDS:-540}
 OUT=/dev/shm/bench-out
-step() {  # step NAME SECONDS COMMAND...
-  local name=$1 want=$2; shift 2
-  local left=$(( DEADLINE - ($(date +%s) - T0) ))
-  local limit=$(( want < left ? want : left ))
-  if [ "$limit" -le 20 ]; then echo "[levers] $name: skipped, deadline"; return; fi
-  echo "[levers] $name: start (timeout ${limit}s)"
-  timeout -k 10 "$limit" "$@" > "$R/logs/$name.log" 2>&1
-  echo "[levers] $name: exit $? after $(( $(date +%s) - T0 )) s"
-  grep -h "tok/s\|\[bench\].*: \(ok\|error\)\|worst\|layer  \|error" "$R/logs/$name.log" | tail -8 | cut -c1-240
-}
+STEP_TAG=levers
+STEP_GREP='tok/s\|\[bench\].*: \(ok\|error\)\|worst\|layer  \|error'
+source bench/gpu_step.sh  # step NAME SECONDS COMMAND...
 MODEL=${MODEL:-qwen3.6-27b}  # tiny-llama ... for a dry run of this script on a CPU
 B=(python3 bench/run_bench.py --results-dir "$R" --model "$MODEL" --out-dir "$OUT")
 step 27b-padded 380 "${B[@]}" --dflash-set batching.packing=false --modes dflash_prep,dflash_prep_warm

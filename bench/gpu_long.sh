@@ -22,16 +22,9 @@ cd "$(dirname "$0")/.." || exit 2
 T0=$(date +%s)
 DEADLINE=${DEADLINE_SECONDS:-540}
 OUT=${OUT_DIR:-/dev/shm/bench-out}
-step() {  # step NAME SECONDS COMMAND...
-  local name=$1 want=$2; shift 2
-  local left=$(( DEADLINE - ($(date +%s) - T0) ))
-  local limit=$(( want < left ? want : left ))
-  if [ "$limit" -le 20 ]; then echo "[long] $name: skipped, deadline"; return; fi
-  echo "[long] $name: start (timeout ${limit}s)"
-  timeout -k 10 "$limit" "$@" > "$R/logs/$name.log" 2>&1
-  echo "[long] $name: exit $? after $(( $(date +%s) - T0 )) s"
-  grep -h "tok/s\|\[bench\].*: \(ok\|error\)\|worst\|error\|Error" "$R/logs/$name.log" | tail -8 | cut -c1-240
-}
+STEP_TAG=long
+STEP_GREP='tok/s\|\[bench\].*: \(ok\|error\)\|worst\|error\|Error'
+source bench/gpu_step.sh  # step NAME SECONDS COMMAND...
 if [ -n "${ALT_WHEELS:-}" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-alt "$ALT_WHEELS"/*.whl
   export PYTHONPATH="/tmp/site-alt:${PYTHONPATH:-$PWD}"

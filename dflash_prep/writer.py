@@ -69,8 +69,9 @@ class _HashingFile:
     """Write-only file wrapper that hashes (sha256) and counts what passes through, in one pass over the bytes.
 
     The hashing runs on a thread of its own, in write order, while this thread writes the same bytes to the file:
-    a lane then runs at the slower of the two instead of their sum (one lane on tmpfs went from 0.87 GB/s, hash
-    and write in turn, to the write's speed; both release the GIL on large buffers). Pieces under
+    a lane then runs at the slower of the two instead of their sum (both release the GIL on large buffers). One
+    lane into tmpfs, bench/writer_bench.py on a 2-core VM: 1.15 -> 1.89 GB/s; the 27B benchmark's lanes on an H200
+    machine: 0.73 -> 1.2-1.4 GB/s (bench/RESULTS.md, fifth round). Pieces under
     `_HASH_BATCH_BYTES` (tar headers, paddings, small members) are handed over together with the next large one.
     `wait()` returns once every byte written so far is hashed: the caller's buffers may then be reused.
     """
