@@ -15,12 +15,12 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: the checkout on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash_prep.cost import batch_cost_model  # noqa: E402
-from dflash_prep.data import load_rows, tokenize_dataset  # noqa: E402
-from dflash_prep.layers import num_decoder_layers  # noqa: E402
-from dflash_prep.model import load_config, load_tokenizer, vocab_size_of  # noqa: E402
-from dflash_prep.planner import PlannedBatch, rank_finish_seconds, split_across_ranks  # noqa: E402
-from dflash_prep.recipe import load_recipe  # noqa: E402
+from dflash_prep.commands.cost import batch_cost_model  # noqa: E402
+from dflash_prep.data.rows import load_rows, tokenize_dataset  # noqa: E402
+from dflash_prep.plan.planner import PlannedBatch, rank_finish_seconds, split_across_ranks  # noqa: E402
+from dflash_prep.recipe.schema import load_recipe  # noqa: E402
+from dflash_prep.target.layers import num_decoder_layers  # noqa: E402
+from dflash_prep.target.model import load_config, load_tokenizer, vocab_size_of  # noqa: E402
 
 
 def _stages(seconds: dict | None) -> str:

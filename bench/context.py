@@ -18,8 +18,8 @@ import torch
 from bench.models import ModelSpec
 from bench.samples import Samples
 from bench.timing import sync
-from dflash_prep.model import load_model
-from dflash_prep.recipe import ModelSection
+from dflash_prep.recipe.schema import ModelSection
+from dflash_prep.target.model import load_model
 
 
 @dataclass

@@ -43,16 +43,16 @@ write_pretokenized(Path(sys.argv[1]) / "data.parquet", s, 4500)
 print(s.params)
 EOF
 
-step 2-extract 330 python3 -m dflash_prep.cli launch --config_file accelerate_configs/multi_gpu.yaml \
+step 2-extract 330 python3 -m dflash_prep.commands.cli launch --config_file accelerate_configs/multi_gpu.yaml \
     --num_processes 2 extract.py --set "data.path=$WORK/data.parquet" --set data.max_length=4096 \
-    --set model.config=bench/configs/llama3.1-8b.json --set model.tokenizer=recipes/tiny-demo/tokenizer \
+    --set model.config=bench/configs/llama3.1-8b.json --set model.tokenizer=dflash_prep/demo/tiny-demo/tokenizer \
     --set model.dtype=bfloat16 --set layers.preset=eagle3 --set layers.capture_final=after_norm \
     --set output.dtype=fp8_e4m3 --set batching.max_tokens_per_batch=auto --set output.overwrite=true \
     --set "output.dir=$OUT"
 cp "$OUT/summary.json" "$OUT/plan.json" "$RESULTS/" 2>/dev/null
 cp -r "$OUT/logs" "$RESULTS/rank-logs" 2>/dev/null
 
-step 3-verify 240 python3 -m dflash_prep.cli verify "$OUT" --num-samples 16 --seed 0
+step 3-verify 240 python3 -m dflash_prep.commands.cli verify "$OUT" --num-samples 16 --seed 0
 
 step 4-balance 120 python3 bench/balance_report.py "$OUT" "$RESULTS/balance.txt"
 echo "results in $RESULTS"

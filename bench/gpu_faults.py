@@ -35,7 +35,7 @@ def run(out: Path, extra: list[str], fraction: float | None = None, faults: dict
     if faults:
         env["DFLASH_PREP_FAULTS"] = json.dumps(faults)
     cap = (f"import torch; torch.cuda.set_per_process_memory_fraction({fraction}); " if fraction else "")
-    code = f"import sys; {cap}from dflash_prep.extract import main; sys.exit(main(sys.argv[1:]))"
+    code = f"import sys; {cap}from dflash_prep.commands.extract import main; sys.exit(main(sys.argv[1:]))"
     proc = subprocess.run([sys.executable, "-c", code, "--set", f"output.dir={out}", *COMMON, *extra], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=900)
     return proc.returncode, proc.stderr
@@ -54,7 +54,7 @@ def states(out: Path) -> dict:
                     t = load(tar.extractfile(info).read())
                     hs = t["hidden_states"]
                     if "hidden_states_scales" in t:  # fp8: dequantize
-                        from dflash_prep.fp8 import dequantize
+                        from dflash_prep.target.fp8 import dequantize
                         hs = dequantize(hs, t["hidden_states_scales"])
                     found[key] = hs.float()
     return found
@@ -68,7 +68,7 @@ def check(cond: bool, what: str) -> None:
 
 def main() -> int:
     sys.path.insert(0, str(REPO))
-    from dflash_prep.inspect_output import check_output
+    from dflash_prep.commands.inspect import check_output
 
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/gpu_faults")

@@ -21,7 +21,7 @@ for arch in qwen3.5 llama; do
   python3 extract.py --set output.dir=$out --set output.overwrite=true --set model.dtype=bfloat16 \
       --set data.max_samples=300 "${extra[@]}" 2>&1 | grep --line-buffered "kernels\|done\|error" || status=1
   python3 -c "import json; m=json.load(open('$out/manifest.json')); print('$arch manifest kernels:', m['kernels'])" || status=1
-  python3 -m dflash_prep.cli verify $out --num-samples 16 --seed 0 2>&1 | tail -5 || status=1
-  python3 -m dflash_prep.cli verify $out --num-samples 16 --seed 0 --skip-hash --set model.kernels=eager 2>&1 | tail -2
+  python3 -m dflash_prep.commands.cli verify $out --num-samples 16 --seed 0 2>&1 | tail -5 || status=1
+  python3 -m dflash_prep.commands.cli verify $out --num-samples 16 --seed 0 --skip-hash --set model.kernels=eager 2>&1 | tail -2
 done
 exit $status

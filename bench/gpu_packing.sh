@@ -40,7 +40,7 @@ for arch in qwen3.5 llama; do
       2>&1 | tee -a "$RESULTS/gpu_packing.log"
   cp "$out/summary.json" "$RESULTS/summary-$arch.json" 2>/dev/null; cp "$out/manifest.json" "$RESULTS/manifest-$arch.json" 2>/dev/null
   step "verify $arch"
-  timeout 300 python3 -m dflash_prep.cli verify $out --num-samples 16 --seed 0 > "$RESULTS/verify-$arch.log" 2>&1 \
+  timeout 300 python3 -m dflash_prep.commands.cli verify $out --num-samples 16 --seed 0 > "$RESULTS/verify-$arch.log" 2>&1 \
       || { status=1; step "verify $arch FAILED"; }
   tail -5 "$RESULTS/verify-$arch.log" | tee -a "$RESULTS/gpu_packing.log"
 done

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Targets larger than one GPU (`model.gpus_per_replica`, dflash_prep/replica.py), on one node of 2 GPUs, offline,
+# Targets larger than one GPU (`model.gpus_per_replica`, dflash_prep/target/replica.py), on one node of 2 GPUs, offline,
 # random weights from configs. ONE command, about 6 minutes (every step under `timeout`, all of them within
 # REPLICA_BUDGET_SECONDS, default 570):
 #
@@ -103,10 +103,10 @@ log "results in $RESULTS, outputs in $WORK ($(cat "$WORK/disk.json")), budget ${
 step data 90 python3 -m bench.replica_check data "$WORK" $DRYFLAG
 step gemm 60 python3 -m bench.replica_check gemm "$RESULTS" $DRYFLAG
 
-COMMON=(--set "data.path=$WORK/data.parquet" --set data.max_length=4096 --set model.tokenizer=recipes/tiny-demo/tokenizer
+COMMON=(--set "data.path=$WORK/data.parquet" --set data.max_length=4096 --set model.tokenizer=dflash_prep/demo/tiny-demo/tokenizer
         --set model.dtype=bfloat16 --set layers.preset=eagle3 --set batching.max_tokens_per_batch=auto
         --set batching.num_workers=2 --set "model.triton_cache_dir=$WORK/triton" --set output.overwrite=true)
-LAUNCH=(python3 -m dflash_prep.cli launch)
+LAUNCH=(python3 -m dflash_prep.commands.cli launch)
 
 # --- the 70B shape: one replica of 2 GPUs ------------------------------------------------------------------------
 C70=(--set "model.config=$WORK/configs/70b.json" --set model.gpus_per_replica=2 --set "data.max_samples=$N70"
@@ -114,16 +114,16 @@ C70=(--set "model.config=$WORK/configs/70b.json" --set model.gpus_per_replica=2 
 if step 70b-tp 200 "${LAUNCH[@]}" "${TWO_PROCS[@]}" extract.py "${COMMON[@]}" "${C70[@]}" \
     --set "output.dir=$WORK/out-70b-tp"; then
   # the reference computed as the extraction ran: the same tensor-parallel replica of 2 processes
-  step verify-70b-tp 200 "${LAUNCH[@]}" "${TWO_PROCS[@]}" -m dflash_prep.cli verify "$WORK/out-70b-tp" \
+  step verify-70b-tp 200 "${LAUNCH[@]}" "${TWO_PROCS[@]}" -m dflash_prep.commands.cli verify "$WORK/out-70b-tp" \
       --num-samples 8 --seed 0 --skip-hash
   # and, for comparison, one process (the reference split by layers over the GPUs: whole GEMMs)
-  step verify-70b-tp-one-process 170 python3 -m dflash_prep.cli verify "$WORK/out-70b-tp" --num-samples 8 --seed 0
+  step verify-70b-tp-one-process 170 python3 -m dflash_prep.commands.cli verify "$WORK/out-70b-tp" --num-samples 8 --seed 0
   keep_summary "$WORK/out-70b-tp" 70b-tp
 else
   keep_summary "$WORK/out-70b-tp" 70b-tp
   if step 70b-layer-split 200 "${LAUNCH[@]}" --num_processes 1 extract.py "${COMMON[@]}" "${C70[@]}" \
       --set model.replica_parallelism=layer_split --set "output.dir=$WORK/out-70b-ls"; then
-    step verify-70b-layer-split 150 python3 -m dflash_prep.cli verify "$WORK/out-70b-ls" --num-samples 8 --seed 0
+    step verify-70b-layer-split 150 python3 -m dflash_prep.commands.cli verify "$WORK/out-70b-ls" --num-samples 8 --seed 0
   fi
   keep_summary "$WORK/out-70b-ls" 70b-layer-split
 fi

@@ -4,7 +4,7 @@
 
 For each model: the first `--layers` decoder layers of its benchmark config (the Qwen3.6-27B shape: 6 Gated
 DeltaNet + 2 full-attention layers; the Llama-3.1-8B shape), random fp32 weights drawn twice with the same seed
-(`dflash_prep.model.load_model`, as the extraction does), one copy eager and one with the kernels `auto` chooses
+(`dflash_prep.target.model.load_model`, as the extraction does), one copy eager and one with the kernels `auto` chooses
 on this GPU (`drop_layers_after`, then `apply_kernels`, as the extraction does). One right-padded batch of samples of
 different lengths goes through both with the capture hooks and the padding mask (`LayerCapture`, as the
 extraction does), and each sample also runs alone through the eager copy. Per captured layer, as max abs
@@ -34,12 +34,12 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dflash_prep.capture import LayerCapture  # noqa: E402
-from dflash_prep.collate import SampleInfo, collate  # noqa: E402
-from dflash_prep.kernels import apply_kernels, select_kernels  # noqa: E402
-from dflash_prep.layers import find_decoder  # noqa: E402
-from dflash_prep.model import drop_layers_after, load_config, load_model  # noqa: E402
-from dflash_prep.recipe import ModelSection  # noqa: E402
+from dflash_prep.plan.batches import SampleInfo, collate  # noqa: E402
+from dflash_prep.recipe.schema import ModelSection  # noqa: E402
+from dflash_prep.target.capture import LayerCapture  # noqa: E402
+from dflash_prep.target.kernels import apply_kernels, select_kernels  # noqa: E402
+from dflash_prep.target.layers import find_decoder  # noqa: E402
+from dflash_prep.target.model import drop_layers_after, load_config, load_model  # noqa: E402
 
 BOUND = 1e-3
 LENGTHS = [384, 211, 97, 333, 17, 256, 150, 301]  # one right-padded batch of T = 384
@@ -52,7 +52,7 @@ def slice_section(model: str, num_layers: int, tmp: Path) -> ModelSection:
     cfg.pop("layer_types", None)  # re-derived from full_attention_interval for the slice
     path = tmp / f"{model}-{num_layers}.json"
     path.write_text(json.dumps(cfg))
-    return ModelSection(config=str(path), tokenizer=str(REPO / "recipes" / "tiny-demo" / "tokenizer"),
+    return ModelSection(config=str(path), tokenizer=str(REPO / "dflash_prep" / "demo" / "tiny-demo" / "tokenizer"),
                         dtype="float32")
 
 

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import torch
 
-from dflash_prep.model import DTYPES
+from dflash_prep.target.model import DTYPES
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 CONFIG_DIR = BENCH_DIR / "configs"
 # Any tokenizer works for pre-tokenized rows (ids are checked against the model config's vocab, not the
 # tokenizer's); dflash-prep only reads its pad id (0) and fingerprints it. The demo tokenizer ships offline.
-TOKENIZER_DIR = REPO_ROOT / "recipes" / "tiny-demo" / "tokenizer"
+TOKENIZER_DIR = REPO_ROOT / "dflash_prep" / "demo" / "tiny-demo" / "tokenizer"
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def model_info(config, layer_ids: list[int]) -> dict:
     """Parameter counts from a meta-device build (no memory, no time)."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_prep.layers import decoder_layers, find_decoder
+    from dflash_prep.target.layers import decoder_layers, find_decoder
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -76,7 +76,7 @@ def model_info(config, layer_ids: list[int]) -> dict:
 def weights_checksum(model, layer_ids: list[int]) -> float:
     """float64 sum of the embedding and of decoder layers 0 and max(layer_ids): the same in every mode iff the
     modes built the same random weights (later layers may be dropped by dflash-prep, so they are not summed)."""
-    from dflash_prep.layers import decoder_layers, find_decoder
+    from dflash_prep.target.layers import decoder_layers, find_decoder
 
     decoder = find_decoder(model)
     layers = decoder_layers(decoder)
@@ -90,8 +90,8 @@ def weights_checksum(model, layer_ids: list[int]) -> float:
 def auto_token_budget(device: torch.device, config, info: dict, dtype_name: str, storage_dtype_name: str,
                       k: int) -> tuple[int, str]:
     """`--max-tokens-per-batch auto`: the product's own rule (`batching.max_tokens_per_batch: auto`,
-    dflash_prep/budget.py), with the weights of the whole model (the baselines hold all of it)."""
-    from dflash_prep import budget
+    dflash_prep/target/budget.py), with the weights of the whole model (the baselines hold all of it)."""
+    from dflash_prep.target import budget
 
     if device.type != "cuda":
         return budget.auto_token_budget(None, 0, 1)

@@ -1,7 +1,7 @@
 """The benchmark's modes: how each one extracts the states of the sample list and what it reports.
 
   per_sample / fixed_batch   the baselines (full CausalLM, `output_hidden_states=True`), synchronous timings
-  dflash_prep                `dflash_prep.extract.run_extraction` on a recipe built from the benchmark config
+  dflash_prep                `dflash_prep.commands.extract.run_extraction` on a recipe built from the benchmark config
                              (`batching.packing: auto`: packed rows on a GPU where exact, padded batches on CPU;
                              `--variant-set batching.packing=false` is the A/B)
   X_warm                     X again on exactly the samples X ran (same shapes: compiled kernels reused)
@@ -34,7 +34,7 @@ from bench.outputs import dir_bytes, fixed_batch_path, read_samples, written_ids
 from bench.profiling import kernel_profile, synchronizing_calls
 from bench.samples import write_pretokenized
 from bench.timing import BatchLog, DflashTimings, finish_result, free_memory, peak_memory, sync
-from dflash_prep.recipe import recipe_from_dict
+from dflash_prep.recipe.schema import recipe_from_dict
 
 ALL_MODES = ("per_sample", "fixed_batch", "dflash_prep", "per_sample_warm", "fixed_batch_warm", "dflash_prep_warm",
              "dflash_prep_variant", "dflash_prep_variant_warm", "dflash_prep_profile", "dflash_prep_fresh")
@@ -213,7 +213,7 @@ def dflash_recipe(ctx: Ctx, data_path: Path, out_dir: Path, extra_overrides: lis
 def run_dflash(ctx: Ctx, out_dir: Path, repeat_of: dict | None = None, extra_overrides: list | None = None) -> dict:
     """`run_extraction` on the longest prefix that fits the token (and disk) budget (a warm pass: the same).
     `extra_overrides` (the variant mode) go on top of `--dflash-set`."""
-    from dflash_prep.extract import run_extraction
+    from dflash_prep.commands.extract import run_extraction
 
     out_dir.mkdir(parents=True)
     n = min(len(ctx.samples.ids), ctx.samples.prefix_by_tokens(ctx.args.dflash_max_tokens))

@@ -4,7 +4,7 @@ both benchmark shapes with the fused kernels on.
     python3 bench/packing_check.py [--models qwen3.6-27b,llama3.1-8b] [--layers 8] [--json OUT.json]
 
 For each model: the first `--layers` decoder layers of its benchmark config (the Qwen3.6-27B shape: 6 Gated
-DeltaNet + 2 full-attention layers; the Llama-3.1-8B shape), random weights (`dflash_prep.model.load_model`), the
+DeltaNet + 2 full-attention layers; the Llama-3.1-8B shape), random weights (`dflash_prep.target.model.load_model`), the
 layers after the deepest captured one dropped and the kernels `model.kernels: auto` chooses on this GPU applied,
 as the extraction does. Each of 8 samples of 17-384 tokens first runs alone through that model (plain
 transformers, `output_hidden_states=True`, before the later layers are dropped); then the model is switched to
@@ -43,11 +43,11 @@ sys.path.insert(0, str(REPO))
 
 from bench.kernels_check import relative, slice_section  # noqa: E402
 from dflash_prep import packing  # noqa: E402
-from dflash_prep.capture import LayerCapture  # noqa: E402
-from dflash_prep.collate import SampleInfo, collate  # noqa: E402
-from dflash_prep.kernels import apply_kernels, select_kernels  # noqa: E402
-from dflash_prep.layers import find_decoder  # noqa: E402
-from dflash_prep.model import drop_layers_after, load_config, load_model  # noqa: E402
+from dflash_prep.plan.batches import SampleInfo, collate  # noqa: E402
+from dflash_prep.target.capture import LayerCapture  # noqa: E402
+from dflash_prep.target.kernels import apply_kernels, select_kernels  # noqa: E402
+from dflash_prep.target.layers import find_decoder  # noqa: E402
+from dflash_prep.target.model import drop_layers_after, load_config, load_model  # noqa: E402
 
 BOUNDS = {"float32": 1e-3, "bfloat16": 0.1}
 LENGTHS = [384, 211, 97, 333, 17, 256, 150, 301]  # 1749 tokens, packed into a row of 1792 (a tail segment)
@@ -74,7 +74,7 @@ def check(model_name: str, num_layers: int, dtype: str, device: torch.device, tm
     padded = _padded_batch(model, samples, layer_ids, device)  # the same samples as today's padded batch
     packing.use_packed_attention(model, device.type)
     calls_before = dict(packing.ATTENTION_CALLS)
-    batch = packing.collate_packed(samples, -(-sum(LENGTHS) // 64) * 64 + 64, 0)
+    batch = batches.collate_packed(samples, -(-sum(LENGTHS) // 64) * 64 + 64, 0)
     with LayerCapture(model, layer_ids, storage_dtype=torch.float32) as cap:
         cap.run(**batch.tensors_on(device))  # first call: Triton compiles and autotunes
         _sync(device)

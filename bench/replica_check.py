@@ -70,7 +70,7 @@ def decoder_params(config_path: Path) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dflash_prep.layers import decoder_layers, find_decoder
+    from dflash_prep.target.layers import decoder_layers, find_decoder
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_path))

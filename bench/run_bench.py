@@ -16,7 +16,7 @@ Modes (all read the same list of pre-drawn samples; a time-bounded mode runs a p
                (`rows_{g}-{g+2000}/data_{idx}.ckpt`). A batch that runs out of GPU memory is split in two
                and retried (counted in `oom_splits`; the wasted time stays in the wall time).
   dflash_prep  the real path end to end: the benchmark writes the samples as a parquet of pre-tokenized
-               rows (`id`, `input_ids`, `loss_mask` all ones) and calls `dflash_prep.extract.run_extraction`
+               rows (`id`, `input_ids`, `loss_mask` all ones) and calls `dflash_prep.commands.extract.run_extraction`
                on a recipe whose `model.config` is the benchmark config (hooks, planner, loader, async shard
                writer, manifest: all included).
   X_warm       (optional: per_sample_warm, fixed_batch_warm, dflash_prep_warm, each after its X) mode X again,
@@ -25,7 +25,7 @@ Modes (all read the same list of pre-drawn samples; a time-bounded mode runs a p
                pass = what a short or fresh run pays; warm pass = the steady state of a long run; their
                difference = the first-shape cost (`warm_vs_cold` in the report).
 
-Every mode builds the model the same way (`dflash_prep.model.load_model`: random weights drawn on the device
+Every mode builds the model the same way (`dflash_prep.target.model.load_model`: random weights drawn on the device
 with the same seed, `from_config(..., dtype=...)` under `torch.device(...)`), so all modes see identical
 weights (a checksum per mode proves it) and their states can be compared (`consistency` in the report).
 
@@ -57,19 +57,27 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 import bench  # noqa: E402, F401 - sets PYTORCH_CUDA_ALLOC_CONF before torch is imported
-
 from bench.context import Ctx, environment, fs_info, resolve_device  # noqa: E402, F401
-from bench.models import (CONFIG_DIR, MODELS, TOKENIZER_DIR, ModelSpec, auto_token_budget,  # noqa: E402, F401
-                          model_info, weights_checksum)
-from bench.modes import (ALL_MODES, DEFAULT_MODES, PROFILE, REPEATS_OF_DFLASH, RUNNERS, VARIANT, run_dflash,  # noqa: E402, F401
-                         run_fixed_batch, run_mode, run_per_sample)
+from bench.models import CONFIG_DIR, MODELS, TOKENIZER_DIR, ModelSpec, auto_token_budget, model_info, weights_checksum  # noqa: E402, F401
+from bench.modes import (  # noqa: E402, F401
+    ALL_MODES,
+    DEFAULT_MODES,
+    PROFILE,
+    REPEATS_OF_DFLASH,
+    RUNNERS,
+    VARIANT,
+    run_dflash,
+    run_fixed_batch,
+    run_mode,
+    run_per_sample,
+)
 from bench.outputs import compare, dir_bytes, read_samples, written_ids  # noqa: E402, F401
 from bench.profiling import KERNEL_CATEGORIES, kernel_profile  # noqa: E402, F401
 from bench.report import consistency_of, new_report, render_markdown, warm_overheads, write_report  # noqa: E402
 from bench.samples import Samples, make_samples  # noqa: E402, F401
 from bench.timing import GB, finish_result, measure_gemm  # noqa: E402, F401
-from dflash_prep.model import DTYPES  # noqa: E402
-from dflash_prep.recipe import ModelSection  # noqa: E402
+from dflash_prep.recipe.schema import ModelSection  # noqa: E402
+from dflash_prep.target.model import DTYPES  # noqa: E402
 
 
 def parse_overrides(items: list[str]) -> list[tuple[str, object]]:

@@ -126,7 +126,7 @@ class DflashTimings:
 
     @contextlib.contextmanager
     def installed(self):
-        import dflash_prep.extract as ex
+        import dflash_prep.commands.extract as ex
 
         timings = self
         orig_capture, orig_to_host, orig_load = ex.LayerCapture, ex._to_host, ex.load_model

@@ -54,7 +54,7 @@ def _config(path: str, layers: int, dry_run_cpu: bool):
 
 
 def _section(dry_run_cpu: bool):
-    from dflash_prep.recipe import ModelSection
+    from dflash_prep.recipe.schema import ModelSection
 
     return ModelSection(config="check", gpus_per_replica=2, dtype="float32" if dry_run_cpu else "bfloat16",
                         attn_implementation="sdpa")
@@ -82,7 +82,7 @@ def _forward_report(model, reference, config, device) -> dict:
     """Relative L2 of every layer's output (HF hidden_states) of the replica vs the one-device reference."""
     import torch
 
-    from dflash_prep.layers import find_decoder
+    from dflash_prep.target.layers import find_decoder
 
     tokens = torch.randint(3, min(config.vocab_size, 30000), (1, 96), generator=torch.Generator().manual_seed(1))
     out = {}
@@ -102,8 +102,8 @@ def tp_worker(args) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import distribute_tensor
 
-    from dflash_prep.model import _module_seed, build_random_model, load_replica_model
-    from dflash_prep.replica import TENSOR_PARALLEL, ReplicaLayout
+    from dflash_prep.target.model import _module_seed, build_random_model, load_replica_model
+    from dflash_prep.target.replica import TENSOR_PARALLEL, ReplicaLayout
 
     cpu = args.dry_run_cpu
     dist.init_process_group("gloo" if cpu else "nccl")
@@ -154,8 +154,8 @@ def rng_check() -> dict:
 def layer_split_check(args) -> dict:
     import torch
 
-    from dflash_prep.model import build_random_model, load_replica_model
-    from dflash_prep.replica import LAYER_SPLIT, ReplicaLayout
+    from dflash_prep.target.model import build_random_model, load_replica_model
+    from dflash_prep.target.replica import LAYER_SPLIT, ReplicaLayout
 
     config, section = _config(args.config, args.layers, False), _section(False)
     model = load_replica_model(section, config, ReplicaLayout(2, LAYER_SPLIT, 0, 1, 0, (0, 1)))
@@ -175,16 +175,16 @@ def extract_and_verify(args, results: Path, log) -> dict:
     (work / "configs").mkdir(parents=True, exist_ok=True)
     config.to_json_file(str(work / "configs" / "cut.json"))
     out = work / "out"
-    sets = [f"data.path={work / 'data.parquet'}", "data.max_length=4096", "model.tokenizer=recipes/tiny-demo/tokenizer",
+    sets = [f"data.path={work / 'data.parquet'}", "data.max_length=4096", "model.tokenizer=dflash_prep/demo/tiny-demo/tokenizer",
             f"model.dtype={'float32' if args.dry_run_cpu else 'bfloat16'}", "layers.preset=eagle3",
             "batching.max_tokens_per_batch=16384", "batching.num_workers=2", "output.overwrite=true",
             f"model.config={work / 'configs' / 'cut.json'}", "model.gpus_per_replica=2", "data.max_samples=64",
             "layers.capture_final=after_norm", "output.dtype=bfloat16", f"output.dir={out}"]
     procs = (["--config_file", str(REPO / "accelerate_configs" / "cpu_2proc.yaml")] if args.dry_run_cpu
              else ["--multi_gpu", "--num_processes", "2"])
-    steps["extract"] = run_step("extract", [sys.executable, "-m", "dflash_prep.cli", "launch", *procs, "extract.py",
+    steps["extract"] = run_step("extract", [sys.executable, "-m", "dflash_prep.commands.cli", "launch", *procs, "extract.py",
                                             *[a for s in sets for a in ("--set", s)]], results, 300, log)
-    steps["verify"] = run_step("verify", [sys.executable, "-m", "dflash_prep.cli", "verify", str(out),
+    steps["verify"] = run_step("verify", [sys.executable, "-m", "dflash_prep.commands.cli", "verify", str(out),
                                           "--num-samples", "8", "--skip-hash"], results, 240, log)
     text = (results / "verify.log").read_text() if (results / "verify.log").exists() else ""
     verdict = [line for line in text.splitlines() if line.startswith(("layer ", "verify: OK", "verify: FAILED"))]

@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_prep.collate import SampleInfo  # noqa: E402
-from dflash_prep.writer import AsyncShardWriter, PendingBatch, lanes  # noqa: E402
+from dflash_prep.plan.batches import SampleInfo  # noqa: E402
+from dflash_prep.store.writer import AsyncShardWriter, PendingBatch, lanes  # noqa: E402
 
 
 def gil_round_trip_us(n: int = 200) -> float:

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_prep.norms import randomize_norm_gains
+from dflash_prep.target.norms import randomize_norm_gains
 
 # One thread: in-process forwards on tiny models are dominated by thread start-up and, on a shared 2-core
 # machine, by contention (10-100x slower with the default thread count when the other core is busy).
 torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parent.parent
-DEMO = REPO / "recipes" / "tiny-demo"
+DEMO = REPO / "dflash_prep" / "demo" / "tiny-demo"
 
 
 def tiny_llama_config(vocab_size: int = 1024, num_layers: int = 6):

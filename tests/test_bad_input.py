@@ -7,15 +7,15 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import demo_overrides
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from conftest import demo_overrides
-from dflash_prep import data as D
-from dflash_prep.extract import run_extraction
-from dflash_prep.inspect_output import check_output
-from dflash_prep.model import load_tokenizer
-from dflash_prep.recipe import load_recipe
+from dflash_prep.commands.extract import run_extraction
+from dflash_prep.commands.inspect import check_output
+from dflash_prep.data import rows as D
+from dflash_prep.recipe.schema import load_recipe
+from dflash_prep.target.model import load_tokenizer
 
 REASONS = {v for k, v in vars(D).items() if k.startswith("SKIP_")}
 VOCAB = 1024  # the demo model's vocab_size

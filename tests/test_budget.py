@@ -6,13 +6,18 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import demo_overrides
-from dflash_prep.budget import (CPU_AUTO_TOKENS, auto_token_budget, bytes_per_padded_token, resident_weight_bytes,
-                                resolve_token_budget)
-from dflash_prep.layers import num_decoder_layers, resolve_layer_ids
-from dflash_prep.model import drop_layers_after, load_config, load_model
-from dflash_prep.recipe import RecipeError, load_recipe
+
+from dflash_prep.recipe.schema import RecipeError, load_recipe
+from dflash_prep.target.budget import (
+    CPU_AUTO_TOKENS,
+    auto_token_budget,
+    bytes_per_padded_token,
+    resident_weight_bytes,
+    resolve_token_budget,
+)
+from dflash_prep.target.layers import num_decoder_layers, resolve_layer_ids
+from dflash_prep.target.model import drop_layers_after, load_config, load_model
 
 
 def test_the_rule_rounds_down_to_a_power_of_two_within_bounds():
@@ -75,7 +80,7 @@ def test_recipe_accepts_auto_or_an_integer_only():
 
 
 def test_an_extraction_with_auto_plans_and_records_the_resolved_budget(tmp_path):
-    from dflash_prep.extract import main
+    from dflash_prep.commands.extract import main
 
     out = tmp_path / "out"
     argv = [a for kv in demo_overrides(out, **{"data.max_samples": 16, "batching.num_workers": 0,

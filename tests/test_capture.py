@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import build, tiny_llama_config, tiny_qwen35_config
-from dflash_prep.capture import LayerCapture
-from dflash_prep.collate import SampleInfo, collate
-from dflash_prep.layers import dflash_layer_ids, eagle3_layer_ids, find_decoder, resolve_layer_ids
-from dflash_prep.planner import ShapeBuckets, plan_batches
-from dflash_prep.recipe import LayersSection, RecipeError
+
+from dflash_prep.plan.batches import SampleInfo, collate
+from dflash_prep.plan.planner import ShapeBuckets, plan_batches
+from dflash_prep.recipe.schema import LayersSection, RecipeError
+from dflash_prep.target.capture import LayerCapture
+from dflash_prep.target.layers import dflash_layer_ids, eagle3_layer_ids, find_decoder, resolve_layer_ids
 
 ARCHS = {"llama": tiny_llama_config, "qwen3_5_hybrid": tiny_qwen35_config}
 
@@ -172,10 +172,10 @@ def test_every_layer_id_equals_hf_hidden_states_of_id_plus_one():
 
 def test_extraction_without_the_padding_mask_writes_the_same_states(tmp_path):
     """`model.padding_mask: false` end to end: the same samples, the same states (to storage rounding)."""
+    from conftest import demo_overrides, raw_records
     from safetensors.torch import load
 
-    from conftest import demo_overrides, raw_records
-    from dflash_prep.extract import main
+    from dflash_prep.commands.extract import main
 
     records = {}
     for mask in ("true", "false"):

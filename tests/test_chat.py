@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 import chat_templates as T
+import pytest
 from conftest import DEMO
-from dflash_prep import chat
+
+from dflash_prep.data import chat
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather",
                                            "parameters": {"type": "object", "required": ["city"],

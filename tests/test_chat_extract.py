@@ -8,18 +8,19 @@ import json
 import subprocess
 import sys
 
+import chat_templates as T
 import datasets
 import numpy as np
 import pytest
 import webdataset as wds
-
-import chat_templates as T
 from conftest import DEMO, REPO, demo_overrides
-from dflash_prep import chat, extract, plan
-from dflash_prep.extract import run_extraction
-from dflash_prep.recipe import load_recipe
 from test_chat import ROW
 from test_extract import ENV
+
+from dflash_prep.commands import extract, plan
+from dflash_prep.commands.extract import run_extraction
+from dflash_prep.data import chat
+from dflash_prep.recipe.schema import load_recipe
 
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "extract.py"]
 TINY_MODEL = ["model.name_or_path=null", f"model.config={DEMO / 'model_config.json'}", f"model.tokenizer={DEMO / 'tokenizer'}",
@@ -101,7 +102,7 @@ def test_no_kept_row_stops_before_the_model_loads_with_exit_2_and_plan_says_the_
         {"id": "c", "messages": []}]))
     out = tmp_path / "out"
     # `dflash-prep launch extract.py`, the README's command (plain `accelerate launch` turns any failure into 1)
-    proc = subprocess.run([sys.executable, "-m", "dflash_prep.cli", "launch", "extract.py", "--set", f"data.path={data}",
+    proc = subprocess.run([sys.executable, "-m", "dflash_prep.commands.cli", "launch", "extract.py", "--set", f"data.path={data}",
                            "--set", f"output.dir={out}"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2, proc.stderr[-3000:]
     message = proc.stderr.strip().splitlines()[-1]

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-
 from conftest import REPO, build, tiny_llama_config, tiny_qwen35_config
-from dflash_prep.cost import batch_cost_model
-from dflash_prep.recipe import load_recipe
+
+from dflash_prep.commands.cost import batch_cost_model
+from dflash_prep.recipe.schema import load_recipe
 
 
 def _decoder_params(model, layers_run: int) -> int:
@@ -15,7 +15,7 @@ def _decoder_params(model, layers_run: int) -> int:
 def test_qwen35_hybrid_costs_count_only_its_full_attention_layers_run():
     """Demo recipe: layers [1, 3, 5], no final layer, so layers 0-5 run; of those only layer 3 is full attention
     (the others are Gated DeltaNet, linear in length); 4 heads x 16 = 64 wide; bf16 states of 3 x 64 per token."""
-    recipe = load_recipe(REPO / "recipes" / "tiny-demo.yaml", [])
+    recipe = load_recipe(REPO / "dflash_prep" / "demo" / "tiny-demo.yaml", [])
     config = tiny_qwen35_config()
     model = batch_cost_model(recipe, config, [1, 3, 5], 8)
     assert model.linear_flops_per_token == 2 * _decoder_params(build(config), 6)
@@ -26,7 +26,7 @@ def test_qwen35_hybrid_costs_count_only_its_full_attention_layers_run():
 
 
 def test_llama_with_a_final_layer_runs_every_layer_and_stores_one_more_block():
-    recipe = load_recipe(REPO / "recipes" / "tiny-demo.yaml",
+    recipe = load_recipe(REPO / "dflash_prep" / "demo" / "tiny-demo.yaml",
                          ["layers.capture_final=before_norm", "output.dtype=fp8_e4m3"])
     config = tiny_llama_config()
     model = batch_cost_model(recipe, config, [1, 2, 3], 6)
@@ -40,11 +40,11 @@ def test_predicted_write_bytes_are_the_bytes_a_run_writes(tmp_path):
     plus each shard's tar end blocks: within 2%)."""
     import functools
 
-    from dflash_prep.extract import run_extraction
-    from dflash_prep.job import load_or_make_plan
-    from dflash_prep.model import load_config
+    from dflash_prep.commands.extract import run_extraction
+    from dflash_prep.commands.job import load_or_make_plan
+    from dflash_prep.target.model import load_config
 
-    recipe = load_recipe(REPO / "recipes" / "tiny-demo.yaml", [f"output.dir={tmp_path / 'out'}",
+    recipe = load_recipe(REPO / "dflash_prep" / "demo" / "tiny-demo.yaml", [f"output.dir={tmp_path / 'out'}",
                                                                 "data.max_samples=48", "batching.num_workers=0"])
     summary = run_extraction(recipe)
     lengths = _kept_lengths(recipe)
@@ -63,8 +63,8 @@ class _NoBarrier:
 
 
 def _kept_lengths(recipe) -> list[int]:
-    from dflash_prep.data import load_rows, tokenize_dataset
-    from dflash_prep.model import load_config, load_tokenizer, vocab_size_of
+    from dflash_prep.data.rows import load_rows, tokenize_dataset
+    from dflash_prep.target.model import load_config, load_tokenizer, vocab_size_of
 
     data = tokenize_dataset(load_rows(recipe.data), load_tokenizer(recipe.model), recipe.data,
                             vocab_size_of(load_config(recipe.model)))

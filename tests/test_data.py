@@ -6,11 +6,10 @@ import json
 
 import datasets
 import pytest
-
 from conftest import DEMO
-from dflash_prep.data import (SKIP_NO_SUPERVISED_PAIR, SKIP_OUT_OF_VOCAB, SKIP_TOO_LONG, load_rows,
-                              tokenize_dataset)
-from dflash_prep.recipe import DataSection, RecipeError
+
+from dflash_prep.data.rows import SKIP_NO_SUPERVISED_PAIR, SKIP_OUT_OF_VOCAB, SKIP_TOO_LONG, load_rows, tokenize_dataset
+from dflash_prep.recipe.schema import DataSection, RecipeError
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +115,7 @@ def test_one_bad_token_id_or_mask_value_skips_only_its_row(tmp_path, tokenizer):
 
 
 def test_a_template_with_a_jinja_syntax_error_is_one_line_naming_the_key_and_line():
-    from dflash_prep.data import check_chat_template
+    from dflash_prep.data.rows import check_chat_template
 
     template = "{% for m in messages %}\n{{ m.content }\n{% endfor %}"
     with pytest.raises(RecipeError, match=r"`data\.chat_template`: the chat template is not valid Jinja \(line 2"):

@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, demo_overrides
-from dflash_prep.reader import ShardDataset
+
+from dflash_prep.consume.reader import ShardDataset
 
 
 def python_blocks(path: Path) -> list[str]:
@@ -21,7 +21,7 @@ def python_blocks(path: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def output(tmp_path_factory) -> Path:
-    from dflash_prep.extract import main
+    from dflash_prep.commands.extract import main
 
     out = tmp_path_factory.mktemp("docs") / "out"
     argv = [a for kv in demo_overrides(out, **{"data.max_samples": 120, "batching.num_workers": 0})

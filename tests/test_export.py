@@ -1,4 +1,4 @@
-"""Tests for dflash_prep.export: each layout's file names, keys, shapes, dtypes and values (REFERENCE.md §1),
+"""Tests for dflash_prep.consume.export: each layout's file names, keys, shapes, dtypes and values (REFERENCE.md §1),
 the refusals (what the extraction did not capture), export order, and the CLI.
 
 Two small extractions (final layer before / after the norm) are shared by the module.
@@ -13,9 +13,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_prep.export import (EXPORT_INFO_NAME, ExportError, check_exportable, export, main,
-                                sample_ids_by_shard, specforge_path)
-from dflash_prep.reader import ShardDataset, shards_of
+from dflash_prep.consume.export import (
+    EXPORT_INFO_NAME,
+    ExportError,
+    check_exportable,
+    export,
+    main,
+    sample_ids_by_shard,
+    specforge_path,
+)
+from dflash_prep.consume.reader import ShardDataset, shards_of
 
 NUM_ROWS = 24
 BASE = [f"data.max_samples={NUM_ROWS}", "data.max_length=256", "batching.max_tokens_per_batch=1024",
@@ -23,8 +30,8 @@ BASE = [f"data.max_samples={NUM_ROWS}", "data.max_length=256", "batching.max_tok
 
 
 def _extract(out_dir: Path, capture_final: str) -> Path:
-    from dflash_prep.extract import run_extraction
-    from dflash_prep.recipe import load_recipe
+    from dflash_prep.commands.extract import run_extraction
+    from dflash_prep.recipe.schema import load_recipe
 
     run_extraction(load_recipe(None, [f"output.dir={out_dir}", *BASE, f"layers.capture_final={capture_final}"]))
     assert (out_dir / "manifest.json").is_file()
@@ -270,8 +277,8 @@ def test_cli_refuses_a_non_empty_dest_and_overwrites_on_request(out_before, tmp_
 
 def test_float32_output_needs_an_explicit_cast(tmp_path):
     out = tmp_path / "fp32"
-    from dflash_prep.extract import run_extraction
-    from dflash_prep.recipe import load_recipe
+    from dflash_prep.commands.extract import run_extraction
+    from dflash_prep.recipe.schema import load_recipe
 
     run_extraction(load_recipe(None, [f"output.dir={out}", *BASE[:1], "data.max_samples=6", *BASE[1:],
                                       "output.dtype=float32"]))
@@ -360,7 +367,7 @@ def test_one_export_per_dest_and_files_counted_after_the_rename(out_before, tmp_
 
     dest = tmp_path / "dest"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from dflash_prep.locks import FileLock; "
+        [sys.executable, "-c", "import sys; from dflash_prep.store.locks import FileLock; "
          "assert FileLock(sys.argv[1]).try_acquire(); print('held', flush=True); sys.stdin.read()",
          str(tmp_path / "dest.lock")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

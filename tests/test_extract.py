@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
+from conftest import REPO, build, max_abs_diff_to_alone, tiny_llama_config, tiny_qwen35_config
 from safetensors.torch import load as safetensors_load
 
-from conftest import REPO, build, max_abs_diff_to_alone, tiny_llama_config, tiny_qwen35_config
-from dflash_prep.extract import OutputMismatchError, run_extraction
-from dflash_prep.layers import find_decoder
-from dflash_prep.recipe import load_recipe
+from dflash_prep.commands.extract import OutputMismatchError, run_extraction
+from dflash_prep.recipe.schema import load_recipe
+from dflash_prep.target.layers import find_decoder
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
        "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

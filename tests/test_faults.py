@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import demo_overrides, raw_records
 from safetensors.torch import load as safetensors_load
 
-from conftest import demo_overrides, raw_records
-from dflash_prep.backoff import FAIL_NON_FINITE, FAIL_OOM, is_oom
-from dflash_prep.extract import EXIT_FAILED_SAMPLES, EXIT_STOPPED, main
+from dflash_prep.commands.extract import EXIT_FAILED_SAMPLES, EXIT_STOPPED, main
+from dflash_prep.commands.inspect import check_output, unlisted_shard_files
 from dflash_prep.faults import ENV_VAR, Faults
-from dflash_prep.inspect_output import check_output, unlisted_shard_files
-from dflash_prep.manifest import read_committed, repair_indexes
+from dflash_prep.store.manifest import read_committed, repair_indexes
+from dflash_prep.target.backoff import FAIL_NON_FINITE, FAIL_OOM, is_oom
 
 SETTINGS = {"data.max_samples": 64, "batching.num_workers": 0, "batching.max_tokens_per_batch": 2048,
             "output.max_shard_bytes": "1MB"}

@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_prep import fp8
-from dflash_prep.reader import ShardDataset
+from dflash_prep.consume.reader import ShardDataset
+from dflash_prep.target import fp8
 
 BASE = ["data.max_samples=16", "data.max_length=256", "batching.max_tokens_per_batch=2048", "batching.num_workers=0",
         "layers.capture_final=before_norm", "output.max_shard_bytes=256KB"]
@@ -30,8 +30,8 @@ def _bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory) -> dict[str, Path]:
-    from dflash_prep.extract import run_extraction
-    from dflash_prep.recipe import load_recipe
+    from dflash_prep.commands.extract import run_extraction
+    from dflash_prep.recipe.schema import load_recipe
 
     root = tmp_path_factory.mktemp("fp8")
     outs = {}
@@ -95,7 +95,7 @@ def test_fp8_round_trip_is_within_the_e4m3_bound_per_token(outputs):
 
 
 def test_fp8_is_about_half_the_bytes_of_bf16(outputs):
-    from dflash_prep.sizes import RecordSizer
+    from dflash_prep.store.sizes import RecordSizer
 
     size = {d: json.loads((o / "manifest.json").read_text())["num_bytes"] for d, o in outputs.items()}
     assert 0.5 < size["fp8_e4m3"] / size["bfloat16"] < 0.6, size  # H=64: the scales and headers weigh a little
@@ -108,8 +108,8 @@ def test_fp8_is_about_half_the_bytes_of_bf16(outputs):
 
 
 def test_plan_bytes_equal_the_fp8_and_float32_outputs(outputs):
-    from dflash_prep.plan import make_run_plan
-    from dflash_prep.recipe import load_recipe
+    from dflash_prep.commands.plan import make_run_plan
+    from dflash_prep.recipe.schema import load_recipe
 
     plan = make_run_plan(load_recipe(None, [f"output.dir={outputs['float32']}", *BASE]), tokens_per_second=1.0)
     for dtype, out in outputs.items():
@@ -117,8 +117,8 @@ def test_plan_bytes_equal_the_fp8_and_float32_outputs(outputs):
 
 
 def test_inspect_check_and_verify_accept_fp8(outputs, capsys):
-    from dflash_prep.inspect_output import check_output, describe
-    from dflash_prep.verify import verify
+    from dflash_prep.commands.inspect import check_output, describe
+    from dflash_prep.commands.verify import verify
 
     out = outputs["fp8_e4m3"]
     assert check_output(out) == []
@@ -135,7 +135,7 @@ def test_inspect_check_and_verify_accept_fp8(outputs, capsys):
 
 
 def test_speculators_export_writes_its_fp8_layout(outputs, tmp_path):
-    from dflash_prep.export import ExportError, check_exportable, export
+    from dflash_prep.consume.export import ExportError, check_exportable, export
 
     src = outputs["fp8_e4m3"]
     m = json.loads((src / "manifest.json").read_text())
@@ -175,11 +175,11 @@ def test_speculators_export_writes_its_fp8_layout(outputs, tmp_path):
 
 def test_capture_quantizes_on_the_device_side_buffer():
     """LayerCapture in fp8 mode: packed uint8 rows whose dequantized values match a float32 capture."""
-    from conftest import build, tiny_llama_config
-    from dflash_prep.capture import LayerCapture
-    from dflash_prep.collate import SampleInfo, collate
-
     import numpy as np
+    from conftest import build, tiny_llama_config
+
+    from dflash_prep.plan.batches import SampleInfo, collate
+    from dflash_prep.target.capture import LayerCapture
 
     model = build(tiny_llama_config())
     g = np.random.default_rng(0)
@@ -207,7 +207,7 @@ def test_fp8_goes_to_speculators_only_with_its_dequantizing_reader(outputs, tmp_
     """speculators' default reader returns the raw e4m3 codes (up to 448) without the scales: an fp8 export is
     refused unless `--hidden-states-backend fp8` (its reader that dequantizes) is passed, and that flag is written
     into the trainer config."""
-    from dflash_prep.export import main
+    from dflash_prep.consume.export import main
 
     src = outputs["fp8_e4m3"]
     dest = tmp_path / "spec"

@@ -8,7 +8,8 @@ import tarfile
 from collections import namedtuple
 
 from conftest import demo_overrides
-from dflash_prep.extract import main
+
+from dflash_prep.commands.extract import main
 
 SETTINGS = {"data.max_samples": 40, "batching.num_workers": 0, "output.max_shard_bytes": "1MB"}
 
@@ -31,9 +32,9 @@ def _record_bytes_in_shards(out) -> int:
 
 
 def test_the_estimate_is_the_bytes_the_records_take(tmp_path):
-    from dflash_prep.sizes import check_free_space
-    from dflash_prep.planner import PlannedBatch
-    from dflash_prep.recipe import load_recipe
+    from dflash_prep.plan.planner import PlannedBatch
+    from dflash_prep.recipe.schema import load_recipe
+    from dflash_prep.store.sizes import check_free_space
 
     out = tmp_path / "out"
     assert main(argv(out)) == 0
@@ -58,7 +59,7 @@ def test_the_estimate_is_the_bytes_the_records_take(tmp_path):
 def test_a_disk_too_small_is_reported_before_the_model_loads(tmp_path, monkeypatch, capsys):
     usage = namedtuple("usage", "total used free")
     real = shutil.disk_usage
-    monkeypatch.setattr("dflash_prep.sizes.shutil.disk_usage",
+    monkeypatch.setattr("dflash_prep.store.sizes.shutil.disk_usage",
                         lambda p: usage(*real(p)[:2], 1_000) if str(p).startswith(str(tmp_path)) else real(p))
     out = tmp_path / "out"
     assert main(argv(out, **{"data.max_samples": 8})) == 0  # a warning, not an error: the disk may be freed

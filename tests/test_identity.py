@@ -9,10 +9,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import DEMO, build, raw_records, tiny_qwen35_config
-from dflash_prep.extract import EXIT_BAD_RECIPE, main
-from dflash_prep.inspect_output import check_output
+
+from dflash_prep.commands.extract import EXIT_BAD_RECIPE, main
+from dflash_prep.commands.inspect import check_output
 
 SETTINGS = ["--set", "batching.num_workers=0", "--set", "batching.max_tokens_per_batch=4096",
             "--set", "output.max_shard_bytes=1MB"]

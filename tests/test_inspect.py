@@ -1,4 +1,4 @@
-"""Tests for dflash_prep.inspect_output: the report, and `--check` on a fresh output, a shard with one flipped
+"""Tests for dflash_prep.commands.inspect: the report, and `--check` on a fresh output, a shard with one flipped
 byte, a manifest whose counts disagree, and a missing shard. One small extraction is shared by the module;
 each corruption test works on its own copy.
 """
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_prep.inspect_output import check_output, describe, main
+from dflash_prep.commands.inspect import check_output, describe, main
 
 NUM_ROWS = 20
 OVERRIDES = [f"data.max_samples={NUM_ROWS}", "data.max_length=256", "batching.max_tokens_per_batch=1024",
@@ -19,8 +19,8 @@ OVERRIDES = [f"data.max_samples={NUM_ROWS}", "data.max_length=256", "batching.ma
 
 @pytest.fixture(scope="module")
 def output(tmp_path_factory) -> Path:
-    from dflash_prep.extract import run_extraction
-    from dflash_prep.recipe import load_recipe
+    from dflash_prep.commands.extract import run_extraction
+    from dflash_prep.recipe.schema import load_recipe
 
     out = tmp_path_factory.mktemp("inspect") / "out"
     run_extraction(load_recipe(None, [f"output.dir={out}", *OVERRIDES]))
@@ -147,8 +147,8 @@ def test_check_fails_a_manifest_whose_layers_or_width_were_edited(copy, capsys, 
 def test_a_damaged_manifest_or_plan_is_one_line_naming_the_file(copy, tmp_path, capsys):
     """inspect, export and verify on a manifest cut short (a copy interrupted, a full disk): exit 2, one line that
     names the file, no traceback; the same for an unfinished output's plan.json."""
-    from dflash_prep.export import main as export_main
-    from dflash_prep.verify import main as verify_main
+    from dflash_prep.commands.verify import main as verify_main
+    from dflash_prep.consume.export import main as export_main
 
     manifest = copy / "manifest.json"
     manifest.write_bytes(manifest.read_bytes()[:100])

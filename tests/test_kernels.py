@@ -18,16 +18,16 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import REPO, build, tiny_llama_config, tiny_qwen35_config
-from dflash_prep.capture import LayerCapture
-from dflash_prep.collate import SampleInfo, collate
-from dflash_prep.extract import main as extract_main
-from dflash_prep.extract import run_extraction
-from dflash_prep.kernels import KernelChoice, apply_kernels, fla_causal_conv1d_fn, select_kernels
-from dflash_prep.layers import find_decoder
-from dflash_prep.model import drop_layers_after
-from dflash_prep.recipe import RecipeError, load_recipe
+
+from dflash_prep.commands.extract import main as extract_main
+from dflash_prep.commands.extract import run_extraction
+from dflash_prep.plan.batches import SampleInfo, collate
+from dflash_prep.recipe.schema import RecipeError, load_recipe
+from dflash_prep.target.capture import LayerCapture
+from dflash_prep.target.kernels import KernelChoice, apply_kernels, fla_causal_conv1d_fn, select_kernels
+from dflash_prep.target.layers import find_decoder
+from dflash_prep.target.model import drop_layers_after
 
 CALLS: dict[str, list] = {}
 
@@ -198,7 +198,7 @@ def test_kernels_are_not_part_of_the_recipe_fingerprint():
 
 
 def test_importing_the_extraction_imports_no_kernel_library():
-    code = ("import sys, dflash_prep.extract, dflash_prep.kernels, dflash_prep.verify; "
+    code = ("import sys, dflash_prep.commands.extract, dflash_prep.target.kernels, dflash_prep.commands.verify; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('liger_kernel', 'fla', 'triton')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -13,13 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, processes_writing
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
        "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 ENV.pop("DFLASH_PREP_FAULTS", None)
-LAUNCH = [sys.executable, "-m", "dflash_prep.cli", "launch"]  # what `dflash-prep launch` runs
+LAUNCH = [sys.executable, "-m", "dflash_prep.commands.cli", "launch"]  # what `dflash-prep launch` runs
 CPU_2PROC = ["--config_file", str(REPO / "accelerate_configs" / "cpu_2proc.yaml")]
 
 
@@ -136,7 +135,7 @@ def test_a_script_killed_by_a_signal_is_named_in_one_line(tmp_path):
 def test_a_rank_killed_by_a_signal_is_named_even_when_another_rank_exited_with_a_code(capsys):
     """Two processes: rank 1 killed by the OOM killer (SIGKILL), rank 0 then stopped with exit code 1; the SIGTERM
     torch elastic sends the other ranks after a refusal (exit code 2) is not news."""
-    from dflash_prep.launch import _killed_message
+    from dflash_prep.commands.launch import _killed_message
 
     _killed_message({0: 1, 1: -int(signal.SIGKILL)})
     assert capsys.readouterr().err.strip() == ("error: rank 1 was killed by SIGKILL; committed shards are intact, "
@@ -150,7 +149,7 @@ def test_a_rank_killed_by_a_signal_is_named_even_when_another_rank_exited_with_a
 def test_sigterm_before_the_script_started_is_an_orderly_stop(monkeypatch, capsys):
     """The launcher's imports take a second or more: a preemption notice then ends it with exit code 1 (resumable)
     and one line, not a death by SIGTERM (exit 143, not a documented code)."""
-    from dflash_prep import launch
+    from dflash_prep.commands import launch
 
     monkeypatch.setattr(launch, "_child_pids", lambda: [])
     with pytest.raises(SystemExit) as stop:

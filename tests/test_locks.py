@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, demo_overrides, raw_records
-from dflash_prep.extract import EXIT_BAD_RECIPE, main
-from dflash_prep.inspect_output import check_output
-from dflash_prep.locks import FileLock
+
+from dflash_prep.commands.extract import EXIT_BAD_RECIPE, main
+from dflash_prep.commands.inspect import check_output
+from dflash_prep.store.locks import FileLock
 
 SETTINGS = {"data.max_samples": 24, "batching.num_workers": 0, "output.max_shard_bytes": "1MB"}
 
@@ -28,7 +28,7 @@ def argv(out: Path, **extra) -> list[str]:
 
 def hold_lock(path: Path) -> subprocess.Popen:
     """Another live process holding `path` (what a running extraction's main process or rank does)."""
-    code = (f"import sys, time; sys.path.insert(0, {str(REPO)!r}); from dflash_prep.locks import FileLock; "
+    code = (f"import sys, time; sys.path.insert(0, {str(REPO)!r}); from dflash_prep.store.locks import FileLock; "
             f"assert FileLock({str(path)!r}).try_acquire(); print('held', flush=True); time.sleep(600)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "held"
@@ -119,7 +119,7 @@ def alive(pid: int) -> bool:
 def test_dataloader_workers_neither_hold_the_locks_nor_outlive_a_main_process_killed_alone(tmp_path, capsys):
     """The kernel's OOM killer kills the rank's main process only: its DataLoader workers must not keep the output
     locked (every resume would be refused naming the dead pid) and must not linger."""
-    from dflash_prep.locks import running_holders
+    from dflash_prep.store.locks import running_holders
 
     out = tmp_path / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
@@ -150,10 +150,10 @@ def test_dataloader_workers_neither_hold_the_locks_nor_outlive_a_main_process_ki
 
 
 def test_inspect_of_an_unfinished_output_shows_progress_and_whether_it_runs(tmp_path, monkeypatch, capsys):
-    from dflash_prep.extract import EXIT_STOPPED
+    from dflash_prep.commands.extract import EXIT_STOPPED
+    from dflash_prep.commands.inspect import main as inspect_main
     from dflash_prep.faults import ENV_VAR
-    from dflash_prep.inspect_output import main as inspect_main
-    from dflash_prep.manifest import read_committed
+    from dflash_prep.store.manifest import read_committed
 
     out = tmp_path / "out"
     monkeypatch.setenv(ENV_VAR, json.dumps({"enospc_shard": 3}))  # stops after shards 0-2 of one lane
@@ -176,7 +176,7 @@ def test_inspect_of_an_unfinished_output_shows_progress_and_whether_it_runs(tmp_
     stamps = sorted(r.committed_at for r in committed)
     by_hand = sum(r.num_samples for r in committed if r.committed_at > stamps[0]) / (stamps[-1] - stamps[0])
     assert progress["samples_per_second_recent"] == pytest.approx(by_hand)
-    monkeypatch.setattr("dflash_prep.inspect_output.time.time", lambda: stamps[-1] + 600)
+    monkeypatch.setattr("dflash_prep.commands.inspect.time.time", lambda: stamps[-1] + 600)
     assert inspect_main([str(out), "--json"]) == 2
     assert json.loads(capsys.readouterr().out)["samples_per_second_recent"] == pytest.approx(by_hand)
     assert inspect_main([str(out)]) == 2
@@ -201,7 +201,7 @@ def test_inspect_of_an_unfinished_output_shows_progress_and_whether_it_runs(tmp_
 
 
 def test_inspect_of_a_folder_without_a_run_is_an_error(tmp_path, capsys):
-    from dflash_prep.inspect_output import main as inspect_main
+    from dflash_prep.commands.inspect import main as inspect_main
 
     assert inspect_main([str(tmp_path)]) == 2
     assert "manifest.json not found" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Tests for dflash_prep.norms: real (non-unit) norm gains in random-weight models, the final norm's form found by
+"""Tests for dflash_prep.target.norms: real (non-unit) norm gains in random-weight models, the final norm's form found by
 probing, and after-norm states derived from a before-norm extraction equal to a real after-norm extraction."""
 
 from __future__ import annotations
@@ -8,20 +8,25 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import build, tiny_llama_config, tiny_qwen35_config
 from torch import nn
 
-from conftest import build, tiny_llama_config, tiny_qwen35_config
-from dflash_prep.norms import (FINAL_NORM_NAME, apply_final_norm, describe_final_norm, read_final_norm,
-                               rms_normalize)
-from dflash_prep.reader import ShardDataset
+from dflash_prep.consume.reader import ShardDataset
+from dflash_prep.target.norms import (
+    FINAL_NORM_NAME,
+    apply_final_norm,
+    describe_final_norm,
+    read_final_norm,
+    rms_normalize,
+)
 
 BASE = ["data.max_samples=24", "data.max_length=256", "batching.max_tokens_per_batch=1024",
         "batching.num_workers=0"]
 
 
 def _extract(out_dir: Path, capture_final: str) -> Path:
-    from dflash_prep.extract import run_extraction
-    from dflash_prep.recipe import load_recipe
+    from dflash_prep.commands.extract import run_extraction
+    from dflash_prep.recipe.schema import load_recipe
 
     run_extraction(load_recipe(None, [f"output.dir={out_dir}", *BASE, f"layers.capture_final={capture_final}"]))
     return out_dir
@@ -34,11 +39,11 @@ def outputs(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_random_weight_models_have_non_unit_norm_gains():
-    from dflash_prep.model import load_model
-    from dflash_prep.recipe import load_recipe
+    from dflash_prep.recipe.schema import load_recipe
+    from dflash_prep.target.model import load_model
 
     recipe = load_recipe(None, [])
-    from dflash_prep.model import load_config
+    from dflash_prep.target.model import load_config
 
     model = load_model(recipe.model, load_config(recipe.model), torch.device("cpu"))
     # Qwen3.5 stores the gain as w in x_hat * (1 + w): transformers initialises w to 0 (unit gain).
@@ -111,7 +116,7 @@ def test_norm_gains_are_drawn_for_norms_placed_by_a_device_map_over_several_devi
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
     from transformers import AutoModelForCausalLM
 
-    from dflash_prep.norms import randomize_norm_gains
+    from dflash_prep.target.norms import randomize_norm_gains
 
     model = AutoModelForCausalLM.from_config(tiny_llama_config(num_layers=2), dtype=torch.float32)
     norms = [m for m in model.modules() if "RMSNorm" in type(m).__name__]

@@ -1,4 +1,4 @@
-"""Packed rows (batching.packing, dflash_prep/packing.py): the plan, the choice, the invariant (a packed sample's
+"""Packed rows (batching.packing, dflash_prep/target/packing.py): the plan, the choice, the invariant (a packed sample's
 states equal its states run alone through plain transformers), end to end, OOM splits and resumes."""
 
 from __future__ import annotations
@@ -12,18 +12,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import REPO, build, demo_overrides, raw_records, tiny_llama_config, tiny_qwen35_config
 
-from dflash_prep.capture import LayerCapture
-from dflash_prep.collate import SampleInfo
-from dflash_prep.extract import EXIT_STOPPED, main
+from dflash_prep.commands.extract import EXIT_STOPPED, main
+from dflash_prep.consume.reader import ShardDataset
 from dflash_prep.faults import ENV_VAR
-from dflash_prep.layers import find_decoder
-from dflash_prep.packing import (collate_packed, replay_stored_layout, select_packing, use_packed_attention)
-from dflash_prep.planner import packed_row_lengths, plan_packed_rows, plan_stats, split_across_ranks
-from dflash_prep.reader import ShardDataset
-from dflash_prep.recipe import RecipeError, load_recipe
+from dflash_prep.plan.batches import SampleInfo, collate_packed
+from dflash_prep.plan.planner import packed_row_lengths, plan_packed_rows, plan_stats, split_across_ranks
+from dflash_prep.recipe.schema import RecipeError, load_recipe
+from dflash_prep.target.capture import LayerCapture
+from dflash_prep.target.layers import find_decoder
+from dflash_prep.target.packing import replay_stored_layout, select_packing, use_packed_attention
 
 if str(REPO) not in sys.path:  # bench/ is a folder of the checkout, not part of the installed package
     sys.path.insert(0, str(REPO))
@@ -75,8 +74,8 @@ def test_row_lengths_never_exceed_the_budget():
 
 
 def test_packed_rows_hold_at_most_the_row_budget(tmp_path):
-    from dflash_prep.planner import make_plan
-    from dflash_prep.recipe import RecipeError, load_recipe
+    from dflash_prep.plan.planner import make_plan
+    from dflash_prep.recipe.schema import RecipeError, load_recipe
 
     g = np.random.default_rng(3)
     lengths = [int(x) for x in np.clip(g.lognormal(5.4, 0.9, 3000), 16, 4096)]  # ~1M tokens
@@ -119,7 +118,7 @@ def test_packing_choice_by_device_architecture_and_kernels():
         select_packing(True, qwen, "cuda", (), assume_fla=True)
     import importlib.util
 
-    from dflash_prep.packing import _fla_chunk_in_use
+    from dflash_prep.target.packing import _fla_chunk_in_use
 
     if importlib.util.find_spec("fla") is None:  # transformers' torch fallback ignores cu_seqlens: never packed
         assert _fla_chunk_in_use("qwen3_5") is False
@@ -252,8 +251,8 @@ def test_packed_extraction_equals_the_padded_one(padded_and_packed):
 
 
 def test_plan_command_reports_the_packed_rows(padded_and_packed, tmp_path):
-    from dflash_prep.plan import format_plan, make_run_plan
-    from dflash_prep.recipe import load_recipe
+    from dflash_prep.commands.plan import format_plan, make_run_plan
+    from dflash_prep.recipe.schema import load_recipe
 
     recipe = load_recipe(None, demo_overrides(tmp_path / "o", **SETTINGS, **{"batching.packing": "true"}))
     p = make_run_plan(recipe, bench_dir=None)

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO
 from safetensors.torch import save as safetensors_save
 
-from conftest import REPO
-from dflash_prep.plan import bench_references, format_plan, length_histogram, main, make_run_plan, shard_sizes
-from dflash_prep.sizes import safetensors_num_bytes, states_tensors
-from dflash_prep.recipe import load_recipe
+from dflash_prep.commands.plan import bench_references, format_plan, length_histogram, main, make_run_plan, shard_sizes
+from dflash_prep.recipe.schema import load_recipe
+from dflash_prep.store.sizes import safetensors_num_bytes, states_tensors
 
 BASE = ["data.max_samples=60", "data.max_length=384", "data.overlong=skip", "batching.max_tokens_per_batch=2048",
         "batching.num_workers=0", "output.max_shard_bytes=1MB"]
@@ -26,7 +26,7 @@ BASE = ["data.max_samples=60", "data.max_length=384", "data.overlong=skip", "bat
 @pytest.fixture(scope="module")
 def planned_and_run(tmp_path_factory):
     """(plan, manifest, summary) of the same recipe: planned first, then extracted."""
-    from dflash_prep.extract import run_extraction
+    from dflash_prep.commands.extract import run_extraction
 
     out = tmp_path_factory.mktemp("plan") / "out"
     recipe = load_recipe(None, [f"output.dir={out}", *BASE])
@@ -199,7 +199,7 @@ def test_cli_prints_the_plan_and_its_json(capsys, planned_and_run):
         assert printed[key] == plan[key], key
     bytes_per_token = plan["disk"][plan["dtype"]]["bytes_per_token"]
     assert printed["wall"]["write_bytes_per_second_per_gpu"] == pytest.approx(1000 * bytes_per_token)
-    from dflash_prep.cli import main as cli_main
+    from dflash_prep.commands.cli import main as cli_main
 
     assert cli_main(["plan", *args, "--num-gpus", "2", "--tokens-per-second", "500"]) == 0
     text = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""Tests for dflash_prep.planner (pure Python; no GPU, no torch)."""
+"""Tests for dflash_prep.plan.planner (pure Python; no GPU, no torch)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import random
 from collections import Counter
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from dflash_prep.planner import (
+from dflash_prep.plan.planner import (
     BatchCostModel,
     PlannedBatch,
     ShapeBuckets,

@@ -1,4 +1,4 @@
-"""Tests for dflash_prep.reader: round trip against the tar bytes and a direct forward, rank/worker split,
+"""Tests for dflash_prep.consume.reader: round trip against the tar bytes and a direct forward, rank/worker split,
 shuffling, format errors, and the DFlash collator (padded and packed batches).
 
 One small extraction (60 rows of the embedded demo, final layer before the norm, one shard per ~4-sample
@@ -18,8 +18,16 @@ import torch
 from safetensors.torch import load as safetensors_load
 from torch.utils.data import DataLoader
 
-from dflash_prep.reader import (DFlashCollator, ShardDataset, ShardFormatError, has_supervised_pair,
-                                iter_tar_samples, plan_consumer, resolve_rank_world, shards_of)
+from dflash_prep.consume.reader import (
+    DFlashCollator,
+    ShardDataset,
+    ShardFormatError,
+    has_supervised_pair,
+    iter_tar_samples,
+    plan_consumer,
+    resolve_rank_world,
+    shards_of,
+)
 
 NUM_ROWS = 60
 OVERRIDES = [f"data.max_samples={NUM_ROWS}", "data.max_length=384", "batching.max_tokens_per_batch=1536",
@@ -27,8 +35,8 @@ OVERRIDES = [f"data.max_samples={NUM_ROWS}", "data.max_length=384", "batching.ma
 
 
 def _extract(out_dir: Path, overrides: list[str]):
-    from dflash_prep.extract import run_extraction
-    from dflash_prep.recipe import load_recipe
+    from dflash_prep.commands.extract import run_extraction
+    from dflash_prep.recipe.schema import load_recipe
 
     recipe = load_recipe(None, [f"output.dir={out_dir}", *overrides])
     summary = run_extraction(recipe)
@@ -95,10 +103,10 @@ def test_reader_matches_a_direct_forward_through_the_model(extraction):
     """Rebuild the model from the recipe's seed, replay the frozen plan's batches through the decoder with
     `output_hidden_states=True` (no project hooks) and a hook of our own on the last layer: the stored states are
     those values rounded to bf16, bit for bit; an unpadded single-sample forward agrees within bf16 rounding."""
-    from dflash_prep.collate import collate, samples_from_rows
-    from dflash_prep.data import load_rows, tokenize_dataset
-    from dflash_prep.layers import find_decoder
-    from dflash_prep.model import load_config, load_model, load_tokenizer, vocab_size_of
+    from dflash_prep.data.rows import load_rows, tokenize_dataset
+    from dflash_prep.plan.batches import collate, samples_from_rows
+    from dflash_prep.target.layers import find_decoder
+    from dflash_prep.target.model import load_config, load_model, load_tokenizer, vocab_size_of
 
     out, recipe, manifest = extraction
     layer_ids = manifest["layer_ids"]

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import REPO
-from dflash_prep.recipe import DEFAULT_RECIPE, RecipeError, load_recipe, recipe_from_dict
+
+from dflash_prep.recipe.schema import DEFAULT_RECIPE, RecipeError, load_recipe, recipe_from_dict
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 
@@ -113,7 +113,7 @@ def test_bad_recipe_fails_before_the_model_loads_naming_the_key(tmp_path, capsys
     """Errors that need the model config or the file system come from `run_extraction`, still before any
     weights load and before anything is written to the output: the folder the refused run made for its logs is
     gone again (so the corrected command starts clean)."""
-    from dflash_prep.extract import EXIT_BAD_RECIPE, main
+    from dflash_prep.commands.extract import EXIT_BAD_RECIPE, main
 
     out = tmp_path / "out"
     extra = ["layers.preset=explicit"] if key == "layers.ids" else []
@@ -129,7 +129,7 @@ def test_model_fingerprint_depends_on_the_config_not_on_where_it_was_read(tmp_pa
     import json
     import shutil
 
-    from dflash_prep.model import load_config, model_fingerprint
+    from dflash_prep.target.model import load_config, model_fingerprint
 
     here = load_recipe(None)
     moved = tmp_path / "model_config.json"
@@ -144,7 +144,7 @@ def test_model_fingerprint_depends_on_the_config_not_on_where_it_was_read(tmp_pa
 
 
 def test_a_malformed_recipe_file_is_one_line_naming_it(tmp_path, capsys):
-    from dflash_prep.extract import main
+    from dflash_prep.commands.extract import main
 
     path = tmp_path / "broken.yaml"
     path.write_text("model:\n  config: x\n data: [\n")
@@ -155,9 +155,9 @@ def test_a_malformed_recipe_file_is_one_line_naming_it(tmp_path, capsys):
 
 
 def test_a_model_config_value_transformers_rejects_names_the_key(tmp_path, capsys):
-    from dflash_prep.extract import main
+    from dflash_prep.commands.extract import main
 
-    config = json.loads((REPO / "recipes" / "tiny-demo" / "model_config.json").read_text())
+    config = json.loads((REPO / "dflash_prep" / "demo" / "tiny-demo" / "model_config.json").read_text())
     config["hidden_size"] = "big"
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
@@ -177,7 +177,7 @@ def test_a_set_value_that_is_not_yaml_is_a_plain_string_checked_by_its_key():
 
 
 def test_an_output_dir_that_is_a_file_is_refused_naming_the_key(tmp_path):
-    from dflash_prep.job import refuse_unsafe_output_dir
+    from dflash_prep.commands.job import refuse_unsafe_output_dir
 
     path = tmp_path / "a-file"
     path.write_text("x")
@@ -187,7 +187,7 @@ def test_an_output_dir_that_is_a_file_is_refused_naming_the_key(tmp_path):
 
 def test_too_many_dflash_layers_name_the_key_and_the_real_maximum():
     """8 decoder layers: the DFlash rule spreads ids over 1..L-3 = 1..5, so at most 5 layers (by hand)."""
-    from dflash_prep.layers import resolve_layer_ids
+    from dflash_prep.target.layers import resolve_layer_ids
 
     recipe = load_recipe(None, ["layers.num_layers=6"])
     with pytest.raises(RecipeError, match=r"`layers\.num_layers` = 6: .*at most 5 for this model"):
@@ -196,7 +196,7 @@ def test_too_many_dflash_layers_name_the_key_and_the_real_maximum():
 
 
 def test_an_output_dir_that_cannot_be_created_is_a_refusal_not_a_resumable_stop(tmp_path, capsys):
-    from dflash_prep.extract import EXIT_BAD_RECIPE, main
+    from dflash_prep.commands.extract import EXIT_BAD_RECIPE, main
 
     (tmp_path / "a-file").write_text("x")
     assert main(["--set", f"output.dir={tmp_path / 'a-file' / 'out'}"]) == EXIT_BAD_RECIPE

@@ -8,15 +8,22 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, demo_overrides
-from dflash_prep.budget import auto_token_budget, resolve_token_budget
-from dflash_prep.layers import num_decoder_layers, resolve_layer_ids
-from dflash_prep.model import load_config, model_fingerprint
-from dflash_prep.planner import PlannedBatch, split_across_ranks
-from dflash_prep.recipe import RecipeError, load_recipe
-from dflash_prep.replica import (LAYER_SPLIT, SINGLE_GPU, TENSOR_PARALLEL, check_tensor_parallel_replicas,
-                                 choose_parallelism, load_arguments, replica_layout)
+
+from dflash_prep.plan.planner import PlannedBatch, split_across_ranks
+from dflash_prep.recipe.schema import RecipeError, load_recipe
+from dflash_prep.target.budget import auto_token_budget, resolve_token_budget
+from dflash_prep.target.layers import num_decoder_layers, resolve_layer_ids
+from dflash_prep.target.model import load_config, model_fingerprint
+from dflash_prep.target.replica import (
+    LAYER_SPLIT,
+    SINGLE_GPU,
+    TENSOR_PARALLEL,
+    check_tensor_parallel_replicas,
+    choose_parallelism,
+    load_arguments,
+    replica_layout,
+)
 
 CONFIGS = REPO / "bench" / "configs"
 

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, max_abs_diff_to_alone, tiny_llama_config
+from test_extract import read_records
 from torch import nn
 
-from conftest import REPO, max_abs_diff_to_alone, tiny_llama_config
-from dflash_prep.layers import find_decoder
-from dflash_prep.norms import randomize_norm_gains
-from test_extract import read_records
+from dflash_prep.target.layers import find_decoder
+from dflash_prep.target.norms import randomize_norm_gains
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
        "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "DFLASH_PREP_CPU_REPLICAS": "1"}
@@ -40,7 +40,7 @@ def common(config_file: Path) -> list[str]:
 
 def launch(out: Path, config_file: Path, faults: dict | None = None, extra: tuple = ()) -> subprocess.CompletedProcess:
     env = dict(ENV, DFLASH_PREP_FAULTS=json.dumps(faults)) if faults else ENV
-    cmd = [sys.executable, "-m", "dflash_prep.cli", "launch", "--config_file",
+    cmd = [sys.executable, "-m", "dflash_prep.commands.cli", "launch", "--config_file",
            str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "extract.py", "--set", f"output.dir={out}",
            *common(config_file), *extra]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
@@ -88,17 +88,17 @@ def test_a_tensor_parallel_replica_writes_what_each_sample_gets_alone(tp_out):
 
 
 def test_verify_rebuilds_a_tensor_parallel_replicas_weights(tp_out):
-    proc = subprocess.run([sys.executable, "-m", "dflash_prep.cli", "verify", str(tp_out), "--num-samples", "6"],
+    proc = subprocess.run([sys.executable, "-m", "dflash_prep.commands.cli", "verify", str(tp_out), "--num-samples", "6"],
                           cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "verify: OK: 6 sample(s)" in proc.stdout
 
 
 def verify_launched(out: Path, num_processes: int, *extra: str) -> subprocess.CompletedProcess:
-    """`dflash-prep launch ... -m dflash_prep.cli verify OUT` as a user runs it for a tensor-parallel output."""
-    cmd = [sys.executable, "-m", "dflash_prep.cli", "launch", "--config_file",
+    """`dflash-prep launch ... -m dflash_prep.commands.cli verify OUT` as a user runs it for a tensor-parallel output."""
+    cmd = [sys.executable, "-m", "dflash_prep.commands.cli", "launch", "--config_file",
            str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "--num_processes", str(num_processes), "-m",
-           "dflash_prep.cli", "verify", str(out), "--num-samples", "6", *extra]
+           "dflash_prep.commands.cli", "verify", str(out), "--num-samples", "6", *extra]
     return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
 
 
@@ -115,7 +115,7 @@ def test_verify_launched_as_the_replica_computes_its_reference_tensor_parallel(t
     floors = report["noise_floor"]["by_layer"]
     assert set(floors) == set(report["worst_by_layer"]) and all(f["num_samples"] == 6 for f in floors.values())
     assert max(f["relative_error"] for f in floors.values()) < 1e-4
-    one = subprocess.run([sys.executable, "-m", "dflash_prep.cli", "verify", str(tp_out), "--num-samples", "6",
+    one = subprocess.run([sys.executable, "-m", "dflash_prep.commands.cli", "verify", str(tp_out), "--num-samples", "6",
                           "--json"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert json.loads(one.stdout)["reference"] == "one device"
     # a corrupted shard is found by the main process, after the forwards: exit code 1, named once
@@ -209,8 +209,8 @@ AGREEMENT_SCRIPT = r'''
 import json, os, sys
 import torch
 import torch.distributed as dist
-from dflash_prep.finish import ExtractionError
-from dflash_prep.replica import ReplicaAgreement
+from dflash_prep.errors import ExtractionError
+from dflash_prep.target.replica import ReplicaAgreement
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -251,7 +251,7 @@ def test_the_agreement_of_a_replicas_processes(tmp_path):
 def test_several_tensor_parallel_replicas_are_refused_before_any_weights_load(llama_config_file, tmp_path):
     """4 CPU processes as 2 tensor-parallel replicas of 2: one line naming the key and the ways out, exit code 2."""
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "dflash_prep.cli", "launch", "--config_file",
+    proc = subprocess.run([sys.executable, "-m", "dflash_prep.commands.cli", "launch", "--config_file",
                            str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "--num_processes", "4", "extract.py",
                            "--set", f"output.dir={out}", *common(llama_config_file)],
                           cwd=REPO, env=ENV, capture_output=True, text=True, timeout=240)

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import REPO, raw_records
 from safetensors.numpy import load_file
 
-from conftest import REPO, raw_records
-from dflash_prep.inspect_output import check_output, unlisted_shard_files
-from dflash_prep.manifest import read_committed
+from dflash_prep.commands.inspect import check_output, unlisted_shard_files
+from dflash_prep.store.manifest import read_committed
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
        "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -217,14 +217,14 @@ def test_one_process_crashed_then_resumed_as_two(tmp_path, reference):
 
 def test_resuming_into_another_jobs_output_names_what_differs(tmp_path, reference_out, capsys):
     """No silent mixing: each content-deciding change is refused, naming the key, before any model loads."""
-    from dflash_prep.extract import EXIT_BAD_RECIPE, main
+    from dflash_prep.commands.extract import EXIT_BAD_RECIPE, main
 
     tokenizer = tmp_path / "tokenizer"
-    shutil.copytree(REPO / "recipes" / "tiny-demo" / "tokenizer", tokenizer)
+    shutil.copytree(REPO / "dflash_prep" / "demo" / "tiny-demo" / "tokenizer", tokenizer)
     with open(tokenizer / "chat_template.jinja", "a") as f:
         f.write("{# another template #}")
     data = tmp_path / "data.jsonl"
-    shutil.copy(REPO / "recipes" / "tiny-demo" / "data" / "conversations.jsonl", data)
+    shutil.copy(REPO / "dflash_prep" / "demo" / "tiny-demo" / "data" / "conversations.jsonl", data)
     base = ["--set", f"output.dir={reference_out}", *COMMON]
     before = sorted(p.name for p in reference_out.rglob("*"))
     for override, named in [
@@ -244,7 +244,7 @@ def test_resuming_into_another_jobs_output_names_what_differs(tmp_path, referenc
 
 
 def test_overwrite_starts_afresh_on_purpose(tmp_path, reference_out):
-    from dflash_prep.extract import main
+    from dflash_prep.commands.extract import main
 
     out = tmp_path / "out"
     shutil.copytree(reference_out, out)

@@ -13,14 +13,15 @@ import time
 from pathlib import Path
 
 from conftest import REPO, processes_writing, raw_records
-from dflash_prep.extract import run_extraction
+
+from dflash_prep.commands.extract import run_extraction
 from dflash_prep.faults import ENV_VAR
-from dflash_prep.recipe import load_recipe
+from dflash_prep.recipe.schema import load_recipe
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
        "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 ENV.pop(ENV_VAR, None)
-LAUNCH = [sys.executable, "-m", "dflash_prep.cli", "launch"]  # what `dflash-prep launch` runs
+LAUNCH = [sys.executable, "-m", "dflash_prep.commands.cli", "launch"]  # what `dflash-prep launch` runs
 CPU_2PROC = ["--config_file", str(REPO / "accelerate_configs" / "cpu_2proc.yaml")]
 STAGES = {"start", "tokenize", "plan", "model_load", "model_load_wait", "model_load_overlapped", "first_batch"}
 
@@ -28,7 +29,7 @@ STAGES = {"start", "tokenize", "plan", "model_load", "model_load_wait", "model_l
 def _data(path: Path, num_rows: int = 24, reverse: bool = False) -> Path:
     """The first rows of the demo's conversations, as a data file of their own."""
     lines = []
-    for f in sorted(glob.glob(str(REPO / "recipes" / "tiny-demo" / "data" / "*.jsonl"))):
+    for f in sorted(glob.glob(str(REPO / "dflash_prep" / "demo" / "tiny-demo" / "data" / "*.jsonl"))):
         lines += [line for line in Path(f).read_text().splitlines() if line.strip()]
     lines = lines[:num_rows]
     path.write_text("\n".join(reversed(lines) if reverse else lines) + "\n")

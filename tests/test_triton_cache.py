@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import sys
 
-from dflash_prep.kernels import configure_triton_cache
-from dflash_prep.recipe import load_recipe
+from dflash_prep.recipe.schema import load_recipe
+from dflash_prep.target.kernels import configure_triton_cache
 
 
 def test_the_recipe_sets_the_cache_dir_and_autotuning_when_the_user_did_not(tmp_path):
@@ -41,7 +41,7 @@ def test_the_default_is_under_the_users_cache_and_not_part_of_the_jobs_identity(
 
 
 def test_a_cpu_run_sets_nothing_and_imports_no_triton(tmp_path, monkeypatch):
-    from dflash_prep.extract import run_extraction
+    from dflash_prep.commands.extract import run_extraction
 
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)

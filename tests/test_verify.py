@@ -19,8 +19,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_prep.verify import (NOISE_FLOOR_CAP, NOISE_FLOOR_FACTOR, STORAGE_TOLERANCE, LayerResult, NoiseResult,
-                                 VerifyReport, allowed_error, choose_samples, format_report, judge, main, verify)
+from dflash_prep.commands.verify import (
+    NOISE_FLOOR_CAP,
+    NOISE_FLOOR_FACTOR,
+    STORAGE_TOLERANCE,
+    LayerResult,
+    NoiseResult,
+    VerifyReport,
+    allowed_error,
+    choose_samples,
+    format_report,
+    judge,
+    main,
+    verify,
+)
 
 NUM_ROWS = 12
 BASE = [f"data.max_samples={NUM_ROWS}", "data.max_length=192", "batching.max_tokens_per_batch=1024",
@@ -29,8 +41,8 @@ BASE = [f"data.max_samples={NUM_ROWS}", "data.max_length=192", "batching.max_tok
 
 @pytest.fixture(scope="module")
 def output(tmp_path_factory) -> Path:
-    from dflash_prep.extract import run_extraction
-    from dflash_prep.recipe import load_recipe
+    from dflash_prep.commands.extract import run_extraction
+    from dflash_prep.recipe.schema import load_recipe
 
     out = tmp_path_factory.mktemp("verify") / "out"
     run_extraction(load_recipe(None, [f"output.dir={out}", *BASE]))
@@ -40,8 +52,8 @@ def output(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def bf16_output(tmp_path_factory) -> Path:
     """The same rows computed in bfloat16: batched and alone forwards round differently (a noise floor > 0)."""
-    from dflash_prep.extract import run_extraction
-    from dflash_prep.recipe import load_recipe
+    from dflash_prep.commands.extract import run_extraction
+    from dflash_prep.recipe.schema import load_recipe
 
     out = tmp_path_factory.mktemp("verify-bf16") / "out"
     run_extraction(load_recipe(None, [f"output.dir={out}", "model.dtype=bfloat16", *BASE]))
@@ -113,7 +125,7 @@ def _alter_one_value(out: Path, sample_id: str, slot: int, token: int, column: i
 
 
 def test_one_altered_value_fails_naming_the_sample_and_the_layer(copy, capsys):
-    from dflash_prep.inspect_output import check_output
+    from dflash_prep.commands.inspect import check_output
 
     sample_id = sorted(json.loads((copy / "index" / "rank-00000.jsonl").read_text().splitlines()[0])["sample_ids"])[0]
     old, new = _alter_one_value(copy, sample_id, slot=1, token=5, column=17, factor=0.02)
@@ -207,9 +219,9 @@ def test_verify_compares_with_hf_hidden_states_not_with_our_hooks(tmp_path, caps
     """The reference is transformers' output_hidden_states on the sample alone: a before_norm output passes
     (its final layer = the pre-norm hidden_states[L]); the same states relabelled as layer id 7 = L-1 (what
     versions that accepted that id stored) fail on layer 7 only, since HF's hidden_states[8] is after the norm."""
-    from dflash_prep.extract import run_extraction
-    from dflash_prep.inspect_output import check_output
-    from dflash_prep.recipe import load_recipe
+    from dflash_prep.commands.extract import run_extraction
+    from dflash_prep.commands.inspect import check_output
+    from dflash_prep.recipe.schema import load_recipe
 
     src = tmp_path / "before"
     run_extraction(load_recipe(None, [f"output.dir={src}", *BASE, "layers.capture_final=before_norm"]))
@@ -251,8 +263,9 @@ def test_the_reference_applies_the_kernels_the_extraction_applied():
     """model.kernels: auto on a GPU is what the extraction applied (the manifest's `kernels`): none for a
     tensor-parallel replica (its reference, split by layers, would otherwise choose fused kernels)."""
     from conftest import tiny_llama_config
-    from dflash_prep.recipe import load_recipe
-    from dflash_prep.verify import _reference_kernels
+
+    from dflash_prep.commands.verify import _reference_kernels
+    from dflash_prep.recipe.schema import load_recipe
 
     recipe, config, cuda = load_recipe(None), tiny_llama_config(), torch.device("cuda")
     tensor_parallel = {"requested": "auto", "applied": [], "reason": "tensor parallel: not measured on sharded layers"}
@@ -269,8 +282,9 @@ def _padded_vs_alone_by_layer(out: Path) -> dict[str, float]:
 
     import numpy as np
     from conftest import raw_records
-    from dflash_prep.model import load_config, load_model
-    from dflash_prep.recipe import load_recipe
+
+    from dflash_prep.recipe.schema import load_recipe
+    from dflash_prep.target.model import load_config, load_model
 
     manifest = json.loads((out / "manifest.json").read_text())
     recipe = load_recipe(out / "recipe.resolved.yaml")
@@ -432,7 +446,7 @@ def test_no_noise_floor_runs_no_padded_batch_reference(bf16_output, capsys):
 
 
 def test_padded_batches_group_the_drawn_samples_in_reading_order_under_the_token_cap():
-    from dflash_prep.verify import NOISE_FLOOR_BATCH_TOKENS, _PaddedBatches
+    from dflash_prep.commands.verify import NOISE_FLOOR_BATCH_TOKENS, _PaddedBatches
 
     def groups(lengths):
         samples = [(f"s{i}", torch.zeros(n, dtype=torch.int64)) for i, n in enumerate(lengths)]
@@ -450,7 +464,7 @@ def test_padded_batches_group_the_drawn_samples_in_reading_order_under_the_token
 
 def test_a_padded_batch_out_of_memory_gives_no_noise_floor_in_one_process(output, monkeypatch):
     """One process: the samples of a padded batch that ran out of memory are judged on the tolerance alone."""
-    import dflash_prep.verify as verify_module
+    import dflash_prep.commands.verify as verify_module
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
@@ -470,8 +484,9 @@ def _lone_padded_vs_alone_by_layer(out: Path, sample_id: str) -> dict[str, float
 
     import numpy as np
     from conftest import raw_records
-    from dflash_prep.model import load_config, load_model
-    from dflash_prep.recipe import load_recipe
+
+    from dflash_prep.recipe.schema import load_recipe
+    from dflash_prep.target.model import load_config, load_model
 
     manifest = json.loads((out / "manifest.json").read_text())
     recipe = load_recipe(out / "recipe.resolved.yaml")

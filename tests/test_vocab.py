@@ -1,4 +1,4 @@
-"""Tests for dflash_prep.vocab: supervised-token frequencies stored with an output, and the d2t / t2d draft
+"""Tests for dflash_prep.consume.vocab: supervised-token frequencies stored with an output, and the d2t / t2d draft
 vocabulary in the layouts speculators and SpecForge load.
 
 Expected values are derived by hand (small tables) or by a different route (the shards' own input_ids and
@@ -15,20 +15,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import raw_records
 from safetensors.numpy import load_file
 
-from dflash_prep.cli import main as cli_main
-from dflash_prep.vocab import TOKEN_FREQ_NAME, count_supervised_tokens, draft_vocab
-
-from conftest import raw_records
+from dflash_prep.commands.cli import main as cli_main
+from dflash_prep.consume.vocab import TOKEN_FREQ_NAME, count_supervised_tokens, draft_vocab
 
 NUM_ROWS = 40
 
 
 @pytest.fixture(scope="module")
 def output(tmp_path_factory) -> Path:
-    from dflash_prep.extract import run_extraction
-    from dflash_prep.recipe import load_recipe
+    from dflash_prep.commands.extract import run_extraction
+    from dflash_prep.recipe.schema import load_recipe
 
     out = tmp_path_factory.mktemp("vocab") / "out"
     run_extraction(load_recipe(None, [f"output.dir={out}", f"data.max_samples={NUM_ROWS}", "data.max_length=256",

@@ -13,9 +13,9 @@ import pytest
 import torch
 import webdataset as wds
 
-from dflash_prep.collate import SampleInfo
-from dflash_prep.manifest import read_committed
-from dflash_prep.writer import AsyncShardWriter, PendingBatch, ShardWriter, _TarStream, lanes
+from dflash_prep.plan.batches import SampleInfo
+from dflash_prep.store.manifest import read_committed
+from dflash_prep.store.writer import AsyncShardWriter, PendingBatch, ShardWriter, _TarStream, lanes
 
 
 def _members(key: str, sizes: list[int], seed: int) -> dict:
@@ -116,7 +116,7 @@ def test_an_error_in_one_lane_stops_all_and_leaves_only_committed_shards(tmp_pat
 def test_safetensors_parts_are_the_librarys_bytes(tensors):
     from safetensors.torch import load, save
 
-    from dflash_prep.writer import safetensors_parts
+    from dflash_prep.store.writer import safetensors_parts
 
     parts = safetensors_parts(tensors)
     joined = b"".join(bytes(memoryview(p)) for p in parts)
@@ -126,7 +126,7 @@ def test_safetensors_parts_are_the_librarys_bytes(tensors):
 
 def test_states_reach_the_tar_from_the_host_buffer_without_a_joining_copy(tmp_path):
     """The safetensors member's data parts are views of the packed host buffer (no copy before the write)."""
-    from dflash_prep.writer import encode_batch
+    from dflash_prep.store.writer import encode_batch
 
     pending = _pending(0, 2)
     (first, _), (second, _) = encode_batch(pending)
@@ -216,7 +216,7 @@ def test_a_batch_is_fully_hashed_before_its_buffers_are_released(tmp_path):
 
     w = ShardWriter(tmp_path, 0, max_shard_bytes=1 << 40)
     pending = _pending(0, 3, T=4000, width=64)
-    from dflash_prep.writer import encode_batch
+    from dflash_prep.store.writer import encode_batch
 
     w.write_batch(0, encode_batch(pending))
     pending.hidden_states_NK.fill_(7.0)  # what a reused buffer would hold by the time a late hash read it

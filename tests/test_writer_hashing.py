@@ -18,14 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import REPO
-from dflash_prep import writer as writer_mod
-from dflash_prep.collate import SampleInfo
+
 from dflash_prep.faults import Faults
-from dflash_prep.fp8 import packed_width, store_block
-from dflash_prep.manifest import read_committed
-from dflash_prep.writer import AsyncShardWriter, PendingBatch, ShardWriter, encode_batch, lanes
+from dflash_prep.plan.batches import SampleInfo
+from dflash_prep.store import writer as writer_mod
+from dflash_prep.store.manifest import read_committed
+from dflash_prep.store.writer import AsyncShardWriter, PendingBatch, ShardWriter, encode_batch, lanes
+from dflash_prep.target.fp8 import packed_width, store_block
 
 
 def _pending(batch_id: int, lengths: list[int], width: int, fp8: bool = False, k: int = 2) -> PendingBatch:
@@ -309,8 +309,8 @@ def test_lane_buffers_released_and_reused_right_after_the_write(tmp_path):
 
 ABORT_SCRIPT = """
 import sys, torch
-from dflash_prep.writer import AsyncShardWriter, lanes, PendingBatch
-from dflash_prep.collate import SampleInfo
+from dflash_prep.store.writer import AsyncShardWriter, lanes, PendingBatch
+from dflash_prep.plan.batches import SampleInfo
 import numpy as np
 w = AsyncShardWriter(lanes(sys.argv[1], 0, 1 << 40, 0, 2))
 for b in range(6):
@@ -340,7 +340,7 @@ def test_a_process_that_stops_mid_write_exits_promptly(tmp_path, how):
 def test_members_of_wider_items_are_counted_in_bytes(tmp_path):
     """Member buffers that are not 1-D bytes (a float32 array in `Parts` or alone, a 2-D uint8 array): the tar
     header and the recorded shard size must count their bytes, not their items or rows."""
-    from dflash_prep.writer import Parts
+    from dflash_prep.store.writer import Parts
 
     w = ShardWriter(tmp_path, 0, max_shard_bytes=1 << 40)
     members = {"__key__": "w", "a.safetensors": Parts([b"head", np.arange(30_000, dtype=np.float32)]),
@@ -361,7 +361,8 @@ E2E = {"data.max_samples": 48, "batching.num_workers": 0, "batching.max_tokens_p
 
 def _extract(out: Path, **extra) -> int:
     from conftest import demo_overrides
-    from dflash_prep.extract import main
+
+    from dflash_prep.commands.extract import main
 
     return main([a for kv in demo_overrides(out, **{**E2E, **extra}) for a in ("--set", kv)])
 
@@ -381,7 +382,7 @@ def clean_digests(tmp_path_factory):
 
 @pytest.mark.parametrize("threads,dtype", [(1, "bfloat16"), (4, "bfloat16"), (4, "fp8_e4m3")])
 def test_extraction_passes_inspect_check(tmp_path, capsys, clean_digests, threads, dtype):
-    from dflash_prep.inspect_output import main as inspect_main
+    from dflash_prep.commands.inspect import main as inspect_main
 
     out = tmp_path / "out"
     assert _extract(out, **{"output.num_writer_threads": threads, "output.dtype": dtype}) == 0
@@ -397,7 +398,7 @@ def test_extraction_passes_inspect_check(tmp_path, capsys, clean_digests, thread
 
 
 def test_sigterm_mid_run_then_resume_gives_the_uninterrupted_digests(tmp_path, monkeypatch, clean_digests):
-    from dflash_prep.extract import EXIT_STOPPED
+    from dflash_prep.commands.extract import EXIT_STOPPED
     from dflash_prep.faults import ENV_VAR
 
     out = tmp_path / "out"

@@ -1,0 +1,203 @@
+"""The last stage of a run, on the main process once every rank is done: merge the rank indexes into the
+manifest, written last.
+
+Before the manifest: every planned sample must be committed or recorded as failed (else ExtractionError: re-run
+the same command), the supervised-token frequencies of exactly the written samples (vocab.py), `failed.jsonl` and
+`summary.json`. A write error here leaves every shard committed: re-running writes the manifest without
+recomputing anything.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+
+from dflash_prep import __version__
+from dflash_prep.commands.job import FAILED_NAME, SUMMARY_NAME, RankPlan, Run, manifest_readable
+from dflash_prep.consume.vocab import count_supervised_tokens, write_token_freq
+from dflash_prep.io import atomic_write_json, atomic_write_jsonl
+from dflash_prep.store.manifest import build_manifest, read_committed, write_manifest
+from dflash_prep.target.kernels import kernels_history, last_kernels_record
+from dflash_prep.target.model import describe_source, hidden_size_of, vocab_size_of
+from dflash_prep.target.norms import final_norm_entry
+
+log = logging.getLogger("dflash_prep")
+
+DISK_BOUND_FRACTION = 0.10  # a rank whose loop waited this share of its time on its writers was disk-bound
+
+
+def finish_run(run: Run, data, rank_plan: RankPlan) -> dict:
+    """Manifest (last), summary, failed.jsonl and token_freq.safetensors of the whole output; -> the summary.
+
+    A re-run of a finished output (nothing to do, a readable manifest and summary) changes nothing: it returns
+    the summary of the run that finished it."""
+    out_dir = run.out_dir
+    previous = _previous_summary(out_dir) if not rank_plan.todo else None  # nothing ran: keep its run's figures
+    if previous is not None and manifest_readable(out_dir):
+        log.info("the output was already finished: manifest and summary left as they are -> %s",
+                 out_dir / "manifest.json")
+        return previous
+    reports = [json.loads(p.read_text()) for p in sorted((out_dir / "index").glob("rank-*.done.json"))]
+    reports = [r for r in reports if r["rank"] < run.world]
+    records = read_committed(out_dir)
+    # Failed samples are recorded in the index line of the shard that committed their batch.
+    failed_rows = sorted((f for r in records for f in r.failed), key=lambda f: f["sample_id"])
+    manifest = build_manifest(records, _manifest_info(run, data, failed_rows))
+    written = {s for r in records for s in r.sample_ids}
+    accounted = written | {f["sample_id"] for f in failed_rows}
+    if accounted != set(data.kept["sample_id"]):
+        raise ExtractionError(
+            f"{len(rank_plan.lengths)} samples planned, {manifest['num_samples']} committed and {len(failed_rows)} "
+            f"recorded as failed: {len(set(data.kept['sample_id']) - accounted)} missing; re-run the same command "
+            f"to finish")
+    # The draft vocabulary's input: supervised-token frequencies over exactly the samples the manifest lists.
+    manifest["token_freq"] = write_token_freq(
+        out_dir, count_supervised_tokens(data.kept, vocab_size_of(run.config), written), len(written))
+    summary = previous or _summary(run, data, rank_plan, manifest, reports)
+    manifest["summary"] = {k: summary[k] for k in ("num_batches", "padding_efficiency", "num_ranks")}
+    try:
+        atomic_write_jsonl(out_dir / FAILED_NAME, failed_rows)
+        if previous is None:
+            atomic_write_json(out_dir / SUMMARY_NAME, summary)
+        write_manifest(out_dir, manifest)
+    except OSError as e:
+        raise ExtractionError(f"writing the manifest failed ({e}); every shard is committed: re-run the same "
+                              f"command (nothing is recomputed) to write it") from e
+    _log_done(summary, data.skipped_counts, out_dir)
+    return summary
+
+
+def _previous_summary(out_dir) -> dict | None:
+    """The summary of the run that computed the output's states, when it reads back, else None."""
+    try:
+        return json.loads((out_dir / SUMMARY_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _manifest_info(run: Run, data, failed_rows: list[dict]) -> dict:
+    """The manifest's run facts (docs/FORMAT.md), before the shard list and totals."""
+    recipe = run.recipe
+    return {
+        "dflash_prep_version": __version__,
+        "model": describe_source(recipe.model),
+        "model_fingerprint": run.identity["model"],
+        "tokenizer_fingerprint": run.identity["tokenizer"],
+        "weights_fingerprint": run.identity["weights"],
+        "data_rows_fingerprint": run.identity["data_rows"],
+        "attn_implementation": recipe.model.attn_implementation,
+        "recipe_fingerprint": recipe.fingerprint(),
+        "model_type": getattr(run.config, "model_type", None),
+        "num_hidden_layers": run.num_layers,
+        "layer_ids": run.layer_ids,
+        "layer_id_convention": "after-layer, 0-based (id i = HF hidden_states[i+1])",
+        "hidden_size": hidden_size_of(run.config),
+        "dtype": recipe.output.dtype,
+        "capture_final": recipe.layers.capture_final,
+        "final_norm": final_norm_entry(run.out_dir, recipe.layers.capture_final),
+        "num_rows": data.num_rows,
+        "num_skipped": sum(data.skipped_counts.values()),
+        "skipped": data.skipped_counts,
+        "num_failed": len(failed_rows),
+        "failed": dict(sorted(Counter(f["reason"] for f in failed_rows).items())),
+        "kernels": last_kernels_record(run.out_dir),
+        "kernels_history": kernels_history(run.out_dir),
+        "packing": run.packing.record(),
+    }
+
+
+def _summary(run: Run, data, rank_plan: RankPlan, manifest: dict, reports: list[dict]) -> dict:
+    """OUT/summary.json: the whole output's figures and this run's (per rank in `ranks`)."""
+    real = sum(r["num_real_tokens"] for r in reports)
+    padded = sum(r["num_padded_tokens"] for r in reports)
+    kernels = run.kernels.record()
+    return {
+        "output_dir": str(run.out_dir),
+        "num_rows": data.num_rows,
+        "num_samples_written": manifest["num_samples"],
+        "num_tokens_written": manifest["num_tokens"],
+        "num_samples_this_run": sum(r["num_samples"] for r in reports),
+        "num_tokens_this_run": real,
+        "num_skipped": manifest["num_skipped"],
+        "skipped": data.skipped_counts,
+        "num_failed": manifest["num_failed"],
+        "failed": manifest["failed"],
+        "num_failed_this_run": sum(r.get("num_failed", 0) for r in reports),
+        "num_oom": sum(r.get("num_oom", 0) for r in reports),
+        "num_batches": rank_plan.stats["num_batches"],
+        "num_shapes_planned": rank_plan.stats["num_shapes"],
+        # the whole output's (each batch is padded to its planned length, OOM splits included), whatever share of
+        # it this run computed; this run's own is below
+        "padding_efficiency": rank_plan.stats["padding_efficiency"],
+        "padding_efficiency_this_run": real / padded if padded else None,
+        "planned_padding_efficiency": rank_plan.stats["padding_efficiency"],
+        "num_ranks": run.world,  # replicas (processes that write)
+        "replicas": run.replica.record(),  # gpus_per_replica, parallelism (replica.py)
+        "wall_seconds": time.perf_counter() - run.t_start,
+        "tokens_per_second": real / max(max((r["loop_seconds"] for r in reports), default=0.0), 1e-9),
+        "bytes_written_this_run": sum(r["bytes_written"] for r in reports),
+        "bytes_total": manifest["num_bytes"],
+        "num_shards": len(manifest["shards"]),
+        "kernels": kernels if rank_plan.todo else {**kernels, "applied": [],
+                                                   "reason": "nothing to run: the model was not loaded"},
+        "triton_cache": run.triton_cache,
+        "packing": run.packing.record(),
+        "disk": disk_verdict(reports, run.recipe.output.dtype),
+        # where the main process's start-up went (seconds): each rank's is in `ranks`
+        "startup_seconds": next((r.get("startup_seconds") for r in reports if r["rank"] == run.rank), None),
+        "ranks": reports,
+    }
+
+
+def disk_verdict(reports: list[dict], storage_dtype: str) -> dict | None:
+    """Whether the disk, not the model, set this run's pace, with the figures (per rank, the slowest one):
+
+    - `needed_bytes_per_second`: what the model produced, bytes written / the loop's time not spent waiting on the
+      writers or draining them (what the disk must take for the GPU never to wait);
+    - `achieved_bytes_per_second`: bytes written / the whole loop (what the writers sustained end to end);
+    - `wait_fraction`: the loop's time blocked on the writers or draining them after the last forward.
+    `disk_bound` when that fraction exceeds DISK_BOUND_FRACTION; `fixes` then lists what would help. None when
+    nothing was written."""
+    busy = [r for r in reports if r.get("bytes_written") and r.get("loop_seconds")]
+    if not busy:
+        return None
+    worst = max(busy, key=lambda r: (r.get("writer_wait_seconds", 0) + r.get("writer_drain_seconds", 0))
+                / r["loop_seconds"])
+    waited = worst.get("writer_wait_seconds", 0.0) + worst.get("writer_drain_seconds", 0.0)
+    fraction = waited / worst["loop_seconds"]
+    verdict = {"disk_bound": fraction > DISK_BOUND_FRACTION, "wait_fraction": fraction, "rank": worst["rank"],
+               "needed_bytes_per_second": worst["bytes_written"] / max(worst["loop_seconds"] - waited, 1e-9),
+               "achieved_bytes_per_second": worst["bytes_written"] / worst["loop_seconds"],
+               "num_writer_threads": worst.get("num_writer_threads")}
+    if verdict["disk_bound"]:
+        verdict["fixes"] = ([] if storage_dtype == "fp8_e4m3" else ["output.dtype: fp8_e4m3 (half the bytes)"]) + [
+            f"more output.num_writer_threads (now {worst.get('num_writer_threads')})",
+            "a faster disk for output.dir"]
+    return verdict
+
+
+def _log_done(summary: dict, skipped_counts: dict, out_dir) -> None:
+    log.info("done: %d samples, %d tokens written (%d skipped%s, %d failed%s), padding efficiency %s, %.1f GB in "
+             "%d shards, %.1fs wall, %.0f tok/s%s -> %s", summary["num_samples_written"], summary["num_tokens_written"],
+             summary["num_skipped"], f" {skipped_counts}" if skipped_counts else "",
+             summary["num_failed"], f" {summary['failed']}" if summary["failed"] else "",
+             f"{summary['padding_efficiency']:.3f}" if summary["padding_efficiency"] else "n/a",
+             summary["bytes_total"] / 1e9, summary["num_shards"], summary["wall_seconds"],
+             summary["tokens_per_second"], _replicas_phrase(summary.get("replicas")), out_dir / "manifest.json")
+    disk = summary.get("disk")
+    if disk and disk["disk_bound"]:
+        log.warning("the disk set the pace: rank %d waited on its writers %.0f%% of its loop; the model produced "
+                    "%.2f GB/s, the writers sustained %.2f GB/s. To go faster: %s", disk["rank"],
+                    100 * disk["wait_fraction"], disk["needed_bytes_per_second"] / 1e9,
+                    disk["achieved_bytes_per_second"] / 1e9, "; ".join(disk["fixes"]))
+
+
+def _replicas_phrase(replicas: dict | None) -> str:
+    """` on 2 replicas of 4 GPUs (tensor_parallel)` for a run of replicas of several GPUs, else nothing (also for
+    the summary of an output made before replicas were recorded)."""
+    if replicas is None or replicas["gpus_per_replica"] == 1:
+        return ""
+    return (f" on {replicas['num_replicas']} replica(s) of {replicas['gpus_per_replica']} GPUs "
+            f"({replicas['parallelism']})")

@@ -1,0 +1,369 @@
+"""The job an output folder belongs to: what identifies it, and the run's claim on the folder.
+
+A run resumes into an output only when the output is this job's: the recipe keys that decide the content (model,
+tokenizer, data keys, layers, storage dtype) and the content itself (identity.py: the tokenized rows, the
+weights) must match; anything else is refused (`OutputMismatchError`, exit 2) naming what changed. Before
+anything is created, an `output.overwrite` on a folder that is not an output of this tool, and an output inside
+the data, are refused (RecipeError). `prepare_output` then repairs what a crash left (torn index lines,
+uncommitted files, committed shards whose file is missing or damaged) and records the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash_prep import __version__
+from dflash_prep.io import atomic_write_json
+from dflash_prep.plan.planner import PlannedBatch, make_plan, plan_settings
+from dflash_prep.recipe.fingerprints import describe_weights_change, weights_fingerprint
+from dflash_prep.recipe.schema import Recipe, RecipeError
+from dflash_prep.store.locks import LOCKS_DIR
+from dflash_prep.store.manifest import (
+    MANIFEST_NAME,
+    STATE_NAME,
+    OutputStateError,
+    damaged_shards,
+    damaged_state,
+    drop_records,
+    read_committed,
+    read_manifest,
+    read_state_json,
+    remove_uncommitted,
+    repair_indexes,
+)
+from dflash_prep.target.model import describe_source, model_fingerprint, tokenizer_fingerprint
+
+log = logging.getLogger("dflash_prep")
+
+PLAN_NAME = "plan.json"
+RECIPE_NAME = "recipe.resolved.yaml"
+SUMMARY_NAME = "summary.json"
+SKIPPED_NAME = "skipped.jsonl"
+FAILED_NAME = "failed.jsonl"
+
+
+class OutputMismatchError(RuntimeError):
+    """Resuming into an output made by a different job."""
+
+
+def run_identity(recipe: Recipe, config, layer_ids: list[int], tokenizer, is_main: bool) -> dict:
+    """What must match between an output and a run that resumes into it. The weights' fingerprint (identity.py)
+    is read by the main process only; the tokenized rows' fingerprint (`data_rows`) is added once they exist."""
+    return {
+        "model": model_fingerprint(recipe.model, config),
+        "model_source": describe_source(recipe.model),
+        "weights": weights_fingerprint(recipe.model) if is_main else None,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "data": {k: v for k, v in recipe.to_dict()["data"].items() if k != "num_proc"},
+        "layer_ids": layer_ids,
+        "capture_final": recipe.layers.capture_final,
+        "dtype": recipe.output.dtype,
+    }
+
+
+def identity_diffs(previous: dict, current: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ, e.g. ['data.max_length', 'layer_ids']."""
+    diffs = []
+    for key in sorted(set(previous) | set(current)):
+        a, b, name = previous.get(key), current.get(key), f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += identity_diffs(a, b, f"{name}.")
+        elif a != b:
+            diffs.append(name)
+    return diffs
+
+
+def _difference(key: str, previous: dict, current: dict) -> str:
+    """How `key` of the identity differs, in words."""
+    if key in ("model", "tokenizer"):
+        return f"{key} fingerprint differs"
+    if key == "weights":
+        return f"model weights differ ({describe_weights_change(previous[key], current[key])})"
+    if key == "data_rows":
+        return (f"data rows differ: the tokenized rows of data.path are not the ones the output was made from "
+                f"({previous[key]['num_rows']} kept rows then, {current[key]['num_rows']} now; edited, shuffled "
+                f"or replaced in place)")
+
+    def value(d, dotted):
+        for part in dotted.split("."):
+            d = d.get(part) if isinstance(d, dict) else None
+        return d
+    return f"{key}: output has {value(previous, key)!r}, this run has {value(current, key)!r}"
+
+
+def check_identity(out_dir: Path, identity: dict) -> None:
+    """Refuse (OutputMismatchError, one line) when `out_dir` holds the output of another job. Keys this run has not
+    computed (None) and keys an older output did not record are not compared."""
+    path = out_dir / STATE_NAME
+    if not path.exists():
+        return
+    previous = read_state_json(path)["identity"]
+    atomic_keys = ("weights", "data_rows")  # compared whole, described by _difference
+    diffs = []
+    for key in sorted(set(previous) | set(identity)):
+        if previous.get(key) is None or identity.get(key) is None:
+            continue
+        if key in atomic_keys or not (isinstance(previous[key], dict) and isinstance(identity[key], dict)):
+            diffs += [key] if previous[key] != identity[key] else []
+        else:
+            diffs += identity_diffs(previous[key], identity[key], f"{key}.")
+    if diffs:
+        details = "; ".join(_difference(k, previous, identity) for k in diffs)
+        raise OutputMismatchError(
+            f"{out_dir} holds an extraction of a different job ({details}). Use another output.dir, or "
+            f"--set output.overwrite=true to start afresh.")
+
+
+_OUTPUT_MARKERS = (STATE_NAME, PLAN_NAME, MANIFEST_NAME)
+
+
+def refuse_unsafe_output_dir(recipe: Recipe) -> None:
+    """Before anything is created: `output.overwrite` on a folder that is not an output of this tool would delete
+    the user's files, and an output inside the data (`data.path` a folder holding it, or a glob matching the
+    files a run writes there) would be read back as rows. Both raise RecipeError."""
+    out_dir = Path(recipe.output.dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise RecipeError(f"recipe key `output.dir` = {str(out_dir)!r} is a file, not a folder; choose a new or "
+                          f"empty folder")
+    if recipe.output.overwrite and out_dir.is_dir():
+        names = {p.name for p in out_dir.iterdir()}
+        if names - {"logs", LOCKS_DIR} and not names & set(_OUTPUT_MARKERS):
+            raise RecipeError(
+                f"recipe key `output.overwrite` = True: {out_dir} is not a dflash-prep output (no "
+                f"{', '.join(_OUTPUT_MARKERS)}; it holds {', '.join(sorted(names)[:5])}...): refusing to delete "
+                f"its files; set output.dir to a new or empty folder")
+    hit = _written_path_matching_data(recipe.data.path, out_dir)
+    if hit is not None:
+        raise RecipeError(
+            f"recipe key `output.dir` = {str(out_dir)!r}: it lies inside the data (`data.path` = "
+            f"{recipe.data.path!r} would read {hit} as rows); put the output outside the data")
+
+
+def _written_path_matching_data(data_path: str, out_dir: Path) -> Path | None:
+    """A file the run writes under `out_dir` that `data_path` (a folder or a glob) would read, or None."""
+    import fnmatch
+
+    data = Path(data_path).expanduser()
+    out_dir = out_dir.resolve()
+    written = [out_dir / n for n in (SKIPPED_NAME, FAILED_NAME, SUMMARY_NAME, PLAN_NAME, STATE_NAME, MANIFEST_NAME,
+                                     "index/rank-00000.jsonl", "index/rank-00000.done.json",
+                                     "shards/rank-00000/shard-000000.tar")]
+    if not any(c in data_path for c in "*?["):
+        return written[0] if data.is_dir() and out_dir.is_relative_to(data.resolve()) else None
+
+    def matches(parts: list[str], pattern: list[str]) -> bool:
+        if not pattern:
+            return not parts
+        if pattern[0] == "**":
+            return any(matches(parts[i:], pattern[1:]) for i in range(len(parts) + 1))
+        return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and matches(parts[1:], pattern[1:])
+
+    pattern = Path(os.path.abspath(data)).parts
+    return next((w for w in written if matches(list(w.parts), list(pattern))), None)
+
+
+def open_output(out_dir: Path, recipe: Recipe, identity: dict) -> None:
+    """Main process, holding the run lock, before the data is read: start afresh (`output.overwrite`) or check
+    that the output is this job's (all but the data rows, which are not tokenized yet)."""
+    if recipe.output.overwrite and out_dir.exists():
+        for child in out_dir.iterdir():
+            if child.name in ("logs", LOCKS_DIR):
+                continue  # the live log handlers of this run write there; this run holds its lock there
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    check_identity(out_dir, identity)
+
+
+def prepare_output(out_dir: Path, recipe: Recipe, identity: dict) -> bool:
+    """Main process, once the rows are tokenized: check the data rows, clean up a crashed run, drop committed
+    shards whose file is missing or damaged (their batches are redone), save the recipe and the run state.
+
+    Returns True for a finished output found intact (a readable manifest, nothing repaired, dropped or removed):
+    then nothing is written, so re-running a finished job leaves the output as it was."""
+    check_identity(out_dir, identity)
+    for index, records_cut in repair_indexes(out_dir):
+        if records_cut:
+            log.warning("%s holds an unreadable line before %d readable record(s) (an edit, or damage): cut at that "
+                        "line; the shards of those records are redone", index, records_cut)
+        else:
+            log.warning("%s ended in a torn line (a crash while appending): cut back to its last complete line", index)
+    committed = read_committed(out_dir)
+    damaged = damaged_shards(out_dir, committed)
+    for path, why in damaged.items():
+        log.warning("committed shard %s is damaged (%s): its batches are redone", path, why)
+    if damaged:
+        drop_records(out_dir, set(damaged))
+        committed = read_committed(out_dir)
+    removed = remove_uncommitted(out_dir, committed)
+    if removed:
+        log.info("removed %d uncommitted file(s) left by an interrupted run", len(removed))
+    if not damaged and not removed and manifest_readable(out_dir):
+        return True
+    (out_dir / RECIPE_NAME).write_text(_with_stored_batching(recipe, out_dir).to_yaml())
+    state_path = out_dir / STATE_NAME
+    runs = read_state_json(state_path).get("runs", []) if state_path.exists() else []
+    runs.append({"started_at": time.time(), "dflash_prep_version": __version__,
+                 "attn_implementation": recipe.model.attn_implementation})
+    atomic_write_json(state_path, {"identity": identity, "dflash_prep_version": __version__, "runs": runs})
+    return False
+
+
+def manifest_readable(out_dir: Path) -> bool:
+    """A manifest that reads back (an output finished by some run, unless damaged since)."""
+    try:
+        read_manifest(out_dir)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def load_or_make_plan(out_dir: Path, lengths: list[int], recipe: Recipe, is_main: bool, state,
+                      packed: bool = False) -> list[PlannedBatch]:
+    """The global plan: made once by the main process (packed rows when `packed`) and frozen in OUT/plan.json (so
+    resumes run the same batches whatever the number of ranks); every rank reads it back. A stored plan keeps its
+    layout (`PlannedBatch.packed`, false for a plan.json written before packing existed)."""
+    path = out_dir / PLAN_NAME
+    if is_main and not path.exists():
+        plan = make_plan(lengths, recipe, packed=packed)
+        atomic_write_json(path, {"batching": plan_settings(recipe), "num_samples": len(lengths), "packed": packed,
+                                 "batches": [[p.padded_length, list(p.sample_indices)] for p in plan]})
+    state.wait_for_everyone()
+    stored = read_stored_plan(path, lengths)
+    if is_main and {k: v for k, v in stored["batching"].items() if k != "packing"} != \
+            {k: v for k, v in plan_settings(recipe).items() if k != "packing"}:
+        log.warning("batching settings differ from the stored plan; resuming with the stored plan %s",
+                    stored["batching"])
+    stored_packed = bool(stored.get("packed", False))
+    return [PlannedBatch(batch_id=i, sample_indices=tuple(idx), padded_length=T,
+                        num_real_tokens=sum(lengths[j] for j in idx), packed=stored_packed)
+            for i, (T, idx) in enumerate(stored["batches"])]
+
+
+def _with_stored_batching(recipe: Recipe, out_dir: Path) -> Recipe:
+    """`recipe` with the batching settings of the output's stored plan, when there is one: a resume runs those
+    batches whatever its own `batching` says, so the recipe saved beside the output says what ran. (A plan.json
+    that cannot be read is left to load_or_make_plan, which names it.)"""
+    import dataclasses
+
+    try:
+        stored = read_state_json(out_dir / PLAN_NAME)["batching"] if (out_dir / PLAN_NAME).is_file() else None
+    except (OutputStateError, KeyError, TypeError):
+        return recipe
+    if not isinstance(stored, dict):
+        return recipe
+    names = {f.name for f in dataclasses.fields(recipe.batching)}
+    batching = dataclasses.replace(recipe.batching, **{k: v for k, v in stored.items() if k in names})
+    return dataclasses.replace(recipe, batching=batching)
+
+
+def read_stored_plan(path: Path, lengths: list[int]) -> dict:
+    """OUT/plan.json, checked against the kept samples' `lengths`: OutputMismatchError when it plans another number
+    of samples (the dataset changed), OutputStateError when it is damaged or edited into something that is not a
+    plan of them (`_check_stored_plan`)."""
+    stored = read_state_json(path)
+    if isinstance(stored, dict) and _is_int(stored.get("num_samples")) and stored["num_samples"] != len(lengths):
+        raise OutputMismatchError(f"{path} plans {stored['num_samples']} samples but the data has {len(lengths)}: "
+                                  f"the dataset changed; use --set output.overwrite=true")
+    _check_stored_plan(stored, lengths, path)
+    return stored
+
+
+def _check_stored_plan(stored, lengths: list[int], path: Path) -> None:
+    """OutputStateError (one line, exit code 2) unless `stored` is a plan of these samples: its keys, each batch
+    `[padded length, [sample indices]]` with indices in range and a length that holds its samples (their sum for
+    a packed row, the longest for a padded batch), and every sample in exactly one batch. A plan edited or damaged
+    in place would otherwise write a sample twice, or never finish."""
+    if not isinstance(stored, dict) or not isinstance(stored.get("batches"), list) \
+            or not isinstance(stored.get("batching"), dict) or stored.get("num_samples") != len(lengths):
+        raise damaged_state(path, f"expected the keys num_samples (= {len(lengths)}), batching and batches")
+    packed, count = bool(stored.get("packed", False)), [0] * len(lengths)
+    for i, batch in enumerate(stored["batches"]):
+        ok = isinstance(batch, list) and len(batch) == 2 and _is_int(batch[0]) and isinstance(batch[1], list) \
+            and batch[1] and all(_is_int(j) and 0 <= j < len(lengths) for j in batch[1])
+        if not ok:
+            raise damaged_state(path, f"batch {i} is not [padded length, [sample indices in 0..{len(lengths) - 1}]]")
+        needed = (sum if packed else max)(lengths[j] for j in batch[1])
+        if batch[0] < needed:
+            raise damaged_state(path, f"batch {i}: padded length {batch[0]} < the {needed} tokens of its samples")
+        for j in batch[1]:
+            count[j] += 1
+    twice, never = [j for j, c in enumerate(count) if c > 1], [j for j, c in enumerate(count) if c == 0]
+    if twice or never:
+        raise damaged_state(path, f"samples planned twice: {twice[:5]}, never: {never[:5]}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class Run:
+    """What the stages of one rank's run share: the recipe (token budget resolved), this process's place in the
+    run (accelerate's PartialState, and its replica: replica.py), the target's facts and the job's identity.
+
+    A rank of the output (its shard folder `rank-R`, its share of the plan) is a replica: `rank` is the replica's
+    index and `world` the number of replicas (with `model.gpus_per_replica: 1`, the process index and the number
+    of processes); only the replica's writer process writes."""
+
+    recipe: Recipe
+    state: Any  # accelerate.PartialState
+    out_dir: Path
+    config: Any  # transformers PretrainedConfig
+    num_layers: int
+    layer_ids: list[int]
+    kernels: Any  # kernels.KernelChoice
+    tokenizer: Any
+    identity: dict
+    faults: Any  # faults.Faults | None (test-only fault injection)
+    t_start: float  # time.perf_counter() at the start
+    replica: Any  # replica.ReplicaLayout: this process's replica, its GPUs, whether it writes
+    triton_cache: dict | None = None  # kernels.configure_triton_cache's record (CUDA runs), else None
+    cost_model: Any = None  # planner.BatchCostModel: each batch's predicted seconds, for the split over ranks
+    startup_seconds: dict = field(default_factory=dict)  # start, tokenize, plan, model_load(_wait), first_batch
+    packing: Any = None  # packing.PackingChoice: packed rows or padded batches (the stored plan's layout wins)
+    agreement: Any = None  # replica.ReplicaAgreement: the decisions a tensor-parallel replica's processes share
+
+    @property
+    def rank(self) -> int:
+        return self.replica.replica_index
+
+    @property
+    def world(self) -> int:
+        return self.replica.num_replicas
+
+    @property
+    def is_writer(self) -> bool:
+        return self.replica.is_writer
+
+    @property
+    def is_main(self) -> bool:
+        return self.state.is_main_process
+
+    @property
+    def device(self):
+        """Where a batch's inputs go: accelerate's device, or the first GPU of a layer-split replica."""
+        from dflash_prep.target.replica import LAYER_SPLIT
+
+        if self.replica.parallelism == LAYER_SPLIT:
+            import torch
+
+            return torch.device("cuda", self.replica.gpu_ids[0])
+        return self.state.device
+
+
+@dataclass
+class RankPlan:
+    """The global plan's figures and what is left of it: `todo` over all ranks, `mine` for this rank."""
+
+    lengths: list[int]  # tokens of each kept sample, in dataset order
+    stats: dict  # planner.plan_stats of the whole plan
+    committed: list  # manifest.read_committed before this run's batches
+    todo: list[PlannedBatch]
+    mine: list[PlannedBatch]
+    predicted_seconds: list[float] = field(default_factory=list)  # each rank's predicted finish (planner)

@@ -1,0 +1,551 @@
+"""`dflash-prep plan --recipe R`: what a recipe will cost, before any GPU time is spent.
+
+Loads the model config and the tokenizer (never the weights), tokenizes the data exactly as the extraction does
+(same `datasets.map` cache, so a second call is fast), and reports: rows kept and skipped by reason, tokens, the
+batch plan (batches, distinct shapes, padding efficiency), a length histogram, bytes on disk in every storage
+dtype, and the expected wall time for a tokens/s figure and a number of GPUs.
+
+Guarantees (tests/test_plan.py checks them against real extractions):
+- the figures come from the functions the extraction itself calls: `recipe.load_recipe`, `model.load_config` /
+  `load_tokenizer`, `layers.resolve_layer_ids`, `data.load_rows` / `tokenize_dataset`, `planner.make_plan`,
+  `planner.plan_stats` / `split_across_ranks`; so samples, tokens, batches, shapes and padding efficiency are the
+  run's own, not estimates;
+- bytes on disk are computed member by member from the writer's own encoders (`writer._npy_bytes`,
+  `writer.sample_meta` / `meta_json_bytes`), the safetensors header layout (sizes checked against the
+  library in the tests), the tar header size measured by writing one probe sample through `writer.ShardWriter`,
+  and the writer's shard-roll rule replayed on each rank's batches (per writer lane, end-of-archive
+  padding included): they equal the extraction's `num_bytes` for a run with the same number of processes;
+- wall time = (real tokens of the busiest rank) / (tokens/s per GPU), + first-seen-shape warm-up when the
+  benchmark measured it for this very model. The tokens/s default is the warm dflash-prep figure of the newest
+  complete benchmark report in `bench/results/*.json` (the file `bench/RESULTS.md` is written from: `modes.
+  dflash_prep_warm.tokens_per_second` of padded batches; 9,130 for the Qwen3.6-27B shape, 41,677 for the
+  Llama-3.1-8B shape),
+  picked by model (same model_type, hidden size and depth), else the benchmarked model nearest in decoder
+  parameters (within 4x), scaled by the ratio of decoder parameters run per token (FLOPs per token = 2 x those
+  parameters; parameters counted on a meta-device model: no memory, no weights); `--tokens-per-second`
+  overrides it. No default when no benchmark is near: the plan says so;
+- the data verdict is the extraction's own (`data.check_data_verdict`): no kept row, or more than
+  `data.max_skipped_fraction` skipped, is the same one-line error and exit code 2; `--show-sample N` first prints
+  row N as the extraction tokenizes it, supervised tokens marked (`show_sample`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import functools
+import json
+import math
+import sys
+import tarfile
+import time
+from collections import namedtuple
+from pathlib import Path
+
+import numpy as np
+
+from dflash_prep.recipe.schema import STORAGE_DTYPES, Recipe, RecipeError
+from dflash_prep.store.sizes import RecordSizer
+
+BENCH_RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
+BENCH_MODE = "dflash_prep_warm"
+BENCH_MAX_PARAM_RATIO = 4.0
+
+_MetaInfo = namedtuple("_MetaInfo", "sample_id source_row source_id num_tokens")
+
+
+def shard_sizes(record_bytes_in_order: list[list[int]], max_shard_bytes: int, num_lanes: int = 1) -> list[int]:
+    """Shard files one rank writes, given its batches (in the order it runs them) as lists of record sizes.
+
+    Replays `ShardWriter` and its lanes: batch i goes to lane i mod `num_lanes`; a lane closes its shard after the
+    first batch that brings it to `max_shard_bytes` or more; closing adds two zero blocks and pads the file to a
+    multiple of RECORDSIZE."""
+    rec = tarfile.RECORDSIZE
+    sizes = []
+    for lane in range(num_lanes):
+        content = 0
+        for batch in record_bytes_in_order[lane::num_lanes]:
+            content += sum(batch)
+            if content >= max_shard_bytes:
+                sizes.append(-(-(content + 2 * tarfile.BLOCKSIZE) // rec) * rec)
+                content = 0
+        if content:
+            sizes.append(-(-(content + 2 * tarfile.BLOCKSIZE) // rec) * rec)
+    return sizes
+
+
+# ------------------------------------------------------------------------------------------ throughput
+def bench_references(results_dir: Path = BENCH_RESULTS_DIR, packed: bool = False) -> list[dict]:
+    """The warm dflash-prep figure of the newest complete benchmark report per (model, compute dtype), among the
+    runs of the planned layout: packed rows (`packed`: what `batching.packing: auto` runs on GPUs where exact) or
+    padded batches (a packed run's figure is not a padded run's, nor the reverse)."""
+    best: dict[tuple, dict] = {}
+    for path in sorted(Path(results_dir).glob("*.json")):
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if not isinstance(report, dict) or report.get("report_version") != 1 or not report.get("complete"):
+            continue
+        mode = (report.get("modes") or {}).get(BENCH_MODE) or {}
+        info = report.get("model_info") or {}
+        if mode.get("status") != "ok" or not mode.get("tokens_per_second") or not info.get("decoder_params_needed"):
+            continue
+        if bool(((mode.get("summary") or {}).get("packing") or {}).get("packed")) != packed:
+            continue
+        cold = (report.get("modes") or {}).get("dflash_prep") or {}
+        ref = {
+            "model": report.get("model"), "file": str(path), "timestamp": str(report.get("timestamp", "")),
+            "mode": BENCH_MODE, "tokens_per_second": float(mode["tokens_per_second"]),
+            "compute_dtype": (report.get("settings") or {}).get("dtype"),
+            "gpu": (report.get("environment") or {}).get("gpu"),
+            "model_type": info.get("model_type"), "hidden_size": info.get("hidden_size"),
+            "num_hidden_layers": info.get("num_hidden_layers"),
+            "decoder_params_needed": int(info["decoder_params_needed"]),
+            "padding_efficiency": mode.get("padding_efficiency"),
+            "seconds_per_new_shape": (cold["first_shape_seconds"] / cold["first_shape_batches"]
+                                      if cold.get("status") == "ok" and cold.get("first_shape_batches") else None),
+        }
+        key = (ref["model"], ref["compute_dtype"])
+        if key not in best or ref["timestamp"] > best[key]["timestamp"]:
+            best[key] = ref
+    return sorted(best.values(), key=lambda r: (r["model"] or "", r["compute_dtype"] or ""))
+
+
+def choose_reference(refs: list[dict], config, params: int | None, compute_dtype: str) -> tuple[dict | None, str]:
+    """(reference, why): the benchmark of this very model if any, else the nearest in decoder parameters."""
+    from dflash_prep.target.layers import num_decoder_layers
+    from dflash_prep.target.model import hidden_size_of
+
+    if not refs:
+        return None, "no benchmark report found"
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    same = [r for r in refs if r["model_type"] == getattr(text, "model_type", None)
+            and r["hidden_size"] == hidden_size_of(config) and r["num_hidden_layers"] == num_decoder_layers(config)]
+    if params is None and not same:
+        return None, "the model's decoder parameters could not be counted and no benchmark is of this model"
+    pool = same or refs
+    pool = sorted(pool, key=lambda r: (r["compute_dtype"] != compute_dtype,
+                                       abs(math.log(r["decoder_params_needed"] / max(params or 1, 1)))))
+    ref = pool[0]
+    ratio = ref["decoder_params_needed"] / max(params or 1, 1)
+    if not same and not 1 / BENCH_MAX_PARAM_RATIO <= ratio <= BENCH_MAX_PARAM_RATIO:
+        return None, (f"no benchmark within {BENCH_MAX_PARAM_RATIO:g}x of this model's {params / 1e9:.3g}B decoder "
+                      f"parameters (nearest: {ref['model']}, {ref['decoder_params_needed'] / 1e9:.3g}B)")
+    return ref, "same model" if same else "nearest benchmarked model"
+
+
+# ------------------------------------------------------------------------------------------ histogram
+def length_histogram(lengths: list[int], max_length: int, width: int = 40) -> str:
+    """A text histogram of sample lengths in power-of-two bins: samples (bar) and share of tokens."""
+    if not lengths:
+        return "length histogram: no samples"
+    lengths_sorted = sorted(lengths)
+    total_tokens = sum(lengths)
+    lo = 1 << (lengths_sorted[0].bit_length() - 1)
+    edges = [lo]
+    while edges[-1] <= lengths_sorted[-1]:
+        edges.append(edges[-1] * 2)
+    counts = [bisect.bisect_left(lengths_sorted, b) - bisect.bisect_left(lengths_sorted, a)
+              for a, b in zip(edges, edges[1:])]
+    cum = np.concatenate([[0], np.cumsum(lengths_sorted)])
+    tokens = [int(cum[bisect.bisect_left(lengths_sorted, b)] - cum[bisect.bisect_left(lengths_sorted, a)])
+              for a, b in zip(edges, edges[1:])]
+    peak = max(counts)
+    label_w = len(f"{edges[-2]}-{edges[-1] - 1}")
+    lines = [f"{'tokens':>{label_w}}  {'samples':<{width}} {'count':>8} {'%samp':>6} {'%tok':>6}"]
+    for a, b, n, t in zip(edges, edges[1:], counts, tokens):
+        bar = "#" * (math.ceil(n / peak * width) if n else 0)
+        lines.append(f"{f'{a}-{b - 1}':>{label_w}}  {bar:<{width}} {n:>8,} {100 * n / len(lengths):>5.1f}% "
+                     f"{100 * t / total_tokens:>5.1f}%")
+
+    def pct(p: float) -> int:
+        return lengths_sorted[min(len(lengths_sorted) - 1, int(p / 100 * len(lengths_sorted)))]
+
+    top = lengths_sorted[-max(1, len(lengths_sorted) // 100):]
+    at_max = len(lengths_sorted) - bisect.bisect_left(lengths_sorted, max_length)
+    lines.append(f"p50 {pct(50):,}, p90 {pct(90):,}, p99 {pct(99):,}, max {lengths_sorted[-1]:,} tokens; "
+                 f"the longest 1% of samples hold {100 * sum(top) / total_tokens:.1f}% of the tokens"
+                 + (f"; {at_max:,} at data.max_length={max_length:,} (truncated, or exactly that long)"
+                    if at_max else ""))
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------- plan
+def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | None = None,
+                  bench_dir: Path | None = BENCH_RESULTS_DIR, gpu_memory_bytes: int | None = None) -> dict:
+    """Every figure of `dflash-prep plan` as a dict (see the module docstring). `gpu_memory_bytes` sizes
+    `max_tokens_per_batch: auto` (default: this machine's GPU; without one the CPU figure)."""
+    from dflash_prep.commands.cost import batch_cost_model
+    from dflash_prep.data.rows import check_data_verdict, load_rows, tokenize_dataset
+    from dflash_prep.plan.planner import make_plan, packed_row_budget, plan_stats, split_across_ranks
+    from dflash_prep.target.budget import local_gpu_memory_bytes, resolve_token_budget
+    from dflash_prep.target.layers import num_decoder_layers, resolve_layer_ids
+    from dflash_prep.target.model import (
+        decoder_params_run,
+        describe_source,
+        hidden_size_of,
+        load_config,
+        load_tokenizer,
+        vocab_size_of,
+    )
+
+    if num_gpus < 1:
+        raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
+    if tokens_per_second is not None and not tokens_per_second > 0:
+        raise ValueError(f"tokens_per_second must be > 0, got {tokens_per_second}")
+    t0 = time.perf_counter()
+    config = load_config(recipe.model)
+    num_layers = num_decoder_layers(config)
+    layer_ids = resolve_layer_ids(recipe.layers, num_layers)
+    recipe, budget_how = resolve_token_budget(recipe, config, layer_ids, num_layers,
+                                              gpu_memory_bytes if gpu_memory_bytes else local_gpu_memory_bytes())
+    hidden_size = hidden_size_of(config)
+    tokenizer = load_tokenizer(recipe.model)
+    t_tok = time.perf_counter()
+    data = tokenize_dataset(load_rows(recipe.data), tokenizer, recipe.data, vocab_size_of(config))
+    tokenize_seconds = time.perf_counter() - t_tok
+    check_data_verdict(data, recipe.data)  # the extraction's own stop: nothing kept, or too much skipped
+    cols = data.kept.select_columns(["sample_id", "source_row", "source_id", "num_tokens"]).to_dict()
+    lengths = [int(n) for n in cols["num_tokens"]]
+    packing = plan_packing(recipe, config, gpu_memory_bytes is not None or local_gpu_memory_bytes() is not None)
+    plan = make_plan(lengths, recipe, packed=packing.packed)
+    stats = plan_stats(plan)
+
+    replicas = _replicas(recipe, config, num_gpus)
+    last_needed = num_layers - 1 if recipe.layers.capture_final != "none" else layer_ids[-1]
+    params = decoder_params_run(recipe.model, config, last_needed)
+    # the extraction's own split (same cost numbers), so the shards replayed per rank are the run's
+    cost_model = batch_cost_model(recipe, config, layer_ids, num_layers, params)
+    shares = split_across_ranks(plan, replicas["num_replicas"],  # a rank of the output is a replica
+                                functools.partial(cost_model.cost_of, lengths=lengths))
+    disk = _disk_figures(recipe, plan, shares, cols, lengths, layer_ids, hidden_size, stats["num_real_tokens"])
+    throughput = _throughput(recipe, config, params, tokens_per_second, bench_dir, packing.packed)
+    if throughput["tokens_per_second"]:
+        replicas["tokens_per_second_per_replica"] = throughput["tokens_per_second"] * replicas["computing_gpus"]
+    ranks = [plan_stats(share) for share in shares]
+    wall = _wall_time(replicas.get("tokens_per_second_per_replica"), throughput.get("seconds_per_new_shape") or 0.0,
+                      ranks, num_gpus, disk[recipe.output.dtype]["bytes_per_token"], recipe.model.gpus_per_replica)
+
+    return {
+        "recipe_fingerprint": recipe.fingerprint(),
+        "model": describe_source(recipe.model),
+        "model_type": getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
+                              "model_type", None),
+        "num_hidden_layers": num_layers, "hidden_size": hidden_size, "layer_ids": layer_ids,
+        "capture_final": recipe.layers.capture_final, "layers_run": last_needed + 1,
+        "decoder_params_run": params,
+        "num_rows": data.num_rows, "num_samples": len(lengths),
+        "num_skipped": sum(data.skipped_counts.values()), "skipped": data.skipped_counts,
+        "num_tokens": stats["num_real_tokens"], "num_padded_tokens": stats["num_padded_tokens"],
+        "num_batches": stats["num_batches"], "num_shapes": stats["num_shapes"],
+        "padding_efficiency": stats["padding_efficiency"], "batch_size_min": stats["batch_size_min"],
+        "batch_size_max": stats["batch_size_max"], "batch_size_mean": stats["batch_size_mean"],
+        "padded_length_min": stats["padded_length_min"], "padded_length_max": stats["padded_length_max"],
+        "packing": packing.record(), "shapes": _shape_counts(plan),
+        "max_tokens_per_batch": recipe.batching.max_tokens_per_batch, "max_tokens_per_batch_auto": budget_how,
+        "max_tokens_per_row": packed_row_budget(recipe.batching) if packing.packed else None,
+        "stored_plan": _stored_plan(Path(recipe.output.dir), lengths),
+        "dtype": recipe.output.dtype, "max_shard_bytes": recipe.output.max_shard_bytes, "disk": disk,
+        "num_bytes": disk[recipe.output.dtype]["num_bytes"],
+        "ranks": [{"rank": i, "num_batches": r["num_batches"], "num_samples": r["num_samples"],
+                   "num_real_tokens": r["num_real_tokens"], "num_shapes": r["num_shapes"]} for i, r in enumerate(ranks)],
+        "throughput": throughput, "replicas": replicas, "wall": wall,
+        "lengths_histogram": length_histogram(lengths, recipe.data.max_length),
+        "tokenize_seconds": tokenize_seconds, "plan_seconds": time.perf_counter() - t0,
+    }
+
+
+def plan_packing(recipe: Recipe, config, for_gpus: bool):
+    """`batching.packing` as the run would resolve it (packing.select_packing): on GPUs (`for_gpus`: this machine
+    has one, or --gpu-memory-gb was given) with `model.kernels: auto` taken as the GPU install applies it
+    (`pip install -e ".[gpu]"`: flash-linear-attention, so `fla_conv`), which a machine without a GPU cannot
+    check; on the CPU as the CPU run would."""
+    from dflash_prep.target.packing import select_packing
+
+    kernels = recipe.model.kernels
+    names = ("fla_conv",) if kernels == "auto" else () if kernels == "eager" else tuple(kernels)
+    return select_packing(recipe.batching.packing, config, "cuda" if for_gpus else "cpu", names, assume_fla=for_gpus,
+                          several_gpus=recipe.model.gpus_per_replica > 1, compute_dtype=recipe.model.dtype)
+
+
+def _shape_counts(plan: list) -> dict[str, int]:
+    """'BxT' -> batches of that forward shape, largest T first."""
+    counts: dict[tuple, int] = {}
+    for p in plan:
+        counts[p.shape] = counts.get(p.shape, 0) + 1
+    return {f"{b}x{t}": n for (b, t), n in sorted(counts.items(), key=lambda kv: (-kv[0][1], -kv[0][0]))}
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+def _disk_figures(recipe: Recipe, plan: list, shares: list, cols: dict, lengths: list[int], layer_ids: list[int],
+                  hidden_size: int, num_real_tokens: int) -> dict:
+    """Bytes and shards per storage dtype: each sample's record sized as the writer encodes it, then each rank's
+    shards replayed (its writer lanes, the shard size limit)."""
+    from dflash_prep.store.writer import meta_json_bytes, sample_meta
+
+    sizer = RecordSizer(layer_ids, hidden_size, recipe.layers.capture_final)
+    meta_len: dict[int, int] = {}  # sample index -> meta.json bytes
+    for p in plan:
+        for i in p.sample_indices:
+            info = _MetaInfo(cols["sample_id"][i], int(cols["source_row"][i]), cols["source_id"][i], lengths[i])
+            meta_len[i] = len(meta_json_bytes(sample_meta(info, layer_ids, p.batch_id)))
+    disk = {}
+    for dtype in STORAGE_DTYPES:
+        shards = []
+        for share in shares:
+            shards += shard_sizes([[sizer.record_bytes(lengths[i], meta_len[i], dtype) for i in p.sample_indices]
+                                   for p in share], recipe.output.max_shard_bytes, recipe.output.num_writer_threads)
+        disk[dtype] = {"num_bytes": sum(shards), "num_shards": len(shards),
+                       "states_bytes_per_token": sizer.states_bytes_per_token(dtype),
+                       "bytes_per_token": sum(shards) / max(num_real_tokens, 1)}
+    return disk
+
+
+def _throughput(recipe: Recipe, config, params: int | None, tokens_per_second: float | None,
+                bench_dir: Path | None, packed: bool) -> dict:
+    """tokens/s per GPU: given, or the nearest benchmarked model's (runs of the same layout: `packed` rows or
+    padded batches) scaled by decoder parameters run per token."""
+    ref, why = (None, "given with --tokens-per-second") if tokens_per_second else (
+        choose_reference(bench_references(bench_dir, packed), config, params, recipe.model.dtype)
+        if bench_dir is not None else (None, "no benchmark folder"))
+    throughput: dict = {"tokens_per_second": tokens_per_second, "source": why, "reference": ref}
+    if ref is not None:
+        scale = ref["decoder_params_needed"] / params if params else 1.0
+        throughput["tokens_per_second"] = ref["tokens_per_second"] * scale
+        throughput["scaled_by_decoder_params"] = scale
+        throughput["seconds_per_new_shape"] = ref["seconds_per_new_shape"] if why == "same model" else None
+    return throughput
+
+
+def _replicas(recipe: Recipe, config, num_gpus: int) -> dict:
+    """How `num_gpus` GPUs run the recipe: replicas of `model.gpus_per_replica` N (num_gpus / N of them), the
+    process model (replica.choose_parallelism: `auto` is a layer split for several replicas) and how many of a replica's GPUs compute at once (N under tensor
+    parallelism, taken as N x one GPU's rate: an upper bound; 1 for a layer split or N = 1). ValueError (exit code
+    2) when num_gpus is not a multiple of N."""
+    from dflash_prep.target.replica import TENSOR_PARALLEL, choose_parallelism
+
+    n = recipe.model.gpus_per_replica
+    if num_gpus % n:
+        raise ValueError(f"--num-gpus {num_gpus} does not divide into replicas of model.gpus_per_replica = {n} GPUs "
+                         f"(use a multiple of {n})")
+    # several replicas: one process per replica (tensor parallelism runs one replica per run)
+    parallelism = choose_parallelism(config, n, recipe.model.replica_parallelism, num_gpus // n > 1)
+    return {"gpus_per_replica": n, "num_replicas": num_gpus // n, "parallelism": parallelism,
+            "computing_gpus": n if parallelism == TENSOR_PARALLEL else 1}
+
+
+def _wall_time(tps: float | None, per_shape: float, ranks: list[dict], num_gpus: int,
+               bytes_per_token: float, gpus_per_replica: int = 1) -> dict | None:
+    """The busiest replica's time (its tokens / its tokens/s `tps` + first-seen-shape warm-up), GPU hours (each
+    replica holds `gpus_per_replica` GPUs), the write rate per replica (its one writer)."""
+    if not tps:
+        return None
+    per_rank = [r["num_real_tokens"] / tps + per_shape * r["num_shapes"] for r in ranks]
+    return {"num_gpus": num_gpus, "seconds": max(per_rank),
+            "compute_seconds": max(r["num_real_tokens"] for r in ranks) / tps,
+            "warmup_seconds": max(per_shape * r["num_shapes"] for r in ranks),
+            "gpu_hours": sum(per_rank) * gpus_per_replica / 3600,
+            # what each replica's writer threads must sustain so its GPUs never wait on the disk
+            "write_bytes_per_second_per_gpu": tps * bytes_per_token / gpus_per_replica,
+            "write_bytes_per_second_per_replica": tps * bytes_per_token}
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000 or unit == "PB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+def _duration(s: float) -> str:
+    if s < 120:
+        return f"{s:.1f} s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    if s < 3 * 86400:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:.1f} days"
+
+
+def _stored_plan(out_dir: Path, lengths: list[int]) -> dict | None:
+    """What OUT/plan.json holds when the output exists (a resume runs those batches, not a new plan): its number of
+    batches and layout, or why a resume would refuse it (job.read_stored_plan, the resume's own check); None
+    without one."""
+    from dflash_prep.commands.job import PLAN_NAME, OutputMismatchError, read_stored_plan
+    from dflash_prep.store.manifest import OutputStateError
+
+    path = out_dir / PLAN_NAME
+    if not path.is_file():
+        return None
+    try:
+        stored = read_stored_plan(path, lengths)
+        return {"path": str(path), "num_batches": len(stored["batches"]), "packed": bool(stored.get("packed"))}
+    except (OutputStateError, OutputMismatchError) as e:
+        return {"path": str(path), "refused": str(e)}
+
+
+def format_plan(p: dict) -> str:
+    stored = p.get("stored_plan")
+    resume = [] if not stored else [("resume", f"a resume refuses it: {stored['refused']}" if "refused" in
+                                     stored else f"{stored['path']} holds {stored['num_batches']:,} "
+                                     f"{'packed rows' if stored['packed'] else 'padded batches'}: a resume runs "
+                                     f"those, not the plan below")]
+    lines = resume + [
+        ("model", f"{p['model']}  [{p['model_type']}, {p['num_hidden_layers']} layers, hidden {p['hidden_size']}]; "
+                  f"{p['layers_run']} decoder layers run"
+                  + (f" ({p['decoder_params_run'] / 1e9:.3g}B parameters)" if p["decoder_params_run"] else "")),
+        ("layers", f"{p['layer_ids']} after-layer 0-based; final layer: {p['capture_final']}"),
+        ("rows", f"{p['num_rows']:,}: {p['num_samples']:,} kept, {p['num_skipped']:,} skipped"
+                 + (" (" + ", ".join(f"{k}: {v:,}" for k, v in p["skipped"].items()) + ")" if p["skipped"] else "")),
+        ("tokens", f"{p['num_tokens']:,} (mean {p['num_tokens'] / max(p['num_samples'], 1):.1f} per sample)"),
+        _batches_line(p),
+        ("padding", f"efficiency {p['padding_efficiency'] or 0:.3f} ({p['num_padded_tokens']:,} padded tokens)"),
+        ("budget", f"{p['max_tokens_per_batch']:,} padded tokens per batch" + _auto_note(p["max_tokens_per_batch_auto"])
+         + (f"; packed rows of at most {p['max_tokens_per_row']:,} tokens (batching.max_tokens_per_row)"
+            if p.get("max_tokens_per_row") else "")),
+    ]
+    bf16 = p["disk"]["bfloat16"]["num_bytes"]
+    for i, (dtype, d) in enumerate(p["disk"].items()):
+        mark = "  <- output.dtype" if dtype == p["dtype"] else ""
+        lines.append(("disk" if i == 0 else "", f"{dtype:<9} {_size(d['num_bytes']):>10} in {d['num_shards']:,} "
+                      f"shard(s), {d['bytes_per_token']:,.0f} B/token ({d['states_bytes_per_token']:,.0f} of states), "
+                      f"{d['num_bytes'] / max(bf16, 1):.2f}x bf16{mark}"))
+    t = p["throughput"]
+    if t["tokens_per_second"]:
+        ref = t.get("reference")
+        src = (f"{Path(ref['file']).name} ({ref['mode']}, {ref['tokens_per_second']:,.0f} tok/s on {ref['gpu']}, "
+               f"{ref['compute_dtype']}; {t['source']}"
+               + (f", scaled x{t['scaled_by_decoder_params']:.3f} by decoder FLOPs/token" if
+                  abs(t['scaled_by_decoder_params'] - 1) > 1e-9 else "") + ")") if ref else t["source"]
+        lines.append(("throughput", f"{t['tokens_per_second']:,.0f} real tok/s per GPU: {src}"))
+        w = p["wall"]
+        warm = (f" + {_duration(w['warmup_seconds'])} first-seen-shape warm-up" if w["warmup_seconds"] else "")
+        lines.append(("wall time", f"{_duration(w['seconds'])} on {w['num_gpus']} GPU(s){_replicas_note(p['replicas'])} "
+                                   f"({_duration(w['compute_seconds'])} compute{warm}; {w['gpu_hours']:.2f} GPU-hours)"))
+        per = ("per GPU" if p["replicas"]["gpus_per_replica"] == 1 else
+               f"per replica ({w['write_bytes_per_second_per_gpu'] / 1e9:.2f} GB/s per GPU)")
+        lines.append(("writes", f"{w['write_bytes_per_second_per_replica'] / 1e9:.2f} GB/s {per} at that rate "
+                                f"(bench/writer_bench.py measures what a disk and output.num_writer_threads give)"))
+    else:
+        lines.append(("throughput", f"unknown ({t['source']}): pass --tokens-per-second"))
+    width = max(len(k) for k, _ in lines)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in lines) + "\n\nlength histogram (kept samples)\n" + \
+        p["lengths_histogram"]
+
+
+def _batches_line(p: dict) -> tuple[str, str]:
+    """The plan's batches: padded batches, or packed rows with their shapes (rows x tokens: count)."""
+    if not p["packing"]["packed"]:
+        return ("batches", f"{p['num_batches']:,}, {p['num_shapes']} distinct shapes, batch size "
+                           f"{p['batch_size_min']}-{p['batch_size_max']} (mean {p['batch_size_mean'] or 0:.1f}), "
+                           f"padded length {p['padded_length_min']}-{p['padded_length_max']}")
+    shapes = ", ".join(f"{shape}: {n:,}" for shape, n in p["shapes"].items())
+    return ("batches", f"{p['num_batches']:,} packed rows ({p['packing']['reason']}), {p['num_shapes']} distinct "
+                       f"shapes ({shapes}), {p['batch_size_min']}-{p['batch_size_max']} samples per row "
+                       f"(mean {p['batch_size_mean'] or 0:.1f})")
+
+
+def _replicas_note(replicas: dict) -> str:
+    """` as 2 replica(s) of 4 GPUs (tensor_parallel: 4 x one GPU's rate, an upper bound)` for N > 1, else ''."""
+    n = replicas["gpus_per_replica"]
+    if n == 1:
+        return ""
+    how = (f"{n} x one GPU's rate, an upper bound" if replicas["computing_gpus"] > 1 else
+           "one GPU computes at a time: one GPU's rate")
+    return f" as {replicas['num_replicas']} replica(s) of {n} GPUs ({replicas['parallelism']}: {how})"
+
+
+def _auto_note(how: str | None) -> str:
+    if not how:
+        return ""
+    hint = "; pass --gpu-memory-gb to size it for the run's GPUs" if how.startswith("no GPU") else ""
+    return f" (max_tokens_per_batch: auto, {how}{hint})"
+
+
+def build_parser(prog: str = "dflash-prep plan") -> argparse.ArgumentParser:
+    from dflash_prep.recipe.schema import add_recipe_args
+
+    p = argparse.ArgumentParser(prog=prog, description="What a recipe will cost (samples, tokens, batches, padding, "
+                                                       "bytes, wall time), without loading model weights.")
+    add_recipe_args(p)
+    p.add_argument("--num-gpus", type=int, default=1,
+                   help="GPUs of the run (default 1); with model.gpus_per_replica N, the run has num-gpus / N replicas")
+    p.add_argument("--tokens-per-second", type=float, default=None,
+                   help="real tokens/s per GPU (default: the benchmark figure, bench/results/*.json)")
+    p.add_argument("--bench-results", default=str(BENCH_RESULTS_DIR), help="folder of benchmark reports")
+    p.add_argument("--gpu-memory-gb", type=float, default=None,
+                   help="memory of one GPU of the run, for max_tokens_per_batch: auto (default: this machine's)")
+    p.add_argument("--json", action="store_true", help="print every figure as JSON")
+    p.add_argument("--show-sample", type=int, default=None, metavar="N",
+                   help="first print input row N (0-based) as the extraction tokenizes it, supervised tokens marked")
+    return p
+
+
+def show_sample(recipe: Recipe, row_index: int) -> str:
+    """Row `row_index` of the data as the extraction tokenizes it: its text with the supervised (loss_mask 1) runs
+    between `[[` and `]]`, then one line per token (position, id, text, `*` when supervised); or its skip
+    reason. Loads the tokenizer and the rows only."""
+    from dflash_prep.data.rows import Tokenizer, load_rows, read_chat_template
+    from dflash_prep.target.model import load_config, load_tokenizer, vocab_size_of
+
+    rows = load_rows(recipe.data)
+    if not 0 <= row_index < len(rows):
+        raise ValueError(f"--show-sample {row_index}: the data has rows 0..{len(rows) - 1}")
+    tokenizer = load_tokenizer(recipe.model)
+    fn = Tokenizer(tokenizer=tokenizer, max_length=recipe.data.max_length, overlong=recipe.data.overlong,
+                   vocab_size=vocab_size_of(load_config(recipe.model)), id_column=recipe.data.id_column,
+                   chat_template_kwargs=dict(recipe.data.chat_template_kwargs),
+                   chat_template=read_chat_template(recipe.data))
+    out = fn(rows[row_index: row_index + 1], [row_index])
+    head = f"row {row_index} (sample {out['sample_id'][0]}, id {out['source_id'][0]!r})"
+    if out["skip_reason"][0]:
+        return f"{head}: skipped, {out['skip_reason'][0]}"
+    ids, mask = out["input_ids"][0], out["loss_mask"][0]
+    pieces, start = [], 0  # text runs decoded whole (a token may hold part of a character)
+    for t in range(1, len(ids) + 1):
+        if t == len(ids) or mask[t] != mask[start]:
+            text = tokenizer.decode(ids[start:t])
+            pieces.append(f"[[{text}]]" if mask[start] else text)
+            start = t
+    table = [f"{t:>6} {token_id:>8} {'*' if m else ' '} {tokenizer.decode([token_id])!r}"
+             for t, (token_id, m) in enumerate(zip(ids, mask))]
+    return (f"{head}: {len(ids)} tokens, {sum(mask)} supervised (between [[ and ]], * below)\n"
+            + "".join(pieces) + "\n\n   pos       id   token\n" + "\n".join(table))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`dflash-prep plan --recipe R [--set k=v] [--num-gpus N] [--tokens-per-second X] [--json] [--show-sample N]`.
+
+    Exit code 2 when the recipe is invalid or the data would give an empty or mostly skipped run (the message the
+    extraction stops with, before any model loads)."""
+    from dflash_prep.recipe.schema import load_recipe
+
+    args = build_parser().parse_args(argv)
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # no kernel-fallback notices on the console
+    try:
+        import datasets
+
+        datasets.disable_progress_bars()
+        recipe = load_recipe(args.recipe, args.overrides)
+        if args.show_sample is not None:
+            print(show_sample(recipe, args.show_sample) + "\n", flush=True)
+        plan = make_run_plan(recipe, num_gpus=args.num_gpus, tokens_per_second=args.tokens_per_second,
+                             bench_dir=Path(args.bench_results) if args.bench_results else None,
+                             gpu_memory_bytes=int(args.gpu_memory_gb * 1e9) if args.gpu_memory_gb else None)
+    except (RecipeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan, indent=2))
+    else:
+        print(format_plan(plan))
+        print(f"\n(planned in {plan['plan_seconds']:.1f}s, tokenization {plan['tokenize_seconds']:.1f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

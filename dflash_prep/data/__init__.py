@@ -1,0 +1,6 @@
+"""Rows in: load a dataset, render chat rows with the model's template, token ids and the assistant loss mask.
+
+Owns: `rows` (load, normalize, tokenize with `datasets.map`, skips counted by reason), `chat` (the template's own
+rendering and the loss-mask convention of docs/FORMAT.md).
+May import: `recipe` and the ground floor.
+"""

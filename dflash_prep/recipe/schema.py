@@ -1,0 +1,501 @@
+"""Recipes: YAML files mapped onto frozen dataclasses.
+
+Guarantees:
+- every key of a recipe maps to a field below; an unknown key or a bad value raises `RecipeError` naming the
+  key (dotted path) and the value, before any model or dataset is loaded;
+- `--set a.b=value` overrides any key (the value is parsed as YAML, so `--set batching.max_batch_size=64`
+  gives an int and `--set layers.ids=[1,2]` a list);
+- relative input paths in a recipe (model, tokenizer, data) resolve against the recipe file's folder, so a
+  recipe runs from any cwd; `output.dir` resolves against the cwd;
+- `fingerprint()` hashes everything that decides the content of the records (not where they go, how they are
+  batched, or how many processes run), so a resume can refuse to mix outputs of different jobs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+import yaml
+
+DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "demo" / "tiny-demo.yaml"
+
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+# Named fused kernels of `model.kernels` (dflash_prep/target/kernels.py says what each replaces, and for which models).
+KERNEL_NAMES = ("liger_rms_norm", "liger_swiglu", "liger_rope", "fla_conv", "fla_gated_norm")
+REPLICA_PARALLELISMS = ("auto", "tensor_parallel", "layer_split")  # model.replica_parallelism (replica.py)
+STORAGE_DTYPES = ("bfloat16", "float16", "float32", "fp8_e4m3")
+
+
+class RecipeError(ValueError):
+    """A recipe key has a bad value; the message names the key, the value and the fix."""
+
+
+def _fail(key: str, value: Any, why: str) -> None:
+    raise RecipeError(f"recipe key `{key}` = {value!r}: {why}")
+
+
+def _parse_bytes(key: str, value: Any) -> int:
+    """Accept an int or a string like '2GB', '512MiB', '1.5e9'."""
+    if isinstance(value, bool):
+        _fail(key, value, "expected a size in bytes, e.g. 2000000000 or '2GB'")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B|B)?\s*", value)
+        if m:
+            units = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+                     "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+            try:
+                return int(float(m.group(1)) * units[m.group(2) or "B"])
+            except ValueError:
+                pass
+    _fail(key, value, "expected a size in bytes, e.g. 2000000000 or '2GB'")
+    raise AssertionError  # unreachable
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """The frozen target model."""
+
+    name_or_path: str | None = None
+    """Hub id or local folder of a pretrained model (config, weights, tokenizer)."""
+    config: str | None = None
+    """Instead of weights: a config.json (or folder holding one) to build a model with random weights
+    (demo, tests, benchmarks). Exactly one of `name_or_path` and `config` is set."""
+    init_seed: int = 0
+    """Seed of the random weights when `config` is used."""
+    tokenizer: str | None = None
+    """Tokenizer folder or hub id; defaults to `name_or_path`. Required with `config`."""
+    dtype: str = "bfloat16"
+    """Compute dtype: float32, bfloat16 or float16."""
+    padding_mask: bool = False
+    """Pass the padding mask to the model. false (default): no mask and no position ids, transformers counts
+    positions 0..T-1 on every row. The states of real tokens are the same (right padding, causal decoders: padding
+    only follows real tokens; tests/test_capture.py checks it on Llama and the Gated DeltaNet hybrid), attention
+    takes its mask-free causal kernels, and the forward reads no tensor on the host: transformers' mask checks
+    (`padding_mask.all()`) are device-to-host syncs that keep the host from queueing the next forward while the GPU
+    runs this one (measured on an H200, Llama-3.1-8B shape: GPU idle 13% of the loop with the mask,
+    5% in a pass without it, bench/results/llama3.1-8b-20261130-144123.json).
+    true: pass it (e.g. for a remote-code model whose padding tokens could reach real ones)."""
+    attn_implementation: str = "sdpa"
+    """transformers attention backend: sdpa, eager, flash_attention_2, ..."""
+    trust_remote_code: bool = False
+    kernels: str | list[str] = "auto"
+    """Fused kernels from liger-kernel and flash-linear-attention (dflash_prep/target/kernels.py): `auto` applies, on CUDA,
+    those measured exact and faster for the architecture (Llama: liger RMSNorm, SwiGLU, RoPE; Qwen3.5 hybrid: liger
+    RMSNorm, SwiGLU and fla's causal conv), eager elsewhere; `eager` applies none; a list (e.g. `[liger_rms_norm,
+    fla_conv]`) applies exactly those, for A/B runs. States differ from eager by rounding only; not part of the
+    job's identity (a resume may use another set: each run's set is recorded in the manifest)."""
+    gpus_per_replica: int = 1
+    """GPUs of one node holding one copy of the target (dflash_prep/target/replica.py): 1 = one model copy per GPU; N > 1
+    for a target larger than one GPU: tensor parallelism where transformers has a plan for the architecture (one
+    process per GPU), else a layer split (one process per replica). Data parallelism runs over GPUs / N replicas.
+    Not part of the job's identity (a resume may change it and the number of replicas)."""
+    replica_parallelism: str = "auto"
+    """How a replica of `gpus_per_replica` > 1 GPUs runs the target: `auto` (tensor parallel where transformers has
+    a plan for the architecture and the launch runs one process per GPU, else a layer split), `tensor_parallel`
+    (one replica per run; refused for an architecture without a plan) or `layer_split` (one process per replica,
+    one GPU computing at a time). Not part of the job's identity:
+    both hold the same weights (random weights too: drawn per module, model.draw_random_weights)."""
+    triton_cache_dir: str | None = "~/.cache/dflash-prep/triton"
+    """Where Triton keeps its compiled kernels and autotuning results (TRITON_CACHE_DIR, with
+    TRITON_CACHE_AUTOTUNING=1), shared by the ranks of a node and by later runs, so each new (batch, length) shape is
+    tuned once per machine, not once per process (REFERENCE 5b: 12 s instead of 33 s of first-shape forwards in a
+    second process of the same 27B job). Set before Triton is imported; a user's own TRITON_CACHE_DIR /
+    TRITON_CACHE_AUTOTUNING always win; null leaves Triton's defaults. Not part of the job's identity."""
+
+    def validate(self, p: str) -> None:
+        if (self.name_or_path is None) == (self.config is None):
+            _fail(f"{p}.name_or_path", self.name_or_path,
+                  f"set exactly one of `{p}.name_or_path` (pretrained weights) and `{p}.config` (random weights)")
+        if self.config is not None and self.tokenizer is None:
+            _fail(f"{p}.tokenizer", None, f"`{p}.config` builds random weights and has no tokenizer: set `{p}.tokenizer`")
+        if self.dtype not in COMPUTE_DTYPES:
+            _fail(f"{p}.dtype", self.dtype, f"expected one of {COMPUTE_DTYPES}")
+        kernels = self.kernels
+        if isinstance(kernels, list):
+            bad = [k for k in kernels if k not in KERNEL_NAMES]
+            if not kernels or bad or len(set(kernels)) != len(kernels):
+                _fail(f"{p}.kernels", kernels, f"a list of distinct names from {list(KERNEL_NAMES)} (or `auto`, `eager`)")
+        elif kernels not in ("auto", "eager"):
+            _fail(f"{p}.kernels", kernels, f"expected `auto`, `eager` or a list of names from {list(KERNEL_NAMES)}")
+        if self.gpus_per_replica < 1:
+            _fail(f"{p}.gpus_per_replica", self.gpus_per_replica, "expected a whole number of GPUs, at least 1")
+        if self.replica_parallelism not in REPLICA_PARALLELISMS:
+            _fail(f"{p}.replica_parallelism", self.replica_parallelism, f"expected one of {REPLICA_PARALLELISMS}")
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.name_or_path  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """Where the rows come from and how they become token ids."""
+
+    path: str = ""
+    """A file (jsonl/json/parquet/arrow), a glob, a `save_to_disk` folder, or a hub dataset id."""
+    format: Literal["auto", "json", "parquet", "arrow", "disk", "hub"] = "auto"
+    """How to load `path`; `auto` decides from the file suffix / folder content."""
+    split: str = "train"
+    max_samples: int | None = None
+    """Keep only the first N rows (for a quick trial run)."""
+    max_length: int = 4096
+    """Longest sample in tokens; longer rows follow `overlong`."""
+    overlong: Literal["truncate", "skip"] = "truncate"
+    id_column: str | None = None
+    """Column holding a row's own id (kept in meta.json as `source_id`); default: `id` when present."""
+    chat_template: str | None = None
+    """A Jinja chat template replacing the tokenizer's own: a file path (relative to the recipe) or the template
+    itself (a string holding `{%` or `{{`). Any template works; `{% generation %}` blocks are optional (docs/FORMAT.md,
+    loss mask)."""
+    chat_template_kwargs: dict = field(default_factory=dict)
+    """Extra keyword arguments of `apply_chat_template`, e.g. {enable_thinking: false}."""
+    max_skipped_fraction: float = 0.5
+    """Stop before any model loads (exit code 2) when more than this fraction of the rows is skipped (1.0: never;
+    no kept row always stops)."""
+    num_proc: int | None = None
+    """Processes of `datasets.map` for tokenization (None: one)."""
+
+    def validate(self, p: str) -> None:
+        if not self.path:
+            _fail(f"{p}.path", self.path, "set the dataset: a file, a folder or a hub id")
+        if self.max_samples is not None and self.max_samples < 1:
+            _fail(f"{p}.max_samples", self.max_samples, "must be >= 1 (or null for all rows)")
+        if self.max_length < 2:
+            _fail(f"{p}.max_length", self.max_length, "must be >= 2 tokens")
+        if self.num_proc is not None and self.num_proc < 1:
+            _fail(f"{p}.num_proc", self.num_proc, "must be >= 1 (or null)")
+        if not 0.0 <= self.max_skipped_fraction <= 1.0:
+            _fail(f"{p}.max_skipped_fraction", self.max_skipped_fraction, "must be between 0 and 1")
+        if self.chat_template is not None and not ("{%" in self.chat_template or "{{" in self.chat_template):
+            if not Path(self.chat_template).is_file():
+                _fail(f"{p}.chat_template", self.chat_template,
+                      "no such file (a template given inline must hold `{%` or `{{`)")
+
+
+@dataclass(frozen=True)
+class LayersSection:
+    """Which decoder layers to capture, as after-layer, 0-based ids (id i = HF `hidden_states[i+1]`)."""
+
+    preset: Literal["dflash", "eagle3", "explicit"] = "dflash"
+    num_layers: int = 5
+    """k, for the `dflash` preset."""
+    ids: list[int] | None = None
+    """The explicit list (preset `explicit`), ascending, each in 0..L-2 (the last layer, L-1, is `capture_final`)."""
+    capture_final: Literal["none", "before_norm", "after_norm"] = "none"
+    """Also store the final decoder output: `before_norm` (output of the last decoder layer, what
+    speculators/vLLM call the final layer) or `after_norm` (after the final norm, what EAGLE-3 in SpecForge
+    uses)."""
+
+    def validate(self, p: str) -> None:
+        if self.preset == "explicit":
+            if not self.ids:
+                _fail(f"{p}.ids", self.ids, f"preset `explicit` needs a non-empty `{p}.ids` list")
+            if list(self.ids) != sorted(set(self.ids)) or min(self.ids) < 0:
+                _fail(f"{p}.ids", self.ids, "must be distinct, ascending, >= 0 (after-layer, 0-based ids)")
+        elif self.ids is not None:
+            _fail(f"{p}.ids", self.ids, f"only used with `{p}.preset: explicit`")
+        if self.preset == "dflash" and self.num_layers < 1:
+            _fail(f"{p}.num_layers", self.num_layers, "must be >= 1")
+
+
+@dataclass(frozen=True)
+class BatchingSection:
+    """How samples are grouped into GPU batches."""
+
+    max_tokens_per_batch: int | str = 65536
+    """Budget of padded tokens per forward (batch size x padded length; a packed row's length), or `auto`: sized
+    from the GPU's memory and the model config when the plan is made (dflash_prep/target/budget.py; 16,384 without a GPU)."""
+    max_batch_size: int = 256
+    """Samples per padded batch at most; packed rows (`packing`) have no such limit."""
+    length_multiple: int = 64
+    """Padded lengths are multiples of this ..."""
+    length_growth: float = 1.125
+    """... growing geometrically by this factor, so few distinct shapes are ever compiled/autotuned."""
+    num_workers: int = 2
+    """DataLoader worker processes that collate batches ahead of the GPU (0: in the main process)."""
+    packing: str | bool = "auto"
+    """Packed batches (dflash_prep/target/packing.py): each forward is ONE row holding several whole samples back to back
+    (position ids restart at 0 per sample, attention and the Gated DeltaNet layers kept inside each sample), padded
+    only to one of a few row lengths. `auto`: packed on CUDA where that is exact for the architecture (Llama;
+    the Qwen3.5 hybrid with flash-linear-attention's chunk kernel and `fla_conv`), padded batches otherwise (CPU);
+    `true`: packed (also on CPU), refused (exit 2) where not exact; `false`: padded batches. Recorded in the
+    summary and the manifest; not part of the job's identity (a resume replays the stored plan's layout)."""
+    max_tokens_per_row: int | str = "auto"
+    """Packed rows only: tokens per row (one forward) at most, never above `max_tokens_per_batch`. `auto`: 32,768
+    (planner.PACKED_ROW_TOKENS_AUTO; on an H200 rows of 32,768 tokens ran faster than padded batches and rows of
+    131,072 slower, bench/RESULTS.md)."""
+
+    def validate(self, p: str) -> None:
+        if self.packing != "auto" and not isinstance(self.packing, bool):  # 0/1 compare equal to False/True
+            _fail(f"{p}.packing", self.packing, "expected `auto`, true or false")
+        for name in ("max_tokens_per_batch", "max_batch_size", "length_multiple", "max_tokens_per_row"):
+            if name.startswith("max_tokens_per_") and getattr(self, name) == "auto":
+                continue
+            if getattr(self, name) < 1:
+                _fail(f"{p}.{name}", getattr(self, name), "must be >= 1")
+        if not self.length_growth > 1.0:
+            _fail(f"{p}.length_growth", self.length_growth, "must be > 1.0")
+        if self.num_workers < 0:
+            _fail(f"{p}.num_workers", self.num_workers, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class OutputSection:
+    """Where and how records are written."""
+
+    dir: str = "out"
+    """Output folder: shards, manifest, logs, summary."""
+    dtype: str = "bfloat16"
+    """Storage dtype of hidden states: bfloat16, float16, float32, or fp8_e4m3 (float8 e4m3 with one fp32 scale
+    per token and layer, about half the bytes of bf16; see dflash_prep/target/fp8.py and docs/FORMAT.md)."""
+    max_shard_bytes: int = 2_000_000_000
+    """A shard is closed at the first batch boundary after it reaches this size (bytes or '2GB')."""
+    overwrite: bool = False
+    """Delete an existing output folder's content first. Refused on a folder that is not a dflash-prep output
+    (no run_state.json, plan.json or manifest.json): the user's own files are never deleted."""
+    nan_policy: Literal["fail_sample", "fatal"] = "fail_sample"
+    """A sample whose captured states hold a NaN or an Inf: `fail_sample` records it as failed (not written,
+    listed in failed.jsonl, counted in the manifest) and goes on; `fatal` stops the run (committed shards stay)."""
+    num_writer_threads: int = 4
+    """Shard writer threads per rank ("lanes"), each with its own open shard; batch i goes to lane i mod this
+    (the layout does not depend on timing). More lanes, more write bandwidth when cores are spare (hashing,
+    writing and fsync release the GIL): an 8B target with 3 bf16 layers at ~34k tokens/s per GPU
+    produces ~0.85 GB/s. Each lane holds up to 2 batches of states in (pinned) host memory. Not part of the job's
+    identity: a resume may use another value."""
+    max_pending_bytes: int = 16_000_000_000
+    """Host memory (bytes or '16GB') the states of batches captured but not yet written may hold, per rank
+    (pinned on a GPU machine): the loop waits for the writer threads beyond it. A single larger batch still goes
+    through. Not part of the job's identity."""
+    max_failed_samples: int | None = 0
+    """The run exits with code 3 when more samples than this failed (out of memory alone, non-finite states);
+    the output is complete either way. null: never fail the exit code for failed samples."""
+
+    def validate(self, p: str) -> None:
+        if not self.dir:
+            _fail(f"{p}.dir", self.dir, "set an output folder")
+        if self.dtype not in STORAGE_DTYPES:
+            _fail(f"{p}.dtype", self.dtype, f"expected one of {STORAGE_DTYPES}")
+        if self.max_shard_bytes < 1:
+            _fail(f"{p}.max_shard_bytes", self.max_shard_bytes, "must be >= 1 byte")
+        if self.max_pending_bytes < 1:
+            _fail(f"{p}.max_pending_bytes", self.max_pending_bytes, "must be >= 1 byte")
+        if self.num_writer_threads < 1:
+            _fail(f"{p}.num_writer_threads", self.num_writer_threads, "must be >= 1")
+        if self.max_failed_samples is not None and self.max_failed_samples < 0:
+            _fail(f"{p}.max_failed_samples", self.max_failed_samples, "must be >= 0 (or null for no limit)")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    model: ModelSection
+    data: DataSection
+    layers: LayersSection = field(default_factory=LayersSection)
+    batching: BatchingSection = field(default_factory=BatchingSection)
+    output: OutputSection = field(default_factory=OutputSection)
+    seed: int = 0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def fingerprint(self) -> str:
+        """sha256 of what decides record content (model, data, layers, storage dtype); `model.kernels` is left out
+        (fused kernels change the rounding only), as are `model.gpus_per_replica` and `model.replica_parallelism`
+        (where the model runs) and `model.triton_cache_dir` (where compiled kernels are cached)."""
+        d = self.to_dict()
+        data = {k: v for k, v in d["data"].items() if k not in ("num_proc", "max_skipped_fraction")
+                and not (k == "chat_template" and v is None)}
+        template = self.data.chat_template
+        if template is not None and "{%" not in template and "{{" not in template and Path(template).is_file():
+            data["chat_template"] = hashlib.sha256(Path(template).read_bytes()).hexdigest()  # the file's content
+        content = {"model": {k: v for k, v in d["model"].items()
+                             if k not in ("kernels", "gpus_per_replica", "replica_parallelism",
+                                                   "triton_cache_dir")},
+                   "data": data,
+                   "layers": d["layers"], "dtype": d["output"]["dtype"]}
+        return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
+# Inputs named in a recipe resolve against the recipe's folder; `output.dir` resolves against the cwd.
+_PATH_KEYS = {("model", "name_or_path"), ("model", "config"), ("model", "tokenizer"), ("data", "path"),
+              ("data", "chat_template")}  # chat_template only when it is not an inline template
+
+
+def _coerce(key: str, hint: Any, value: Any) -> Any:
+    """Check `value` against a field's type hint; return it (ints accepted for floats)."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is Literal:
+        if value not in args:
+            _fail(key, value, f"expected one of {list(args)}")
+        return value
+    if origin is not None and type(None) in args:  # X | None
+        if value is None:
+            return None
+        rest = [a for a in args if a is not type(None)]
+        return _coerce(key, rest[0], value)
+    if hint is bool:
+        if not isinstance(value, bool):
+            _fail(key, value, "expected true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(key, value, "expected an integer")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            _fail(key, value, "expected a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            _fail(key, value, "expected a string")
+        return value
+    if origin is list or hint is list:
+        if not isinstance(value, list):
+            _fail(key, value, "expected a list")
+        if args:
+            return [_coerce(f"{key}[{i}]", args[0], v) for i, v in enumerate(value)]
+        return value
+    if hint is dict or origin is dict:
+        if not isinstance(value, dict):
+            _fail(key, value, "expected a mapping")
+        return value
+    raise AssertionError(f"unhandled type hint {hint} for {key}")
+
+
+def _build(cls: type, raw: Any, prefix: str, base_dir: Path | None) -> Any:
+    if not isinstance(raw, dict):
+        _fail(prefix or "<recipe>", raw, "expected a mapping of keys")
+    hints = get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        _fail(key, raw[unknown[0]], f"unknown key; known keys here: {sorted(names)}")
+    kwargs = {}
+    for name, value in raw.items():
+        key = f"{prefix}.{name}" if prefix else name
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, key, base_dir)
+            continue
+        if key in ("output.max_shard_bytes", "output.max_pending_bytes"):
+            value = _parse_bytes(key, value)
+        if key == "model.kernels":  # `auto`, `eager` or a list of names: checked by ModelSection.validate
+            kwargs[name] = list(value) if isinstance(value, (list, tuple)) else value
+            continue
+        if key == "batching.packing":  # `auto`, true or false: checked by BatchingSection.validate
+            kwargs[name] = value
+            continue
+        if key in ("batching.max_tokens_per_batch", "batching.max_tokens_per_row"):
+            if value != "auto" and (isinstance(value, bool) or not isinstance(value, int)):
+                _fail(key, value, "expected an integer or `auto`")
+            kwargs[name] = value
+            continue
+        value = _coerce(key, hint, value)
+        if ((prefix, name) in _PATH_KEYS and isinstance(value, str) and base_dir is not None
+                and not ("{%" in value or "{{" in value)):
+            value = _resolve_path(value, base_dir)
+        kwargs[name] = value
+    missing = [f.name for f in dataclasses.fields(cls)
+               if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        key = f"{prefix}.{missing[0]}" if prefix else missing[0]
+        _fail(key, None, "required key is missing")
+    obj = cls(**kwargs)
+    if hasattr(obj, "validate"):
+        obj.validate(prefix)
+    return obj
+
+
+def _resolve_path(value: str, base_dir: Path) -> str:
+    """Make a recipe-relative path absolute; leave absolute paths and hub ids (`org/name` not on disk) alone."""
+    p = Path(value).expanduser()
+    if p.is_absolute():
+        return str(p)
+    candidate = base_dir / p
+    # Hub ids look like relative paths (`org/name`): only resolve what exists or is clearly a path.
+    if value.startswith(("./", "../")) or candidate.exists() or glob.glob(str(candidate)):
+        return str(candidate.resolve())
+    return value
+
+
+def _set_dotted(raw: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            _fail(key, value, f"`{part}` is not a section")
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str] | None) -> list[tuple[str, Any]]:
+    """`["a.b=1", "c=[1, 2]"]` -> [("a.b", 1), ("c", [1, 2])]; values are parsed as YAML.
+
+    A value that is not valid YAML is taken as the plain string it is (an inline Jinja template such as
+    `data.chat_template={% for m in messages %}...` or `{{ ... }}`, which YAML would read as a broken flow
+    mapping); the key's own validation then says if a string is not what it takes."""
+    parsed = []
+    for item in overrides or []:
+        if "=" not in item:
+            raise RecipeError(f"--set {item!r}: expected KEY=VALUE, e.g. --set output.dir=/data/out")
+        key, text = item.split("=", 1)
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError:
+            value = text
+        parsed.append((key.strip(), value))
+    return parsed
+
+
+def load_recipe(path: str | Path | None = None, overrides: list[str] | None = None) -> Recipe:
+    """Load, override and validate a recipe. `path=None` loads the embedded default."""
+    path = Path(path) if path is not None else DEFAULT_RECIPE
+    if not path.is_file():
+        raise RecipeError(f"recipe file {str(path)!r} not found")
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+        what = getattr(e, "problem", None) or type(e).__name__
+        raise RecipeError(f"recipe {path}: not valid YAML{at} ({what})") from None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"recipe {path}: expected a mapping at the top level")
+    base_dir = path.resolve().parent
+    # Overrides are relative to the cwd (where the user typed them), recipe paths to the recipe's folder.
+    for key, value in parse_overrides(overrides):
+        if tuple(key.split(".")) in _PATH_KEYS and isinstance(value, str) and "{" not in value:
+            if Path(value).expanduser().exists():
+                value = str(Path(value).expanduser().resolve())
+        _set_dotted(raw, key, value)
+    if isinstance(raw.get("output"), dict) and isinstance(raw["output"].get("dir"), str):
+        raw["output"]["dir"] = str(Path(raw["output"]["dir"]).expanduser().resolve())
+    return _build(Recipe, raw, "", base_dir)
+
+
+def recipe_from_dict(raw: dict, base_dir: Path | None = None) -> Recipe:
+    """Build and validate a recipe from a mapping (tests, programmatic use)."""
+    return _build(Recipe, raw, "", base_dir)
+
+
+def add_recipe_args(parser) -> None:
+    """`--recipe PATH` and `--set KEY=VALUE` (repeatable), as `extract`, `plan` and `launch` take them."""
+    parser.add_argument("--recipe", default=None,
+                        help="recipe YAML (default: dflash_prep/demo/tiny-demo.yaml, the embedded CPU demo)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a recipe key, e.g. --set output.dir=/data/out (repeatable)")

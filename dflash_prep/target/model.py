@@ -1,0 +1,261 @@
+"""Load the frozen target: tokenizer, config, model (pretrained weights, or random weights from a config)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dflash_prep.recipe.schema import ModelSection, RecipeError
+from dflash_prep.target.layers import decoder_layers, find_decoder
+from dflash_prep.target.norms import randomize_norm_gains
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Storage dtypes (`output.dtype`): fp8_e4m3 is float8 e4m3 + per-token fp32 scales (dflash_prep/target/fp8.py).
+STORAGE_TORCH_DTYPES = {**DTYPES, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def load_tokenizer(section: ModelSection):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(section.tokenizer_path, trust_remote_code=section.trust_remote_code)
+    except (OSError, ValueError) as e:
+        key = "model.tokenizer" if section.tokenizer else "model.name_or_path"
+        raise RecipeError(f"recipe key `{key}` = {section.tokenizer_path!r}: cannot load a tokenizer ({e})") from None
+
+
+def load_config(section: ModelSection):
+    """The model's config (no weights): used to resolve layer ids and validate before loading weights."""
+    from transformers import AutoConfig
+
+    source = section.config or section.name_or_path
+    key = "model.config" if section.config else "model.name_or_path"
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # older huggingface_hub: configs are not validated on load
+        StrictDataclassError = ValueError  # noqa: N806
+    try:
+        return AutoConfig.from_pretrained(source, trust_remote_code=section.trust_remote_code)
+    except (OSError, ValueError, TypeError, StrictDataclassError) as e:  # TypeError, StrictDataclassError: a value
+        why = " ".join(str(e).split())  # transformers' config validation rejects (one line)
+        raise RecipeError(f"recipe key `{key}` = {source!r}: cannot load a model config ({why})") from None
+
+
+def model_fingerprint(section: ModelSection, config) -> str:
+    """sha256 of the config and where the weights come from (path or random seed).
+
+    The config's own `_name_or_path` (the folder or file it was read from) is left out: the same config read
+    from another checkout is the same model. Random weights of a replica of several GPUs are drawn module by module
+    (load_replica_model: the same for every replica layout), so they are another model than the same seed's on one
+    GPU.
+    """
+    def without_source(d):
+        return {k: without_source(v) if isinstance(v, dict) else v for k, v in d.items() if k != "_name_or_path"}
+
+    weights = section.name_or_path or f"random:{section.init_seed}"
+    if section.name_or_path is None and section.gpus_per_replica > 1:
+        weights += ":per-module"  # load_replica_model: drawn module by module, other weights than one GPU's
+    payload = {"config": without_source(config.to_dict()), "weights": weights,
+               "dtype": section.dtype}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of the tokenizer's vocabulary size, chat template and backend (vocab, merges, normalizers)."""
+    payload = json.dumps({"vocab": len(tokenizer), "template": getattr(tokenizer, "chat_template", None),
+                          "backend": tokenizer.backend_tokenizer.to_str()
+                          if hasattr(tokenizer, "backend_tokenizer") else None}, sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def vocab_size_of(config) -> int:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text.vocab_size)
+
+
+def padding_token_id(tokenizer, vocab_size: int) -> int:
+    """An id to pad batches with that the embedding table holds (0 <= id < vocab_size). Padding is never stored and
+    never attended to by real tokens, so any such id gives the same states; the tokenizer's pad token is used when
+    it is inside the table, else its eos token, else 0 (a pad token added to a tokenizer past the model's
+    embedding rows would make the embedding lookup fail)."""
+    for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if isinstance(token_id, int) and 0 <= token_id < vocab_size:
+            return token_id
+    return 0
+
+
+def hidden_size_of(config) -> int:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text.hidden_size)
+
+
+def load_model(section: ModelSection, config, device: torch.device) -> nn.Module:
+    """The CausalLM in eval mode, frozen, on `device`, in the recipe's compute dtype.
+
+    Random weights (`model.config`) are drawn on `device` with `init_seed`, so every rank of a run builds the
+    same model; their norm gains are drawn too (norms.randomize_norm_gains), not left at unit gain.
+    """
+    from transformers import AutoModelForCausalLM
+
+    dtype = DTYPES[section.dtype]
+    kwargs = dict(dtype=dtype, attn_implementation=section.attn_implementation,
+                  trust_remote_code=section.trust_remote_code)
+    if section.config is not None:
+        torch.manual_seed(section.init_seed)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+        randomize_norm_gains(model, section.init_seed)  # unit gains would hide a before/after-norm mix-up
+    else:
+        model = AutoModelForCausalLM.from_pretrained(section.name_or_path, device_map={"": device}, **kwargs)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def drop_layers_after(model: nn.Module, last_needed_layer: int) -> int:
+    """Remove decoder layers after `last_needed_layer` (their outputs are never stored) to free their memory.
+
+    Returns the number of layers kept. The forward stops at the last captured module anyway (see capture.py);
+    this only gives the memory back.
+    """
+    decoder = find_decoder(model)
+    layers = decoder_layers(decoder)
+    keep = last_needed_layer + 1
+    if keep < len(layers):
+        decoder.layers = nn.ModuleList(list(layers)[:keep])
+    return min(keep, len(layers))
+
+
+def decoder_params_in(model: nn.Module, num_layers: int | None = None) -> int:
+    """Parameters of the first `num_layers` decoder layers (all when None): the FLOP-relevant weights."""
+    layers = decoder_layers(find_decoder(model))
+    chosen = list(layers)[: num_layers if num_layers is not None else len(layers)]
+    return sum(p.numel() for layer in chosen for p in layer.parameters())
+
+
+def decoder_params_run(section: ModelSection, config, last_needed_layer: int) -> int | None:
+    """Parameters of the decoder layers the extraction runs, counted on a meta-device model (no memory); None
+    when the architecture cannot be built that way (then only a benchmark of the same model gives a figure)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=section.trust_remote_code)
+        kept = drop_layers_after(model, last_needed_layer)
+        return decoder_params_in(model, kept)
+    except Exception:  # noqa: BLE001 - remote code or an unusual class: the figures go on without the count
+        return None
+
+
+def describe_source(section: ModelSection) -> str:
+    if section.config:
+        return f"random weights from {Path(section.config).name} (seed {section.init_seed})"
+    return str(section.name_or_path)
+
+
+def load_replica_model(section: ModelSection, config, layout) -> nn.Module:
+    """The CausalLM spread over a replica's GPUs (`model.gpus_per_replica` > 1; replica.py says how), eval mode,
+    frozen, in the recipe's compute dtype. Tensor parallel: every process of the replica holds its shards (DTensor
+    parameters) on its own GPU; layer split: this process holds the layers spread over the replica's GPUs.
+
+    Random weights (`model.config`) are never drawn on the host (a 70B target is 141 GB in bf16): transformers
+    builds the model on the meta device and materializes each parameter (or its shard) on its GPU, then
+    `draw_random_weights` draws them per module from `init_seed`, so every layout (tensor parallel of any N, a
+    layer split, verify's rebuild) holds the same weights; they differ from a `gpus_per_replica: 1` run's
+    (drawn in one pass over the model: `load_model`)."""
+    from dflash_prep.target.replica import TENSOR_PARALLEL, load_arguments
+
+    free_bytes = 0  # tensor parallel places by process (each its own GPU), over CPU processes in the tests
+    if layout.parallelism != TENSOR_PARALLEL:  # (asking another GPU would open a CUDA context on it)
+        free_bytes = min(torch.cuda.mem_get_info(gpu)[0] for gpu in layout.gpu_ids)
+    placement = load_arguments(layout, int(0.9 * free_bytes))
+    kwargs = dict(dtype=DTYPES[section.dtype], attn_implementation=section.attn_implementation,
+                  trust_remote_code=section.trust_remote_code)
+    if section.config is not None:
+        model = build_random_model(section, config, placement)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(section.name_or_path, **placement, **kwargs)
+    if layout.parallelism != TENSOR_PARALLEL:
+        log.info("layer split over GPUs %s: layers on %s", list(layout.gpu_ids),
+                 sorted(set(map(str, model.hf_device_map.values()))))
+    model.eval().requires_grad_(False)
+    return model
+
+
+def build_random_model(section: ModelSection, config, placement: dict) -> nn.Module:
+    """Random weights (`model.config`, `init_seed`) as a replica holds them, placed by `placement` (from_pretrained
+    keywords: replica.load_arguments, or `{"device_map": {"": device}}` for one device): built on the meta device,
+    each parameter (or tensor-parallel shard) materialized where it lives, drawn per module
+    (`draw_random_weights`), norm gains drawn (norms.randomize_norm_gains). Eval mode, frozen."""
+    kwargs = dict(dtype=DTYPES[section.dtype], attn_implementation=section.attn_implementation,
+                  trust_remote_code=section.trust_remote_code)
+    torch.manual_seed(section.init_seed)  # transformers' first init pass (drawn again below) is seeded too
+    model = _causal_lm_class(config).from_pretrained(None, config=config, state_dict={}, **placement, **kwargs)
+    draw_random_weights(model, section.init_seed)
+    randomize_norm_gains(model, section.init_seed)
+    return model.eval().requires_grad_(False)
+
+
+def _causal_lm_class(config):
+    """The CausalLM class transformers' Auto mapping picks for `config` (its `from_pretrained` accepts no path
+    with a config and an empty state dict: every parameter is then missing and initialized where it lives)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.auto_factory import _get_model_class
+
+    return _get_model_class(config, AutoModelForCausalLM._model_mapping)
+
+
+def _module_seed(seed: int, module_name: str) -> int:
+    """A 63-bit seed for one module's draws, from the run's seed and the module's name (stable across processes,
+    unlike Python's salted hash)."""
+    digest = hashlib.sha256(f"{seed}:{module_name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def draw_random_weights(model: nn.Module, seed: int) -> int:
+    """Draw every parameter of `model` again, module by module, with transformers' own initialization for the
+    architecture (`_init_weights`), the RNG seeded from (`seed`, module name) before each module; -> modules drawn.
+
+    The draws do not depend on where the module lives: a tensor-parallel shard (a DTensor parameter) is cut from
+    the whole parameter drawn on this process's device (`distribute_tensor(..., src_data_rank=None)`: every process
+    draws the same whole tensor, no communication), so a tensor-parallel replica of any size, a layer split and a
+    single device hold the same weights (same device type: CUDA's random streams differ from the CPU's).
+    Norm gains come out at unit gain; `norms.randomize_norm_gains` draws them next."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    drawn = 0
+    for name, module in model.named_modules():
+        own = list(module.named_parameters(recurse=False))
+        if not own:
+            continue
+        whole = {}
+        for param_name, param in own:  # a fresh tensor: transformers' init skips those marked initialized
+            shape = param.shape  # a DTensor's shape is the whole parameter's
+            local = param.to_local() if isinstance(param, DTensor) else param
+            whole[param_name] = nn.Parameter(torch.empty(shape, dtype=param.dtype, device=local.device),
+                                             requires_grad=False)
+        originals = dict(own)
+        module._parameters.update(whole)
+        torch.manual_seed(_module_seed(seed, name))
+        try:
+            model._init_weights(module)
+        finally:
+            module._parameters.update(originals)
+        with torch.no_grad():
+            for param_name, param in originals.items():
+                value = whole[param_name].data
+                if isinstance(param, DTensor):
+                    value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None).to_local()
+                    param.to_local().copy_(value)
+                else:
+                    param.copy_(value)
+        drawn += 1
+    return drawn
