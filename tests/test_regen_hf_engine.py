@@ -51,13 +51,12 @@ def llama_path(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def llama(llama_path) -> TransformersEngine:
-    # One length bucket for every prompt below (prompt + new < 1024): prompts of any length share a batch.
-    return TransformersEngine(section(llama_path), CPU, 8192, length_multiple=1024)
+    return TransformersEngine(section(llama_path), CPU, 8192)
 
 
 @pytest.fixture(scope="module")
 def demo() -> TransformersEngine:
-    return TransformersEngine(section(str(DEMO / "model_config.json")), CPU, 8192, length_multiple=1024)
+    return TransformersEngine(section(str(DEMO / "model_config.json")), CPU, 8192)
 
 
 def user(text: str) -> list[dict]:
@@ -100,7 +99,8 @@ def recorded_generate(engine: TransformersEngine):
 
     def generate(**kwargs):
         out = real(**kwargs)
-        ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
+        ids = kwargs["input_ids"]
+        mask = kwargs.get("attention_mask", ids != engine.pad_token_id)
         calls.append({"rows": ids.shape[0], "width": ids.shape[1], "new": kwargs["generation_config"].max_new_tokens,
                       "prompts": [row[m.bool()].tolist() for row, m in zip(ids, mask)],
                       "generated": out[:, ids.shape[1]:].tolist()})
@@ -137,10 +137,10 @@ def test_batched_greedy_equals_generate_alone(name, request):
 
 def test_the_token_budget_cuts_batches(llama_path):
     """Seven prompts of one length L: a budget of 3 x (L + new) tokens (+2, not enough for a fourth) runs them 3, 3
-    and 1 at a time, each padded to exactly L (every length its own bucket: multiple 1, growth 1.0001); a
+    and 1 at a time, each padded to exactly L (length_multiple 1); 7 x (L + new) runs them at once; a
     max_batch_size of 2 runs 2, 2, 2 and 1."""
     messages = user("How far is the moon?")
-    buckets = dict(length_multiple=1, length_growth=1.0001)
+    buckets = dict(length_multiple=1)
     engine = TransformersEngine(section(llama_path), CPU, 10_000, **buckets)
     length = len(prompt_ids(engine, messages))
     requests = [make_request(messages, seed=i) for i in range(7)]
@@ -154,8 +154,8 @@ def test_the_token_budget_cuts_batches(llama_path):
 
 
 def test_every_batch_of_mixed_lengths_stays_under_the_budget(llama):
-    """Default buckets, 12 prompts of 3 to ~300 tokens, a budget of 1,200 tokens: every generate call holds
-    rows x (prompt width + new tokens) <= 1,200, every prompt runs once, its answer equals generate alone."""
+    """12 prompts of 8 to ~400 tokens, a budget of 1,200 tokens: every generate call holds rows x (prompt width + new
+    tokens) <= 1,200 and no more than 4 rows, every prompt runs once, its answer equals generate alone."""
     budget, max_batch_size = 1200, 4
     engine = TransformersEngine(llama.section, CPU, budget, max_batch_size)
     messages = [user("word " * (2 * i * i)) for i in range(12)]
@@ -300,11 +300,11 @@ def test_finish_reason_stop_at_an_end_of_sequence_id_and_length_without_one(llam
 
 
 def test_a_batch_out_of_memory_is_halved_and_a_request_that_never_fits_is_rejected(llama):
-    """A forward of more than 2 rows, or holding the token ids of "zebra", raises CUDA's out-of-memory error. Five
-    prompts: 5 rows fail, then 3 (the first half), then 2 + 1 run, then 2; the answers equal generate alone. The
-    learned cap (2 rows) pre-splits the next call's 4 prompts into 2 + 2. The "zebra" request is rejected, the one
-    beside it answered."""
-    engine = TransformersEngine(llama.section, CPU, 8192, length_multiple=1024)
+    """A forward of more than 2 rows, or holding the token ids of " zebra zebra zebra", raises CUDA's out-of-memory
+    error. Five prompts of one length: 5 rows fail, then 3 (the first half), then 2 + 1 run, then 2; the answers
+    equal generate alone. The learned cap (2 rows of that length) cuts the next call's 4 prompts into 2 + 2. The
+    "zebra" request is rejected, the one beside it answered."""
+    engine = TransformersEngine(llama.section, CPU, 8192)
     zebra = engine.tokenizer.encode(" zebra zebra zebra", add_special_tokens=False)
 
     def out_of_memory(module, args, kwargs):
@@ -313,20 +313,24 @@ def test_a_batch_out_of_memory_is_halved_and_a_request_that_never_fits_is_reject
                                    for i in range(len(row) - len(zebra) + 1)):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
 
+    questions = [user(f"Question number {i}: why is the sky blue?") for i in range(5)]
+    assert len({len(prompt_ids(engine, m)) for m in questions}) == 1
     hook = engine.model.register_forward_pre_hook(out_of_memory, with_kwargs=True)
     try:
         with recorded_generate(engine) as calls:
-            answers = engine.answer([make_request(m) for m in PROMPTS])
+            answers = engine.answer([make_request(m) for m in questions])
             assert [c["rows"] for c in calls] == [2, 1, 2]  # the calls that returned (5 and 3 rows raised)
             del calls[:]
-            engine.answer([make_request(m) for m in PROMPTS[:4]])
+            engine.answer([make_request(m) for m in questions[:4]])
             assert [c["rows"] for c in calls] == [2, 2]
             rejected = engine.answer([make_request(user("A zebra zebra zebra story")), make_request(user("Hi"))])
     finally:
         hook.remove()
-    for messages, answer in zip(PROMPTS, answers):
+    for messages, answer in zip(questions, answers):
         expected = alone(engine, prompt_ids(engine, messages))
-        assert answer.completion_tokens == len(expected) and answer.rejected is None
+        assert answer.rejected is None and answer.completion_tokens == len(expected)
+        assert answer.content == engine.tokenizer.decode([t for t in expected if t != DEMO_EOS],
+                                                         skip_special_tokens=True)
     assert rejected[0].rejected.startswith("out of memory even alone") and rejected[1].rejected is None
 
 

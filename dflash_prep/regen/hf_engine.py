@@ -13,21 +13,23 @@ What it does with a `Request` (engine.py), step by step:
   tokens plus its new tokens exceed the token budget (it could not run even alone); one that runs out of device
   memory even alone. Near the end of the context, the new tokens are capped at what the context holds
   (`finish_reason: length`).
-- **Batches.** Requests with the same sampling parameters and new-token count are planned together by the
-  extraction's planner (`plan.planner.plan_batches`) on their lengths prompt + new tokens: the lengths round up to
-  geometric buckets (`length_multiple`, `length_growth`, as `batching.*` of a recipe), each bucket is cut into
-  batches of batch size x padded length <= `max_tokens_per_batch` (and <= `max_batch_size`), longest first. A batch
-  left-pads every prompt to its bucket's padded length minus the new tokens, so a run sees few distinct prompt
-  widths (each new shape costs a Triton autotune in flash-linear-attention's kernels: REFERENCE 5); the token budget
-  is rounded down to a multiple of `length_multiple` so that every bucket fits it. The budget bounds what the batch
-  holds at its end (the KV cache, the Gated DeltaNet states) and what its prefill forward runs.
+- **Batches.** Requests with the same sampling parameters and new-token count are sorted by prompt length, longest
+  first (an out-of-memory error shows in the first batch), and cut into consecutive batches: a batch pads every
+  prompt to its longest one rounded up to `length_multiple` (few distinct prompt widths: each new shape costs a
+  Triton autotune in flash-linear-attention's kernels, REFERENCE 5), and holds as many requests as batch size x
+  (padded prompt + new tokens) <= `max_tokens_per_batch` and <= `max_batch_size` allow. The budget bounds what the
+  batch holds at its end (the KV cache, the Gated DeltaNet states) and what its prefill forward runs. Not the
+  extraction planner's length buckets (`plan.planner.plan_batches`): a batch of generation costs `max_tokens` decode
+  steps whatever its size, and buckets cut one call's requests into at least one batch per bucket (the benchmark's
+  128 prompts of lognormal lengths with 256 new tokens fall into 4 buckets of `batching`'s default 16 / 1.25 after
+  ... see bench/README.md), where consecutive cutting fills each batch to the budget.
 - **Padding.** Left padding with the attention mask, `use_cache=True`: transformers derives positions from the mask,
   attention never sees padding, and the Gated DeltaNet layers of the Qwen3.5 hybrid zero padded positions before
   their convolution and recurrence, so padding changes no real token's state (tests: batched greedy answers equal
   `generate` on each prompt alone, token for token, in float32, on a Llama-style model and on the hybrid).
 - **Out of memory.** A batch that runs out of device memory is split in halves, each retried (recursively, down to
-  one request); the halves' size becomes the cap of that padded length for later batches (as
-  target/backoff.py does for extraction forwards).
+  one request, as target/backoff.py does for extraction forwards); the first half's padded tokens become a cap on
+  every later batch's (a budget learned from the device, never above `max_tokens_per_batch`).
 - **Sampling.** `Request.sampling` by OpenAI / vLLM names: `temperature`, `top_p`, `top_k`, `min_p`,
   `repetition_penalty` (`presence_penalty` / `frequency_penalty` only at 0). Empty, or `temperature` 0: greedy.
   Otherwise temperature (default 1.0), then top-k (0 or -1: off), top-p, min-p by transformers' own logits warpers,
@@ -84,7 +86,6 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from dflash_prep.plan.planner import ShapeBuckets, plan_batches
 from dflash_prep.recipe.schema import ModelSection
 from dflash_prep.regen.engine import FINISH_LENGTH, FINISH_STOP, FINISH_TOOL_CALLS, Answer, Request
 from dflash_prep.target.backoff import is_oom
@@ -133,25 +134,23 @@ class TransformersEngine:
     """The target on `device` answering `Request`s with HF `generate` (the module docstring says how).
 
     model: the recipe's model section (pretrained weights, or random weights from a config).
-    max_tokens_per_batch: batch size x (padded prompt + new tokens) per batch at most; rounded down to a multiple of
-        `length_multiple`. max_batch_size: requests per batch at most.
-    length_multiple, length_growth: the planner's length buckets (`batching.length_multiple` / `length_growth`).
+    max_tokens_per_batch: batch size x (padded prompt + new tokens) per batch at most. max_batch_size: requests per
+        batch at most. length_multiple: prompt widths are multiples of it (capped by the budget).
     ignore_eos: never stop before `max_tokens` (benchmarks with random weights).
     kernels: `model.kernels` to apply (target/kernels.py); None: the section's.
-    Raises RecipeError (model, tokenizer or kernels that cannot be loaded), ValueError (a budget below
-    `length_multiple`).
+    Batches are formed within one `answer` call: give it many requests (thousands) for full batches.
+    Raises RecipeError (model, tokenizer or kernels that cannot be loaded), ValueError (a budget or batch size < 1).
     """
 
     def __init__(self, model: ModelSection, device: torch.device, max_tokens_per_batch: int,
-                 max_batch_size: int = 256, *, length_multiple: int = 16, length_growth: float = 1.25,
+                 max_batch_size: int = 256, *, length_multiple: int = 64,
                  ignore_eos: bool = False, kernels=None):
         self.section, self.device = model, torch.device(device)
-        self.max_tokens_per_batch = max_tokens_per_batch // length_multiple * length_multiple
-        if self.max_tokens_per_batch < 1 or max_batch_size < 1:
-            raise ValueError(f"max_tokens_per_batch={max_tokens_per_batch} (at least length_multiple="
-                             f"{length_multiple}) and max_batch_size={max_batch_size} must allow one request")
-        self.max_batch_size = max_batch_size
-        self.buckets = ShapeBuckets(length_multiple, length_growth, self.max_tokens_per_batch)
+        if max_tokens_per_batch < 2 or max_batch_size < 1 or length_multiple < 1:
+            raise ValueError(f"max_tokens_per_batch={max_tokens_per_batch}, max_batch_size={max_batch_size} and "
+                             f"length_multiple={length_multiple} must allow one request")
+        self.max_tokens_per_batch, self.max_batch_size = max_tokens_per_batch, max_batch_size
+        self.length_multiple = length_multiple
         self.tokenizer = load_tokenizer(model)
         self.config = load_config(model)
         self.kernels = self._load_model(kernels)
@@ -165,7 +164,7 @@ class TransformersEngine:
         self.model.generation_config = GenerationConfig(eos_token_id=self.eos_token_ids or None,
                                                         pad_token_id=self.pad_token_id)
         self.response_template = getattr(self.tokenizer, "response_template", None)  # declared, or None
-        self.caps: dict[int, int] = {}  # padded length -> most requests per batch still expected to fit
+        self.token_cap: int | None = None  # padded tokens per batch still expected to fit (after an OOM)
         self.num_generate_calls = 0
         self.num_ooms = 0
         self._identity: dict | None = None
@@ -217,14 +216,30 @@ class TransformersEngine:
             key = (prompt.new_tokens, json.dumps(request.sampling, sort_keys=True))
             groups.setdefault(key, []).append(prompt)
         for (new_tokens, _), prompts in groups.items():
-            plan = plan_batches([len(p.ids) + new_tokens for p in prompts], buckets=self.buckets,
-                                max_tokens_per_batch=self.max_tokens_per_batch, max_batch_size=self.max_batch_size)
-            for batch in plan:
-                members = [prompts[i] for i in batch.sample_indices]
-                generated = self._run(members, batch.padded_length - new_tokens, new_tokens)
-                for prompt, ids in zip(members, generated):
+            for members, width in self._batches(prompts, new_tokens):
+                for prompt, ids in zip(members, self._run(members, width, new_tokens)):
                     answers[prompt.index] = self._answer_of(prompt, ids)
         return answers
+
+    def _batches(self, prompts: list[_Prompt], new_tokens: int) -> list[tuple[list[_Prompt], int]]:
+        """[(prompts, padded prompt width)]: longest first, consecutive, each under the budget (the learned one
+        too). A prompt alone always fits: `_prepare` rejected those over the budget."""
+        budget = min(self.max_tokens_per_batch, self.token_cap or self.max_tokens_per_batch)
+        batches: list[tuple[list[_Prompt], int]] = []
+        for prompt in sorted(prompts, key=lambda p: (-len(p.ids), p.index)):
+            if batches:
+                members, width = batches[-1]
+                if len(members) < self.max_batch_size and (len(members) + 1) * (width + new_tokens) <= budget:
+                    members.append(prompt)
+                    continue
+            batches.append(([prompt], self._width(len(prompt.ids), new_tokens)))
+        return batches
+
+    def _width(self, prompt_tokens: int, new_tokens: int) -> int:
+        """The padded prompt width of a batch whose longest prompt has `prompt_tokens`: rounded up to the multiple,
+        never past what the budget leaves beside the new tokens."""
+        rounded = -(-prompt_tokens // self.length_multiple) * self.length_multiple
+        return max(prompt_tokens, min(rounded, self.max_tokens_per_batch - new_tokens))
 
     def close(self) -> None:
         """Drop the model and give its device memory back."""
@@ -262,9 +277,9 @@ class TransformersEngine:
 
     def _run(self, prompts: list[_Prompt], width: int, new_tokens: int) -> list[list[int] | None]:
         """Generated ids per prompt (None: out of memory even alone), splitting on out-of-memory errors."""
-        padded_length = width + new_tokens
-        cap = self.caps.get(padded_length, len(prompts))
-        todo = [(a, min(a + cap, len(prompts))) for a in range(0, len(prompts), cap)][::-1]  # a stack
+        padded = width + new_tokens
+        rows = max(1, (self.token_cap or len(prompts) * padded) // padded)  # a batch planned before the last OOM
+        todo = [(a, min(a + rows, len(prompts))) for a in range(0, len(prompts), rows)][::-1]  # a stack
         results: list[list[int] | None] = [None] * len(prompts)
         while todo:
             a, b = todo.pop()
@@ -278,10 +293,10 @@ class TransformersEngine:
                             len(prompts[a].ids), new_tokens)
                 continue
             mid = (a + b + 1) // 2
-            if self.caps.get(padded_length, b - a) >= b - a:
-                self.caps[padded_length] = mid - a
-                log.warning("out of memory generating %d x %d tokens: later batches of that length run at most %d "
-                            "requests", b - a, padded_length, mid - a)
+            if self.token_cap is None or (mid - a) * padded < self.token_cap:
+                self.token_cap = (mid - a) * padded
+                log.warning("out of memory generating %d x %d tokens: later batches hold at most %d padded tokens",
+                            b - a, padded, self.token_cap)
             todo += [(mid, b), (a, mid)]
         return results
 
