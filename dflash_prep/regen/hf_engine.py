@@ -20,9 +20,10 @@ What it does with a `Request` (engine.py), step by step:
   (padded prompt + new tokens) <= `max_tokens_per_batch` and <= `max_batch_size` allow. The budget bounds what the
   batch holds at its end (the KV cache, the Gated DeltaNet states) and what its prefill forward runs. Not the
   extraction planner's length buckets (`plan.planner.plan_batches`): a batch of generation costs `max_tokens` decode
-  steps whatever its size, and buckets cut one call's requests into at least one batch per bucket (the benchmark's
-  128 prompts of lognormal lengths with 256 new tokens fall into 4 buckets of `batching`'s default 16 / 1.25 after
-  ... see bench/README.md), where consecutive cutting fills each batch to the budget.
+  steps whatever its size, and buckets cut one call's requests into at least one batch per bucket, where consecutive
+  cutting fills each batch to the budget: the benchmark's 256 prompts (bench/regen_bench.py, 8B settings: 432
+  prompt tokens on average, 256 new tokens, a budget of 131,072) make 11 batches in the buckets of `batching`'s
+  defaults (16 / 1.25) and 3 consecutive ones, 11 x 256 decode steps against 3 x 256.
 - **Padding.** Left padding with the attention mask, `use_cache=True`: transformers derives positions from the mask,
   attention never sees padding, and the Gated DeltaNet layers of the Qwen3.5 hybrid zero padded positions before
   their convolution and recurrence, so padding changes no real token's state (tests: batched greedy answers equal
