@@ -113,8 +113,16 @@ def engine_pass(engine, requests, device) -> dict:
 
 def baseline(engine, requests, answers, device, seconds_budget: float) -> dict:
     """One prompt at a time through `model.generate` (greedy, `max_tokens` new tokens, no EOS: the engine's model
-    has none in its generation config) until the time budget would be passed; its texts against the engine's."""
+    has none in its generation config), after one untimed warm-up call, until the time budget would be passed; its
+    texts against the engine's."""
     done, generated, agree, per_prompt = 0, 0, 0, []
+    # Untimed warm-up at batch size 1 (the engine's passes never ran that shape): first-call costs (kernel compiles,
+    # autotuning, allocator growth) would otherwise be charged to the first timed prompt.
+    warm_ids = torch.tensor([engine.render(requests[0])], device=device)
+    with torch.inference_mode():
+        engine.model.generate(input_ids=warm_ids, attention_mask=torch.ones_like(warm_ids),
+                              max_new_tokens=min(16, requests[0].max_tokens), do_sample=False)
+    sync(device)
     start = time.perf_counter()
     for request, answer in zip(requests, answers):
         if per_prompt and time.perf_counter() - start + max(per_prompt) > seconds_budget:
