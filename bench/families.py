@@ -22,6 +22,9 @@ DEMO_QWEN35 = Path(__file__).resolve().parent.parent / "dflash_prep" / "demo" / 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma2", "gemma3", "phi3", "gpt_oss", "qwen3_5",
             "qwen3_5_moe", "deepseek_v3", "mixtral", "glm4_moe")
 WINDOW = {"tiny": 16, "gpu": 128}
+# Qwen3.5's pattern (3 Gated DeltaNet, then full attention), one more layer so that a capture of every layer but
+# the last (HF's last hidden state is after the final norm) includes the attention layer
+HYBRID_LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention", "linear_attention"]
 
 
 def _base(size: str) -> dict:
@@ -77,13 +80,13 @@ def family_overrides(family: str, size: str) -> tuple[str, dict]:
         if tiny:
             return "qwen3_5_text", {k: v for k, v in json.loads(DEMO_QWEN35.read_text()).items()
                                     if k not in ("model_type", "transformers_version")}
-        return "qwen3_5_text", {**base, "num_hidden_layers": 4, **_linear(size), "head_dim": 256,
-                                "layer_types": ["linear_attention"] * 3 + ["full_attention"]}
+        return "qwen3_5_text", {**base, "num_hidden_layers": 5, **_linear(size), "head_dim": 256,
+                                "layer_types": HYBRID_LAYER_TYPES}
     if family == "qwen3_5_moe":  # Gated DeltaNet + full attention, routed + shared expert
-        return "qwen3_5_moe_text", {**base, **_moe(size), **_linear(size), "num_hidden_layers": 4,
+        return "qwen3_5_moe_text", {**base, **_moe(size), **_linear(size), "num_hidden_layers": 5,
                                     "shared_expert_intermediate_size": 32 if tiny else 768,
                                     "head_dim": base["head_dim"] if tiny else 256,
-                                    "layer_types": ["linear_attention"] * 3 + ["full_attention"]}
+                                    "layer_types": HYBRID_LAYER_TYPES}
     if family == "deepseek_v3":  # MLA (q/k head dim 24 != v 12; gpu: 192 != 128), 1 dense layer, routed + shared
         mla = (dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12) if tiny
                else dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,

@@ -41,9 +41,9 @@ GATED_DELTANET = {"qwen3_5", "qwen3_5_moe"}
 
 
 def build(family: str, **overrides) -> nn.Module:
-    """The family's tiny model (config fields `overrides` changed), random fp32 weights, eager attention. The attention projections are drawn 8x
-    larger than transformers' init (std 0.02) so that attention is peaked (the softcap then bites) and the sinks
-    from N(0, 1), so that every feature changes the states."""
+    """The family's tiny model (config fields `overrides` changed), random fp32 weights, eager attention. The
+    attention projections are drawn 8x larger than transformers' init (std 0.02) so that attention is peaked (the
+    softcap then bites) and the sinks from N(0, 1), so that every feature changes the states."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -246,3 +246,20 @@ def test_the_capability_rule_reads_the_config_before_the_model_loads():
     from_config = model_mixers(config)
     assert [m.path for m in from_config] == [f"model.layers.{i}.self_attn" for i in range(6)]
     assert all(m.kind == "attention" and m.why_not is None for m in from_config)
+
+
+def test_the_attention_function_equals_attention_written_out_per_segment():
+    """`varlen_attention` on one row of 5 segments (1-300 tokens) of random q/k/v, against attention written out
+    in bench/packing_check.py (fp64 scores, per segment): GQA, windows of 1, 4, 16 and 128 keys, MLA head dims
+    (192/128), head dim 256, softcap and sinks with a window. Each window case also shows that a window one key
+    wider differs by far more than the error (the GPU check runs the same cases through torch's varlen_attn)."""
+    from bench.packing_check import KERNEL_CASES, attention_kernel_check
+
+    results = attention_kernel_check(torch.device("cpu"), "float32")
+    assert set(results) == {case[0] for case in KERNEL_CASES}
+    for name, res in results.items():
+        assert res["ok"] and res["error"] <= TOLERANCE, (name, res)
+        assert res["path"] == (["eager_per_segment"] if "softcap" in name or "sinks" in name
+                               else ["sdpa_per_segment"]), (name, res)
+        if "window" in name:
+            assert res["window_one_wider_differs_by"] > 1e-2, (name, res)

@@ -224,7 +224,8 @@ def select_packing(requested, config, device_type: str, kernel_names, assume_fla
     if per_segment:
         more = f" (and {len(per_segment) - 1} more)" if len(per_segment) > 1 else ""
         return PackingChoice("auto", False, f"{per_segment[0]}{more}: padded batches")
-    return PackingChoice("auto", True, "exact here and measured faster than padded batches: packed rows")
+    return PackingChoice("auto", True, "exact here, every token mixer one varlen kernel over the row (measured "
+                                       "faster than padded batches on the Llama and Qwen3.5 shapes): packed rows")
 
 
 def replay_stored_layout(choice: PackingChoice, stored_packed: bool, config, device_type: str,
