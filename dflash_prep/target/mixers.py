@@ -13,6 +13,8 @@ and sorts every module into one of:
   (`is_causal=False`); the values of `sliding_window`, `softcap` and `s_aux` are read from the module where the
   source names them as `self.x` / `getattr(self.x, "y", default)` (the features: window, softcap, sinks), else
   taken as present. MLA (q/k head dim != v head dim, DeepSeek-V3) is noted from `qk_head_dim` / `v_head_dim`.
+  Classes are read, not instances: a forward bound on an instance by kernels.py (liger's RMSNorm, SwiGLU and
+  RoPE, fla's conv and gated norm: the same function, fused) is trusted to compute what the class's does.
   Trusted: the rest of the forward works position by position (projections, norms, rotary embeddings of the
   position ids, which restart at 0 for every packed sample) and mixes positions only through that call.
 - **gated_deltanet**: a module whose class name ends in `GatedDeltaNet` (transformers' Qwen3.5 / Qwen3-Next
@@ -20,9 +22,10 @@ and sorts every module into one of:
   `cu_seqlens`, or packing.run_linear_attention_per_segment); trusted: that nothing else in it crosses positions.
 - **position-wise**: no mixing, by class. torch.nn's Linear, Embedding, LayerNorm, RMSNorm, Dropout, Identity,
   containers and element-wise activations; transformers' activations (`transformers.activations`); and
-  transformers' own classes (defined in `transformers.*`) whose name ends in a role transformers gives only to
-  per-token modules: `RMSNorm`, `LayerNorm`, `MLP`, `Experts`, `Router`, `SparseMoeBlock`, `MoE`,
-  `RotaryEmbedding`, `ScaledWordEmbedding`, and the wiring (`DecoderLayer`, `Model`, `ForCausalLM`), provided
+  transformers' own classes (defined in `transformers.*`; also `liger_kernel.*` and `fla.*`, the fused stand-ins
+  kernels.py may apply) whose name ends in a role transformers gives only to per-token modules: `RMSNorm`,
+  `LayerNorm`, `MLP`, `Experts`, `Router`, `SparseMoeBlock`, `MoE`, `RotaryEmbedding`, `ScaledWordEmbedding`,
+  and the wiring (`DecoderLayer`, `Model`, `ForCausalLM`), provided
   their forward calls none of `conv1d`, `conv2d`, `cumsum`, `cumprod`, `roll`, `scaled_dot_product_attention`,
   `flex_attention` and does not use the attention interface. Trusted: those classes compute each token from
   that token alone (routers pick experts per token, with no capacity shared across tokens), the wiring adds
@@ -51,6 +54,9 @@ INTERFACE = "ALL_ATTENTION_FUNCTIONS"
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 HONOURED_KEYWORDS = frozenset({"scaling", "dropout", "sliding_window", "softcap", "s_aux", "attention_mask",
                                "is_causal", "position_ids", *FLASH_KWARGS})
+# whose class names are read for their role: transformers, and the kernel libraries kernels.py applies (a fused
+# module standing in for one of transformers' per-token modules: LigerRMSNorm, LigerSwiGLUMLP, ...)
+ROLE_LIBRARIES = ("transformers.", "liger_kernel.", "fla.")
 POSITIONWISE_ROLES = ("RMSNorm", "LayerNorm", "MLP", "Experts", "Router", "SparseMoeBlock", "MoE",
                       "RotaryEmbedding", "ScaledWordEmbedding", "DecoderLayer", "Model", "ForCausalLM")
 MIXING_CALLS = frozenset({"conv1d", "conv2d", "cumsum", "cumprod", "roll", "scaled_dot_product_attention",
@@ -102,7 +108,7 @@ def classify(module: nn.Module, path: str) -> TokenMixer | None:
         return _attention(module, path)
     if isinstance(module, POSITIONWISE_TORCH) or cls.__module__ == "transformers.activations":
         return None
-    if cls.__module__.startswith("transformers.") and cls.__name__.endswith(POSITIONWISE_ROLES):
+    if cls.__module__.startswith(ROLE_LIBRARIES) and cls.__name__.endswith(POSITIONWISE_ROLES):
         mixing = sorted(names & MIXING_CALLS)
         if not mixing:
             return None

@@ -50,6 +50,7 @@ every forward scans the position ids on the host). The function here is a thin d
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import json
@@ -117,8 +118,8 @@ def _meta_mixers(config) -> tuple[TokenMixer, ...] | str:
     from transformers import AutoModelForCausalLM
 
     try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+        with torch.device("meta"):  # a copy: from_config sets the attention implementation on the config it gets
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
     except Exception as e:  # noqa: BLE001 - remote code, a class transformers does not have: not inspectable
         why = " ".join(str(e).split())[:300]
         return f"the model cannot be built from its config to inspect its modules ({type(e).__name__}: {why})"
@@ -207,9 +208,9 @@ def select_packing(requested, config, device_type: str, kernel_names, assume_fla
     batches on a CPU and wherever a mixer would run once per sample (a `compute_dtype` other than bfloat16 /
     float16, a torch without `varlen_attn`, softcap or sinks, no fla_conv): nothing was measured faster there.
     `model`: the loaded model (default: a meta-device build of `config`)."""
-    why_not, per_segment = packing_verdict(config, device_type, kernel_names, compute_dtype, assume_fla, model)
     if requested is False:
         return PackingChoice(False, False, "batching.packing: false")
+    why_not, per_segment = packing_verdict(config, device_type, kernel_names, compute_dtype, assume_fla, model)
     if requested is True:
         if why_not:
             raise RecipeError(f"recipe key `batching.packing` = true: not exact here ({why_not}); use auto or false")
