@@ -181,7 +181,7 @@ def packing_verdict(config, device_type: str, kernel_names=(), compute_dtype: st
              for m in mixers]
     blockers = [why for path, why in paths if path is None]
     if blockers:
-        more = f" (and {len(blockers) - 1} more)" if len(blockers) > 1 else ""
+        more = f" (and {len(blockers) - 1} more modules)" if len(blockers) > 1 else ""
         return f"packing is not exact for this model: {blockers[0]}{more}", []
     if not mixers:
         return "no token mixer found in the model (nothing known to pack)", []
@@ -223,7 +223,7 @@ def select_packing(requested, config, device_type: str, kernel_names, assume_fla
         return PackingChoice("auto", False, "a replica of several GPUs: packed rows not run there yet: padded "
                                             "batches")
     if per_segment:
-        more = f" (and {len(per_segment) - 1} more)" if len(per_segment) > 1 else ""
+        more = f" (and {len(per_segment) - 1} more modules)" if len(per_segment) > 1 else ""
         return PackingChoice("auto", False, f"{per_segment[0]}{more}: padded batches")
     return PackingChoice("auto", True, "exact here, every token mixer one varlen kernel over the row (measured "
                                        "faster than padded batches on the Llama and Qwen3.5 shapes): packed rows")
