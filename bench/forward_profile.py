@@ -34,8 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.kernels_check import slice_section  # noqa: E402
 from bench.profiling import kernel_profile  # noqa: E402
-from dflash_prep.plan import batches  # noqa: E402
-from dflash_prep.plan.batches import SampleInfo  # noqa: E402
+from dflash_prep.plan.batches import SampleInfo, collate_packed  # noqa: E402
 from dflash_prep.target import packing  # noqa: E402
 from dflash_prep.target.capture import LayerCapture  # noqa: E402
 from dflash_prep.target.kernels import apply_kernels, select_kernels  # noqa: E402
@@ -85,7 +84,7 @@ def profile_forward(args, device, tmp: Path) -> dict:
     packing.use_packed_attention(model, device.type)
     build_seconds = time.perf_counter() - t0
     samples = row_samples(config.get_text_config().vocab_size, args.row_tokens)
-    tensors = batches.collate_packed(samples, args.row_tokens, 0).tensors_on(device)
+    tensors = collate_packed(samples, args.row_tokens, 0).tensors_on(device)
     real = sum(len(s.input_ids) for s in samples)
     with LayerCapture(model, layer_ids, storage_dtype=torch.bfloat16) as cap:
         run = lambda: cap.run(**tensors)  # noqa: E731

@@ -2,7 +2,10 @@
 # GPU check of packed rows (`batching.packing`), everything written under RESULTS_DIR (default bench/results):
 #   1. bench/packing_check.py: one packed row of 8 samples (17-384 tokens) vs each sample alone, fp32 (TF32 off) and
 #      bf16, on 8-layer slices of the Qwen3.6-27B and Llama-3.1-8B shapes with `model.kernels: auto`
-#      -> packing_check.json, packing_check.log (bound 1e-3 in fp32);
+#      -> packing_check.json, packing_check.log (bound 1e-3 in fp32); then the same on every family's GPU-sized
+#      config (bench/families.py: sliding windows, softcap, sinks, MLA, MoE, Gated DeltaNet), with the attention
+#      function's own check (varlen_attn with windows of 1-128 keys against attention written out)
+#      -> packing_check_families.json, packing_check_families.log;
 #   2. a bf16 extraction with packed rows (`batching.packing: true`: refused, exit 2, where not exact) of each tiny
 #      architecture (the demo's Qwen3.5 hybrid, final state before the norm; a Llama with EAGLE-3 layers, final
 #      state after the norm; scratch output in /tmp/packing-ARCH), then `dflash-prep verify` on it
@@ -22,6 +25,11 @@ if [ "${SKIP_CHECK:-0}" != 1 ]; then
   timeout 540 python3 bench/packing_check.py --json "$RESULTS/packing_check.json" 2>&1 \
       | grep -v "falling back" | tee "$RESULTS/packing_check.log"
   [ "${PIPESTATUS[0]}" = 0 ] || { status=1; step "packing_check FAILED"; }
+  step "packing_check (fp32 + bf16, every family's GPU-sized config)"
+  timeout 540 python3 bench/packing_check.py --models none --families all \
+      --json "$RESULTS/packing_check_families.json" 2>&1 | grep -v "falling back" \
+      | tee "$RESULTS/packing_check_families.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || { status=1; step "packing_check (families) FAILED"; }
 fi
 [ "${ONLY_CHECK:-0}" = 1 ] && { step "done (ONLY_CHECK), exit $status"; exit $status; }
 

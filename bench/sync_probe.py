@@ -38,8 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.kernels_check import slice_section  # noqa: E402
-from dflash_prep.plan import batches  # noqa: E402
-from dflash_prep.plan.batches import SampleInfo, collate  # noqa: E402
+from dflash_prep.plan.batches import SampleInfo, collate, collate_packed  # noqa: E402
 from dflash_prep.target import packing  # noqa: E402
 from dflash_prep.target.capture import LayerCapture  # noqa: E402
 from dflash_prep.target.kernels import apply_kernels, select_kernels  # noqa: E402
@@ -134,7 +133,7 @@ def probe_model(name: str, num_layers: int, row_tokens: int, device, tmp: Path) 
     with LayerCapture(model, layer_ids, storage_dtype=torch.bfloat16, padding_mask=False) as cap:
         out["padded"] = probe_path(cap, collate(samples, T, 0).tensors_on(device), device)
     packing.use_packed_attention(model, device.type)
-    row = batches.collate_packed(samples, row_tokens, 0)
+    row = collate_packed(samples, row_tokens, 0)
     with LayerCapture(model, layer_ids, storage_dtype=torch.bfloat16) as cap:
         out["packed"] = probe_path(cap, row.tensors_on(device), device)
     out["attention_calls"] = dict(packing.ATTENTION_CALLS)

@@ -90,4 +90,26 @@ def test_an_extraction_with_auto_plans_and_records_the_resolved_budget(tmp_path)
     assert plan["batching"]["max_tokens_per_batch"] == CPU_AUTO_TOKENS
     assert all(T * len(idx) <= CPU_AUTO_TOKENS for T, idx in plan["batches"])
     assert "max_tokens_per_batch: 16384" in (out / "recipe.resolved.yaml").read_text()
-    assert "batching.max_tokens_per_batch: auto = 16384 (no GPU: 16384)" in (out / "logs" / "rank-00000.log").read_text()
+    log_text = (out / "logs" / "rank-00000.log").read_text()
+    assert "batching.max_tokens_per_batch: auto = 16384 (no GPU: 16384)" in log_text
+
+
+def test_per_token_bound_of_an_moe_counts_its_active_experts():
+    """MoE: the width a token runs through is k x the expert width (+ shared experts; the dense layers' where the
+    model has dense layers and it is wider), plus the routed copies (2 x k x hidden) and the router's fp32 logits
+    and probabilities (8 bytes x experts); counted here by hand from the configs."""
+    from transformers import DeepseekV3Config, Qwen3MoeConfig
+
+    sparse = Qwen3MoeConfig(hidden_size=64, intermediate_size=1024, moe_intermediate_size=32, num_experts=8,
+                            num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2)  # every layer sparse: intermediate_size is unused
+    H, k, E = 64, 2, 8
+    assert bytes_per_padded_token(sparse, "bfloat16", "bfloat16", 3) == (
+        2 * (12 * H + 4 * (k * 32)) + 2 * 2 * k * H + 8 * E + 2 * 3 * H)
+    mla = DeepseekV3Config(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
+                           num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=4, n_group=2, topk_group=1)
+    routed_width = k * 32 + 1 * 32  # 96, narrower than the dense layer's 128: that one sets the bound
+    assert routed_width < 128
+    assert bytes_per_padded_token(mla, "bfloat16", "bfloat16", 3) == (
+        2 * (12 * H + 4 * 128) + 2 * 2 * k * H + 8 * E + 2 * 3 * H)

@@ -114,18 +114,19 @@ def test_packing_choice_by_device_architecture_and_kernels():
     assert not auto.packed and "fla_conv" in auto.reason
     assert select_packing("auto", qwen, "cuda", ("fla_conv",), assume_fla=True).packed
     assert select_packing(True, qwen, "cuda", ("fla_conv",), assume_fla=True).packed
-    with pytest.raises(RecipeError, match="batching.packing"):
-        select_packing(True, qwen, "cuda", (), assume_fla=True)
+    # asked for without fla_conv: exact with each Gated DeltaNet module run once per sample (auto: padded)
+    assert select_packing(True, qwen, "cuda", (), assume_fla=True).packed
     import importlib.util
 
-    from dflash_prep.target.packing import _fla_chunk_in_use
+    from dflash_prep.target.mixers import fla_chunk_in_use
 
-    if importlib.util.find_spec("fla") is None:  # transformers' torch fallback ignores cu_seqlens: never packed
-        assert _fla_chunk_in_use("qwen3_5") is False
-        assert not select_packing("auto", qwen, "cuda", ("fla_conv",)).packed
+    if importlib.util.find_spec("fla") is None:  # transformers' torch fallback ignores cu_seqlens: per sample
+        assert fla_chunk_in_use("transformers.models.qwen3_5.modeling_qwen3_5") is False
+        auto = select_packing("auto", qwen, "cuda", ("fla_conv",))
+        assert not auto.packed and "chunk kernel is not in use" in auto.reason
     from transformers import GPT2Config
 
-    with pytest.raises(RecipeError, match="gpt2"):
+    with pytest.raises(RecipeError, match="batching.packing.*GPT2Block.*gpt2"):  # a block of its own kind
         select_packing(True, GPT2Config(), "cpu", ())
     assert not select_packing("auto", GPT2Config(), "cuda", ()).packed
 

@@ -22,7 +22,8 @@ Guarantees (tests/test_plan.py checks them against real extractions):
   Llama-3.1-8B shape),
   picked by model (same model_type, hidden size and depth), else the benchmarked model nearest in decoder
   parameters (within 4x), scaled by the ratio of decoder parameters run per token (FLOPs per token = 2 x those
-  parameters; parameters counted on a meta-device model: no memory, no weights); `--tokens-per-second`
+  parameters, for an MoE those a token runs through: routed experts at num_experts_per_tok / num_experts,
+  model.decoder_params_run; counted on a meta-device model: no memory, no weights); `--tokens-per-second`
   overrides it. No default when no benchmark is near: the plan says so;
 - the data verdict is the extraction's own (`data.check_data_verdict`): no kept row, or more than
   `data.max_skipped_fraction` skipped, is the same one-line error and exit code 2; `--show-sample N` first prints
@@ -395,7 +396,8 @@ def format_plan(p: dict) -> str:
     lines = resume + [
         ("model", f"{p['model']}  [{p['model_type']}, {p['num_hidden_layers']} layers, hidden {p['hidden_size']}]; "
                   f"{p['layers_run']} decoder layers run"
-                  + (f" ({p['decoder_params_run'] / 1e9:.3g}B parameters)" if p["decoder_params_run"] else "")),
+                  + (f" ({p['decoder_params_run'] / 1e9:.3g}B parameters per token)"
+                     if p["decoder_params_run"] else "")),
         ("layers", f"{p['layer_ids']} after-layer 0-based; final layer: {p['capture_final']}"),
         ("rows", f"{p['num_rows']:,}: {p['num_samples']:,} kept, {p['num_skipped']:,} skipped"
                  + (" (" + ", ".join(f"{k}: {v:,}" for k, v in p["skipped"].items()) + ")" if p["skipped"] else "")),

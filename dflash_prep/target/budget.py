@@ -9,15 +9,24 @@ a 64 GB peak, 131,072 for the Llama-3.1-8B shape with a 27.5 GB peak):
     budget            = 0.4 x (GPU memory - resident weights) / per padded token,
                         rounded down to a power of two, within [8,192, 131,072]
 
+For an MoE target `intermediate` is the width a token runs through, its ACTIVE expert weights: num_experts_per_tok
+x the expert width (`moe_intermediate_size`, else `intermediate_size`) + the shared experts' width
+(`shared_expert_intermediate_size`, or n_shared_experts x the expert width), or the dense layers' width where
+the model has dense layers and it is larger (`active_intermediate_size`); plus, per token, the routed copies
+(2 x num_experts_per_tok x hidden in the compute dtype: the token's hidden state sent to each of its experts and
+each expert's output) and the router's fp32 logits and probabilities (8 bytes x num_experts). The resident weights
+stay ALL the parameters: every expert is held in memory whichever a token uses.
+
 A packed row (`batching.packing`) of T tokens is one forward of batch 1 and T padded tokens: the same per-token
-bound holds (its attention runs per sample, FlashAttention's varlen kernel or SDPA per segment, and never
-materializes a [T, T] score matrix, so no term grows with the row's length), and the budget is the row's length.
+bound holds (its attention runs per sample, FlashAttention's varlen kernel or SDPA per segment, or for softcap and
+sinks the eager computation per block of at most 2^25 scores, and never materializes a [T, T] score matrix, so no
+term grows with the row's length), and the budget is the row's length.
 
 A replica of N GPUs (`model.gpus_per_replica`) spreads the weights over its GPUs: the resident weights per GPU are
 weights / N (`auto_token_budget`). Resident weights are counted on a meta-device build of the model with the layers
-the run drops already dropped (no memory, no weights read). Without a GPU the budget is 16,384. The resolved number is what the plan uses and
-what OUT/plan.json freezes: a resume on another GPU replays the stored plan. An out-of-memory error is still
-handled (backoff.py) if the bound is ever too small.
+the run drops already dropped (no memory, no weights read). Without a GPU the budget is 16,384. The resolved
+number is what the plan uses and what OUT/plan.json freezes: a resume on another GPU replays the stored plan. An
+out-of-memory error is still handled (backoff.py) if the bound is ever too small.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import math
 import torch
 
 from dflash_prep.recipe.schema import Recipe
-from dflash_prep.target.model import STORAGE_TORCH_DTYPES
+from dflash_prep.target.model import STORAGE_TORCH_DTYPES, experts_per_token
 
 AUTO = "auto"
 MIN_AUTO_TOKENS, MAX_AUTO_TOKENS, CPU_AUTO_TOKENS = 8192, 131072, 16384
@@ -39,9 +48,46 @@ def bytes_per_padded_token(config, compute_dtype: str, storage_dtype: str, num_l
     """The rule's per-padded-token bound (activations of one layer + the capture buffer), in bytes."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     compute = STORAGE_TORCH_DTYPES[compute_dtype].itemsize
-    storage = STORAGE_TORCH_DTYPES[storage_dtype].itemsize + (4 / text.hidden_size if storage_dtype == "fp8_e4m3" else 0)
-    inter = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
-    return int(compute * (12 * text.hidden_size + 4 * inter) + storage * num_layers_captured * text.hidden_size)
+    storage = (STORAGE_TORCH_DTYPES[storage_dtype].itemsize
+               + (4 / text.hidden_size if storage_dtype == "fp8_e4m3" else 0))
+    inter = active_intermediate_size(config)
+    routed = 0
+    experts = num_routed_experts(config)
+    if experts:  # the routed copies of the token's hidden state and the router's fp32 logits and probabilities
+        routed = compute * 2 * experts_per_token(config) * text.hidden_size + 8 * experts
+    return int(compute * (12 * text.hidden_size + 4 * inter) + routed
+               + storage * num_layers_captured * text.hidden_size)
+
+
+def num_routed_experts(config) -> int | None:
+    """The routed experts of each MoE layer (`num_experts`, `num_local_experts` or `n_routed_experts`), None for
+    a dense model (no `num_experts_per_tok`)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not experts_per_token(config):
+        return None
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        value = getattr(text, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def active_intermediate_size(config) -> int:
+    """The feed-forward width one token runs through in the widest layer: `intermediate_size` (4 x hidden when
+    absent) for a dense model; for an MoE, num_experts_per_tok x the expert width + the shared experts' width, or
+    the dense layers' `intermediate_size` where some layers are dense (first_k_dense_replace, mlp_only_layers,
+    decoder_sparse_step > 1) and it is wider."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    dense = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
+    if not num_routed_experts(config):
+        return dense
+    expert = getattr(text, "moe_intermediate_size", None) or dense
+    shared = (getattr(text, "shared_expert_intermediate_size", None)
+              or (getattr(text, "n_shared_experts", None) or 0) * expert)
+    moe = experts_per_token(config) * expert + shared
+    has_dense = bool(getattr(text, "first_k_dense_replace", 0) or getattr(text, "mlp_only_layers", None)
+                     or (getattr(text, "decoder_sparse_step", 1) or 1) > 1)
+    return max(moe, dense) if has_dense else moe
 
 
 def resident_weight_bytes(recipe: Recipe, config, last_needed_layer: int) -> int:

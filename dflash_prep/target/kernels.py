@@ -261,6 +261,7 @@ def _scoped_global(forward, modeling, name: str, replacement):
         finally:
             setattr(modeling, name, original)
 
+    scoped.scoped_global = name  # what packing.py reads: fla_conv keeps a packed row's samples apart
     return scoped
 
 

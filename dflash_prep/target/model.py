@@ -133,22 +133,61 @@ def drop_layers_after(model: nn.Module, last_needed_layer: int) -> int:
 
 
 def decoder_params_in(model: nn.Module, num_layers: int | None = None) -> int:
-    """Parameters of the first `num_layers` decoder layers (all when None): the FLOP-relevant weights."""
+    """Parameters of the first `num_layers` decoder layers (all when None): the weights they hold."""
     layers = decoder_layers(find_decoder(model))
     chosen = list(layers)[: num_layers if num_layers is not None else len(layers)]
     return sum(p.numel() for layer in chosen for p in layer.parameters())
 
 
+def experts_per_token(config) -> int | None:
+    """The routed experts each token runs through (`num_experts_per_tok`), None for a dense model."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    k = getattr(text, "num_experts_per_tok", None)
+    return int(k) if isinstance(k, int) and k > 0 else None
+
+
+def active_params(module: nn.Module, top_k: int | None) -> int:
+    """Parameters of `module` one token runs through: all of them, except routed experts, of which a token runs
+    `top_k` (`num_experts_per_tok`) of E: the parameters of an experts module (a class whose name ends in `Experts`,
+    transformers' fused [E, ...] expert weights, or a ModuleList named `experts`) count top_k / E. Shared experts,
+    routers and everything else count fully. `top_k` None: all parameters."""
+    if not top_k:
+        return sum(p.numel() for p in module.parameters())
+    total = sum(p.numel() for p in module.parameters(recurse=False))
+    for name, child in module.named_children():
+        E = _num_routed_experts(name, child)
+        if E:
+            total += sum(p.numel() for p in child.parameters()) * min(top_k, E) // E
+        else:
+            total += active_params(child, top_k)
+    return total
+
+
+def _num_routed_experts(name: str, module: nn.Module) -> int | None:
+    if type(module).__name__.endswith("Experts"):
+        E = getattr(module, "num_experts", None)
+        if not isinstance(E, int):
+            first = next(module.parameters(), None)
+            E = first.shape[0] if first is not None and first.ndim == 3 else None
+        return E
+    if name == "experts" and isinstance(module, nn.ModuleList):
+        return len(module)
+    return None
+
+
 def decoder_params_run(section: ModelSection, config, last_needed_layer: int) -> int | None:
-    """Parameters of the decoder layers the extraction runs, counted on a meta-device model (no memory); None
-    when the architecture cannot be built that way (then only a benchmark of the same model gives a figure)."""
+    """Parameters of the decoder layers the extraction runs that a token runs through (`active_params`: for an
+    MoE, num_experts_per_tok / num_experts of the routed experts' weights, shared experts fully; for a dense model
+    all of them), counted on a meta-device model (no memory); the FLOPs per token are 2 x this. None when the
+    architecture cannot be built that way (then only a benchmark of the same model gives a figure)."""
     from transformers import AutoModelForCausalLM
 
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=section.trust_remote_code)
         kept = drop_layers_after(model, last_needed_layer)
-        return decoder_params_in(model, kept)
+        top_k = experts_per_token(config)
+        return sum(active_params(layer, top_k) for layer in list(decoder_layers(find_decoder(model)))[:kept])
     except Exception:  # noqa: BLE001 - remote code or an unusual class: the figures go on without the count
         return None
 
