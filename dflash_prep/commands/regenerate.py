@@ -29,6 +29,7 @@ from pathlib import Path
 
 from dflash_prep import __version__
 from dflash_prep.errors import EXIT_BAD_RECIPE, EXIT_STOPPED
+from dflash_prep.io import atomic_write_json
 from dflash_prep.recipe.schema import REGEN_IDENTITY_KEYS, Recipe, RecipeError, RegenerateSection, add_recipe_args
 from dflash_prep.regen import output as regen_output
 from dflash_prep.regen.conversation import RegenSettings
@@ -36,7 +37,7 @@ from dflash_prep.regen.engine import EngineUnavailable
 from dflash_prep.regen.loop import LoopStopped, RegenLoop, StopRequest
 from dflash_prep.regen.sampling import generation_config_source, read_generation_defaults, resolve_sampling
 from dflash_prep.store.locks import OutputBusyError, check_no_rank_writing, lock_rank, lock_run
-from dflash_prep.store.manifest import OutputStateError
+from dflash_prep.store.manifest import OutputStateError, read_state_json
 
 log = logging.getLogger("dflash_prep")
 
@@ -191,7 +192,7 @@ def _run(recipe: Recipe, held: list) -> dict | None:
         num_chunks = math.ceil(len(rows) / rows_per_shard)
         if len(committed) < num_chunks or not regen_output.is_finished(out_dir):
             regen_output.remove_dataset_files(out_dir)
-            previous = regen_output.read_state_json(out_dir / regen_output.STATE_NAME).get("identity", {}) \
+            previous = read_state_json(out_dir / regen_output.STATE_NAME).get("identity", {}) \
                 if (out_dir / regen_output.STATE_NAME).exists() else {}
             regen_output.record_run(out_dir, {**identity, "engine": previous.get("engine")}, rows_per_shard,
                                     recipe.to_yaml())
@@ -207,8 +208,11 @@ def _run(recipe: Recipe, held: list) -> dict | None:
                  num_chunks, rows_per_shard, len(committed), len(todo), state.num_processes)
     report = {"rank": state.process_index, "rows_done": 0, "requests": 0, "completion_tokens": 0,
               "prompt_tokens": 0, "loop_seconds": 0.0}
-    if todo:
+    if mine:
         report = _run_rank(recipe, state, out_dir, rows, mine, rows_per_shard, settings, identity)
+    if todo:  # this run's figures, one file per rank (an idle rank's zeros included)
+        (out_dir / regen_output.INDEX_DIR).mkdir(exist_ok=True)
+        atomic_write_json(out_dir / regen_output.INDEX_DIR / f"rank-{state.process_index:05d}.done.json", report)
     state.wait_for_everyone()
     if not state.is_main_process:
         return None
@@ -238,9 +242,9 @@ def _run_rank(recipe: Recipe, state, out_dir: Path, rows, mine: list[int], rows_
         engine_identity = engine.identity()
         regen_output.check_identity(out_dir, {"engine": engine_identity})
         if state.is_main_process:
-            stored = regen_output.read_state_json(out_dir / regen_output.STATE_NAME)
+            stored = read_state_json(out_dir / regen_output.STATE_NAME)
             stored["identity"] = {**identity, "engine": engine_identity}
-            regen_output.atomic_write_json(out_dir / regen_output.STATE_NAME, stored)
+            atomic_write_json(out_dir / regen_output.STATE_NAME, stored)
         log.info("engine ready in %.1fs: %s", time.perf_counter() - t0, engine_identity)
         if section.engine == "openai":
             concurrency = engine.total_concurrency
@@ -267,13 +271,10 @@ def _run_rank(recipe: Recipe, state, out_dir: Path, rows, mine: list[int], rows_
                 progress.close()
     finally:
         engine.close()
-    report = {"rank": state.process_index, "rows_done": stats.rows_done, "rows_written": stats.rows_written,
-              "chunks_committed": stats.chunks_committed, "requests": stats.requests,
-              "prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
-              "loop_seconds": stats.loop_seconds, "engine_seconds": stats.engine_seconds}
-    regen_output.atomic_write_json(out_dir / regen_output.INDEX_DIR / f"rank-{state.process_index:05d}.done.json",
-                                   report)
-    return report
+    return {"rank": state.process_index, "rows_done": stats.rows_done, "rows_written": stats.rows_written,
+            "chunks_committed": stats.chunks_committed, "requests": stats.requests,
+            "prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
+            "loop_seconds": stats.loop_seconds, "engine_seconds": stats.engine_seconds}
 
 
 class _Progress:
@@ -323,7 +324,7 @@ def _finish(recipe: Recipe, out_dir: Path, rows, rows_per_shard: int, num_chunks
     reports = [r for r in reports if r.get("rank", 0) < world] if ran else []
     totals = _totals(records)
     this_run_seconds = max((r.get("loop_seconds", 0.0) for r in reports), default=0.0)
-    engine = regen_output.read_state_json(out_dir / regen_output.STATE_NAME).get("identity", {}).get("engine")
+    engine = read_state_json(out_dir / regen_output.STATE_NAME).get("identity", {}).get("engine")
     summary = {
         "output_dir": str(out_dir),
         "engine": section_of(recipe).engine,

@@ -39,7 +39,7 @@ import threading
 import time
 from concurrent.futures import Future, wait
 
-from dflash_prep.recipe.schema import RegenerateSection
+from dflash_prep.recipe.schema import RecipeError, RegenerateSection
 from dflash_prep.regen.engine import FINISH_STOP, Answer, EngineUnavailable, Request
 
 log = logging.getLogger("dflash_prep")
@@ -60,13 +60,15 @@ class _Server:
         self.client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout_seconds, max_retries=0)
         self.down: str | None = None  # why, once down
 
-    def answers_models(self) -> bool:
-        """Whether the server answers `GET /models` now (one try, 10 s)."""
+    def served_models(self) -> list[str] | None:
+        """The model names `GET /models` lists now (one try, 10 s), or None when the server does not answer."""
         try:
-            self.client.with_options(timeout=10.0).models.list()
-            return True
+            return [m.id for m in self.client.with_options(timeout=10.0).models.list().data]
         except Exception:  # noqa: BLE001 - any failure means "does not answer"
-            return False
+            return None
+
+    def answers_models(self) -> bool:
+        return self.served_models() is not None
 
 
 class _Job:
@@ -81,7 +83,8 @@ class OpenAIEngine:
 
     section: the recipe's `regenerate` section (base_urls, max_concurrency, timeout_seconds, max_retries,
     retry_backoff_seconds, extra_sampling, api_key_env). served_model_name: the `model` of every request.
-    Raises EngineUnavailable when no server answers `GET /models` at the start."""
+    Raises EngineUnavailable when no server answers `GET /models` at the start, RecipeError when one lists models
+    but not `served_model_name`."""
 
     def __init__(self, section: RegenerateSection, served_model_name: str):
         self.section, self.model = section, served_model_name
@@ -102,16 +105,23 @@ class OpenAIEngine:
                                  name=f"dflash-prep-openai-{i}").start()
 
     def _check_servers(self) -> None:
-        """Every server answers `GET /models` (retried as a request is), or is marked down; none: EngineUnavailable."""
+        """Every server answers `GET /models` (retried as a request is), or is marked down; none: EngineUnavailable.
+        A server that lists models but not the served model name is refused (RecipeError): every request would
+        come back 404."""
         for server in self.servers:
             for attempt in range(self.section.max_retries + 1):
-                if server.answers_models():
+                models = server.served_models()
+                if models is not None:
                     break
                 if attempt < self.section.max_retries:
                     time.sleep(self._backoff(attempt))
             else:
                 server.down = f"{server.base_url} does not answer GET /models"
                 log.warning("regenerate: %s; its share goes to the other servers", server.down)
+                continue
+            if models and self.model not in models:
+                raise RecipeError(f"recipe key `regenerate.served_model_name` = {self.model!r}: {server.base_url} "
+                                  f"serves {models[:5]}")
         if all(s.down for s in self.servers):
             raise EngineUnavailable(f"no server answers: {'; '.join(s.down for s in self.servers)}")
 
