@@ -7,7 +7,6 @@ rules make of them."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

@@ -60,12 +60,16 @@ class _Server:
         self.client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout_seconds, max_retries=0)
         self.down: str | None = None  # why, once down
 
-    def served_models(self) -> list[str] | None:
-        """The model names `GET /models` lists now (one try, 10 s), or None when the server does not answer."""
-        try:
-            return [m.id for m in self.client.with_options(timeout=10.0).models.list().data]
-        except Exception:  # noqa: BLE001 - any failure means "does not answer"
-            return None
+    def served_models(self, tries: int = 3) -> list[str] | None:
+        """The model names `GET /models` lists now (10 s a try), or None when the server does not answer. A few
+        tries: a server may close a kept-alive connection after an error (uvicorn after an HTTP 500), which fails
+        the next request sent on it."""
+        for attempt in range(tries):
+            try:
+                return [m.id for m in self.client.with_options(timeout=10.0).models.list().data]
+            except Exception:  # noqa: BLE001 - any failure means "does not answer"
+                time.sleep(0.2 * (attempt + 1))
+        return None
 
     def answers_models(self) -> bool:
         return self.served_models() is not None
