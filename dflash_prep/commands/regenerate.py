@@ -34,7 +34,7 @@ from dflash_prep.recipe.schema import REGEN_IDENTITY_KEYS, Recipe, RecipeError, 
 from dflash_prep.regen import output as regen_output
 from dflash_prep.regen.conversation import RegenSettings
 from dflash_prep.regen.engine import EngineUnavailable
-from dflash_prep.regen.loop import LoopStopped, RegenLoop, StopRequest
+from dflash_prep.regen.loop import EngineFailed, LoopStopped, RegenLoop, StopRequest
 from dflash_prep.regen.sampling import generation_config_source, read_generation_defaults, resolve_sampling
 from dflash_prep.store.locks import OutputBusyError, check_no_rank_writing, lock_rank, lock_run
 from dflash_prep.store.manifest import OutputStateError, read_state_json
@@ -226,10 +226,17 @@ def _build_engine(recipe: Recipe, device):
         from dflash_prep.regen.openai_engine import OpenAIEngine
 
         return OpenAIEngine(section, served_model_name(recipe))
-    from dflash_prep.regen.hf_engine import TransformersEngine
-
-    return TransformersEngine(recipe.model, device, max_tokens_per_batch=section.max_tokens_per_batch,
-                              max_batch_size=section.max_batch_size)
+    try:
+        from dflash_prep.regen.hf_engine import TransformersEngine
+    except ImportError as e:
+        raise RecipeError(f"recipe key `regenerate.engine` = 'transformers': the in-process engine cannot be "
+                          f"imported here ({e}); use `engine: openai` with a server") from None
+    try:
+        return TransformersEngine(recipe.model, device, max_tokens_per_batch=section.max_tokens_per_batch,
+                                  max_batch_size=section.max_batch_size)
+    except ValueError as e:  # a token budget that cannot hold one request
+        raise RecipeError(f"recipe key `regenerate.max_tokens_per_batch` = {section.max_tokens_per_batch}: {e}") \
+            from None
 
 
 def _run_rank(recipe: Recipe, state, out_dir: Path, rows, mine: list[int], rows_per_shard: int,
@@ -396,7 +403,7 @@ def run_and_report(recipe: Recipe) -> tuple[dict | None, int]:
     except (RecipeError, regen_output.RegenMismatchError, OutputBusyError, OutputStateError) as e:
         print(f"error: {e}", file=sys.stderr)
         return None, EXIT_BAD_RECIPE
-    except (EngineUnavailable, LoopStopped, RegenStopped) as e:
+    except (EngineUnavailable, EngineFailed, LoopStopped, RegenStopped) as e:
         _stopped(f"regeneration stopped: {e}. Committed shards are intact; re-run the same command to resume",
                  out_dir)
         return None, EXIT_STOPPED

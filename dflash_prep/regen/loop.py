@@ -74,6 +74,10 @@ class LoopStopped(Exception):
     """The loop stopped on a signal (exit code 1, resumable)."""
 
 
+class EngineFailed(RuntimeError):
+    """The engine raised something other than EngineUnavailable (exit code 1, resumable once the cause is fixed)."""
+
+
 @dataclass
 class LoopStats:
     """What this rank did in this run (its report; the summary adds up the committed chunks instead)."""
@@ -140,7 +144,8 @@ class RegenLoop:
         self.stats = LoopStats()
 
     def run(self) -> LoopStats:
-        """Raises EngineUnavailable (the engine is gone) or LoopStopped (a stop request); committed chunks stay."""
+        """Raises EngineUnavailable (the engine is gone), EngineFailed (it raised) or LoopStopped (a stop
+        request); committed chunks stay."""
         t0 = time.perf_counter()
         try:
             while True:
@@ -214,9 +219,10 @@ class RegenLoop:
         if error is not None:
             if isinstance(error, EngineUnavailable):
                 raise error
-            raise RuntimeError(f"the engine failed: {type(error).__name__}: {error}") from error
+            log.error("the engine failed", exc_info=error, extra={"console": False})
+            raise EngineFailed(f"the engine failed: {type(error).__name__}: {error}") from error
         if len(answers) != len(members):
-            raise RuntimeError(f"the engine returned {len(answers)} answers to {len(members)} requests")
+            raise EngineFailed(f"the engine returned {len(answers)} answers to {len(members)} requests")
         for (chunk, conv), answer in zip(members, answers):
             self._count_answer(chunk, answer)
             conv.accept(answer)
