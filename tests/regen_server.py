@@ -1,6 +1,8 @@
-"""A real OpenAI-compatible server for the regeneration tests: the tiny demo model with random weights, saved with
-`save_pretrained` (and its tokenizer, the Qwen3 chat template of chat_templates.py so that tool calls render), served
-by `transformers serve` on a free loopback port. No part of the HTTP API is mocked."""
+"""Helpers of the regeneration tests.
+
+A real OpenAI-compatible server: the tiny demo model with random weights, saved with `save_pretrained` (and its
+tokenizer, the Qwen3 chat template of chat_templates.py so that tool calls render), served by `transformers serve` on
+a free loopback port (no part of the HTTP API is mocked); and the process handling of the kill/resume tests."""
 
 from __future__ import annotations
 
@@ -96,3 +98,57 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
         self.proc = None
+
+
+# ---------------------------------------------------------------------- processes the kill/resume tests run
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+       "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
+
+
+def rows_of(out: Path) -> list[dict]:
+    import datasets
+
+    return [{k: r[k] for k in ("id", "source_row", "messages")} for r in datasets.load_from_disk(str(out))]
+
+
+def index_lines(out: Path) -> int:
+    return sum(p.read_bytes().count(b"\n") for p in (out / "index").glob("rank-*.jsonl")) \
+        if (out / "index").is_dir() else 0
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def start_and_wait(cmd: list[str], out: Path, new_commits: int, timeout: float = 240.0) -> subprocess.Popen:
+    """Start `cmd` and return once it committed `new_commits` more chunks (or ended)."""
+    before = index_lines(out)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None and index_lines(out) < before + new_commits:
+        time.sleep(0.02)
+    return proc
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    for pid in [proc.pid] + descendants(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
+
+

@@ -7,24 +7,27 @@ prompt."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from regen_server import REPO, Server, free_port, save_tiny_model
+from regen_server import (
+    Server,
+    free_port,
+    kill_tree,
+    rows_of,
+    save_tiny_model,
+    start_and_wait,
+)
 
 from dflash_prep.commands.regenerate import main as regenerate_main
 from dflash_prep.regen.output import read_committed
 
 pytestmark = pytest.mark.slow
 
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
-       "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
 NUM_ROWS = 14
 ROWS = [{"id": f"r{i}", "messages": [{"role": "user", "content": f"Say something about the number {i}."}]
          + ([{"role": "assistant", "content": "ok"}, {"role": "user", "content": "And again?"},
@@ -78,53 +81,6 @@ def reference(server, model_dir, data, tmp_path_factory) -> list[dict]:
     rows = rows_of(out)
     assert [r["source_row"] for r in rows] == list(range(NUM_ROWS))
     return rows
-
-
-def rows_of(out: Path) -> list[dict]:
-    import datasets
-
-    return [{k: r[k] for k in ("id", "source_row", "messages")} for r in datasets.load_from_disk(str(out))]
-
-
-def index_lines(out: Path) -> int:
-    return sum(p.read_bytes().count(b"\n") for p in (out / "index").glob("rank-*.jsonl")) \
-        if (out / "index").is_dir() else 0
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def start_and_wait(cmd: list[str], out: Path, new_commits: int, timeout: float = 240.0) -> subprocess.Popen:
-    """Start `cmd` and return once it committed `new_commits` more chunks (or ended)."""
-    before = index_lines(out)
-    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None and index_lines(out) < before + new_commits:
-        time.sleep(0.02)
-    return proc
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    for pid in [proc.pid] + descendants(proc.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait(timeout=30)
 
 
 def check_exactly_once(out: Path, reference: list[dict]) -> None:

@@ -269,7 +269,8 @@ def _run_rank(recipe: Recipe, state, out_dir: Path, rows, mine: list[int], rows_
         loop = RegenLoop(engine, rows, mine, rows_per_shard, settings,
                          regen_output.ChunkCommitter(out_dir, state.process_index), provenance,
                          recipe.data.id_column, window, batch_size, parallel, stop=stop,
-                         on_progress=progress.update if progress else None)
+                         on_progress=progress.update if progress else None,
+                         finish_calls_on_stop=section.engine == "transformers")
         try:
             stats = loop.run()
         finally:

@@ -8,9 +8,11 @@ itself). An answered row moves on to its next turn or is done; a chunk whose row
 once (output.ChunkCommitter). The engine is never called from two threads unless `parallel_calls` > 1 (the
 `openai` engine is thread-safe).
 
-Stops: a stop request (SIGTERM, Ctrl-C: StopRequest) or an engine that is gone (EngineUnavailable) ends the loop
-at once: every chunk completed so far is already committed, the rows of the other chunks in flight are dropped
-(the next run asks for them again), and the requests in flight are left to their daemon threads.
+Stops: a stop request (SIGTERM, Ctrl-C: StopRequest) or an engine that is gone (EngineUnavailable) ends the loop:
+every chunk completed so far is already committed, the rows of the other chunks in flight are dropped (the next
+run asks for them again). HTTP requests in flight are left to their daemon threads (the process exits at once);
+an in-process engine's batch is waited for (`finish_calls_on_stop`): a process that exits while a thread runs torch
+code aborts (SIGABRT, "terminate called without an active exception"). A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -129,11 +131,12 @@ class RegenLoop:
 
     def __init__(self, engine, rows, chunks: list[int], rows_per_shard: int, settings: RegenSettings,
                  committer: ChunkCommitter, provenance: dict, id_column: str | None, max_rows_in_flight: int,
-                 batch_size: int, parallel_calls: int, stop: StopRequest | None = None, on_progress=None):
+                 batch_size: int, parallel_calls: int, stop: StopRequest | None = None, on_progress=None,
+                 finish_calls_on_stop: bool = False):
         self.engine, self.rows, self.rows_per_shard, self.settings = engine, rows, rows_per_shard, settings
         self.committer, self.provenance, self.id_column = committer, provenance, id_column
         self.max_rows_in_flight, self.batch_size, self.parallel_calls = max_rows_in_flight, batch_size, parallel_calls
-        self.stop, self.on_progress = stop, on_progress
+        self.stop, self.on_progress, self.finish_calls_on_stop = stop, on_progress, finish_calls_on_stop
         self._chunks = deque(chunks)
         self._open: dict[int, _Chunk] = {}
         self._pending_rows: deque = deque()  # (chunk, position, row or skip reason) not started yet
@@ -208,6 +211,9 @@ class RegenLoop:
         """Wait for one call's answers (checking for a stop request twice a second) and apply them."""
         while True:
             if self.stop is not None and self.stop.requested:
+                if self.finish_calls_on_stop:
+                    for _ in range(self._calls_in_flight):  # their answers are dropped: asked again on resume
+                        self._results.get()
                 raise LoopStopped(f"stopped on {self.stop.signal_name}")
             try:
                 members, answers, error, seconds = self._results.get(timeout=0.5)
