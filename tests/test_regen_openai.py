@@ -128,6 +128,15 @@ def test_last_turn_keeps_earlier_turns_and_matches_direct_requests(server, tmp_p
     assert "done: 5 rows, 4 answered, 1 skipped" in capsys.readouterr().err
     # the folder is data for an extraction as it is
     assert list(load_rows(DataSection(path=str(out)))["id"]) == ["single", "multi", "prompt-only", "weather"]
+    # `plan` counts the prompts' tokens as the server did (the same template, rendered by the tokenizer)
+    from dflash_prep.commands.plan import plan_regeneration
+    from dflash_prep.recipe.schema import load_recipe
+
+    argv = regen_args(server, data, out, **{"regenerate.turns": "last"})
+    estimate = plan_regeneration(load_recipe(None, argv[1::2]), generated_tokens_per_second=2.0)
+    assert estimate["prompt_tokens"] == summary["prompt_tokens"] and estimate["num_requests"] == 4
+    assert estimate["skipped"] == {"malformed_conversation": 1}
+    assert estimate["generated_tokens_at_most"] == 4 * MAX_TOKENS and estimate["seconds_at_most"] == 2 * MAX_TOKENS
 
 
 def test_all_turns_are_generated_from_the_generated_ones(server, tmp_path):
