@@ -239,3 +239,19 @@ def test_an_output_of_another_job_is_refused_naming_what_changed(tmp_path):
     with pytest.raises(output.RegenMismatchError, match="not a regeneration output"):
         output.open_output(tmp_path / "mine", identity, overwrite=True)
     assert (tmp_path / "mine" / "notes.txt").exists()
+
+
+def test_the_command_refuses_a_bad_key_and_an_output_inside_the_data(tmp_path, capsys):
+    from dflash_prep.commands.cli import main as cli_main
+
+    assert cli_main(["regenerate", "--set", "regenerate.engine=vllm"]) == 2
+    assert "`regenerate.engine`" in capsys.readouterr().err
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "rows.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "q"}]}) + "\n")
+    for path in (str(tmp_path / "data"), str(tmp_path / "**" / "*.jsonl")):
+        assert cli_main(["regenerate", "--set", f"data.path={path}", "--set", f"output.dir={tmp_path / 'states'}",
+                         "--set", f"regenerate.output_dir={tmp_path / 'data' / 'answers'}"]) == 2
+        assert "lies inside the data" in capsys.readouterr().err
+    assert cli_main(["regenerate", "--set", f"data.path={tmp_path / 'data'}", "--set", f"output.dir={tmp_path / 'x'}",
+                     "--set", f"regenerate.output_dir={tmp_path / 'x' / 'answers'}"]) == 2
+    assert "overlaps `output.dir`" in capsys.readouterr().err

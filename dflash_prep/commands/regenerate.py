@@ -79,10 +79,12 @@ def _check_output_dir(recipe: Recipe, out_dir: Path) -> None:
     if resolved == extraction or resolved.is_relative_to(extraction) or extraction.is_relative_to(resolved):
         raise RecipeError(f"recipe key `regenerate.output_dir` = {str(out_dir)!r}: it overlaps `output.dir` = "
                           f"{str(extraction)!r}; the two outputs need folders of their own")
-    data = Path(recipe.data.path).expanduser()
-    if data.is_dir() and resolved.is_relative_to(data.resolve()):
+    from dflash_prep.commands.job import _written_path_matching_data  # the extraction's own check; same file names
+
+    hit = _written_path_matching_data(recipe.data.path, out_dir)
+    if hit is not None:
         raise RecipeError(f"recipe key `regenerate.output_dir` = {str(out_dir)!r}: it lies inside the data "
-                          f"(`data.path` = {recipe.data.path!r}); put it elsewhere")
+                          f"(`data.path` = {recipe.data.path!r} would read {hit} as rows); put it elsewhere")
 
 
 def _setup_logging(out_dir: Path, rank: int, is_main: bool) -> None:
@@ -270,7 +272,8 @@ def _run_rank(recipe: Recipe, state, out_dir: Path, rows, mine: list[int], rows_
                          regen_output.ChunkCommitter(out_dir, state.process_index), provenance,
                          recipe.data.id_column, window, batch_size, parallel, stop=stop,
                          on_progress=progress.update if progress else None,
-                         finish_calls_on_stop=section.engine == "transformers")
+                         finish_calls_on_stop=section.engine == "transformers",
+                         thread_init=_cuda_device_setter(state.device))
         try:
             stats = loop.run()
         finally:
@@ -283,6 +286,17 @@ def _run_rank(recipe: Recipe, state, out_dir: Path, rows, mine: list[int], rows_
             "chunks_committed": stats.chunks_committed, "requests": stats.requests,
             "prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
             "loop_seconds": stats.loop_seconds, "engine_seconds": stats.engine_seconds}
+
+
+def _cuda_device_setter(device):
+    """For a CUDA device: a function making it the calling thread's current device (the engine runs in threads of
+    the loop's own); else None."""
+    if getattr(device, "type", None) != "cuda":
+        return None
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return lambda: torch.cuda.set_device(index)
 
 
 class _Progress:

@@ -127,16 +127,18 @@ class RegenLoop:
 
     rows: the `datasets.Dataset` of data/rows.load_rows; chunks: this rank's chunk ids; provenance: the `regen`
     fields every row shares (engine, model, sampling JSON, max_tokens); on_progress(rows, requests, completion
-    tokens): called after every engine call with this rank's totals."""
+    tokens): called after every engine call with this rank's totals; thread_init: called first in each call's thread
+    (e.g. `torch.cuda.set_device`: the current CUDA device is per thread, and kernels such as Triton's use it)."""
 
     def __init__(self, engine, rows, chunks: list[int], rows_per_shard: int, settings: RegenSettings,
                  committer: ChunkCommitter, provenance: dict, id_column: str | None, max_rows_in_flight: int,
                  batch_size: int, parallel_calls: int, stop: StopRequest | None = None, on_progress=None,
-                 finish_calls_on_stop: bool = False):
+                 finish_calls_on_stop: bool = False, thread_init=None):
         self.engine, self.rows, self.rows_per_shard, self.settings = engine, rows, rows_per_shard, settings
         self.committer, self.provenance, self.id_column = committer, provenance, id_column
         self.max_rows_in_flight, self.batch_size, self.parallel_calls = max_rows_in_flight, batch_size, parallel_calls
         self.stop, self.on_progress, self.finish_calls_on_stop = stop, on_progress, finish_calls_on_stop
+        self.thread_init = thread_init  # run first in each call's thread (the CUDA device is per thread)
         self._chunks = deque(chunks)
         self._open: dict[int, _Chunk] = {}
         self._pending_rows: deque = deque()  # (chunk, position, row or skip reason) not started yet
@@ -202,6 +204,8 @@ class RegenLoop:
     def _call(self, members: list, requests: list) -> None:
         t0 = time.perf_counter()
         try:
+            if self.thread_init is not None:
+                self.thread_init()
             answers = self.engine.answer(requests)
             self._results.put((members, answers, None, time.perf_counter() - t0))
         except BaseException as e:  # noqa: BLE001 - raised in the loop's thread (_collect)
