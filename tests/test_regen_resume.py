@@ -28,7 +28,7 @@ from dflash_prep.regen.output import read_committed
 
 pytestmark = pytest.mark.slow
 
-NUM_ROWS = 14
+NUM_ROWS = 30  # with one request at a time, long enough that a kill after the first commits lands mid-run
 ROWS = [{"id": f"r{i}", "messages": [{"role": "user", "content": f"Say something about the number {i}."}]
          + ([{"role": "assistant", "content": "ok"}, {"role": "user", "content": "And again?"},
              {"role": "assistant", "content": "fine"}] if i % 3 == 0 else [])} for i in range(NUM_ROWS)]
@@ -58,7 +58,7 @@ def args(model_dir: Path, base_url: str, data: Path, out: Path, **sets) -> list[
             "data.path": str(data), "output.dir": str(out.parent / f"{out.name}-states"),
             "regenerate.output_dir": str(out), "regenerate.engine": "openai", "regenerate.base_urls": f"[{base_url}]",
             "regenerate.max_tokens": 4, "regenerate.turns": "all", "regenerate.rows_per_shard": 2,
-            "regenerate.max_concurrency": 2, "regenerate.max_retries": 1, "regenerate.retry_backoff_seconds": 0.1,
+            "regenerate.max_concurrency": 1, "regenerate.max_retries": 1, "regenerate.retry_backoff_seconds": 0.1,
             **sets}
     return [a for k, v in keys.items() for a in ("--set", f"{k}={v}")]
 
@@ -146,7 +146,11 @@ def test_a_server_that_dies_mid_run_stops_it_resumably(model_dir, data, referenc
 def test_two_processes_killed_then_finished_by_one(server, model_dir, data, reference, tmp_path):
     out = tmp_path / "out"
     argv = args(model_dir, server.base_url, data, out)
-    proc = start_and_wait(launch_2proc_cmd(argv), out, new_commits=3, timeout=300)
+    proc = start_and_wait(launch_2proc_cmd(argv), out, new_commits=2, timeout=300)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None and not all(
+            (out / "index" / f"rank-{r:05d}.jsonl").is_file() for r in (0, 1)):
+        time.sleep(0.02)  # until each process has committed a chunk of its own
     kill_tree(proc)
     committed = read_committed(out)
     assert 0 < len(committed) < NUM_ROWS // 2
