@@ -227,6 +227,11 @@ def _build_engine(recipe: Recipe, device):
     if section.engine == "openai":
         from dflash_prep.regen.openai_engine import OpenAIEngine
 
+        try:
+            import openai  # noqa: F401
+        except ImportError:
+            raise RecipeError("recipe key `regenerate.engine` = 'openai' needs the `openai` client: "
+                              "pip install 'dflash-prep[regenerate]' (or openai)") from None
         return OpenAIEngine(section, served_model_name(recipe))
     try:
         from dflash_prep.regen.hf_engine import TransformersEngine
