@@ -139,6 +139,17 @@ def test_a_tool_call_where_the_data_answered_in_text_ends_it_and_the_last_turn_i
     assert last.done and last.ended_early is None and last.tool_calls == {OTHER_CALLS_LAST: 1}
 
 
+def test_a_turn_of_reasoning_only_gets_empty_text_and_the_extraction_keeps_it():
+    from dflash_prep.data.chat import row_to_chat
+
+    conv = Conversation.of_row({"messages": [{"role": "user", "content": "q"}]}, 0, settings("last"))
+    conv.accept(Answer(content=None, reasoning_content="thinking...", finish_reason="length"))
+    row = conv.result({})
+    assert row["messages"][1]["content"] == "" and row["messages"][1]["reasoning_content"] == "thinking..."
+    messages, _ = row_to_chat(row)
+    assert messages[1]["reasoning_content"] == "thinking..."
+
+
 def test_length_keep_drop_and_rejections():
     row = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "A"},
                         {"role": "user", "content": "b"}, {"role": "assistant", "content": "B"}]}

@@ -10,7 +10,7 @@ from pathlib import Path
 import openai
 import pytest
 import yaml
-from regen_server import Server, save_tiny_model
+from regen_server import Server, free_port, save_tiny_model
 
 from dflash_prep.commands.regenerate import main as regenerate_main
 from dflash_prep.data.rows import load_rows
@@ -256,3 +256,18 @@ def test_one_recipe_regenerates_then_extracts_from_its_output(server, tmp_path):
     stamp = (tmp_path / "answers" / "manifest.json").stat().st_mtime_ns
     assert extract_main(["--recipe", str(recipe)]) == 0
     assert (tmp_path / "answers" / "manifest.json").stat().st_mtime_ns == stamp
+
+
+def test_a_server_down_among_several_leaves_its_share_to_the_others(server, tmp_path, capsys):
+    data = write_rows(tmp_path / "rows.jsonl", ROWS[:3])
+    out = tmp_path / "two-servers"
+    dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    urls = f"[{dead}, {server.base_url}]"
+    assert regenerate_main(regen_args(server, data, out, **{"regenerate.base_urls": urls})) == 0
+    assert f"{dead} does not answer GET /models" in capsys.readouterr().err
+    assert [r["id"] for r in load(out)] == ["single", "multi", "prompt-only"]
+    # none answers: one line, exit code 1 (resumable), nothing committed
+    out = tmp_path / "none"
+    assert regenerate_main(regen_args(server, data, out, **{"regenerate.base_urls": f"[{dead}]"})) == 1
+    (error,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert "no server answers" in error and not list((out / "index").glob("*.jsonl"))

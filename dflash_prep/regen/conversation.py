@@ -197,7 +197,10 @@ class Conversation:
         if answer.finish_reason == FINISH_LENGTH and self.settings.on_length == "drop":
             self._skip(SKIP_LENGTH, f"turn {len(self.messages)} reached max_tokens={self.settings.max_tokens}")
             return
-        turn = {"role": "assistant", "content": answer.content}
+        # no text and no call (a turn that is all reasoning, cut by max_tokens): "" - a null content without tool
+        # calls is no valid assistant message for the extraction (non_string_content)
+        turn = {"role": "assistant", "content": answer.content if answer.content is not None or answer.tool_calls
+                else ""}
         if answer.reasoning_content is not None:
             turn["reasoning_content"] = answer.reasoning_content
         if answer.tool_calls:

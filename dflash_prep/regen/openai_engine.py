@@ -161,8 +161,9 @@ class OpenAIEngine:
             job = self._queue.get()
             if job is None:
                 return
-            if server.down is not None:
+            if server.down is not None:  # marked down by another of its workers meanwhile
                 self._queue.put(job)
+                self._fail_if_no_server()
                 return
             try:
                 answer = self._call(server, job.request)
