@@ -8,6 +8,7 @@ The folders follow the data flow, each importing only those before it (tests/tes
     plan/                lengths -> batches or packed rows, rank split, collation
     target/              the model, its kernels and packing, replicas, the capture hooks
     store/               shards out: writer lanes, index, manifest, locks, sizes
+    regen/               the target's own answers (on-policy data): engines, conversation rules, resumable output
     consume/             reader, exporters, draft vocabulary
     commands/            extract, plan, inspect, verify, launch, the CLI
 """

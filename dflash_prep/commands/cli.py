@@ -33,7 +33,16 @@ def main(argv: list[str] | None = None) -> int:
                    add_help=False)
     sub.add_parser("vocab", help="draft-vocabulary mapping (d2t/t2d) from the output's supervised-token counts",
                    add_help=False)
+    # on-policy data: the target's own answers first (commands/regenerate.py)
+    p_regenerate = sub.add_parser("regenerate", help="the target writes the data's assistant turns itself (a server "
+                                  "or in-process generate) into a dataset extraction reads")
+    add_recipe_args(p_regenerate)
     args, rest = parser.parse_known_args(argv)
+    if args.command == "regenerate":
+        from dflash_prep.commands.regenerate import main as regenerate_main
+
+        return regenerate_main((["--recipe", args.recipe] if args.recipe else [])
+                               + [a for kv in args.overrides for a in ("--set", kv)] + rest)
     if args.command == "launch":
         from dflash_prep.commands.launch import main as launch_main
 

@@ -846,6 +846,11 @@ def _main(argv: list[str] | None, own_process: bool = False) -> int:
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from dflash_prep.commands.regenerate import regenerate_first
+
+    recipe, code = regenerate_first(recipe)  # a `regenerate:` section: the target's answers first, then their states
+    if code is not None:
+        return code
     try:
         summary = run_extraction(recipe, own_process)
     except (RecipeError, OutputMismatchError, OutputBusyError, OutputStateError) as e:

@@ -482,6 +482,9 @@ def build_parser(prog: str = "dflash-prep plan") -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print every figure as JSON")
     p.add_argument("--show-sample", type=int, default=None, metavar="N",
                    help="first print input row N (0-based) as the extraction tokenizes it, supervised tokens marked")
+    p.add_argument("--generated-tokens-per-second", type=float, default=None, metavar="X",
+                   help="a recipe with a `regenerate:` section: generated tokens/s of the servers (or processes) "
+                        "together, measured on yours, to time the regeneration (no default: no figure is measured)")
     return p
 
 
@@ -538,15 +541,117 @@ def main(argv: list[str] | None = None) -> int:
         plan = make_run_plan(recipe, num_gpus=args.num_gpus, tokens_per_second=args.tokens_per_second,
                              bench_dir=Path(args.bench_results) if args.bench_results else None,
                              gpu_memory_bytes=int(args.gpu_memory_gb * 1e9) if args.gpu_memory_gb else None)
+        if recipe.regenerate is not None:  # on-policy data: the regeneration first (plan_regeneration, below)
+            plan["regenerate"] = plan_regeneration(recipe, args.generated_tokens_per_second)
     except (RecipeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(plan, indent=2))
     else:
+        if "regenerate" in plan:
+            print(format_regeneration(plan["regenerate"]) + "\n")
         print(format_plan(plan))
         print(f"\n(planned in {plan['plan_seconds']:.1f}s, tokenization {plan['tokenize_seconds']:.1f}s)")
     return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The regeneration of a recipe with a `regenerate:` section (commands/regenerate.py): requests, prompt tokens
+# counted with the tokenizer, generated tokens at most (max_tokens a request), and time only on a measured rate.
+REGEN_PLAN_MAX_ROWS = 20_000  # rows rendered to count prompt tokens; more rows: a seeded sample, scaled
+
+
+def plan_regeneration(recipe: Recipe, generated_tokens_per_second: float | None = None) -> dict:
+    """The regeneration's figures: rows, rows skipped by reason, requests (one per generated turn; with `turns: all`
+    an upper bound, since a tool call other than the data's ends a conversation early), prompt tokens (each
+    request's prompt rendered by the tokenizer's chat template with the data's earlier turns standing in for the
+    target's, `chat_template_kwargs` applied), generated tokens at most (requests x max_tokens). Prompt tokens are
+    counted on every row up to REGEN_PLAN_MAX_ROWS, else on a seeded sample of that many rows and scaled. Time:
+    only from `generated_tokens_per_second` (a figure measured on the user's servers or GPUs); no default exists:
+    the openai engine's rate is the servers', and the in-process engine has no benchmark figure here yet."""
+    import random
+
+    from dflash_prep.data.rows import load_rows
+    from dflash_prep.regen.conversation import Conversation, RegenSettings
+    from dflash_prep.regen.loop import row_at
+    from dflash_prep.target.model import load_tokenizer
+
+    section = recipe.regenerate
+    kwargs = dict(section.chat_template_kwargs if section.chat_template_kwargs is not None
+                  else recipe.data.chat_template_kwargs)
+    settings = RegenSettings(turns=section.turns, sampling={}, max_tokens=section.max_tokens,
+                             chat_template_kwargs=kwargs, on_length=section.on_length, seed=section.seed)
+    rows = load_rows(recipe.data)
+    tokenizer = load_tokenizer(recipe.model)
+    positions = list(range(len(rows)))
+    sampled = len(positions) > REGEN_PLAN_MAX_ROWS
+    if sampled:
+        positions = sorted(random.Random(0).sample(positions, REGEN_PLAN_MAX_ROWS))
+    skipped, requests, prompt_tokens = {}, 0, 0
+    for position in positions:
+        batch = rows[position: position + 1]
+        row, reason = row_at(batch, list(batch), 0)  # a line read as raw JSON text is parsed as the run parses it
+        conv = reason or Conversation.of_row(row, position, settings, recipe.data.id_column)
+        if isinstance(conv, str):
+            skipped[conv] = skipped.get(conv, 0) + 1
+            continue
+        for index in conv.targets:
+            requests += 1
+            messages = [_template_message(m) for m in conv.data[:index]]
+            try:
+                prompt_tokens += len(tokenizer.apply_chat_template(
+                    messages, tools=conv.tools, tokenize=True, return_dict=True, add_generation_prompt=True,
+                    **kwargs)["input_ids"])
+            except Exception:  # noqa: BLE001 - a prompt the template refuses: the engine rejects it too
+                skipped["chat_template_error"] = skipped.get("chat_template_error", 0) + 1
+    scale = len(rows) / len(positions) if positions else 0.0
+    out = {"engine": section.engine, "turns": section.turns, "max_tokens": section.max_tokens,
+           "num_rows": len(rows), "counted_rows": len(positions), "sampled": sampled,
+           "skipped": {k: round(v * scale) for k, v in sorted(skipped.items())},
+           "num_requests": round(requests * scale), "prompt_tokens": round(prompt_tokens * scale),
+           "generated_tokens_at_most": round(requests * scale) * section.max_tokens,
+           "generated_tokens_per_second": generated_tokens_per_second}
+    out["seconds_at_most"] = (out["generated_tokens_at_most"] / generated_tokens_per_second
+                              if generated_tokens_per_second else None)
+    return out
+
+
+def _template_message(message: dict) -> dict:
+    """An OpenAI message as chat templates take it: tool-call arguments as objects (as servers pass them)."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    out = dict(message, tool_calls=[])
+    for call in calls:
+        args = call["function"]["arguments"]
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            pass
+        out["tool_calls"].append({**call, "function": {**call["function"], "arguments": args}})
+    return out
+
+
+def format_regeneration(r: dict) -> str:
+    where = (f" (counted on {r['counted_rows']:,} sampled rows, scaled)" if r["sampled"] else "")
+    time_line = (f"at most {_duration(r['seconds_at_most'])} at {r['generated_tokens_per_second']:,.0f} generated "
+                 f"tok/s (--generated-tokens-per-second; prompts' prefill not counted)" if r["seconds_at_most"]
+                 is not None else "no measured basis here: the rate is the servers' (engine openai) or the GPUs' "
+                 "(engine transformers); pass --generated-tokens-per-second X measured on them")
+    lines = [
+        ("regenerate", f"engine {r['engine']}, turns {r['turns']}, max_tokens {r['max_tokens']:,}"),
+        ("rows", f"{r['num_rows']:,}" + (": skipped " + ", ".join(f"{k}: {v:,}" for k, v in r["skipped"].items())
+                                         if r["skipped"] else "")),
+        ("requests", f"{r['num_requests']:,}" + (" at most (a tool call other than the data's ends a row early)"
+                                                 if r["turns"] == "all" else "")),
+        ("prompt tokens", f"{r['prompt_tokens']:,}{where}"),
+        ("generated", f"{r['generated_tokens_at_most']:,} tokens at most (requests x max_tokens)"),
+        ("time", time_line),
+    ]
+    width = max(len(k) for k, _ in lines)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in lines) + \
+        "\n(the extraction plan below counts the data's own answers: the regenerated ones are not known yet)"
 
 
 if __name__ == "__main__":

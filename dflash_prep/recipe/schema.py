@@ -296,6 +296,122 @@ class OutputSection:
             _fail(f"{p}.max_failed_samples", self.max_failed_samples, "must be >= 0 (or null for no limit)")
 
 
+REGEN_ENGINES = ("openai", "transformers")
+# Sampling parameters a recipe may set (`regenerate.sampling`) or take from generation_config.json, by their OpenAI /
+# vLLM names; the OpenAI API itself has only temperature, top_p and the two penalties (regen/sampling.py).
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty")
+
+
+@dataclass(frozen=True)
+class RegenerateSection:
+    """On-policy data (dflash_prep/regen/): the target answers the rows' prompts itself before extraction.
+
+    `dflash-prep regenerate` runs this section alone; with the section present, `dflash-prep launch extract.py`
+    first completes the regeneration (resuming it) and then extracts from its output. Every row of `data.*` is read
+    as the extraction reads it; every non-assistant turn is kept and the assistant turns are asked of the target
+    (regen/conversation.py states the rules). The keys marked "identity" decide the generated text: an output made
+    with other values is refused (exit code 2) unless `overwrite` is set."""
+
+    engine: Literal["openai", "transformers"] = "transformers"
+    """Who generates (identity): `openai`, any OpenAI-compatible chat server (vLLM, SGLang, TGI, `transformers
+    serve`) at `base_urls`, the fast path at scale; `transformers`, HF `generate` on each process's own copy of
+    `model` (in process, the same `dflash-prep launch` and accelerate configs as extraction; no server needed)."""
+    base_urls: list[str] = field(default_factory=list)
+    """engine `openai`: the servers' OpenAI base URLs, e.g. [http://10.0.0.5:8000/v1, http://10.0.0.6:8000/v1];
+    requests go to whichever server has a free slot. Not part of the identity (servers may move)."""
+    served_model_name: str | None = None
+    """engine `openai`: the model name the servers serve (identity); default `model.name_or_path` (what
+    `vllm serve PATH` and `transformers serve PATH` call it)."""
+    api_key_env: str = "OPENAI_API_KEY"
+    """engine `openai`: the environment variable holding the servers' API key (unset: the placeholder `EMPTY`,
+    which local servers accept). A key is never written into a recipe or an output."""
+    max_concurrency: int = 32
+    """engine `openai`: requests in flight per server at most (threads of this process: each process of a launch
+    sends its own)."""
+    timeout_seconds: float = 1800.0
+    """engine `openai`: one request's time limit (a long generation must fit); past it the request is retried."""
+    max_retries: int = 5
+    """engine `openai`: retries of a request after a transient error (connection refused or reset, timeout, HTTP
+    408, 429, 500, 502, 503, 504) before the server counts as down (the run stops, exit code 1, resumable)."""
+    retry_backoff_seconds: float = 1.0
+    """engine `openai`: the wait before the first retry, doubling at each further one (at most 60 s a wait)."""
+    extra_sampling: Literal["extra_body", "generation_config"] = "extra_body"
+    """engine `openai`: how the sampling parameters the OpenAI API lacks (top_k, min_p, repetition_penalty) reach
+    the server: `extra_body`, as top-level request fields (vLLM, SGLang); `generation_config`, as one
+    `generation_config` JSON field with `do_sample` (`transformers serve`, which refuses unknown fields with HTTP
+    422 and samples only when `do_sample` is set)."""
+    turns: Literal["last", "all"] = "last"
+    """Which assistant turns the target writes (identity): `last`, the final one (earlier ones kept from the data;
+    a conversation ending in a user or tool turn gets its answer appended); `all`, every one, turn k generated
+    from the regenerated turns before it (multi-turn on-policy)."""
+    sampling: dict = field(default_factory=dict)
+    """Sampling parameters overriding the model's own generation_config.json (identity), by OpenAI / vLLM names:
+    temperature (0: greedy), top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty."""
+    generation_config: str | None = None
+    """Where the default sampling parameters come from: a generation_config.json or a folder holding one; default
+    `model.name_or_path`'s. Neither found (a served model with no local folder, random weights): greedy unless
+    `sampling` says otherwise."""
+    max_tokens: int = 2048
+    """New tokens per generated turn at most (identity); a turn cut there has finish reason `length`."""
+    chat_template_kwargs: dict | None = None
+    """Keyword arguments of the chat template when the prompt is rendered (identity), e.g. {enable_thinking:
+    false}; passed to the server as `chat_template_kwargs`. Default: `data.chat_template_kwargs`, so the
+    extraction renders the answers as they were asked for."""
+    on_length: Literal["keep", "drop"] = "keep"
+    """A generated turn cut by `max_tokens` (identity): `keep` the row as generated (the conversation goes on),
+    or `drop` the row (counted as skipped, `finish_reason_length`)."""
+    seed: int = 0
+    """Seed of the per-request seeds (identity): request seed = hash(seed, row position, turn), the same on every
+    re-run, so an engine that honours seeds regenerates the same text."""
+    output_dir: str | None = None
+    """Where the regenerated rows go (a `datasets.load_from_disk` folder; `data.path` of an extraction can point
+    at it); default `<output.dir>-regenerated`. Resolved against the current directory."""
+    overwrite: bool = False
+    """Start the regeneration afresh instead of resuming (refused on a folder that is not a regeneration output).
+    Independent of `output.overwrite`: the regenerated rows are the costly part."""
+    rows_per_shard: int = 1000
+    """Rows per output shard: a shard is committed when all its rows are answered (a kill costs the rows of the
+    shards in flight). Frozen by the first run (a resume keeps its shards)."""
+    max_rows_in_flight: int | None = None
+    """Rows being answered at once per process; default: 4 x the servers' total `max_concurrency` (openai), 1024
+    (transformers). More keeps servers busier at the ends of multi-turn rows; each holds its conversation in memory."""
+    max_tokens_per_batch: int = 65536
+    """engine `transformers`: prompt + new tokens x batch size per `generate` batch at most (the token budget)."""
+    max_batch_size: int = 256
+    """engine `transformers`: requests per `generate` batch at most."""
+
+    def validate(self, p: str) -> None:
+        if self.engine == "openai" and not self.base_urls:
+            _fail(f"{p}.base_urls", self.base_urls, "engine `openai` needs the servers' base URLs, e.g. "
+                                                    "[http://127.0.0.1:8000/v1]")
+        if self.engine != "openai" and self.base_urls:
+            _fail(f"{p}.engine", self.engine, f"`{p}.base_urls` is set: use `engine: openai` to send the requests "
+                                              f"to those servers")
+        for i, url in enumerate(self.base_urls):
+            if not re.match(r"^https?://[^/\s]+", url):
+                _fail(f"{p}.base_urls[{i}]", url, "expected an http(s) URL such as http://127.0.0.1:8000/v1")
+        for name in ("max_concurrency", "max_tokens", "rows_per_shard", "max_tokens_per_batch", "max_batch_size"):
+            if getattr(self, name) < 1:
+                _fail(f"{p}.{name}", getattr(self, name), "must be >= 1")
+        if self.max_rows_in_flight is not None and self.max_rows_in_flight < 1:
+            _fail(f"{p}.max_rows_in_flight", self.max_rows_in_flight, "must be >= 1 (or null)")
+        if self.max_retries < 0:
+            _fail(f"{p}.max_retries", self.max_retries, "must be >= 0")
+        if not self.timeout_seconds > 0:
+            _fail(f"{p}.timeout_seconds", self.timeout_seconds, "must be > 0")
+        if self.retry_backoff_seconds < 0:
+            _fail(f"{p}.retry_backoff_seconds", self.retry_backoff_seconds, "must be >= 0")
+        for key, value in self.sampling.items():
+            if key not in SAMPLING_KEYS:
+                _fail(f"{p}.sampling.{key}", value, f"unknown sampling parameter; known: {list(SAMPLING_KEYS)}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                _fail(f"{p}.sampling.{key}", value, "expected a number")
+        if self.generation_config is not None and not Path(self.generation_config).exists():
+            _fail(f"{p}.generation_config", self.generation_config,
+                  "no such file or folder (a generation_config.json, or a model folder holding one)")
+
+
 @dataclass(frozen=True)
 class Recipe:
     model: ModelSection
@@ -304,6 +420,8 @@ class Recipe:
     batching: BatchingSection = field(default_factory=BatchingSection)
     output: OutputSection = field(default_factory=OutputSection)
     seed: int = 0
+    regenerate: RegenerateSection | None = None
+    """On-policy data: the target's own answers first (RegenerateSection); absent: the data's answers are used."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -326,12 +444,20 @@ class Recipe:
                                                    "triton_cache_dir")},
                    "data": data,
                    "layers": d["layers"], "dtype": d["output"]["dtype"]}
+        if self.regenerate is not None:  # the answers are the target's own: what decides their text
+            content["regenerate"] = {k: v for k, v in d["regenerate"].items() if k in REGEN_IDENTITY_KEYS}
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
+# The `regenerate` keys that decide the generated text (the others say where it runs and how fast).
+REGEN_IDENTITY_KEYS = ("engine", "served_model_name", "turns", "sampling", "generation_config", "max_tokens",
+                       "chat_template_kwargs", "on_length", "seed")
 
 
 # Inputs named in a recipe resolve against the recipe's folder; `output.dir` resolves against the cwd.
 _PATH_KEYS = {("model", "name_or_path"), ("model", "config"), ("model", "tokenizer"), ("data", "path"),
-              ("data", "chat_template")}  # chat_template only when it is not an inline template
+              ("data", "chat_template"),  # chat_template only when it is not an inline template
+              ("regenerate", "generation_config")}
 
 
 def _coerce(key: str, hint: Any, value: Any) -> Any:
@@ -390,6 +516,10 @@ def _build(cls: type, raw: Any, prefix: str, base_dir: Path | None) -> Any:
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
             kwargs[name] = _build(hint, value, key, base_dir)
+            continue
+        optional = [a for a in get_args(hint) if a is not type(None)]
+        if len(optional) == 1 and dataclasses.is_dataclass(optional[0]):  # a section that may be absent
+            kwargs[name] = None if value is None else _build(optional[0], value, key, base_dir)
             continue
         if key in ("output.max_shard_bytes", "output.max_pending_bytes"):
             value = _parse_bytes(key, value)
@@ -485,6 +615,8 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
         _set_dotted(raw, key, value)
     if isinstance(raw.get("output"), dict) and isinstance(raw["output"].get("dir"), str):
         raw["output"]["dir"] = str(Path(raw["output"]["dir"]).expanduser().resolve())
+    if isinstance(raw.get("regenerate"), dict) and isinstance(raw["regenerate"].get("output_dir"), str):
+        raw["regenerate"]["output_dir"] = str(Path(raw["regenerate"]["output_dir"]).expanduser().resolve())
     return _build(Recipe, raw, "", base_dir)
 
 

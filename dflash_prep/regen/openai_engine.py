@@ -1,0 +1,295 @@
+"""`engine: openai`: the official `openai` client against one or more OpenAI-compatible chat servers (vLLM, SGLang,
+TGI, `transformers serve`), the servers users already run.
+
+Concurrency: `max_concurrency` worker threads per server (daemon threads: a run that stops never waits for a
+request in flight, which a resume asks again) take requests from one queue, so a faster server takes more of them.
+`answer()` may be called from several threads at once.
+
+A request (`Request` -> `/chat/completions`): the messages and tools as they are, `seed`, `max_tokens`,
+`temperature` (0 for greedy), `top_p` and the OpenAI penalties as standard fields; the other sampling parameters
+(top_k, min_p, repetition_penalty) as top-level extra fields (`extra_sampling: extra_body`: vLLM, SGLang) or inside
+one `generation_config` JSON field with `do_sample` (`extra_sampling: generation_config`: `transformers serve`
+refuses unknown fields with HTTP 422 and samples only when its generation config says `do_sample`);
+`chat_template_kwargs` as an extra field. The answer keeps what the server's parsers return: `content`,
+`reasoning_content` (or vLLM's newer `reasoning`) and `tool_calls`, the finish reason and the token counts.
+
+Errors, per request:
+- HTTP 4xx other than 408 and 429 (a prompt longer than the context, a bad field, a template the row breaks):
+  `Answer(rejected="HTTP <status>: <the server's message>")`, a counted skip of the row, at once;
+- a connection refused or reset, a timeout, HTTP 408, 429, 502, 503, 504: retried after `retry_backoff_seconds`,
+  doubling (at most 60 s), `max_retries` times; then the server is down: its requests go to the other servers, and
+  with none left `answer()` raises EngineUnavailable (the run stops, exit code 1, resumable);
+- HTTP 500 (an exception inside the server: `transformers serve` answers a template error so; a server whose
+  engine died answers everything so): retried the same way; then, if the server still answers `GET /models`, the
+  request is rejected with the server's message, else the server is down. `SERVER_ERROR_BREAKER` such rejections
+  in a row (no answer in between) mean the server is broken, not the rows: EngineUnavailable.
+
+Why our own retry loop rather than the client's (`max_retries` of `openai.OpenAI`): its waits are fixed (0.5 s
+doubling to 8 s), too short to ride out a server restart, and it cannot tell us when a server is spent so that its
+requests move to another one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future, wait
+
+from dflash_prep.recipe.schema import RecipeError, RegenerateSection
+from dflash_prep.regen.engine import FINISH_STOP, Answer, EngineUnavailable, Request
+
+log = logging.getLogger("dflash_prep")
+
+TRANSIENT_STATUS = (408, 429, 500, 502, 503, 504)
+STANDARD_SAMPLING = ("temperature", "top_p", "presence_penalty", "frequency_penalty")  # OpenAI's own fields
+MAX_BACKOFF_SECONDS = 60.0
+SERVER_ERROR_BREAKER = 8  # at least this many HTTP 500 rejections in a row (and 2 x the concurrency): broken server
+
+
+class _Server:
+    """One base URL: its client, whether it is down, and its worker threads."""
+
+    def __init__(self, base_url: str, api_key: str, timeout_seconds: float):
+        import openai
+
+        self.base_url = base_url
+        self.client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout_seconds, max_retries=0)
+        self.down: str | None = None  # why, once down
+
+    def served_models(self, tries: int = 3) -> list[str] | None:
+        """The model names `GET /models` lists now (10 s a try), or None when the server does not answer. A few
+        tries: a server may close a kept-alive connection after an error (uvicorn after an HTTP 500), which fails
+        the next request sent on it."""
+        for attempt in range(tries):
+            try:
+                return [m.id for m in self.client.with_options(timeout=10.0).models.list().data]
+            except Exception:  # noqa: BLE001 - any failure means "does not answer"
+                time.sleep(0.2 * (attempt + 1))
+        return None
+
+    def answers_models(self) -> bool:
+        return self.served_models() is not None
+
+
+class _Job:
+    """A request waiting for a server, with the future its caller waits on."""
+
+    def __init__(self, request: Request):
+        self.request, self.future = request, Future()
+
+
+class OpenAIEngine:
+    """Answers `Request`s through the servers of `section.base_urls` (the module docstring says how).
+
+    section: the recipe's `regenerate` section (base_urls, max_concurrency, timeout_seconds, max_retries,
+    retry_backoff_seconds, extra_sampling, api_key_env). served_model_name: the `model` of every request.
+    Raises EngineUnavailable when no server answers `GET /models` at the start, RecipeError when one lists models
+    but not `served_model_name`."""
+
+    def __init__(self, section: RegenerateSection, served_model_name: str):
+        self.section, self.model = section, served_model_name
+        api_key = os.environ.get(section.api_key_env) or "EMPTY"
+        self.servers = [_Server(url, api_key, section.timeout_seconds) for url in section.base_urls]
+        self.total_concurrency = section.max_concurrency * len(self.servers)
+        self._breaker_limit = max(SERVER_ERROR_BREAKER, 2 * self.total_concurrency)
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._server_errors_in_a_row = 0
+        self._broken: str | None = None
+        self._closed = False
+        self.num_requests = self.num_retries = 0
+        self._check_servers()
+        for server in self.servers:
+            for i in range(section.max_concurrency):
+                threading.Thread(target=self._work, args=(server,), daemon=True,
+                                 name=f"dflash-prep-openai-{i}").start()
+
+    def _check_servers(self) -> None:
+        """Every server answers `GET /models` (retried as a request is), or is marked down; none: EngineUnavailable.
+        A server that lists models but not the served model name is refused (RecipeError): every request would
+        come back 404."""
+        for server in self.servers:
+            for attempt in range(self.section.max_retries + 1):
+                models = server.served_models()
+                if models is not None:
+                    break
+                if attempt < self.section.max_retries:
+                    time.sleep(self._backoff(attempt))
+            else:
+                server.down = f"{server.base_url} does not answer GET /models"
+                log.warning("regenerate: %s; its share goes to the other servers", server.down)
+                continue
+            if models and self.model not in models:
+                raise RecipeError(f"recipe key `regenerate.served_model_name` = {self.model!r}: {server.base_url} "
+                                  f"serves {models[:5]}")
+        if all(s.down for s in self.servers):
+            raise EngineUnavailable(f"no server answers: {'; '.join(s.down for s in self.servers)}")
+
+    def identity(self) -> dict:
+        """What decides the text here: the served model's name and how the extra sampling parameters are sent (the
+        servers' own weights, template and parsers are theirs: name the served model after them)."""
+        return {"engine": "openai", "served_model_name": self.model, "extra_sampling": self.section.extra_sampling}
+
+    def answer(self, requests: list[Request]) -> list[Answer]:
+        """One Answer per request, in order. Raises EngineUnavailable when every server is down (or broken); then
+        none of these answers is returned."""
+        jobs = [_Job(r) for r in requests]
+        for job in jobs:
+            self._queue.put(job)
+        self._fail_if_no_server()
+        wait([j.future for j in jobs])
+        errors = [j.future.exception() for j in jobs if j.future.exception() is not None]
+        if errors:
+            raise errors[0]
+        if self._broken is not None:
+            raise EngineUnavailable(self._broken)
+        return [j.future.result() for j in jobs]
+
+    def close(self) -> None:
+        """Stop the worker threads (a request in flight is left to finish in its daemon thread)."""
+        self._closed = True
+        for _ in range(self.total_concurrency):
+            self._queue.put(None)
+
+    # ------------------------------------------------------------------------------------------ workers
+    def _work(self, server: _Server) -> None:
+        while not self._closed and server.down is None:
+            job = self._queue.get()
+            if job is None:
+                return
+            if server.down is not None:  # marked down by another of its workers meanwhile
+                self._queue.put(job)
+                self._fail_if_no_server()
+                return
+            try:
+                answer = self._call(server, job.request)
+            except _ServerDown as e:
+                self._mark_down(server, str(e))
+                self._queue.put(job)  # another server takes it (or _fail_if_no_server ends it)
+                self._fail_if_no_server()
+                return
+            except Exception as e:  # noqa: BLE001 - a bug or an unexpected reply: the caller sees it
+                job.future.set_exception(e)
+                continue
+            self._count_server_errors(answer)
+            job.future.set_result(answer)
+
+    def _mark_down(self, server: _Server, why: str) -> None:
+        with self._lock:
+            if server.down is None:
+                server.down = why
+                left = sum(s.down is None for s in self.servers)
+                log.warning("regenerate: server %s is down (%s); %d server(s) left", server.base_url, why, left)
+
+    def _fail_if_no_server(self) -> None:
+        """With every server down, end every waiting request with EngineUnavailable."""
+        if not all(s.down for s in self.servers):
+            return
+        error = EngineUnavailable("every server is down: " + "; ".join(f"{s.base_url}: {s.down}" for s in self.servers))
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None and not job.future.done():
+                job.future.set_exception(error)
+
+    def _count_server_errors(self, answer: Answer) -> None:
+        with self._lock:
+            if answer.rejected is not None and answer.rejected.startswith("HTTP 500"):
+                self._server_errors_in_a_row += 1
+                if self._server_errors_in_a_row >= self._breaker_limit and self._broken is None:
+                    self._broken = (f"{self._server_errors_in_a_row} requests in a row failed with HTTP 500 (the "
+                                    f"last: {answer.rejected}): the server is broken, not the rows")
+            else:
+                self._server_errors_in_a_row = 0
+
+    # ------------------------------------------------------------------------------------------ one request
+    def _backoff(self, attempt: int) -> float:
+        return min(self.section.retry_backoff_seconds * 2 ** attempt, MAX_BACKOFF_SECONDS)
+
+    def _call(self, server: _Server, request: Request) -> Answer:
+        """The request on `server`, retried on transient errors. Raises _ServerDown when the retries are spent."""
+        import openai
+
+        kwargs = self.request_kwargs(request)
+        last = ""
+        for attempt in range(self.section.max_retries + 1):
+            if attempt:
+                with self._lock:
+                    self.num_retries += 1
+                time.sleep(self._backoff(attempt - 1))
+            try:
+                with self._lock:
+                    self.num_requests += 1
+                return answer_of(server.client.chat.completions.create(**kwargs))
+            except openai.APIStatusError as e:
+                if e.status_code not in TRANSIENT_STATUS:
+                    return Answer(rejected=f"HTTP {e.status_code}: {_message_of(e)}")
+                last = f"HTTP {e.status_code}: {_message_of(e)}"
+                status = e.status_code
+            except openai.APIConnectionError as e:  # refused, reset, timed out (APITimeoutError)
+                last, status = f"{type(e).__name__}: {e}", None
+        if status == 500 and server.answers_models():
+            return Answer(rejected=f"{last} ({self.section.max_retries + 1} attempts)")
+        raise _ServerDown(f"{last} after {self.section.max_retries + 1} attempts")
+
+    def request_kwargs(self, request: Request) -> dict:
+        """The `chat.completions.create` arguments of a request (the module docstring lists them)."""
+        sampling = request.sampling
+        kwargs = {"model": self.model, "messages": request.messages, "max_tokens": request.max_tokens,
+                  "seed": request.seed, "temperature": float(sampling.get("temperature", 0.0)) if sampling else 0.0}
+        if request.tools:
+            kwargs["tools"] = request.tools
+        for key in STANDARD_SAMPLING[1:]:
+            if key in sampling:
+                kwargs[key] = sampling[key]
+        extra = {k: v for k, v in sampling.items() if k not in STANDARD_SAMPLING}
+        body = {}
+        if self.section.extra_sampling == "generation_config":
+            hf = {k: v for k, v in sampling.items() if k not in ("presence_penalty", "frequency_penalty")}
+            body["generation_config"] = json.dumps({"do_sample": bool(sampling), **hf})
+        elif extra:
+            body.update(extra)
+        if request.chat_template_kwargs:
+            body["chat_template_kwargs"] = dict(request.chat_template_kwargs)
+        if body:
+            kwargs["extra_body"] = body
+        return kwargs
+
+
+class _ServerDown(Exception):
+    """A request's retries on one server are spent."""
+
+
+def _message_of(error) -> str:
+    """The server's own words from an HTTP error (its JSON `message`/`detail`/`error`, else the body), one line."""
+    body = getattr(error, "body", None)
+    if isinstance(body, dict):
+        inner = body.get("error") if isinstance(body.get("error"), dict) else body
+        text = inner.get("message") or inner.get("detail") or body.get("error") or body
+    else:
+        text = body or getattr(error, "message", "") or str(error)
+    return " ".join(str(text).split())[:500]
+
+
+def answer_of(response) -> Answer:
+    """A ChatCompletion -> Answer (reasoning from `reasoning_content` or `reasoning`, tool calls as OpenAI dicts)."""
+    if not response.choices:
+        return Answer(rejected="the server returned no choices")
+    choice = response.choices[0]
+    message = choice.message
+    extra = message.model_extra or {}
+    reasoning = extra.get("reasoning_content")
+    if reasoning is None:
+        reasoning = extra.get("reasoning")
+    calls = [c.model_dump(exclude_none=True) for c in message.tool_calls] if message.tool_calls else None
+    usage = response.usage
+    return Answer(content=message.content, reasoning_content=reasoning, tool_calls=calls or None,
+                  finish_reason=choice.finish_reason or FINISH_STOP,
+                  prompt_tokens=int(getattr(usage, "prompt_tokens", 0) or 0),
+                  completion_tokens=int(getattr(usage, "completion_tokens", 0) or 0))

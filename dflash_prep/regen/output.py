@@ -1,0 +1,341 @@
+"""The regeneration's output folder: atomic shards, the rank indexes that commit them, resume, job identity, and the
+files that make the folder a dataset (written last).
+
+Layout (`regenerate.output_dir`):
+
+    data/shard-000000.arrow   the rows of chunk 0 (source rows 0..rows_per_shard-1) that were answered, in source
+                              order; Arrow IPC stream files, as `datasets.save_to_disk` writes them
+    index/rank-00000.jsonl    one line per committed chunk (its shard, its rows, its skipped rows, its counts)
+    run_state.json            the job's identity and its runs; skipped.jsonl, summary.json, recipe.resolved.yaml
+    manifest.json             the shards, counts and provenance (written at the end)
+    dataset_info.json, state.json   the `datasets.load_from_disk` files, written last
+
+Why Arrow and the `save_to_disk` layout, not JSON Lines or parquet: a folder given as `data.path` is read by
+data/rows.py whole, every .json/.jsonl file in it (manifest, index, summary) as rows, and parquet beside JSON is
+refused as mixed formats; a `save_to_disk` folder is read through `datasets.load_from_disk`, which reads exactly the
+shards its `state.json` lists. So the finished folder is both `data.path` of an extraction and
+`datasets.load_from_disk(folder)` for anyone else (`.to_json("rows.jsonl")` gives JSON Lines); an unfinished one has
+no `state.json` and is refused as data.
+
+Guarantees:
+- a shard is written to `NAME.tmp`, fsynced and renamed, and only then committed by its index line (appended,
+  fsynced); a shard no index line lists, a `.tmp` and a torn last index line are what a kill leaves, and the next
+  run removes them (`prepare`), so each chunk is committed once or redone whole;
+- the chunks are fixed by the data and `rows_per_shard` (frozen by the first run), not by the number of processes:
+  a resume on any number of processes runs exactly the chunks no index lists;
+- an output made with another identity (model, served model name, sampling parameters, template keyword arguments,
+  turns, ...) is refused with what changed (RegenMismatchError), unless `regenerate.overwrite`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from dflash_prep import __version__
+from dflash_prep.io import atomic_write_json, atomic_write_jsonl, fsync_dir
+from dflash_prep.store.locks import LOCKS_DIR
+from dflash_prep.store.manifest import OutputStateError, damaged_state, read_state_json
+
+log = logging.getLogger("dflash_prep")
+
+FORMAT = "dflash-prep regenerated rows"
+FORMAT_VERSION = 1
+DATA_DIR, INDEX_DIR = "data", "index"
+STATE_NAME, MANIFEST_NAME, SUMMARY_NAME, SKIPPED_NAME = "run_state.json", "manifest.json", "summary.json", \
+    "skipped.jsonl"
+RECIPE_NAME = "recipe.resolved.yaml"
+DATASET_FILES = ("dataset_info.json", "state.json")  # datasets' save_to_disk files: the folder is a dataset
+_MARKERS = (STATE_NAME, MANIFEST_NAME)
+
+
+class RegenMismatchError(RuntimeError):
+    """The output folder holds a regeneration of another job (exit code 2)."""
+
+
+def features():
+    """The rows' `datasets.Features`: messages with every OpenAI key (null where a message has none), `tools` as a
+    JSON string, the row's own id and position, and `regen` (provenance)."""
+    from datasets import Features, List, Value
+
+    call = {"id": Value("string"), "type": Value("string"),
+            "function": {"name": Value("string"), "arguments": Value("string")}}
+    message = {"role": Value("string"), "content": Value("string"), "reasoning_content": Value("string"),
+               "tool_calls": List(call), "tool_call_id": Value("string"), "name": Value("string")}
+    turn = {"message_index": Value("int64"), "finish_reason": Value("string"), "prompt_tokens": Value("int64"),
+            "completion_tokens": Value("int64"), "seed": Value("int64")}
+    regen = {"engine": Value("string"), "model": Value("string"), "sampling": Value("string"),
+             "max_tokens": Value("int64"), "turns": List(turn), "ended_early": Value("string")}
+    return Features({"id": Value("string"), "source_row": Value("int64"), "messages": List(message),
+                     "tools": Value("string"), "regen": regen})
+
+
+def shard_path(chunk: int) -> str:
+    return f"{DATA_DIR}/shard-{chunk:06d}.arrow"
+
+
+def chunk_rows(chunk: int, rows_per_shard: int, num_rows: int) -> range:
+    """The source row positions of `chunk`."""
+    return range(chunk * rows_per_shard, min((chunk + 1) * rows_per_shard, num_rows))
+
+
+@dataclass
+class ChunkRecord:
+    """One committed chunk (an index line): its shard (written even when none of its rows was answered) and its
+    counts."""
+
+    chunk: int
+    path: str
+    num_rows: int  # rows written
+    rows: list[int]  # their source positions
+    skipped: list[dict]  # {source_row, source_id, reason, detail}
+    num_bytes: int = 0
+    sha256: str = ""
+    num_requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reasons: dict = field(default_factory=dict)
+    tool_calls: dict = field(default_factory=dict)
+    ended_early: dict = field(default_factory=dict)
+    rank: int = 0
+
+
+# ------------------------------------------------------------------------------------------------ identity, claim
+def identity_diffs(previous: dict, current: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ; keys one side has not computed (None) are not compared."""
+    diffs = []
+    for key in sorted(set(previous) | set(current)):
+        a, b, name = previous.get(key), current.get(key), f"{prefix}{key}"
+        if a is None or b is None:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict) and key not in ("data_rows", "sampling"):
+            diffs += identity_diffs(a, b, f"{name}.")
+        elif a != b:
+            diffs.append(name)
+    return diffs
+
+
+def check_identity(out_dir: Path, identity: dict) -> None:
+    """RegenMismatchError (one line, naming what changed and its values) when `out_dir` holds another job's rows."""
+    path = Path(out_dir) / STATE_NAME
+    if not path.exists():
+        return
+    previous = read_state_json(path).get("identity") or {}
+    diffs = identity_diffs(previous, identity)
+    if diffs:
+        def value(d, dotted):
+            for part in dotted.split("."):
+                d = d.get(part) if isinstance(d, dict) else None
+            return d
+        details = "; ".join(f"{k}: output has {value(previous, k)!r}, this run has {value(identity, k)!r}"
+                            for k in diffs)
+        raise RegenMismatchError(f"{out_dir} holds a regeneration of a different job ({details}). Use another "
+                                 f"regenerate.output_dir, or --set regenerate.overwrite=true to start afresh.")
+
+
+def open_output(out_dir: Path, identity: dict, overwrite: bool) -> None:
+    """Main process, holding the run lock: start afresh (`overwrite`; refused on a folder that is not a
+    regeneration output) or check that the output is this job's."""
+    out_dir = Path(out_dir)
+    if overwrite and out_dir.is_dir():
+        names = {p.name for p in out_dir.iterdir()} - {"logs", LOCKS_DIR}
+        if names and not names & set(_MARKERS):
+            raise RegenMismatchError(f"regenerate.overwrite: {out_dir} is not a regeneration output (it holds "
+                                     f"{', '.join(sorted(names)[:5])}): refusing to delete its files; set "
+                                     f"regenerate.output_dir to a new or empty folder")
+        for child in out_dir.iterdir():
+            if child.name not in ("logs", LOCKS_DIR):
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    check_identity(out_dir, identity)
+
+
+def stored_rows_per_shard(out_dir: Path, wanted: int) -> int:
+    """The chunk size the output was started with (a resume keeps its chunks), else `wanted`."""
+    path = Path(out_dir) / STATE_NAME
+    if path.exists():
+        stored = read_state_json(path).get("rows_per_shard")
+        if isinstance(stored, int) and stored >= 1:
+            if stored != wanted:
+                log.warning("regenerate.rows_per_shard: the output was started with %d; resuming with it", stored)
+            return stored
+    return wanted
+
+
+def record_run(out_dir: Path, identity: dict, rows_per_shard: int, recipe_yaml: str) -> None:
+    """Save the identity, the chunk size, this run's start and the resolved recipe (main process)."""
+    path = Path(out_dir) / STATE_NAME
+    runs = read_state_json(path).get("runs", []) if path.exists() else []
+    runs.append({"started_at": time.time(), "dflash_prep_version": __version__})
+    (Path(out_dir) / RECIPE_NAME).write_text(recipe_yaml)
+    atomic_write_json(path, {"format": FORMAT, "identity": identity, "rows_per_shard": rows_per_shard, "runs": runs})
+
+
+# ------------------------------------------------------------------------------------------------ index, repair
+def read_committed(out_dir: Path) -> dict[int, ChunkRecord]:
+    """Chunk -> its record, over every rank's index. A torn last line is ignored (its chunk is redone); the same
+    line twice counts once; two different records of one chunk raise OutputStateError."""
+    records: dict[int, ChunkRecord] = {}
+    for index in sorted((Path(out_dir) / INDEX_DIR).glob("rank-*.jsonl")):
+        with open(index, "rb") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    record = ChunkRecord(**json.loads(line))
+                except (ValueError, TypeError, UnicodeDecodeError):
+                    break
+                if records.setdefault(record.chunk, record) != record:
+                    raise damaged_state(Path(out_dir) / INDEX_DIR, f"chunk {record.chunk} is committed twice")
+    return records
+
+
+def prepare(out_dir: Path) -> dict[int, ChunkRecord]:
+    """Main process, no rank writing: cut torn index tails, drop committed chunks whose shard is missing or has
+    another size (they are redone), remove shards and `.tmp` files no index lists. -> the committed chunks."""
+    out_dir = Path(out_dir)
+    for index in sorted((out_dir / INDEX_DIR).glob("rank-*.jsonl")):
+        _cut_after_last_good_line(index)
+    committed = read_committed(out_dir)
+    bad = {c for c, r in committed.items() if _size(out_dir / r.path) != r.num_bytes}
+    if bad:
+        log.warning("regenerate: %d committed shard(s) missing or of another size (e.g. %s): redone", len(bad),
+                    committed[min(bad)].path)
+        _drop_records(out_dir, bad)
+        committed = {c: r for c, r in committed.items() if c not in bad}
+    keep = {out_dir / r.path for r in committed.values()}
+    removed = [p for p in sorted((out_dir / DATA_DIR).glob("*")) if p not in keep] \
+        if (out_dir / DATA_DIR).is_dir() else []
+    for path in removed:
+        path.unlink()
+    if removed:
+        log.info("regenerate: removed %d uncommitted file(s) left by an interrupted run", len(removed))
+    return committed
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return None
+
+
+def _cut_after_last_good_line(index: Path) -> None:
+    data = index.read_bytes()
+    good = 0
+    for line in data.splitlines(keepends=True):
+        try:
+            ChunkRecord(**json.loads(line))
+        except (ValueError, TypeError, UnicodeDecodeError):
+            break
+        if not line.endswith(b"\n"):
+            break
+        good += len(line)
+    if good != len(data):
+        log.warning("regenerate: %s ended in a torn or unreadable line: cut back to its last complete one", index)
+        with open(index, "r+b") as f:
+            f.truncate(good)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _drop_records(out_dir: Path, chunks: set[int]) -> None:
+    for index in sorted((out_dir / INDEX_DIR).glob("rank-*.jsonl")):
+        lines = index.read_bytes().splitlines(keepends=True)
+        kept = [line for line in lines if line.strip() and json.loads(line)["chunk"] not in chunks]
+        if len(kept) != len(lines):
+            tmp = index.with_name(index.name + ".tmp")
+            with open(tmp, "wb") as f:
+                f.writelines(kept)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, index)
+            fsync_dir(index.parent)
+
+
+class ChunkCommitter:
+    """One rank's writer: `commit(chunk, rows, skipped, counts)` writes the chunk's shard atomically, then appends
+    its index line (fsynced): the chunk is committed at that line."""
+
+    def __init__(self, out_dir: Path, rank: int, faults=None):
+        self.out_dir, self.rank, self.faults = Path(out_dir), rank, faults
+        (self.out_dir / DATA_DIR).mkdir(parents=True, exist_ok=True)
+        (self.out_dir / INDEX_DIR).mkdir(parents=True, exist_ok=True)
+        self.index = self.out_dir / INDEX_DIR / f"rank-{rank:05d}.jsonl"
+        self.schema = features().arrow_schema
+        self.num_committed = 0
+
+    def commit(self, chunk: int, rows: list[dict], skipped: list[dict], counts: dict) -> ChunkRecord:
+        """rows: output rows (conversation.Conversation.result), any order; skipped: {source_row, source_id,
+        reason, detail}; counts: num_requests, prompt_tokens, completion_tokens, finish_reasons, tool_calls,
+        ended_early."""
+        rows = sorted(rows, key=lambda r: r["source_row"])
+        path = shard_path(chunk)  # written even without rows: datasets loads a folder of empty shards, not of none
+        size, digest = self._write_shard(self.out_dir / path, rows)
+        record = ChunkRecord(chunk=chunk, path=path, num_rows=len(rows), rows=[r["source_row"] for r in rows],
+                             skipped=sorted(skipped, key=lambda s: s["source_row"]), num_bytes=size, sha256=digest,
+                             rank=self.rank, **counts)
+        with open(self.index, "ab") as f:
+            f.write((json.dumps(asdict(record)) + "\n").encode())
+            f.flush()
+            os.fsync(f.fileno())
+        self.num_committed += 1
+        return record
+
+    def _write_shard(self, path: Path, rows: list[dict]) -> tuple[int, str]:
+        import pyarrow as pa
+
+        table = pa.Table.from_pylist(rows, schema=self.schema)
+        tmp = path.with_name(path.name + ".tmp")
+        with pa.OSFile(str(tmp), "wb") as sink:
+            with pa.ipc.new_stream(sink, self.schema) as writer:
+                writer.write_table(table)
+        digest = hashlib.sha256()
+        with open(tmp, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+        return path.stat().st_size, digest.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------ the end
+def is_finished(out_dir: Path) -> bool:
+    """Whether the folder is a finished regeneration (its last file, state.json, reads back)."""
+    try:
+        read_state_json(Path(out_dir) / DATASET_FILES[1])
+        return (Path(out_dir) / MANIFEST_NAME).is_file()
+    except (OSError, OutputStateError):
+        return False
+
+
+def write_dataset_files(out_dir: Path, records: list[ChunkRecord], manifest: dict, skipped: list[dict],
+                        summary: dict) -> None:
+    """skipped.jsonl, summary.json, manifest.json, then datasets' dataset_info.json and, last, state.json (listing
+    the shards in chunk order: the rows in source order). Main process, every chunk committed."""
+    import datasets
+
+    out_dir = Path(out_dir)
+    atomic_write_jsonl(out_dir / SKIPPED_NAME, skipped)
+    atomic_write_json(out_dir / SUMMARY_NAME, summary)
+    atomic_write_json(out_dir / MANIFEST_NAME, manifest)
+    info = asdict(datasets.DatasetInfo(description="dflash-prep regenerated rows", features=features()))
+    atomic_write_json(out_dir / DATASET_FILES[0], {k: info[k] for k in sorted(info)})
+    shards = [r.path for r in sorted(records, key=lambda r: r.chunk)]
+    fingerprint = hashlib.sha256(json.dumps([r.sha256 for r in records]).encode()).hexdigest()[:16]
+    atomic_write_json(out_dir / DATASET_FILES[1], {
+        "_data_files": [{"filename": s} for s in shards], "_fingerprint": fingerprint, "_format_columns": None,
+        "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False, "_split": "train"})
+
+
+def remove_dataset_files(out_dir: Path) -> None:
+    """A run with work to do: the folder stops being a finished dataset until its end writes them again."""
+    for name in reversed(DATASET_FILES):
+        (Path(out_dir) / name).unlink(missing_ok=True)
