@@ -257,11 +257,12 @@ def test_random_agent_conversations_match_transformers_generation_mask_of_a_tagg
         assert plain.tokenize(*conversation) == tagged.tokenize(*conversation), rendered
 
 
-def test_a_template_without_a_generation_prompt_does_not_supervise_the_role_header():
+def test_a_template_without_a_generation_prompt_supervises_the_separator_not_the_role_header():
     """A minimal ChatML template with no `add_generation_prompt` branch: the assistant header is still a prompt
-    (read off a probe reply), so only the replies and their end-of-turn marker are supervised."""
+    (read off a probe reply), less the separator the template writes after it (the `\n`, which the served model
+    generates after that prompt), so the replies, the separator and the end-of-turn marker are supervised."""
     template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     tokenizer = family_tokenizer("qwen3")
     ids, mask = chat.ChatRenderer(tokenizer, template).tokenize(*chat.row_to_chat(PLAIN))
-    assert supervised_runs(tokenizer, ids, mask) == ["4 — facile.<|im_end|>", "9.<|im_end|>",
-                                                     "De rien ! 😊<|im_end|>"]
+    assert supervised_runs(tokenizer, ids, mask) == ["\n4 — facile.<|im_end|>", "\n9.<|im_end|>",
+                                                     "\nDe rien ! 😊<|im_end|>"]
