@@ -207,7 +207,7 @@ def _weight_of(turn: dict, t: int, role: str) -> int | None:
     if isinstance(weight, bool) or (isinstance(weight, (int, float)) and weight in (0, 1)):
         weight = int(weight)
     else:
-        raise SkipRow(BAD_WEIGHT, f"turn {t} has weight {_short(weight, 40)!r}: a turn is trained (1) or not (0)")
+        raise SkipRow(BAD_WEIGHT, f"turn {t} has weight {_short(repr(weight), 40)}: a turn is trained (1) or not (0)")
     if weight == 1 and role != "assistant":
         raise SkipRow(BAD_WEIGHT, f"turn {t} ({role}) has weight 1: only assistant turns are supervised")
     return weight
@@ -641,7 +641,8 @@ class ChatRenderer:
         opens with the assistant; or the template refuses them). A probe reply in its place gives the text before
         its content (`opening`: the template's preamble and the header); the header begins at the last place
         `opening` has the opening marker (or line) of the generation prompt the template writes after a user turn,
-        and that prompt is skipped from there as for any turn."""
+        and that prompt is skipped from there as for any turn. A template with no such prompt: the generated text
+        starts at the end of `opening`, less its trailing whitespace (a separator, generated)."""
         probe = {"role": "assistant", "content": _PROBE}
         opening = None
         for conv in (messages[:i] + [probe], messages[:i] + [probe] + messages[i + 1:]):
@@ -658,7 +659,7 @@ class ChatRenderer:
             prompt, closing = "", ""
         key = self._header_key(prompt)
         at = opening.rfind(key) if opening is not None and key else -1
-        at = at if at >= 0 or opening is None else len(opening)
+        at = at if at >= 0 or opening is None else len(opening.rstrip())  # a separator is generated
         if opening is None or not full.startswith(opening[:at]):
             raise SkipRow(SPAN_NOT_FOUND, f"message {i} (assistant): the template renders neither the messages "
                                           f"before it nor a probe reply in its place like the whole conversation")
