@@ -207,7 +207,8 @@ PHI3_MINI = r"""
 # is tested with `is none`; tool outputs are grouped and the reply after them has no <｜Assistant｜> header.
 DEEPSEEK_V3 = r"""
 {%- set ns = namespace(system_prompt='', is_tool=false) %}
-{%- for message in messages %}{%- if message['role'] == 'system' %}{%- set ns.system_prompt = message['content'] %}{%- endif %}{%- endfor %}
+{%- for message in messages %}{%- if message['role'] == 'system' %}{%- set ns.system_prompt = message['content'] %}
+{%- endif %}{%- endfor %}
 {{- '<｜begin▁of▁sentence｜>' + ns.system_prompt }}
 {%- for message in messages %}
 {%- if message['role'] == 'user' %}{%- set ns.is_tool = false %}{{- '<｜User｜>' + message['content'] }}
@@ -216,12 +217,14 @@ DEEPSEEK_V3 = r"""
 {%- if message['content'] is none %}{{- '<｜Assistant｜><｜tool▁calls▁begin｜>' }}
 {%- else %}{{- '<｜Assistant｜>' + message['content'] + '<｜tool▁calls▁begin｜>' }}{%- endif %}
 {%- for tool in message['tool_calls'] %}
-{{- '<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\n```json\n' + tool['function']['arguments'] + '\n```<｜tool▁call▁end｜>' }}
+{{- '<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\n```json\n'
+    + tool['function']['arguments'] + '\n```<｜tool▁call▁end｜>' }}
 {%- if not loop.last %}{{- '\n' }}{%- endif %}
 {%- endfor %}
 {{- '<｜tool▁calls▁end｜><｜end▁of▁sentence｜>' }}
 {%- elif message['role'] == 'assistant' %}
-{%- if ns.is_tool %}{{- '<｜tool▁outputs▁end｜>' + message['content'] + '<｜end▁of▁sentence｜>' }}{%- set ns.is_tool = false %}
+{%- if ns.is_tool %}{{- '<｜tool▁outputs▁end｜>' + message['content'] + '<｜end▁of▁sentence｜>' }}
+{%- set ns.is_tool = false %}
 {%- else %}{{- '<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>' }}{%- endif %}
 {%- elif message['role'] == 'tool' %}
 {%- if not ns.is_tool %}{{- '<｜tool▁outputs▁begin｜>' }}{%- set ns.is_tool = true %}{%- endif %}
@@ -236,12 +239,14 @@ DEEPSEEK_V3 = r"""
 # <|assistant|> and a reply starts with a newline; a tool call is the function name, a newline and the arguments.
 GLM4 = r"""
 {{- '[gMASK]<sop>' }}
-{%- if tools %}{{- '<|system|>\n# Tools' }}{%- for tool in tools %}{{- '\n\n## ' + tool.function.name + '\n\n' + tool.function | tojson }}{%- endfor %}{%- endif %}
+{%- if tools %}{{- '<|system|>\n# Tools' }}
+{%- for tool in tools %}{{- '\n\n## ' + tool.function.name + '\n\n' + tool.function | tojson }}{%- endfor %}{%- endif %}
 {%- for message in messages %}
 {%- if message.role == 'system' %}{{- '<|system|>\n' + message.content }}
 {%- elif message.role == 'user' %}{{- '<|user|>\n' + message.content }}
 {%- elif message.role == 'assistant' %}{{- '<|assistant|>' }}
-{%- if message.tool_calls %}{%- for tc in message.tool_calls %}{{- tc.function.name + '\n' + tc.function.arguments | tojson }}{%- endfor %}
+{%- if message.tool_calls %}
+{%- for tc in message.tool_calls %}{{- tc.function.name + '\n' + tc.function.arguments | tojson }}{%- endfor %}
 {%- else %}{{- '\n' + message.content }}{%- endif %}
 {%- elif message.role == 'tool' %}{{- '<|observation|>\n' + message.content }}
 {%- endif %}{%- endfor %}
@@ -251,10 +256,12 @@ GLM4 = r"""
 # Llama-2 / Mistral-v1 style: [INST] ... [/INST], then the template writes a space before the reply (the served model
 # generates it after [/INST]); </s> ends an answer; no generation prompt.
 LLAMA2 = r"""
-{%- if messages[0]['role'] == 'system' %}{%- set system = '<<SYS>>\n' + messages[0]['content'] + '\n<</SYS>>\n\n' %}{%- set loop_messages = messages[1:] %}
+{%- if messages[0]['role'] == 'system' %}{%- set system = '<<SYS>>\n' + messages[0]['content'] + '\n<</SYS>>\n\n' %}
+{%- set loop_messages = messages[1:] %}
 {%- else %}{%- set system = '' %}{%- set loop_messages = messages %}{%- endif %}
 {%- for message in loop_messages %}
-{%- if message['role'] == 'user' %}{{- '<s>[INST] ' + (system if loop.first else '') + message['content'] | trim + ' [/INST]' }}
+{%- if message['role'] == 'user' %}
+{{- '<s>[INST] ' + (system if loop.first else '') + message['content'] | trim + ' [/INST]' }}
 {%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] | trim + ' </s>' }}{%- endif %}
 {%- endfor %}
 """
@@ -263,14 +270,16 @@ LLAMA2 = r"""
 # SmolLM3-style templates do), one the newline after <|im_end|>.
 CHATML_TAGGED_HEADER = r"""
 {%- for message in messages %}
-{%- if message.role == 'assistant' %}{%- generation %}{{- '<|im_start|>assistant\n' + message.content + '<|im_end|>' }}{%- endgeneration %}{{- '\n' }}
+{%- if message.role == 'assistant' %}
+{%- generation %}{{- '<|im_start|>assistant\n' + message.content + '<|im_end|>' }}{%- endgeneration %}{{- '\n' }}
 {%- else %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
 """
 CHATML_TAGGED_NEWLINE = r"""
 {%- for message in messages %}
-{%- if message.role == 'assistant' %}{{- '<|im_start|>assistant\n' }}{%- generation %}{{- message.content + '<|im_end|>\n' }}{%- endgeneration %}
+{%- if message.role == 'assistant' %}{{- '<|im_start|>assistant\n' }}
+{%- generation %}{{- message.content + '<|im_end|>\n' }}{%- endgeneration %}
 {%- else %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}

@@ -49,7 +49,8 @@ ASSISTANT_FIRST = {  # family: (template, the supervised text of FIRST, SYSTEM_F
                 ["Hi there.<|eot_id|>", "4.<|eot_id|>"], ["Hello!<|eot_id|>"]),
     "mistral": (T.MISTRAL, ["Hello! Ask me anything.</s>", "4.</s>"], ["Hi there.</s>", "4.</s>"], ["Hello!</s>"]),
     # the generation prompt opens <think>; an earlier turn renders `</think>` alone, which is generated
-    "deepseek": (T.DEEPSEEK, ["</think>Hello! Ask me anything.<｜end▁of▁sentence｜>", "</think>4.<｜end▁of▁sentence｜>"],
+    "deepseek": (T.DEEPSEEK, ["</think>Hello! Ask me anything.<｜end▁of▁sentence｜>",
+                              "</think>4.<｜end▁of▁sentence｜>"],
                  ["</think>Hi there.<｜end▁of▁sentence｜>", "</think>4.<｜end▁of▁sentence｜>"],
                  ["</think>Hello!<｜end▁of▁sentence｜>"]),
     "gpt_oss": (T.GPT_OSS, ["<|channel|>final<|message|>Hello! Ask me anything.<|end|>",
@@ -168,7 +169,8 @@ def test_the_separator_after_the_prompt_is_supervised_whether_or_not_it_is_a_tok
                         {"role": "user", "content": "And?"}, {"role": "assistant", "content": "the answer."}]}
     tokenizer, r = renderer("llama2", T.LLAMA2)
     out = r.tokenize_conversation(chat.read_conversation(row))
-    assert tokenizer.decode(out.input_ids) == "<s>[INST] Sure? [/INST] Sure. </s><s>[INST] And? [/INST] the answer. </s>"
+    assert tokenizer.decode(out.input_ids) == ("<s>[INST] Sure? [/INST] Sure. </s>"
+                                               "<s>[INST] And? [/INST] the answer. </s>")
     assert supervised_runs(tokenizer, out.input_ids, out.loss_mask) == [" Sure. </s>", " the answer. </s>"]
 
 

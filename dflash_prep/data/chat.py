@@ -347,7 +347,8 @@ def read_conversation(row: dict) -> Conversation:
             conv.messages.append(message)
             conv.weights.append(weight if message["role"] == "assistant" else None)
     if not any(m["role"] == "assistant" for m in conv.messages):
-        raise SkipRow(NO_ASSISTANT, f"no assistant turn among {len(conv.messages)} messages")
+        raise SkipRow(NO_ASSISTANT, "no assistant turn (roles: "
+                                    + _short(", ".join(m["role"] for m in conv.messages), 80) + ")")
     conv.tools = _tools_of(row)
     return conv
 
