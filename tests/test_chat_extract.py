@@ -293,3 +293,27 @@ def test_every_new_row_shape_end_to_end_and_a_resume_reads_the_tokenization_from
     again = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert _cache_files(cache) == files  # read back: no cache file written or rewritten
+
+
+def test_show_sample_gives_a_skipped_rows_detail_and_plan_warns_or_stops_on_a_lost_kind(tmp_path, capsys, caplog):
+    """The demo template renders no `reasoning_content`: every row with reasoning is kept without it, a warning
+    before any model loads, and exit code 2 with `data.strict: true`."""
+    import logging
+
+    think = {"id": "think", "messages": [{"role": "user", "content": "Why?"},
+                                         {"role": "assistant", "content": "Because it is so.",
+                                          "reasoning_content": "Think first."}]}
+    narrator = {"id": "narrator", "messages": [{"role": "narrator", "content": "x"},
+                                               {"role": "assistant", "content": "y"}]}
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in [think] * 3 + [narrator]))
+    args = ["--set", f"data.path={data}", "--set", f"output.dir={tmp_path / 'out'}"]
+    with caplog.at_level(logging.WARNING, logger="dflash_prep.data.rows"):
+        assert plan.main(["--show-sample", "3"] + args) == 0
+    assert capsys.readouterr().out.startswith(
+        "row 3 (sample 0000000003, id 'narrator'): skipped, unknown_role (turn 0 has role 'narrator' (known: system, ")
+    assert [m for m in caplog.messages if "every row with" in m] == [
+        "data: every row with reasoning is lost: of 3 such rows, 0 skipped and 3 kept with a rendering without their "
+        "reasoning (the chat template drops them); set data.strict: true to stop instead"]
+    assert plan.main(args + ["--set", "data.strict=true"]) == 2
+    assert capsys.readouterr().err.startswith("error: every row with reasoning is lost: of 3 such rows")

@@ -60,7 +60,7 @@ def run_identity(recipe: Recipe, config, layer_ids: list[int], tokenizer, is_mai
         "model_source": describe_source(recipe.model),
         "weights": weights_fingerprint(recipe.model) if is_main else None,
         "tokenizer": tokenizer_fingerprint(tokenizer),
-        "data": {k: v for k, v in recipe.to_dict()["data"].items() if k != "num_proc"},
+        "data": {k: v for k, v in recipe.to_dict()["data"].items() if k not in ("num_proc", "strict")},
         "layer_ids": layer_ids,
         "capture_final": recipe.layers.capture_final,
         "dtype": recipe.output.dtype,

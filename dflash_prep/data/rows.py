@@ -394,7 +394,7 @@ class Tokenizer:
     """Row -> tokenized record; a picklable callable for `datasets.map(batched=True, with_indices=True)`.
 
     `chat_template`: the template text replacing the tokenizer's own (`data.chat_template`, already read);
-    `stop_token_ids`: the model's stop ids (`stop_token_ids_of`)."""
+    `stop_token_ids`: the model's stop ids (None: `stop_token_ids_of(tokenizer)`)."""
 
     tokenizer: Any
     max_length: int
@@ -407,6 +407,8 @@ class Tokenizer:
     rules_version: int = 3  # part of the `datasets.map` cache key: bump when tokenization or masking rules change
 
     def __post_init__(self):
+        if self.stop_token_ids is None:
+            self.stop_token_ids = stop_token_ids_of(self.tokenizer)
         self.renderer = chat.ChatRenderer(self.tokenizer, self.chat_template, self.chat_template_kwargs,
                                           self.stop_token_ids)
 
@@ -595,7 +597,7 @@ def tokenize_dataset(rows, tokenizer, section: DataSection, vocab_size: int,
     fn = Tokenizer(tokenizer=tokenizer, max_length=section.max_length, overlong=section.overlong,
                    vocab_size=vocab_size, id_column=section.id_column,
                    chat_template_kwargs=dict(section.chat_template_kwargs), chat_template=template,
-                   stop_token_ids=stop_token_ids_of(tokenizer) if stop_token_ids is None else list(stop_token_ids))
+                   stop_token_ids=None if stop_token_ids is None else list(stop_token_ids))
     try:
         tokenized = rows.map(fn, batched=True, batch_size=256, with_indices=True, remove_columns=rows.column_names,
                              num_proc=section.num_proc, desc="tokenize", features=_tokenized_features())
