@@ -120,21 +120,22 @@ class Conversation:
 
 # ------------------------------------------------------------------------------------------------ rows in
 def _parts_of(content: list, t: int, role: str) -> dict:
-    """A list of content parts or blocks (OpenAI parts, Anthropic blocks) -> {text: [..], thinking: [..],
-    calls: [..], results: [(tool_use_id, text)]}. Raises SkipRow."""
+    """A list of content parts or blocks (OpenAI parts, Anthropic blocks) of turn t (-1: the `system` column) ->
+    {text: [..], thinking: [..], calls: [..], results: [(tool_use_id, text)]}. Raises SkipRow."""
+    where = f"turn {t}" if t >= 0 else "the `system` column"
     parts: dict = {"text": [], "thinking": [], "calls": [], "results": []}
     for k, part in enumerate(content):
         if isinstance(part, str):
             parts["text"].append(part)
             continue
         if not isinstance(part, dict):
-            raise SkipRow(BAD_CONTENT, f"turn {t}: content part {k} is {_kind(part)}, not an object or text")
+            raise SkipRow(BAD_CONTENT, f"{where}: content part {k} is {_kind(part)}, not an object or text")
         kind = part.get("type")
         if kind in MEDIA_PART_TYPES or (kind is None and any(part.get(m) is not None for m in MEDIA_PART_TYPES)):
-            raise SkipRow(MEDIA_CONTENT, f"turn {t}: content part {k} is {kind or 'media'}")
+            raise SkipRow(MEDIA_CONTENT, f"{where}: content part {k} is {kind or 'media'}")
         allowed = {"assistant": ("thinking", "tool_use"), "user": ("tool_result",)}.get(role, ())
         if kind in ("thinking", "tool_use", "tool_result") and kind not in allowed:
-            raise SkipRow(UNSUPPORTED_BLOCK, f"turn {t}: a {kind} block in a {role} turn")
+            raise SkipRow(UNSUPPORTED_BLOCK, f"{where}: a {kind} block in a {role} turn")
         if kind == "thinking" and isinstance(part.get("thinking"), str):
             parts["thinking"].append(part["thinking"])
         elif kind == "tool_use":
@@ -143,14 +144,14 @@ def _parts_of(content: list, t: int, role: str) -> dict:
             text = part.get("content", "")
             text = "\n".join(_parts_of(text, t, "tool")["text"]) if isinstance(text, list) else text
             if not isinstance(text, str) or not isinstance(part.get("tool_use_id"), str):
-                raise SkipRow(BAD_CONTENT, f"turn {t}: tool_result block {k} without a tool_use_id or text content")
+                raise SkipRow(BAD_CONTENT, f"{where}: tool_result block {k} without a tool_use_id or text content")
             parts["results"].append((part["tool_use_id"], text))
         elif (kind in TEXT_PART_TYPES or kind is None) and isinstance(part.get("text"), str):
             parts["text"].append(part["text"])
         elif kind is None or kind in TEXT_PART_TYPES or kind == "thinking":
-            raise SkipRow(BAD_CONTENT, f"turn {t}: content part {k} ({kind or 'untyped'}) has no text")
+            raise SkipRow(BAD_CONTENT, f"{where}: content part {k} ({kind or 'untyped'}) has no text")
         else:
-            raise SkipRow(UNSUPPORTED_BLOCK, f"turn {t}: content part {k} is a {_short(kind, 40)!r} block, which "
+            raise SkipRow(UNSUPPORTED_BLOCK, f"{where}: content part {k} is a {_short(kind, 40)!r} block, which "
                                              f"has no text form (supported: text, thinking, tool_use, tool_result)")
     return parts
 
