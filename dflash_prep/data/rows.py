@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_prep.data import chat
+from dflash_prep.data import chat, conversation
 from dflash_prep.io import fsync_dir
 from dflash_prep.recipe.schema import DataSection, RecipeError
 
@@ -438,7 +438,7 @@ class Tokenizer:
     def _pretokenized(row: dict) -> tuple[list, list, str, str]:
         ids, mask = row["input_ids"], row.get("loss_mask")
         if not _is_int_list(ids):
-            return [], [], SKIP_BAD_TOKEN_IDS, f"`input_ids` is {chat._kind(ids)}, not a list of integers" \
+            return [], [], SKIP_BAD_TOKEN_IDS, f"`input_ids` is {conversation.type_name(ids)}, not a list of integers" \
                 if not isinstance(ids, list) else "`input_ids` holds a value that is not an integer"
         if mask is None:
             return ids, [1] * len(ids), "", ""
@@ -476,9 +476,9 @@ class Tokenizer:
             try:
                 row = json.loads(line)
             except (ValueError, RecursionError) as e:
-                return {}, SKIP_INVALID_JSON, f"the line is not JSON ({chat._short(e, 120)})"
+                return {}, SKIP_INVALID_JSON, f"the line is not JSON ({conversation.one_line(e, 120)})"
             if not isinstance(row, dict):
-                return {}, SKIP_NOT_AN_OBJECT, f"the line holds a JSON {chat._kind(row)}, not an object"
+                return {}, SKIP_NOT_AN_OBJECT, f"the line holds a JSON {conversation.type_name(row)}, not an object"
             if ("\\ud" in line or "\\uD" in line) and _has_lone_surrogate(row):
                 return {}, SKIP_INVALID_UTF8, "a string holds a lone UTF-16 surrogate"
             return row, "", ""
@@ -495,7 +495,7 @@ class Tokenizer:
                     outcome = self.process_row(row)
                 except Exception as e:  # noqa: BLE001 - one bad row never ends the run: it is skipped, with a reason
                     log.debug("row %d: %s: %s", row_index, type(e).__name__, e)
-                    outcome = _skip(SKIP_ROW_ERROR, f"{type(e).__name__}: {chat._short(e, 200)}")
+                    outcome = _skip(SKIP_ROW_ERROR, f"{type(e).__name__}: {conversation.one_line(e, 200)}")
             source_id = row.get(self.id_column or "id")
             if isinstance(source_id, (dict, list)):
                 source_id = json.dumps(source_id, sort_keys=True)
