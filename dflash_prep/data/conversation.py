@@ -295,8 +295,8 @@ def read_conversation(row: dict) -> Conversation:
     _, raw = _turns_of(row)
     conv = Conversation(messages=[])
     system = _system_of(row)
-    if system is not None and not any(isinstance(x, dict) and ROLE_ALIASES.get(x.get("role", x.get("from")))
-                                      == "system" for x in raw):
+    roles = [x.get("role", x.get("from")) for x in raw if isinstance(x, dict)]
+    if system is not None and "system" not in [ROLE_ALIASES.get(r) for r in roles if isinstance(r, str)]:
         conv.messages.append({"role": "system", "content": system})
         conv.weights.append(None)
     for t, turn in enumerate(raw):

@@ -436,16 +436,18 @@ class Tokenizer:
 
     @staticmethod
     def _pretokenized(row: dict) -> tuple[list, list, str, str]:
+        """A pre-tokenized row -> (ids, mask, skip reason, detail)."""
         ids, mask = row["input_ids"], row.get("loss_mask")
+        if not isinstance(ids, list):
+            return [], [], SKIP_BAD_TOKEN_IDS, f"`input_ids` is {conversation.type_name(ids)}, not a list"
         if not _is_int_list(ids):
-            return [], [], SKIP_BAD_TOKEN_IDS, f"`input_ids` is {conversation.type_name(ids)}, not a list of integers" \
-                if not isinstance(ids, list) else "`input_ids` holds a value that is not an integer"
+            return [], [], SKIP_BAD_TOKEN_IDS, "`input_ids` holds a value that is not an integer"
         if mask is None:
             return ids, [1] * len(ids), "", ""
-        if not _is_int_list(mask, (0, 1)) or len(mask) != len(ids):
-            return [], [], SKIP_BAD_LOSS_MASK, (f"`loss_mask` has {len(mask)} values for {len(ids)} ids"
-                                                if isinstance(mask, list) and _is_int_list(mask, (0, 1))
-                                                else "`loss_mask` is not a list of 0/1 integers")
+        if not _is_int_list(mask, (0, 1)):
+            return [], [], SKIP_BAD_LOSS_MASK, "`loss_mask` is not a list of 0/1 integers"
+        if len(mask) != len(ids):
+            return [], [], SKIP_BAD_LOSS_MASK, f"`loss_mask` has {len(mask)} values for {len(ids)} ids"
         return ids, mask, "", ""
 
     def _checked(self, ids: list, mask: list, reason: str, detail: str, **kinds) -> RowOutcome:
