@@ -177,6 +177,114 @@ PHI = r"""
 {%- if add_generation_prompt %}{{- '<|assistant|>\n' }}{%- endif %}
 """
 
+# Phi-3.5-mini: as PHI, and a conversation rendered without a generation prompt ends with eos_token (the template
+# closes what it was not asked to continue).
+PHI35 = r"""
+{%- for message in messages %}
+{%- if message['role'] == 'system' and message['content'] %}{{- '<|system|>\n' + message['content'] + '<|end|>\n' }}
+{%- elif message['role'] == 'user' %}{{- '<|user|>\n' + message['content'] + '<|end|>\n' }}
+{%- elif message['role'] == 'assistant' %}{{- '<|assistant|>\n' + message['content'] + '<|end|>\n' }}
+{%- endif %}{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|assistant|>\n' }}{%- else %}{{- eos_token }}{%- endif %}
+"""
+
+# Phi-4-mini: <|role|>content<|end|> with no newlines, eos_token when no generation prompt is asked for.
+PHI4_MINI = r"""
+{%- for message in messages %}{{- '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|assistant|>' }}{%- else %}{{- eos_token }}{%- endif %}
+"""
+
+# Phi-3-mini (first release) / Phi-3-medium: the user turn writes the assistant header; an assistant turn is its
+# text and <|end|>; system messages are not rendered; no generation-prompt branch.
+PHI3_MINI = r"""
+{%- for message in messages %}
+{%- if message['role'] == 'user' %}{{- '<|user|>\n' + message['content'] + '<|end|>\n<|assistant|>\n' }}
+{%- elif message['role'] == 'assistant' %}{{- message['content'] + '<|end|>\n' }}
+{%- endif %}{%- endfor %}
+"""
+
+# DeepSeek-V3: tool-call arguments are concatenated as a string (an object makes the template fail), a null content
+# is tested with `is none`; tool outputs are grouped and the reply after them has no <｜Assistant｜> header.
+DEEPSEEK_V3 = r"""
+{%- set ns = namespace(system_prompt='', is_tool=false) %}
+{%- for message in messages %}{%- if message['role'] == 'system' %}{%- set ns.system_prompt = message['content'] %}
+{%- endif %}{%- endfor %}
+{{- '<｜begin▁of▁sentence｜>' + ns.system_prompt }}
+{%- for message in messages %}
+{%- if message['role'] == 'user' %}{%- set ns.is_tool = false %}{{- '<｜User｜>' + message['content'] }}
+{%- elif message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] %}
+{%- set ns.is_tool = false %}
+{%- if message['content'] is none %}{{- '<｜Assistant｜><｜tool▁calls▁begin｜>' }}
+{%- else %}{{- '<｜Assistant｜>' + message['content'] + '<｜tool▁calls▁begin｜>' }}{%- endif %}
+{%- for tool in message['tool_calls'] %}
+{{- '<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\n```json\n'
+    + tool['function']['arguments'] + '\n```<｜tool▁call▁end｜>' }}
+{%- if not loop.last %}{{- '\n' }}{%- endif %}
+{%- endfor %}
+{{- '<｜tool▁calls▁end｜><｜end▁of▁sentence｜>' }}
+{%- elif message['role'] == 'assistant' %}
+{%- if ns.is_tool %}{{- '<｜tool▁outputs▁end｜>' + message['content'] + '<｜end▁of▁sentence｜>' }}
+{%- set ns.is_tool = false %}
+{%- else %}{{- '<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>' }}{%- endif %}
+{%- elif message['role'] == 'tool' %}
+{%- if not ns.is_tool %}{{- '<｜tool▁outputs▁begin｜>' }}{%- set ns.is_tool = true %}{%- endif %}
+{{- '<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>' }}
+{%- endif %}{%- endfor %}
+{%- if ns.is_tool %}{{- '<｜tool▁outputs▁end｜>' }}{%- endif %}
+{%- if add_generation_prompt and not ns.is_tool %}{{- '<｜Assistant｜>' }}{%- endif %}
+"""
+
+# GLM-4: [gMASK]<sop>, <|role|> headers and no end-of-turn token: the model ends a turn by generating the next
+# role's token (<|user|>, <|observation|>: stop ids of its generation_config.json); the generation prompt is
+# <|assistant|> and a reply starts with a newline; a tool call is the function name, a newline and the arguments.
+GLM4 = r"""
+{{- '[gMASK]<sop>' }}
+{%- if tools %}{{- '<|system|>\n# Tools' }}
+{%- for tool in tools %}{{- '\n\n## ' + tool.function.name + '\n\n' + tool.function | tojson }}{%- endfor %}{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' %}{{- '<|system|>\n' + message.content }}
+{%- elif message.role == 'user' %}{{- '<|user|>\n' + message.content }}
+{%- elif message.role == 'assistant' %}{{- '<|assistant|>' }}
+{%- if message.tool_calls %}
+{%- for tc in message.tool_calls %}{{- tc.function.name + '\n' + tc.function.arguments | tojson }}{%- endfor %}
+{%- else %}{{- '\n' + message.content }}{%- endif %}
+{%- elif message.role == 'tool' %}{{- '<|observation|>\n' + message.content }}
+{%- endif %}{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|assistant|>' }}{%- endif %}
+"""
+
+# Llama-2 / Mistral-v1 style: [INST] ... [/INST], then the template writes a space before the reply (the served model
+# generates it after [/INST]); </s> ends an answer; no generation prompt.
+LLAMA2 = r"""
+{%- if messages[0]['role'] == 'system' %}{%- set system = '<<SYS>>\n' + messages[0]['content'] + '\n<</SYS>>\n\n' %}
+{%- set loop_messages = messages[1:] %}
+{%- else %}{%- set system = '' %}{%- set loop_messages = messages %}{%- endif %}
+{%- for message in loop_messages %}
+{%- if message['role'] == 'user' %}
+{{- '<s>[INST] ' + (system if loop.first else '') + message['content'] | trim + ' [/INST]' }}
+{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] | trim + ' </s>' }}{%- endif %}
+{%- endfor %}
+"""
+
+# ChatML templates with {% generation %} blocks that disagree with the convention: one wraps the role header (as
+# SmolLM3-style templates do), one the newline after <|im_end|>.
+CHATML_TAGGED_HEADER = r"""
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}
+{%- generation %}{{- '<|im_start|>assistant\n' + message.content + '<|im_end|>' }}{%- endgeneration %}{{- '\n' }}
+{%- else %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"""
+CHATML_TAGGED_NEWLINE = r"""
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}{{- '<|im_start|>assistant\n' }}
+{%- generation %}{{- message.content + '<|im_end|>\n' }}{%- endgeneration %}
+{%- else %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"""
+
 # The marker strings each family's tokenizer holds as single (special) tokens.
 SPECIAL_TOKENS = {
     "qwen3": ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"],
@@ -190,4 +298,13 @@ SPECIAL_TOKENS = {
                  "<｜tool▁sep｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"],
     "gpt_oss": ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|call|>", "<|return|>"],
     "phi": ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
+    "deepseek_v3": ["<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>",
+                    "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                    "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
+                    "<｜tool▁output▁end｜>"],
+    "glm4": ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"],
+    "llama2": ["<s>", "</s>", "[INST]", "[/INST]"],
 }
+# The stop ids of each family's generation_config.json, as token strings (the eos_token of the tests' tokenizer,
+# <|endoftext|>, is one too).
+STOP_TOKENS = {"phi": ["<|end|>", "<|assistant|>"], "glm4": ["<|user|>", "<|observation|>"]}

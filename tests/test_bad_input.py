@@ -37,13 +37,23 @@ def make_fn(tokenizer, overlong: str = "skip") -> D.Tokenizer:
 json_scalar = st.none() | st.booleans() | st.integers(-2**63, 2**63) | st.floats(allow_nan=False) | st.text(max_size=12)
 json_value = st.recursive(json_scalar, lambda inner: st.lists(inner, max_size=4)
                           | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=8)
-roles = st.sampled_from(["system", "user", "assistant", "tool", "human", "gpt", "narrator", "", "USER"])
-content = st.text(max_size=60) | json_value
-turn = st.dictionaries(st.sampled_from(["role", "content", "from", "value", "name"]), roles | content, max_size=4)
-openai_turn = st.fixed_dictionaries({"role": roles | json_value, "content": content})
+roles = st.sampled_from(["system", "user", "assistant", "tool", "human", "gpt", "narrator", "", "USER", "function",
+                         "function_call", "observation"])
+block = st.fixed_dictionaries(  # Anthropic content blocks, well or badly formed
+    {"type": st.sampled_from(["text", "thinking", "tool_use", "tool_result", "image", "redacted_thinking", "x"])},
+    optional={"text": st.text(max_size=12) | json_value, "thinking": st.text(max_size=12), "id": json_value,
+              "name": st.text(max_size=8) | json_value, "input": json_value, "tool_use_id": st.text(max_size=8),
+              "content": st.text(max_size=12) | json_value})
+content = st.text(max_size=60) | json_value | st.lists(block, max_size=3)
+turn = st.dictionaries(st.sampled_from(["role", "content", "from", "value", "name", "weight", "tool_calls",
+                                        "function_call", "reasoning_content"]), roles | content, max_size=4)
+openai_turn = st.fixed_dictionaries({"role": roles | json_value, "content": content},
+                                    optional={"weight": json_value, "function_call": json_value})
 token_ids = st.lists(st.integers(-3, VOCAB + 3), max_size=MAX_LENGTH + 8)
 row = st.one_of(
-    st.fixed_dictionaries({"messages": st.lists(openai_turn | turn, max_size=5) | json_value}),
+    st.fixed_dictionaries({"messages": st.lists(openai_turn | turn, max_size=5) | json_value},
+                          optional={"system": content, "tools": json_value, "functions": json_value}),
+    st.fixed_dictionaries({"messages": st.lists(openai_turn | turn, max_size=5).map(json.dumps)}),
     st.fixed_dictionaries({"conversations": st.lists(turn, max_size=5) | json_value}),
     st.fixed_dictionaries({"input_ids": token_ids | json_value},
                           optional={"loss_mask": st.lists(st.integers(-1, 2), max_size=MAX_LENGTH + 8) | json_value}),

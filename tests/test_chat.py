@@ -121,8 +121,9 @@ def test_qwen3_without_thinking_supervises_the_answers_not_the_prompted_empty_th
 
 
 def test_a_generation_tagged_template_and_its_untagged_copy_give_the_same_masks():
-    """The demo template's {% generation %} mask (transformers' own) equals the located spans of the same template
-    with the tags removed, on the demo's conversations."""
+    """The demo template's {% generation %} mask (transformers' own, which agrees with the convention there) equals
+    the located spans of the same template with the tags removed, and of the tagged one, on the demo's
+    conversations."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(DEMO / "tokenizer")
@@ -133,7 +134,10 @@ def test_a_generation_tagged_template_and_its_untagged_copy_give_the_same_masks(
         rows = [json.loads(next(f)) for _ in range(40)]
     for row in rows:
         conversation = chat.row_to_chat(row)
-        assert plain_renderer.tokenize(*conversation) == tagged_renderer.tokenize(*conversation)
+        out = tokenizer.apply_chat_template(conversation[0], tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+        expected = (list(out["input_ids"]), list(out["assistant_masks"]))
+        assert plain_renderer.tokenize(*conversation) == expected == tagged_renderer.tokenize(*conversation)
 
 
 @pytest.mark.parametrize("row, messages", [
@@ -148,6 +152,112 @@ def test_a_generation_tagged_template_and_its_untagged_copy_give_the_same_masks(
 ])
 def test_every_row_layout_becomes_the_same_messages(row, messages):
     assert chat.row_to_chat(row) == (messages, None)
+
+
+WEATHER_TOOL = {"name": "get_weather", "description": "Current weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+# The one conversation every shape below holds: a system prompt, a question, a tool call, its result, the answer.
+WEATHER = ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
+                "name": "get_weather", "arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "content": '{"temp_c": 18}'}, {"role": "assistant", "content": "18 °C in Paris."}],
+           [{"type": "function", "function": WEATHER_TOOL}])
+
+
+def _weather(**changes) -> tuple[list[dict], list[dict]]:
+    messages = json.loads(json.dumps(WEATHER[0]))
+    for index, fields in changes.items():
+        messages[int(index[1:])].update(fields)
+    return messages, WEATHER[1]
+
+
+@pytest.mark.parametrize("shape, row, expected", [
+    ("openai", {"tools": [{"type": "function", "function": WEATHER_TOOL}], "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "content": '{"temp_c": 18}'}, {"role": "assistant", "content": "18 °C in Paris."}]},
+     _weather()),
+    ("openai_legacy", {"functions": [WEATHER_TOOL], "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "function_call": {"name": "get_weather",
+                                                                 "arguments": '{"city": "Paris"}'}},
+        {"role": "function", "name": "get_weather", "content": '{"temp_c": 18}'},
+        {"role": "assistant", "content": "18 °C in Paris."}]},
+     _weather(m3={"name": "get_weather"})),
+    ("llama_factory", {"system": "Be brief.", "tools": json.dumps([WEATHER_TOOL]), "conversations": [
+        {"from": "human", "value": "Weather in Paris?"},
+        {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})},
+        {"from": "observation", "value": '{"temp_c": 18}'}, {"from": "gpt", "value": "18 °C in Paris."}]},
+     _weather()),
+    ("anthropic", {"system": [{"type": "text", "text": "Be brief."}], "tools": [
+        {"name": "get_weather", "description": "Current weather", "input_schema": WEATHER_TOOL["parameters"]}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "Call the tool.", "signature": "c2ln"},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                          "content": [{"type": "text", "text": '{"temp_c": 18}'}]}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "18 °C in Paris."}]}]},
+     _weather(m2={"reasoning_content": "Call the tool.", "thinking": "Call the tool."},
+              m3={"tool_call_id": "toolu_1"})),
+    ("messages_as_json_text", {"tools": json.dumps([{"type": "function", "function": WEATHER_TOOL}]),
+                               "messages": json.dumps([
+                                   {"role": "system", "content": "Be brief."},
+                                   {"role": "user", "content": "Weather in Paris?"},
+                                   {"role": "assistant", "tool_calls": [{"type": "function", "function": {
+                                       "name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                                   {"role": "tool", "content": '{"temp_c": 18}'},
+                                   {"role": "assistant", "content": "18 °C in Paris."}])},
+     _weather()),
+])
+def test_every_row_shape_becomes_openai_messages(shape, row, expected):
+    messages, tools = chat.row_to_chat(row)
+    if shape == "anthropic":  # the tool_use id travels with the call
+        expected[0][2]["tool_calls"][0]["id"] = "toolu_1"
+    assert (messages, tools) == expected
+
+
+def test_an_anthropic_user_turn_of_tool_results_and_text_becomes_tool_turns_then_a_user_turn():
+    row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
+        {"type": "text", "text": "Two calls."}, {"type": "tool_use", "id": "a", "name": "f", "input": {}},
+        {"type": "tool_use", "id": "b", "name": "g", "input": {"x": 1}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "a", "content": "1"},
+                                     {"type": "tool_result", "tool_use_id": "b", "content": "2"},
+                                     {"type": "text", "text": "Go on."}]},
+        {"role": "assistant", "content": "Done."}]}
+    conv = chat.read_conversation(row)
+    assert [m["role"] for m in conv.messages] == ["user", "assistant", "tool", "tool", "user", "assistant"]
+    assert conv.messages[1]["content"] == "Two calls." and conv.arguments_text == {(1, 0): "{}", (1, 1): '{"x": 1}'}
+    assert [(m["tool_call_id"], m["content"]) for m in conv.messages[2:4]] == [("a", "1"), ("b", "2")]
+    assert conv.messages[4]["content"] == "Go on."
+
+
+@pytest.mark.parametrize("row, reason, detail", [
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [
+        {"type": "redacted_thinking", "data": "x"}, {"type": "text", "text": "a"}]}]},
+     chat.UNSUPPORTED_BLOCK, "turn 1: content part 0 is a 'redacted_thinking' block, which has no text form"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "f", "input": {}}]},
+                   {"role": "assistant", "content": "a"}]},
+     chat.UNSUPPORTED_BLOCK, "turn 0: a tool_use block in a user turn"),
+    ({"system": "SYSTEM: You are a helpful assistant.", "chat": "USER: Hi\n\n\nASSISTANT: Hello <|endoftext|>"},
+     chat.NO_CONTENT_FIELD, "no `messages`, `conversations` or `input_ids` column (the row has: chat, system); "
+                            'convert such rows first (docs/FORMAT.md, "Rows without a conversation column")'),
+    ({"messages": '[{"role": "user"'}, chat.BAD_STRUCTURE, "`messages` is a string that is not JSON"),
+    ({"messages": [{"role": "narrator", "content": "x"}, {"role": "assistant", "content": "y"}]},
+     chat.UNKNOWN_ROLE, "turn 0 has role 'narrator'"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}]},
+     chat.BAD_CONTENT, "turn 1 (assistant): `content` is null and there are no tool calls"),
+    ({"conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": "{not json"}]},
+     chat.BAD_TOOL_CALLS, "turn 1: a function_call turn whose value is not JSON"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+      "tools": [{"description": "no name"}]}, chat.BAD_TOOLS, "`tools` entry 0 has neither `function` nor `name`"),
+])
+def test_a_row_that_cannot_be_a_conversation_names_the_field_at_fault(row, reason, detail):
+    with pytest.raises(chat.SkipRow) as e:
+        chat.read_conversation(row)
+    assert e.value.reason == reason and e.value.detail.startswith(detail), e.value.detail
 
 
 @pytest.mark.parametrize("row, reason", [
@@ -246,22 +356,24 @@ def test_random_agent_conversations_match_transformers_generation_mask_of_a_tagg
 
     tokenizer = family_tokenizer(family)
     template = {"qwen3": T.QWEN3, "gpt_oss": T.GPT_OSS}[family]
-    plain, tagged = chat.ChatRenderer(tokenizer, template), chat.ChatRenderer(tokenizer, tagged_template())
-    assert tagged.generation_tagged and not plain.generation_tagged
+    plain, tagged = chat.ChatRenderer(tokenizer, template), tagged_template()
     rng = random.Random(0)
     for _ in range(200):
         messages = _random_conversation(rng, max_calls)
         conversation = chat.row_to_chat({"messages": messages, "tools": TOOLS if rng.random() < 0.5 else None})
         rendered = plain.render(*conversation, False)
-        assert rendered == tagged.render(*conversation, False)
-        assert plain.tokenize(*conversation) == tagged.tokenize(*conversation), rendered
+        out = tokenizer.apply_chat_template(conversation[0], tools=conversation[1], chat_template=tagged,
+                                            tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        assert rendered == tokenizer.decode(out["input_ids"])
+        assert plain.tokenize(*conversation) == (list(out["input_ids"]), list(out["assistant_masks"])), rendered
 
 
-def test_a_template_without_a_generation_prompt_does_not_supervise_the_role_header():
+def test_a_template_without_a_generation_prompt_supervises_the_separator_not_the_role_header():
     """A minimal ChatML template with no `add_generation_prompt` branch: the assistant header is still a prompt
-    (read off a probe reply), so only the replies and their end-of-turn marker are supervised."""
+    (read off a probe reply), less the separator the template writes after it (the `\n`, which the served model
+    generates after that prompt), so the replies, the separator and the end-of-turn marker are supervised."""
     template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     tokenizer = family_tokenizer("qwen3")
     ids, mask = chat.ChatRenderer(tokenizer, template).tokenize(*chat.row_to_chat(PLAIN))
-    assert supervised_runs(tokenizer, ids, mask) == ["4 — facile.<|im_end|>", "9.<|im_end|>",
-                                                     "De rien ! 😊<|im_end|>"]
+    assert supervised_runs(tokenizer, ids, mask) == ["\n4 — facile.<|im_end|>", "\n9.<|im_end|>",
+                                                     "\nDe rien ! 😊<|im_end|>"]

@@ -106,8 +106,10 @@ def test_no_kept_row_stops_before_the_model_loads_with_exit_2_and_plan_says_the_
                            "--set", f"output.dir={out}"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2, proc.stderr[-3000:]
     message = proc.stderr.strip().splitlines()[-1]
-    assert message.startswith("error: no row kept: all 3 skipped - no_assistant_turn: 2 (e.g. row 0000000000, id 'a')")
-    assert "empty_conversation: 1 (e.g. row 0000000002, id 'c')" in message and "Traceback" not in proc.stderr
+    assert message.startswith("error: no row kept: all 3 skipped - no_assistant_turn: 2 (e.g. row 0000000000, id 'a': "
+                              "no assistant turn (roles: user))")
+    assert "empty_conversation: 1 (e.g. row 0000000002, id 'c': `messages` is an empty list)" in message
+    assert "Traceback" not in proc.stderr
     log = out / "logs" / "rank-00000.log"
     assert not log.exists() or "model loaded" not in log.read_text()
     assert not (out / "shards").exists() and not (out / "manifest.json").exists()
@@ -190,3 +192,128 @@ def test_readme_own_data_row_shows_as_the_readme_says(tmp_path, capsys):
                       "--set", "data.chat_template_kwargs={enable_thinking: false}"]) == 0
     out = capsys.readouterr().out
     assert excerpt in out and out.startswith("row 0 (sample 0000000000, id 'weather-1'): ")
+
+
+WEATHER_TOOL = {"name": "get_weather", "description": "Current weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+PARIS_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+              "<|im_end|>")
+NEW_SHAPES = [  # (row, the supervised text of each assistant turn, by hand from the Qwen3.6-style rendering)
+    ({"id": "anthropic", "system": "Be brief.", "tools": [{"name": "get_weather", "description": "Current weather",
+                                                          "input_schema": WEATHER_TOOL["parameters"]}],
+      "messages": [{"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
+                   {"role": "assistant", "content": [
+                       {"type": "thinking", "thinking": "Call the tool.", "signature": "c2ln"},
+                       {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C"}]},
+                   {"role": "assistant", "content": [{"type": "text", "text": "18 °C in Paris."}]}]},
+     ["Call the tool.\n</think>\n\n" + PARIS_CALL, "18 °C in Paris.<|im_end|>"]),
+    ({"id": "openai-legacy", "functions": [WEATHER_TOOL], "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None,
+         "function_call": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"role": "function", "name": "get_weather", "content": '{"temp_c": 18}'},
+        {"role": "assistant", "content": "18 °C in Paris."}]},
+     [PARIS_CALL, "18 °C in Paris.<|im_end|>"]),
+    ({"id": "llama-factory", "system": "Be brief.", "tools": json.dumps([WEATHER_TOOL]), "conversations": [
+        {"from": "human", "value": "Weather in Paris?"},
+        {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})},
+        {"from": "observation", "value": '{"temp_c": 18}'}, {"from": "gpt", "value": "18 °C in Paris."}]},
+     [PARIS_CALL, "18 °C in Paris.<|im_end|>"]),
+    ({"id": "json-text", "messages": json.dumps([{"role": "user", "content": "Hi"},
+                                                 {"role": "assistant", "content": "Hello there."}])},
+     ["Hello there.<|im_end|>"]),
+    ({"id": "weights", "conversations": [{"from": "human", "value": "Q1"},
+                                         {"from": "gpt", "value": "Not this one.", "weight": 0},
+                                         {"from": "human", "value": "Q2"},
+                                         {"from": "gpt", "value": "This one.", "weight": 1}]},
+     ["This one.<|im_end|>"]),
+    ({"id": "greeting", "messages": [{"role": "assistant", "content": "Hello! Ask me anything."},
+                                     {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4."}]},
+     ["Hello! Ask me anything.<|im_end|>", "4.<|im_end|>"]),
+]
+CONVERTED = [  # rows of the documented conversions (docs/FORMAT.md), and their supervised text
+    ("glaive", ["<tool_call>\n<function=calculate_bmi>\n<parameter=weight>\n70\n</parameter>\n<parameter=height>\n1.75"
+                "\n</parameter>\n</function>\n</tool_call><|im_end|>",
+                "Your BMI is 22.86, a normal weight.<|im_end|>"]),
+    ("xlam", ["<tool_call>\n<function=live_giveaways_by_type>\n<parameter=type>\nbeta\n</parameter>\n</function>\n"
+              "</tool_call>\n\n<tool_call>\n<function=live_giveaways_by_type>\n<parameter=type>\ngame\n</parameter>\n"
+              "</function>\n</tool_call><|im_end|>"]),
+]
+REDACTED = {"id": "redacted", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [
+    {"type": "redacted_thinking", "data": "eyJ4IjogMX0="}, {"type": "text", "text": "a"}]}]}
+
+
+def _cache_files(cache) -> dict[str, int]:
+    return {str(p.relative_to(cache)): p.stat().st_mtime_ns for p in cache.rglob("*.arrow")}
+
+
+@pytest.mark.slow
+def test_every_new_row_shape_end_to_end_and_a_resume_reads_the_tokenization_from_the_cache(tmp_path):
+    """Anthropic blocks, OpenAI legacy calls, LLaMA-Factory calls, `messages` as JSON text, per-turn weights, an
+    assistant-first row and the documented glaive / xlam conversions, from `data.path` given as a list of two files,
+    through `accelerate launch extract.py` on the flagship recipe with a Qwen3.6-style template; a row with an
+    unsupported block is skipped with its detail. The rows hold tool schemas as objects, so the files are read line by
+    line: the re-run (a finished output) writes no cache file and changes none, its tokenization read back."""
+    from test_format_doc import GLAIVE, XLAM, conversion_functions
+    from transformers import AutoTokenizer
+
+    convert = conversion_functions()
+    converted = [{"id": "glaive", **convert["glaive_to_row"](GLAIVE)}, {"id": "xlam", **convert["xlam_to_row"](XLAM)}]
+    (tmp_path / "template.jinja").write_text(T.QWEN36)
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text("".join(json.dumps(r) + "\n" for r, _ in NEW_SHAPES[:3]))
+    second.write_text("".join(json.dumps(r) + "\n" for r in [r for r, _ in NEW_SHAPES[3:]] + converted + [REDACTED]))
+    out, cache = tmp_path / "out", tmp_path / "hf-cache"
+    env = {**ENV, "HF_DATASETS_CACHE": str(cache)}
+    argv = LAUNCH + ["--recipe", "recipes/qwen3.6-27b-dflash.yaml"] + [a for kv in TINY_MODEL + [
+        f"data.path=[{first}, {second}]", f"data.chat_template={tmp_path / 'template.jinja'}", f"output.dir={out}"]
+        for a in ("--set", kv)]
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "every row with" not in proc.stderr  # tool calls and reasoning are rendered
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["num_samples"] == 8 and manifest["skipped"] == {"unsupported_content_block": 1}
+    (skipped,) = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
+    assert skipped == {"sample_id": "0000000008", "source_row": 8, "source_id": "redacted",
+                       "reason": "unsupported_content_block",
+                       "detail": "turn 1: content part 0 is a 'redacted_thinking' block, which has no text form "
+                                 "(supported: text, thinking, tool_use, tool_result)"}
+    tokenizer = AutoTokenizer.from_pretrained(DEMO / "tokenizer")
+    records = {}
+    for s in wds.WebDataset([str(out / sh["path"]) for sh in manifest["shards"]], shardshuffle=False,
+                            empty_check=False):
+        records[json.loads(s["meta.json"])["source_id"]] = (np.load(io.BytesIO(s["input_ids.npy"])),
+                                                            np.load(io.BytesIO(s["loss_mask.npy"])))
+    for source_id, expected in [(r["id"], e) for r, e in NEW_SHAPES] + CONVERTED:
+        ids, mask = records[source_id]
+        assert supervised_runs(ids, mask, tokenizer) == expected, source_id
+    files = _cache_files(cache)
+    assert any(name.startswith("dflash_prep_json_lines/") and "/cache-" in name for name in files)
+    again = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert _cache_files(cache) == files  # read back: no cache file written or rewritten
+
+
+def test_show_sample_gives_a_skipped_rows_detail_and_plan_warns_or_stops_on_a_lost_kind(tmp_path, capsys, caplog):
+    """The demo template renders no `reasoning_content`: every row with reasoning is kept without it, a warning
+    before any model loads, and exit code 2 with `data.strict: true`."""
+    import logging
+
+    think = {"id": "think", "messages": [{"role": "user", "content": "Why?"},
+                                         {"role": "assistant", "content": "Because it is so.",
+                                          "reasoning_content": "Think first."}]}
+    narrator = {"id": "narrator", "messages": [{"role": "narrator", "content": "x"},
+                                               {"role": "assistant", "content": "y"}]}
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in [think] * 3 + [narrator]))
+    args = ["--set", f"data.path={data}", "--set", f"output.dir={tmp_path / 'out'}"]
+    with caplog.at_level(logging.WARNING, logger="dflash_prep.data.rows"):
+        assert plan.main(["--show-sample", "3"] + args) == 0
+    assert capsys.readouterr().out.startswith(
+        "row 3 (sample 0000000003, id 'narrator'): skipped, unknown_role (turn 0 has role 'narrator' (known: system, ")
+    assert [m for m in caplog.messages if "every row with" in m] == [
+        "data: every row with reasoning is lost: of 3 such rows, 0 skipped and 3 kept with a rendering without their "
+        "reasoning (the chat template drops them); set data.strict: true to stop instead"]
+    assert plan.main(args + ["--set", "data.strict=true"]) == 2
+    assert capsys.readouterr().err.startswith("error: every row with reasoning is lost: of 3 such rows")

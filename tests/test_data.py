@@ -120,3 +120,133 @@ def test_a_template_with_a_jinja_syntax_error_is_one_line_naming_the_key_and_lin
     template = "{% for m in messages %}\n{{ m.content }\n{% endfor %}"
     with pytest.raises(RecipeError, match=r"`data\.chat_template`: the chat template is not valid Jinja \(line 2"):
         check_chat_template(None, template)
+
+
+# ------------------------------------------------------------------------------- data.path lists, details, kinds
+def test_data_path_as_a_list_of_files_reads_them_in_order_and_refuses_a_file_named_twice(tmp_path, tokenizer):
+    from dflash_prep.recipe.schema import load_recipe
+
+    for name, ids in (("a.jsonl", [[5, 6, 7]]), ("b.jsonl", [[8, 9], [10, 11]])):
+        (tmp_path / name).write_text("".join(json.dumps({"input_ids": i}) + "\n" for i in ids))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model: {config: cfg.json, tokenizer: tok}\ndata:\n  path: [b.jsonl, a.jsonl]\n")
+    section = load_recipe(recipe).data
+    assert section.path == [str(tmp_path / "b.jsonl"), str(tmp_path / "a.jsonl")]  # relative to the recipe
+    out = tokenize_dataset(load_rows(section), tokenizer, section, 1024)
+    assert [r["input_ids"] for r in out.kept] == [[8, 9], [10, 11], [5, 6, 7]]
+    twice = DataSection(path=[str(tmp_path / "a.jsonl"), str(tmp_path / "*.jsonl")])
+    with pytest.raises(RecipeError, match=r"a\.jsonl is named twice \(its rows would repeat\)"):
+        load_rows(twice)
+    with pytest.raises(RecipeError, match="`data.path`"):
+        load_recipe(recipe, ["data.path=[]"])
+
+
+def test_every_skipped_row_carries_its_detail(tmp_path, tokenizer):
+    lines = [{"id": "ok", "messages": CONV}, {"id": "glaive", "system": "SYSTEM: hi", "chat": "USER: hi"},
+             {"id": "role", "messages": [{"role": "narrator", "content": "x"}, {"role": "assistant", "content": "y"}]},
+             {"id": "oov", "input_ids": [1, 5000]}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines) + "not json\n")
+    section = DataSection(path=str(path))
+    out = tokenize_dataset(load_rows(section), tokenizer, section, 1024)
+    details = {r["source_id"]: (r["reason"], r["detail"]) for r in out.skipped_rows}
+    assert details == {
+        "glaive": ("no_messages_conversations_or_input_ids",
+                   "no `messages`, `conversations` or `input_ids` column (the row has: chat, id, system); convert such "
+                   "rows first (docs/FORMAT.md, \"Rows without a conversation column\")"),
+        "role": ("unknown_role", "turn 0 has role 'narrator' (known: system, developer, user, human, assistant, gpt, "
+                 "model, tool, function, ipython, observation, function_call)"),
+        "oov": ("token_id_out_of_vocab", "token id 5000 at position 1 is outside 0..1023"),
+        None: ("invalid_json", "the line is not JSON (Expecting value: line 1 column 1 (char 0))")}
+
+
+def _kind_rows(tmp_path, rows_: list[dict]):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows_))
+    return path
+
+
+REASONING = {"messages": [{"role": "user", "content": "Why?"},
+                          {"role": "assistant", "content": "Because it is so.", "reasoning_content": "Think first."}]}
+TOOL_CALL = {"messages": [{"role": "user", "content": "Weather?"},
+                          {"role": "assistant", "content": None, "tool_calls": [
+                              {"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+                          {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny today."}]}
+
+
+def test_a_whole_kind_of_row_lost_is_a_warning_with_counts_or_a_stop_with_data_strict(tmp_path, tokenizer, caplog):
+    """The demo template renders neither reasoning nor tool calls (a null content fails in it): the rows with
+    reasoning are kept without it, those with tool calls skipped; under max_skipped_fraction either way."""
+    import logging
+
+    from dflash_prep.data.rows import NothingToExtractError, check_data_verdict
+
+    path = _kind_rows(tmp_path, [{"messages": CONV}] * 6 + [REASONING] * 2 + [TOOL_CALL])
+    section = DataSection(path=str(path))
+    data = tokenize_dataset(load_rows(section), tokenizer, section, 1024)
+    assert data.kinds == {"tool_calls": {"rows": 1, "kept_rendered": 0, "kept_without": 0,
+                                         "skipped": {"chat_template_error": 1}},
+                          "reasoning": {"rows": 2, "kept_rendered": 0, "kept_without": 2, "skipped": {}}}
+    with caplog.at_level(logging.WARNING, logger="dflash_prep.data.rows"):
+        assert check_data_verdict(data, section) == "9 rows: 8 kept, 1 skipped"
+    (warning,) = [m for m in caplog.messages if "every row with" in m]
+    assert warning == (
+        "data: every row with tool calls is lost: of 1 such rows, 1 skipped (chat_template_error 1) and 0 kept with "
+        "a rendering without their tool calls (the chat template drops them); every row with reasoning is lost: of 2 "
+        "such rows, 0 skipped and 2 kept with a rendering without their reasoning (the chat template drops them); "
+        "set data.strict: true to stop instead")
+    with pytest.raises(NothingToExtractError, match=r"^every row with tool calls is lost: .* \(data\.strict: true\)"):
+        check_data_verdict(data, DataSection(path=str(path), strict=True))
+
+
+def test_a_kind_rendered_in_some_row_is_not_lost(tmp_path, tokenizer, caplog):
+    import logging
+
+    import chat_templates as T
+
+    from dflash_prep.data.rows import check_data_verdict
+
+    path = _kind_rows(tmp_path, [REASONING, TOOL_CALL, {"messages": CONV}])
+    section = DataSection(path=str(path), chat_template=T.QWEN3, strict=True)
+    data = tokenize_dataset(load_rows(section), tokenizer, section, 1024)
+    assert data.kinds["reasoning"]["kept_rendered"] == 1 and data.kinds["tool_calls"]["kept_rendered"] == 1
+    with caplog.at_level(logging.WARNING, logger="dflash_prep.data.rows"):
+        check_data_verdict(data, section)
+    assert not [m for m in caplog.messages if "every row with" in m]
+
+
+@pytest.mark.parametrize("layout", ["jsonl_tools_column", "parquet_messages_as_json_text"])
+def test_a_second_tokenization_reads_the_map_from_the_cache(tmp_path, tokenizer, monkeypatch, layout):
+    """Rows a JSON table would distort (a `tools` column of structs: read line by line) and parquet rows holding
+    `messages` as JSON text: the second `tokenize_dataset` (a second plan, a resume) calls the tokenize function on
+    no row and writes no cache file: the map is read back from the datasets cache."""
+    import datasets
+
+    from dflash_prep.data import rows as D
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    records = [{"id": str(i), "tools": tools, "messages": CONV} for i in range(300)]
+    if layout == "jsonl_tools_column":
+        path = tmp_path / "rows.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    else:
+        path = tmp_path / "rows.parquet"
+        datasets.Dataset.from_list([{k: v if k == "id" else json.dumps(v) for k, v in r.items()}
+                                    for r in records]).to_parquet(str(path))
+    calls = []
+    original = D.Tokenizer.__call__
+    monkeypatch.setattr(D.Tokenizer, "__call__", lambda self, batch, indices: calls.append(len(indices))
+                        or original(self, batch, indices))
+    section = DataSection(path=str(path))
+    outcomes, cache_files = [], []
+    for _ in range(2):
+        rows_ = load_rows(section)
+        if layout == "jsonl_tools_column":
+            assert rows_.column_names == [D.RAW_JSON_COLUMN]  # the line-by-line path
+        calls.clear()
+        data = tokenize_dataset(rows_, tokenizer, section, 1024)
+        outcomes.append((sum(calls), len(data.kept), data.kept["loss_mask"][0]))
+        cache_files.append(sorted(p.name for p in (tmp_path / "cache").rglob("*.arrow")))
+    assert outcomes[0][:2] == (300, 300) and outcomes[1][:2] == (0, 300) and outcomes[0][2] == outcomes[1][2]
+    assert cache_files[0] == cache_files[1] and any(n.startswith("cache-") for n in cache_files[0])

@@ -60,7 +60,7 @@ def run_identity(recipe: Recipe, config, layer_ids: list[int], tokenizer, is_mai
         "model_source": describe_source(recipe.model),
         "weights": weights_fingerprint(recipe.model) if is_main else None,
         "tokenizer": tokenizer_fingerprint(tokenizer),
-        "data": {k: v for k, v in recipe.to_dict()["data"].items() if k != "num_proc"},
+        "data": {k: v for k, v in recipe.to_dict()["data"].items() if k not in ("num_proc", "strict")},
         "layer_ids": layer_ids,
         "capture_final": recipe.layers.capture_final,
         "dtype": recipe.output.dtype,
@@ -138,7 +138,8 @@ def refuse_unsafe_output_dir(recipe: Recipe) -> None:
                 f"recipe key `output.overwrite` = True: {out_dir} is not a dflash-prep output (no "
                 f"{', '.join(_OUTPUT_MARKERS)}; it holds {', '.join(sorted(names)[:5])}...): refusing to delete "
                 f"its files; set output.dir to a new or empty folder")
-    hit = _written_path_matching_data(recipe.data.path, out_dir)
+    paths = [recipe.data.path] if isinstance(recipe.data.path, str) else recipe.data.path
+    hit = next((h for h in (_written_path_matching_data(p, out_dir) for p in paths) if h is not None), None)
     if hit is not None:
         raise RecipeError(
             f"recipe key `output.dir` = {str(out_dir)!r}: it lies inside the data (`data.path` = "

@@ -506,7 +506,8 @@ def show_sample(recipe: Recipe, row_index: int) -> str:
     out = fn(rows[row_index: row_index + 1], [row_index])
     head = f"row {row_index} (sample {out['sample_id'][0]}, id {out['source_id'][0]!r})"
     if out["skip_reason"][0]:
-        return f"{head}: skipped, {out['skip_reason'][0]}"
+        return f"{head}: skipped, {out['skip_reason'][0]}" + (f" ({out['skip_detail'][0]})" if out["skip_detail"][0]
+                                                              else "")
     ids, mask = out["input_ids"][0], out["loss_mask"][0]
     pieces, start = [], 0  # text runs decoded whole (a token may hold part of a character)
     for t in range(1, len(ids) + 1):

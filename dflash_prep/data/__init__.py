@@ -1,6 +1,7 @@
 """Rows in: load a dataset, render chat rows with the model's template, token ids and the assistant loss mask.
 
-Owns: `rows` (load, normalize, tokenize with `datasets.map`, skips counted by reason), `chat` (the template's own
-rendering and the loss-mask convention of docs/FORMAT.md).
+Owns: `rows` (load, tokenize with `datasets.map`, skips counted by reason with their detail), `conversation` (every
+accepted row shape as OpenAI messages), `chat` (the template's own rendering and the loss-mask convention of
+docs/FORMAT.md).
 May import: `recipe` and the ground floor.
 """

@@ -1,10 +1,15 @@
 """Rows in, token ids and assistant-only loss masks out.
 
-Accepted rows (one of; chat.py turns the first three into messages for the template):
-- OpenAI style: `messages: [{role, content}]`, roles system/user/assistant/tool; content a string, a list of text
-  parts, or null beside `tool_calls`; `reasoning_content` / `reasoning` on assistant turns; a `tools` column;
-- ShareGPT style: `conversations: [{from, value}]`, from system/human/user/gpt/assistant/tool;
+Accepted rows (one of; chat.py turns the conversations into OpenAI messages for the template, docs/FORMAT.md lists
+every shape):
+- OpenAI style: `messages: [{role, content}]`, roles system/user/assistant/tool (and the legacy `function` role and
+  `function_call`); content a string, a list of text parts or Anthropic blocks, or null beside `tool_calls`;
+  `reasoning_content` / `reasoning` / `thinking` on assistant turns; a `tools` (or `functions`) column; `messages`
+  may be a JSON string;
+- ShareGPT style: `conversations: [{from, value}]`, from system/human/user/gpt/assistant/tool and LLaMA-Factory's
+  function_call/observation;
 - SpecForge / speculators style: `conversations: [{role, content}]`;
+- any of these with a per-turn `weight` (0: the turn is not supervised) and a `system` column;
 - pre-tokenized: `input_ids: [int]`, optional `loss_mask: [0/1]` (all ones when absent).
 
 A JSON/JSONL file that does not load as one Arrow table (a line that is not JSON, a row that is not an object,
@@ -14,8 +19,9 @@ row. A source with no row, or parquet files that cannot be read or disagree on c
 the file (exit code 2).
 
 Guarantees:
-- every row of the source (after `max_samples`) ends up either kept or skipped with exactly one reason; none
-  is dropped silently and none raises inside the loop (a bad row becomes a skip reason);
+- every row of the source (after `max_samples`) ends up either kept or skipped with exactly one reason and a
+  detail (the turn and field at fault, or the template's error); none is dropped silently and none raises inside
+  the loop (a bad row becomes a skip reason);
 - `sample_id` is a stable, dot-free key derived from the row's position in the source (`{row:010d}`), so the
   same recipe always gives the same ids; the row's own id (if any) is kept as `source_id`;
 - `input_ids` of a conversation are exactly the tokenization of the chat template's rendering
@@ -24,22 +30,28 @@ Guarantees:
 - kept rows have 2 <= num_tokens <= max_length and at least two consecutive supervised tokens (DFlash trains
   on anchors p with p and p+1 supervised: a row without one is useless to it);
 - `check_data_verdict` stops a run (exit code 2, before any model loads) that would keep no row or skip more than
-  `data.max_skipped_fraction` of them.
+  `data.max_skipped_fraction` of them, and warns (stops, with `data.strict`) when every row with tool calls, or
+  every row with reasoning, is skipped or kept without them in its rendering;
+- every row format goes through `datasets.map` with an on-disk cache (a JSON file read line by line is first written
+  as an Arrow file keyed by the files' paths, sizes and modification times), so a second plan or a resume reads the
+  tokenized rows back instead of tokenizing again.
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import logging
 import os
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_prep.data import chat
+from dflash_prep.data import chat, conversation
+from dflash_prep.io import fsync_dir
 from dflash_prep.recipe.schema import DataSection, RecipeError
 
 log = logging.getLogger(__name__)
@@ -53,6 +65,8 @@ SKIP_BAD_CONTENT = chat.BAD_CONTENT
 SKIP_MEDIA_CONTENT = chat.MEDIA_CONTENT
 SKIP_BAD_TOOL_CALLS = chat.BAD_TOOL_CALLS
 SKIP_BAD_TOOLS = chat.BAD_TOOLS
+SKIP_UNSUPPORTED_BLOCK = chat.UNSUPPORTED_BLOCK
+SKIP_BAD_WEIGHT = chat.BAD_WEIGHT
 SKIP_NO_ASSISTANT = chat.NO_ASSISTANT
 SKIP_TEMPLATE_ERROR = chat.TEMPLATE_ERROR
 SKIP_SPAN_NOT_FOUND = chat.SPAN_NOT_FOUND
@@ -69,7 +83,9 @@ SKIP_ROW_ERROR = "unreadable_row"  # anything else that goes wrong on one row (l
 
 RAW_JSON_COLUMN = "__dflash_prep_raw_json__"  # the one column of a JSON file read line by line
 
-TOKENIZED_COLUMNS = ("sample_id", "source_row", "source_id", "input_ids", "loss_mask", "num_tokens", "skip_reason")
+TOKENIZED_COLUMNS = ("sample_id", "source_row", "source_id", "input_ids", "loss_mask", "num_tokens", "skip_reason",
+                     "skip_detail", "has_tool_calls", "has_reasoning", "renders_tool_calls", "renders_reasoning")
+ROW_KINDS = {"tool_calls": "tool calls", "reasoning": "reasoning"}  # kinds whose wholesale loss is loud
 
 
 def _tokenized_features():
@@ -78,11 +94,15 @@ def _tokenized_features():
 
     return Features({"sample_id": Value("string"), "source_row": Value("int64"), "source_id": Value("string"),
                      "input_ids": List(Value("int32")), "loss_mask": List(Value("int64")),
-                     "num_tokens": Value("int64"), "skip_reason": Value("string")})
+                     "num_tokens": Value("int64"), "skip_reason": Value("string"), "skip_detail": Value("string"),
+                     **{f"{what}_{kind}": Value("bool") for what in ("has", "renders") for kind in ROW_KINDS}})
 
 
-def _detect_format(path: str, fmt: str) -> tuple[str, Any]:
-    """-> (kind, data_files or path) with kind in json/parquet/arrow/disk/hub."""
+def _detect_format(path: str | list[str], fmt: str) -> tuple[str, Any]:
+    """-> (kind, data_files or path) with kind in json/parquet/arrow/disk/hub. A list of paths (files, folders or
+    globs) gives the files of all, in order, of one kind; a file named twice is refused (its rows would repeat)."""
+    if not isinstance(path, str):
+        return _detect_formats(list(path), fmt)
     if fmt == "hub":
         return "hub", path
     p = Path(path)
@@ -115,6 +135,24 @@ def _detect_format(path: str, fmt: str) -> tuple[str, Any]:
     return kinds.pop(), files
 
 
+def _detect_formats(paths: list[str], fmt: str) -> tuple[str, list[str]]:
+    """`_detect_format` of a list of paths."""
+    kinds, files = set(), []
+    for path in paths:
+        kind, found = _detect_format(path, fmt)
+        if kind in ("hub", "disk"):
+            raise RecipeError(f"recipe key `data.path` = {paths!r}: {path!r} is a {kind} dataset; a list of paths "
+                              f"takes files, folders of files or globs (give a {kind} dataset alone)")
+        kinds.add(kind)
+        files += found
+    twice = sorted({f for f in files if files.count(f) > 1})
+    if len(kinds) != 1 or twice:
+        why = f"{twice[0]} is named twice (its rows would repeat)" if twice else \
+            f"the files have formats {sorted(kinds)}; expected files of one kind (or set `data.format`)"
+        raise RecipeError(f"recipe key `data.path` = {paths!r}: {why}")
+    return kinds.pop(), files
+
+
 def check_data_source(section: DataSection) -> None:
     """Fail (RecipeError naming the key) when `data.path`/`data.format` cannot be read; cheap, no loading."""
     _detect_format(section.path, section.format)
@@ -123,9 +161,46 @@ def check_data_source(section: DataSection) -> None:
 INVALID_UTF8_LINE = "\x00invalid utf-8\x00"  # stands for a line whose bytes are not UTF-8 (no JSON text is this)
 
 
+JSON_LINES_VERSION = 1  # part of the cache key of `_load_json_lines`: bump when the line splitting changes
+
+
 def _load_json_lines(files: list[str]):
-    """JSON/JSONL files as one string column, one row per line (per element of a top-level JSON array). A line whose
-    bytes are not UTF-8 becomes `INVALID_UTF8_LINE` (a skipped row), never text with U+FFFD in it."""
+    """JSON/JSONL files as one string column, one row per line (per element of a top-level JSON array), as a
+    `datasets.Dataset` backed by an Arrow file in the datasets cache (HF_DATASETS_CACHE/dflash_prep_json_lines/KEY/),
+    so that the tokenize map over it is cached like any loaded table's: KEY is the sha256 of each file's absolute
+    path, size and modification time (what `datasets` keys its own loaders' caches on), written once (`.tmp`, fsync,
+    rename) and read back after. With datasets' caching disabled, an in-memory dataset."""
+    import datasets
+    from datasets.arrow_writer import ArrowWriter
+
+    if not datasets.is_caching_enabled():
+        return _json_lines_in_memory(files)
+    stats = [(os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
+    key = hashlib.sha256(json.dumps([JSON_LINES_VERSION, stats]).encode()).hexdigest()[:32]
+    folder = Path(datasets.config.HF_DATASETS_CACHE) / "dflash_prep_json_lines" / key
+    path = folder / "lines.arrow"
+    if path.is_file():
+        try:
+            return datasets.Dataset.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 - an unreadable cache file is rebuilt
+            log.warning("data: cached lines %s unreadable (%s); reading %d file(s) again", path, e, len(files))
+    ds = _json_lines_in_memory(files)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f"lines.arrow.{os.getpid()}.tmp"
+    writer = ArrowWriter(path=str(tmp), features=ds.features)
+    writer.write_table(ds.data.table)
+    writer.finalize()
+    writer.close()
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(folder)
+    return datasets.Dataset.from_file(str(path))
+
+
+def _json_lines_in_memory(files: list[str]):
+    """`_load_json_lines`' rows as an in-memory dataset. A line whose bytes are not UTF-8 becomes
+    `INVALID_UTF8_LINE` (a skipped row), never text with U+FFFD in it."""
     import datasets
 
     raw = []
@@ -296,10 +371,30 @@ def _has_lone_surrogate(row: dict) -> bool:
 
 
 @dataclass
+class RowOutcome:
+    """What one row became: token ids and loss mask ([T] ints; empty when skipped), the skip reason ("" when kept)
+    and its detail, and which kinds of content the row holds and its rendering keeps (`ROW_KINDS`)."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    reason: str = ""
+    detail: str = ""
+    has_tool_calls: bool = False
+    has_reasoning: bool = False
+    renders_tool_calls: bool = False
+    renders_reasoning: bool = False
+
+
+def _skip(reason: str, detail: str, **kinds) -> RowOutcome:
+    return RowOutcome([], [], reason, detail, **kinds)
+
+
+@dataclass
 class Tokenizer:
     """Row -> tokenized record; a picklable callable for `datasets.map(batched=True, with_indices=True)`.
 
-    `chat_template`: the template text replacing the tokenizer's own (`data.chat_template`, already read)."""
+    `chat_template`: the template text replacing the tokenizer's own (`data.chat_template`, already read);
+    `stop_token_ids`: the model's stop ids (None: `stop_token_ids_of(tokenizer)`)."""
 
     tokenizer: Any
     max_length: int
@@ -308,80 +403,115 @@ class Tokenizer:
     id_column: str | None = None
     chat_template_kwargs: dict | None = None
     chat_template: str | None = None
-    rules_version: int = 2  # part of the `datasets.map` cache key: bump when tokenization or masking rules change
+    stop_token_ids: list[int] | None = None
+    rules_version: int = 3  # part of the `datasets.map` cache key: bump when tokenization or masking rules change
 
     def __post_init__(self):
-        self.renderer = chat.ChatRenderer(self.tokenizer, self.chat_template, self.chat_template_kwargs)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = stop_token_ids_of(self.tokenizer)
+        self.renderer = chat.ChatRenderer(self.tokenizer, self.chat_template, self.chat_template_kwargs,
+                                          self.stop_token_ids)
 
     def tokenize_row(self, row: dict) -> tuple[list[int], list[int], str]:
         """-> (input_ids, loss_mask, skip_reason); skip_reason is "" for a kept row."""
+        outcome = self.process_row(row)
+        return outcome.input_ids, outcome.loss_mask, outcome.reason
+
+    def process_row(self, row: dict) -> RowOutcome:
+        """One row -> RowOutcome (never raises SkipRow: a row that cannot be a sample is a skip with its detail)."""
         if row.get("input_ids") is not None and row.get("messages") is None and row.get("conversations") is None:
-            ids = row["input_ids"]
-            if not _is_int_list(ids):
-                return [], [], SKIP_BAD_TOKEN_IDS
-            mask = row.get("loss_mask")
-            if mask is None:
-                mask = [1] * len(ids)
-            elif not _is_int_list(mask, (0, 1)) or len(mask) != len(ids):
-                return [], [], SKIP_BAD_LOSS_MASK
-        else:
-            try:
-                ids, mask = self.renderer.tokenize(*chat.row_to_chat(row))
-            except chat.SkipRow as e:
-                if e.__cause__ is not None:
-                    log.debug("chat template failed on a row: %s", e.__cause__)
-                return [], [], e.args[0]
-        if any(t < 0 or t >= self.vocab_size for t in ids):
-            return [], [], SKIP_OUT_OF_VOCAB
+            return self._checked(*self._pretokenized(row))
+        try:
+            conv = chat.read_conversation(row)
+        except chat.SkipRow as e:
+            return _skip(e.reason, e.detail)
+        kinds = {"has_tool_calls": any(m.get("tool_calls") for m in conv.messages),
+                 "has_reasoning": any((m.get("reasoning_content") or "").strip() for m in conv.messages)}
+        try:
+            rendered = self.renderer.tokenize_conversation(conv)
+        except chat.SkipRow as e:
+            return _skip(e.reason, e.detail, **kinds)
+        return self._checked(rendered.input_ids, rendered.loss_mask, "", "", renders_tool_calls=
+                             rendered.renders_tool_calls, renders_reasoning=rendered.renders_reasoning, **kinds)
+
+    @staticmethod
+    def _pretokenized(row: dict) -> tuple[list, list, str, str]:
+        """A pre-tokenized row -> (ids, mask, skip reason, detail)."""
+        ids, mask = row["input_ids"], row.get("loss_mask")
+        if not isinstance(ids, list):
+            return [], [], SKIP_BAD_TOKEN_IDS, f"`input_ids` is {conversation.type_name(ids)}, not a list"
+        if not _is_int_list(ids):
+            return [], [], SKIP_BAD_TOKEN_IDS, "`input_ids` holds a value that is not an integer"
+        if mask is None:
+            return ids, [1] * len(ids), "", ""
+        if not _is_int_list(mask, (0, 1)):
+            return [], [], SKIP_BAD_LOSS_MASK, "`loss_mask` is not a list of 0/1 integers"
+        if len(mask) != len(ids):
+            return [], [], SKIP_BAD_LOSS_MASK, f"`loss_mask` has {len(mask)} values for {len(ids)} ids"
+        return ids, mask, "", ""
+
+    def _checked(self, ids: list, mask: list, reason: str, detail: str, **kinds) -> RowOutcome:
+        """The checks every row passes: ids in the vocabulary, length (truncated or skipped), a supervised pair."""
+        if reason:
+            return _skip(reason, detail, **kinds)
+        bad = next((p for p, t in enumerate(ids) if t < 0 or t >= self.vocab_size), None)
+        if bad is not None:
+            return _skip(SKIP_OUT_OF_VOCAB, f"token id {ids[bad]} at position {bad} is outside "
+                                             f"0..{self.vocab_size - 1}", **kinds)
         if len(ids) > self.max_length:
             if self.overlong == "skip":
-                return [], [], SKIP_TOO_LONG
+                return _skip(SKIP_TOO_LONG, f"{len(ids)} tokens > data.max_length={self.max_length}", **kinds)
             ids, mask = ids[: self.max_length], mask[: self.max_length]
         if len(ids) < 2:
-            return [], [], SKIP_TOO_SHORT
+            return _skip(SKIP_TOO_SHORT, f"{len(ids)} token(s)", **kinds)
         if not has_supervised_pair(mask):
-            return [], [], SKIP_NO_SUPERVISED_PAIR
-        return [int(t) for t in ids], [int(m) for m in mask], ""
+            return _skip(SKIP_NO_SUPERVISED_PAIR, f"{sum(mask)} of {len(ids)} tokens supervised, no two in a row",
+                         **kinds)
+        return RowOutcome([int(t) for t in ids], [int(m) for m in mask], **kinds)
 
-    def _row_of(self, batch: dict, columns: list[str], j: int) -> tuple[dict, str]:
-        """-> (row, "") or ({}, skip reason) for a line that is not a JSON object, or not UTF-8."""
+    def _row_of(self, batch: dict, columns: list[str], j: int) -> tuple[dict, str, str]:
+        """-> (row, "", "") or ({}, skip reason, detail) for a line that is not a JSON object, or not UTF-8."""
         if columns == [RAW_JSON_COLUMN]:
             line = batch[RAW_JSON_COLUMN][j]
             if line == INVALID_UTF8_LINE:
-                return {}, SKIP_INVALID_UTF8
+                return {}, SKIP_INVALID_UTF8, "the line's bytes are not UTF-8"
             try:
                 row = json.loads(line)
-            except (ValueError, RecursionError):
-                return {}, SKIP_INVALID_JSON
+            except (ValueError, RecursionError) as e:
+                return {}, SKIP_INVALID_JSON, f"the line is not JSON ({conversation.one_line(e, 120)})"
             if not isinstance(row, dict):
-                return {}, SKIP_NOT_AN_OBJECT
+                return {}, SKIP_NOT_AN_OBJECT, f"the line holds a JSON {conversation.type_name(row)}, not an object"
             if ("\\ud" in line or "\\uD" in line) and _has_lone_surrogate(row):
-                return {}, SKIP_INVALID_UTF8
-            return row, ""
-        return {c: batch[c][j] for c in columns}, ""
+                return {}, SKIP_INVALID_UTF8, "a string holds a lone UTF-16 surrogate"
+            return row, "", ""
+        return {c: batch[c][j] for c in columns}, "", ""
 
     def __call__(self, batch: dict, indices: list[int]) -> dict:
         out = {k: [] for k in TOKENIZED_COLUMNS}
         columns = list(batch)
         for j, row_index in enumerate(indices):
-            row, reason = self._row_of(batch, columns, j)
-            ids, mask = [], []
+            row, reason, detail = self._row_of(batch, columns, j)
+            outcome = _skip(reason, detail)
             if not reason:
                 try:
-                    ids, mask, reason = self.tokenize_row(row)
+                    outcome = self.process_row(row)
                 except Exception as e:  # noqa: BLE001 - one bad row never ends the run: it is skipped, with a reason
                     log.debug("row %d: %s: %s", row_index, type(e).__name__, e)
-                    ids, mask, reason = [], [], SKIP_ROW_ERROR
+                    outcome = _skip(SKIP_ROW_ERROR, f"{type(e).__name__}: {conversation.one_line(e, 200)}")
             source_id = row.get(self.id_column or "id")
             if isinstance(source_id, (dict, list)):
                 source_id = json.dumps(source_id, sort_keys=True)
             out["sample_id"].append(f"{row_index:010d}")
             out["source_row"].append(int(row_index))
             out["source_id"].append(None if source_id is None else str(source_id))
-            out["input_ids"].append(ids)
-            out["loss_mask"].append(mask)
-            out["num_tokens"].append(len(ids))
-            out["skip_reason"].append(reason)
+            out["input_ids"].append(outcome.input_ids)
+            out["loss_mask"].append(outcome.loss_mask)
+            out["num_tokens"].append(len(outcome.input_ids))
+            out["skip_reason"].append(outcome.reason)
+            out["skip_detail"].append(outcome.detail)
+            for kind in ROW_KINDS:
+                out[f"has_{kind}"].append(getattr(outcome, f"has_{kind}"))
+                out[f"renders_{kind}"].append(getattr(outcome, f"renders_{kind}"))
         return out
 
 
@@ -430,11 +560,36 @@ class TokenizedData:
     kept: Any  # datasets.Dataset with TOKENIZED_COLUMNS
     num_rows: int
     skipped_counts: dict[str, int]
-    skipped_rows: list[dict]  # [{sample_id, source_row, source_id, reason}]
+    skipped_rows: list[dict]  # [{sample_id, source_row, source_id, reason, detail}]
+    # per kind of ROW_KINDS the rows hold: {rows, kept_rendered, kept_without, skipped: {reason: n}}
+    kinds: dict[str, dict] = field(default_factory=dict)
 
 
-def tokenize_dataset(rows, tokenizer, section: DataSection, vocab_size: int) -> TokenizedData:
-    """Tokenize every row through `datasets.map` (cached on disk; call on the main process first)."""
+def stop_token_ids_of(tokenizer) -> list[int]:
+    """The ids the model stops generating on: the `eos_token_id` (an int or a list) of the checkpoint's
+    generation_config.json, read from the tokenizer's own folder or hub id (`model.tokenizer`, else
+    `model.name_or_path`), and the tokenizer's `eos_token_id`. Sorted; [] when none is known."""
+    ids = {tokenizer.eos_token_id} if isinstance(getattr(tokenizer, "eos_token_id", None), int) else set()
+    source = str(getattr(tokenizer, "name_or_path", "") or "")
+    config: dict = {}
+    try:
+        if (Path(source) / "generation_config.json").is_file():
+            config = json.loads((Path(source) / "generation_config.json").read_text())
+        elif source and not Path(source).exists():
+            from transformers import GenerationConfig
+
+            config = GenerationConfig.from_pretrained(source).to_dict()
+    except Exception as e:  # noqa: BLE001 - no generation config: the tokenizer's eos only
+        log.debug("no generation config for %s: %s", source, e)
+    eos = config.get("eos_token_id")
+    ids |= {int(i) for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int)}
+    return sorted(ids)
+
+
+def tokenize_dataset(rows, tokenizer, section: DataSection, vocab_size: int,
+                     stop_token_ids: list[int] | None = None) -> TokenizedData:
+    """Tokenize every row through `datasets.map` (cached on disk; call on the main process first).
+    `stop_token_ids`: the model's stop ids (default: `stop_token_ids_of(tokenizer)`)."""
     template = read_chat_template(section)
     needs_template = "messages" in rows.column_names or "conversations" in rows.column_names or (
         rows.column_names == [RAW_JSON_COLUMN]
@@ -443,7 +598,8 @@ def tokenize_dataset(rows, tokenizer, section: DataSection, vocab_size: int) -> 
         check_chat_template(tokenizer, template)
     fn = Tokenizer(tokenizer=tokenizer, max_length=section.max_length, overlong=section.overlong,
                    vocab_size=vocab_size, id_column=section.id_column,
-                   chat_template_kwargs=dict(section.chat_template_kwargs), chat_template=template)
+                   chat_template_kwargs=dict(section.chat_template_kwargs), chat_template=template,
+                   stop_token_ids=None if stop_token_ids is None else list(stop_token_ids))
     try:
         tokenized = rows.map(fn, batched=True, batch_size=256, with_indices=True, remove_columns=rows.column_names,
                              num_proc=section.num_proc, desc="tokenize", features=_tokenized_features())
@@ -456,20 +612,37 @@ def tokenize_dataset(rows, tokenizer, section: DataSection, vocab_size: int) -> 
         rows = _load_json_lines(files)
         if section.max_samples is not None and section.max_samples < len(rows):
             rows = rows.select(range(section.max_samples))
-        return tokenize_dataset(rows, tokenizer, section, vocab_size)
-    reasons = tokenized["skip_reason"]
-    reasons = list(reasons)
+        return tokenize_dataset(rows, tokenizer, section, vocab_size, stop_token_ids)
+    reasons = list(tokenized["skip_reason"])
     counts = Counter(r for r in reasons if r)
     skipped_idx = [i for i, r in enumerate(reasons) if r]
     skipped_rows = []
     if skipped_idx:
-        sub = tokenized.select(skipped_idx).select_columns(["sample_id", "source_row", "source_id", "skip_reason"])
+        sub = tokenized.select(skipped_idx).select_columns(["sample_id", "source_row", "source_id", "skip_reason",
+                                                             "skip_detail"])
         skipped_rows = [{"sample_id": r["sample_id"], "source_row": r["source_row"], "source_id": r["source_id"],
-                         "reason": r["skip_reason"]} for r in sub]
+                         "reason": r["skip_reason"], "detail": r["skip_detail"]} for r in sub]
     kept_idx = [i for i, r in enumerate(reasons) if not r]
     kept = tokenized.select(kept_idx) if skipped_idx else tokenized
     return TokenizedData(kept=kept, num_rows=len(tokenized), skipped_counts=dict(sorted(counts.items())),
-                         skipped_rows=skipped_rows)
+                         skipped_rows=skipped_rows, kinds=_kinds_summary(tokenized, reasons))
+
+
+def _kinds_summary(tokenized, reasons: list[str]) -> dict[str, dict]:
+    """Per kind of ROW_KINDS that some row holds: how many rows hold it, how many are kept with it in their
+    rendering, kept without it, and skipped (by reason)."""
+    out = {}
+    for kind in ROW_KINDS:
+        holding = [i for i, h in enumerate(tokenized[f"has_{kind}"]) if h]
+        if not holding:
+            continue
+        renders = tokenized[f"renders_{kind}"]
+        skipped = Counter(reasons[i] for i in holding if reasons[i])
+        kept_rendered = sum(1 for i in holding if not reasons[i] and renders[i])
+        out[kind] = {"rows": len(holding), "kept_rendered": kept_rendered,
+                     "kept_without": len(holding) - kept_rendered - sum(skipped.values()),
+                     "skipped": dict(skipped.most_common())}
+    return out
 
 
 def read_chat_template(section: DataSection) -> str | None:
@@ -489,7 +662,8 @@ def check_data_verdict(data: TokenizedData, section: DataSection) -> str:
     """The one-line verdict on the tokenized data. Raises NothingToExtractError when no row is kept (a row whose
     mask is all zero is never kept: `no_two_consecutive_supervised_tokens`), or when more than
     `data.max_skipped_fraction` of the rows were skipped; the message names the top skip reasons, each with an
-    example row (sample id and the row's own id)."""
+    example row (sample id, the row's own id and the skip's detail). A whole kind of row lost is a warning, or with
+    `data.strict` the same error (`_check_kinds`)."""
     num_skipped = sum(data.skipped_counts.values())
     fraction = num_skipped / max(data.num_rows, 1)
     problem = None
@@ -500,14 +674,44 @@ def check_data_verdict(data: TokenizedData, section: DataSection) -> str:
                    f"data.max_skipped_fraction={section.max_skipped_fraction}")
     verdict = f"{data.num_rows} rows: {len(data.kept)} kept, {num_skipped} skipped"
     if problem is None:
+        _check_kinds(data, section)
         return verdict
+    raise NothingToExtractError(f"{problem}{' - ' + describe_skips(data) if data.skipped_rows else ''}. Nothing was "
+                                f"extracted; see `dflash-prep plan --show-sample N` for how a row is tokenized and "
+                                f"masked")
+
+
+def describe_skips(data: TokenizedData, top: int = 3) -> str:
+    """The `top` skip reasons, each with its count and an example row: sample id, the row's own id, the detail."""
     example = {}
     for r in data.skipped_rows:
         example.setdefault(r["reason"], r)
-    top = sorted(data.skipped_counts.items(), key=lambda kv: -kv[1])[:3]
-    reasons = "; ".join(f"{reason}: {n} (e.g. row {example[reason]['sample_id']}"
-                        + (f", id {example[reason]['source_id']!r}" if example[reason]["source_id"] is not None else "")
-                        + ")" for reason, n in top)
-    raise NothingToExtractError(f"{problem}{' - ' + reasons if reasons else ''}. Nothing was extracted; see "
-                                f"`dflash-prep plan --show-sample N` for how a row is tokenized and masked")
+    parts = []
+    for reason, n in sorted(data.skipped_counts.items(), key=lambda kv: -kv[1])[:top]:
+        row = example[reason]
+        parts.append(f"{reason}: {n} (e.g. row {row['sample_id']}"
+                     + (f", id {row['source_id']!r}" if row["source_id"] is not None else "")
+                     + (f": {row['detail']}" if row.get("detail") else "") + ")")
+    return "; ".join(parts)
+
+
+def _check_kinds(data: TokenizedData, section: DataSection) -> None:
+    """A whole kind of row lost (every row with tool calls, or with reasoning, skipped or rendered without it) is a
+    warning with the counts, or, with `data.strict`, NothingToExtractError (exit code 2): it would go unnoticed
+    under `data.max_skipped_fraction` when such rows are a minority."""
+    lost = []
+    for kind, k in data.kinds.items():
+        if k["kept_rendered"] == 0:
+            label = ROW_KINDS[kind]
+            skipped = ", ".join(f"{reason} {n}" for reason, n in k["skipped"].items())
+            lost.append(f"every row with {label} is lost: of {k['rows']} such rows, "
+                        f"{sum(k['skipped'].values())} skipped{' (' + skipped + ')' if skipped else ''} and "
+                        f"{k['kept_without']} kept with a rendering without their {label} (the chat template drops "
+                        f"them)")
+    if not lost:
+        return
+    if section.strict:
+        raise NothingToExtractError("; ".join(lost) + " (data.strict: true). Nothing was extracted; see skipped "
+                                                      "rows with `dflash-prep plan --show-sample N`")
+    log.warning("data: %s; set data.strict: true to stop instead", "; ".join(lost))
 

@@ -142,8 +142,9 @@ class ModelSection:
 class DataSection:
     """Where the rows come from and how they become token ids."""
 
-    path: str = ""
-    """A file (jsonl/json/parquet/arrow), a glob, a `save_to_disk` folder, or a hub dataset id."""
+    path: str | list[str] = ""
+    """A file (jsonl/json/parquet/arrow), a glob, a `save_to_disk` folder, or a hub dataset id; or a list of files,
+    folders of files or globs (read in order, all of one format)."""
     format: Literal["auto", "json", "parquet", "arrow", "disk", "hub"] = "auto"
     """How to load `path`; `auto` decides from the file suffix / folder content."""
     split: str = "train"
@@ -165,10 +166,15 @@ class DataSection:
     no kept row always stops)."""
     num_proc: int | None = None
     """Processes of `datasets.map` for tokenization (None: one)."""
+    strict: bool = False
+    """Stop (exit code 2, before any model loads) when a whole kind of row is lost: every row with tool calls, or
+    every row with reasoning, skipped or rendered without them (false: a warning with the counts). Not part of the
+    records' content."""
 
     def validate(self, p: str) -> None:
-        if not self.path:
-            _fail(f"{p}.path", self.path, "set the dataset: a file, a folder or a hub id")
+        if not self.path or (isinstance(self.path, list) and not all(isinstance(x, str) and x for x in self.path)):
+            _fail(f"{p}.path", self.path, "set the dataset: a file, a folder, a glob or a hub id, or a list of "
+                                          "files, folders or globs")
         if self.max_samples is not None and self.max_samples < 1:
             _fail(f"{p}.max_samples", self.max_samples, "must be >= 1 (or null for all rows)")
         if self.max_length < 2:
@@ -434,7 +440,7 @@ class Recipe:
         (fused kernels change the rounding only), as are `model.gpus_per_replica` and `model.replica_parallelism`
         (where the model runs) and `model.triton_cache_dir` (where compiled kernels are cached)."""
         d = self.to_dict()
-        data = {k: v for k, v in d["data"].items() if k not in ("num_proc", "max_skipped_fraction")
+        data = {k: v for k, v in d["data"].items() if k not in ("num_proc", "max_skipped_fraction", "strict")
                 and not (k == "chat_template" and v is None)}
         template = self.data.chat_template
         if template is not None and "{%" not in template and "{{" not in template and Path(template).is_file():
@@ -472,6 +478,8 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
             return None
         rest = [a for a in args if a is not type(None)]
         return _coerce(key, rest[0], value)
+    if origin is not None and str in args and any(get_origin(a) is list for a in args):  # str | list[str]
+        return _coerce(key, str if isinstance(value, str) else next(a for a in args if get_origin(a) is list), value)
     if hint is bool:
         if not isinstance(value, bool):
             _fail(key, value, "expected true or false")
@@ -538,6 +546,8 @@ def _build(cls: type, raw: Any, prefix: str, base_dir: Path | None) -> Any:
         if ((prefix, name) in _PATH_KEYS and isinstance(value, str) and base_dir is not None
                 and not ("{%" in value or "{{" in value)):
             value = _resolve_path(value, base_dir)
+        elif (prefix, name) in _PATH_KEYS and isinstance(value, list) and base_dir is not None:  # data.path list
+            value = [_resolve_path(v, base_dir) for v in value]
         kwargs[name] = value
     missing = [f.name for f in dataclasses.fields(cls)
                if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
@@ -612,6 +622,9 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
         if tuple(key.split(".")) in _PATH_KEYS and isinstance(value, str) and "{" not in value:
             if Path(value).expanduser().exists():
                 value = str(Path(value).expanduser().resolve())
+        elif tuple(key.split(".")) in _PATH_KEYS and isinstance(value, list):  # data.path as a list
+            value = [str(Path(v).expanduser().resolve()) if isinstance(v, str) and Path(v).expanduser().exists()
+                     else v for v in value]
         _set_dotted(raw, key, value)
     if isinstance(raw.get("output"), dict) and isinstance(raw["output"].get("dir"), str):
         raw["output"]["dir"] = str(Path(raw["output"]["dir"]).expanduser().resolve())
