@@ -17,6 +17,7 @@ from collections import Counter
 from dflash_prep import __version__
 from dflash_prep.commands.job import FAILED_NAME, SUMMARY_NAME, RankPlan, Run, manifest_readable
 from dflash_prep.consume.vocab import count_supervised_tokens, write_token_freq
+from dflash_prep.errors import ExtractionError
 from dflash_prep.io import atomic_write_json, atomic_write_jsonl
 from dflash_prep.store.manifest import build_manifest, read_committed, write_manifest
 from dflash_prep.target.kernels import kernels_history, last_kernels_record
