@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_prep.consume.reader import (
+from dflash_prep.consume.shard_format import (
     MEMBER_INPUT_IDS,
     MEMBER_LOSS_MASK,
     MEMBER_META,
@@ -46,9 +46,9 @@ from dflash_prep.consume.reader import (
     REQUIRED_MEMBERS,
     OutputLayout,
     ShardInfo,
-    sample_key,
     shards_of,
 )
+from dflash_prep.consume.shard_read import sample_key
 from dflash_prep.store.manifest import OutputStateError, read_manifest, read_state_json
 from dflash_prep.store.writer import ST_CODE, ST_ITEMSIZE, ST_TORCH_CODE
 

@@ -75,15 +75,14 @@ import torch
 from safetensors.torch import save_file as safetensors_save_file
 
 from dflash_prep import __version__
-from dflash_prep.consume.reader import (
+from dflash_prep.consume.shard_format import (
     OutputLayout,
     ShardFormatError,
     ShardInfo,
-    iter_shard,
-    iter_tar_samples,
     manifest_shard_problems,
     shards_of,
 )
+from dflash_prep.consume.shard_read import iter_shard, iter_tar_samples
 from dflash_prep.consume.vocab import TOKEN_FREQ_NAME, read_token_freq, token_freq_dict
 from dflash_prep.store.locks import FileLock
 from dflash_prep.store.manifest import OutputStateError, read_committed, read_manifest

@@ -25,7 +25,7 @@ def compare_chosen(model, shards, ids_by_shard: dict, wanted: set, layout, layer
                     dev: torch.device, tol: float, report: VerifyReport, log=print) -> None:
     """Each chosen sample's stored layers against its reference run alone; results appended to `report` (and,
     unless `report.noise_floor_measured` is off, each sample's padded-batch vs alone rounding noise)."""
-    from dflash_prep.consume.reader import ShardFormatError
+    from dflash_prep.consume.shard_format import ShardFormatError
 
     drawn = [(shard, {j for j, sid in enumerate(ids_by_shard[shard.rel_path]) if sid in wanted}) for shard in shards]
     drawn = [(shard, positions) for shard, positions in drawn if positions]
@@ -51,7 +51,8 @@ def _drawn_input_ids(model, drawn: list, wanted: set, layout) -> list[tuple[str,
     """(sample id, input_ids [T]) of the drawn samples in reading order (the order `_compare_shard` meets them);
     a shard that cannot be read or is missing gives none, nor does a sample that cannot run (`_unrunnable`): they
     get no noise floor; the compare pass names them."""
-    from dflash_prep.consume.reader import ShardFormatError, iter_shard
+    from dflash_prep.consume.shard_format import ShardFormatError
+    from dflash_prep.consume.shard_read import iter_shard
 
     out: list[tuple[str, torch.Tensor]] = []
     for shard, positions in drawn:
@@ -84,7 +85,7 @@ def _compare_shard(model, shard, positions: set, wanted: set, layout, layer_ids:
                    tol: float, report: VerifyReport, padded: PaddedBatches | None = None, log=print) -> set[str]:
     """The drawn samples of one shard against their reference run alone (results appended to `report`); returns
     the ids of those that cannot run (`_unrunnable`: an integrity problem, named)."""
-    from dflash_prep.consume.reader import iter_shard
+    from dflash_prep.consume.shard_read import iter_shard
 
     H, final_name, empty = layout.hidden_size, f"final ({layout.capture_final})", set()
     for sample in iter_shard(shard, layout, wanted=lambda j, p=positions: j in p, check_tokens=False,

@@ -57,7 +57,7 @@ def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: 
     `noise_floor=False` skips the padded-batch reference (the fixed tolerance only). `widen` (default: when no
     `tolerance` is given) lets a layer pass up to NOISE_FLOOR_FACTOR x its measured noise floor."""
     from dflash_prep.consume.export import sample_ids_by_shard
-    from dflash_prep.consume.reader import OutputLayout, shards_of
+    from dflash_prep.consume.shard_format import OutputLayout, shards_of
 
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
