@@ -34,8 +34,9 @@ sys.path.insert(0, str(REPO))
 
 from bench.kernels_check import slice_section  # noqa: E402
 from bench.profiling import kernel_profile  # noqa: E402
-from dflash_prep import packing  # noqa: E402
+from dflash_prep.plan import batches  # noqa: E402
 from dflash_prep.plan.batches import SampleInfo  # noqa: E402
+from dflash_prep.target import packing  # noqa: E402
 from dflash_prep.target.capture import LayerCapture  # noqa: E402
 from dflash_prep.target.kernels import apply_kernels, select_kernels  # noqa: E402
 from dflash_prep.target.layers import dflash_layer_ids  # noqa: E402

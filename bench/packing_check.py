@@ -42,8 +42,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.kernels_check import relative, slice_section  # noqa: E402
-from dflash_prep import packing  # noqa: E402
+from dflash_prep.plan import batches  # noqa: E402
 from dflash_prep.plan.batches import SampleInfo, collate  # noqa: E402
+from dflash_prep.target import packing  # noqa: E402
 from dflash_prep.target.capture import LayerCapture  # noqa: E402
 from dflash_prep.target.kernels import apply_kernels, select_kernels  # noqa: E402
 from dflash_prep.target.layers import find_decoder  # noqa: E402
