@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from dflash_prep.commands.extract.finish import DISK_BOUND_FRACTION
-from dflash_prep.store.writer import rank_name
+from dflash_prep.store.records import rank_name
 
 log = logging.getLogger("dflash_prep")
 
