@@ -24,7 +24,8 @@ into 1; `dflash-prep launch` (launch.py) keeps them.
 
 Modules, one concern each (the run's stages in run.py read top to bottom as the data flow):
 
-    entry.py        the command line, its errors and exit codes (imports nothing heavy until the recipe is read)
+    entry.py        the command line, its errors and exit codes
+    preflight.py    what is answered before torch is imported: a recipe that does not read, a finished output
     run.py          run_extraction: the stages in order, each a short function or a module below
     start.py        the rank, logging, every check of the job before any weights load
     target_load.py  the model loading on a thread of its own, then kernels and packed attention

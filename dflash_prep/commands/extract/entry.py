@@ -9,11 +9,11 @@ import os
 import sys
 from pathlib import Path
 
+from dflash_prep.commands.extract.preflight import answer_finished, failed_samples_code, finished_summary, parse_recipe
 from dflash_prep.errors import EXIT_BAD_RECIPE, EXIT_FAILED_SAMPLES, EXIT_STOPPED, ExtractionError
+from dflash_prep.recipe.schema import RecipeError
 
 log = logging.getLogger("dflash_prep")
-
-DESCRIPTION = "The extraction: recipe -> tokenized rows -> global plan -> this rank's batches -> hooks -> shards."
 
 
 def main(argv: list[str] | None = None, own_process: bool = False) -> int:
@@ -55,20 +55,16 @@ def _under_plain_accelerate_launch() -> bool:
 
 
 def _main(argv: list[str] | None, own_process: bool = False) -> int:
-    import argparse
-
-    from dflash_prep.recipe.schema import RecipeError, add_recipe_args, load_recipe
-
-    parser = argparse.ArgumentParser(prog="dflash-prep extract", description=DESCRIPTION)
-    add_recipe_args(parser)
-    args = parser.parse_args(argv)
     try:
-        recipe = load_recipe(args.recipe, args.overrides)
+        recipe = parse_recipe(argv)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_RECIPE
+    finished = finished_summary(recipe)  # before the heavy imports: a re-run of a finished job answers at once
+    if finished is not None:
+        return answer_finished(recipe, finished)
     from dflash_prep.commands.extract.run import run_extraction
-    from dflash_prep.commands.job import FAILED_NAME, OutputMismatchError
+    from dflash_prep.commands.job import OutputMismatchError
     from dflash_prep.store.locks import OutputBusyError
     from dflash_prep.store.manifest import OutputStateError
 
@@ -90,10 +86,4 @@ def _main(argv: list[str] | None, own_process: bool = False) -> int:
         print(f"error: {type(e).__name__}: {e}. Committed shards are intact; fix the cause and re-run the same "
               f"command to resume (details in {Path(recipe.output.dir) / 'logs'})", file=sys.stderr)
         return EXIT_STOPPED
-    limit = recipe.output.max_failed_samples
-    if summary is not None and limit is not None and summary["num_failed"] > limit:
-        print(f"error: {summary['num_failed']} sample(s) failed {summary['failed']}, more than "
-              f"output.max_failed_samples={limit}; they are listed in {Path(recipe.output.dir) / FAILED_NAME} and "
-              f"the output is otherwise complete (set output.max_failed_samples to accept them)", file=sys.stderr)
-        return EXIT_FAILED_SAMPLES
-    return 0
+    return failed_samples_code(recipe, summary)

@@ -19,7 +19,14 @@ from dflash_prep.commands.job import FAILED_NAME, SUMMARY_NAME, RankPlan, Run, m
 from dflash_prep.consume.vocab import count_supervised_tokens, write_token_freq
 from dflash_prep.errors import ExtractionError
 from dflash_prep.io import atomic_write_json, atomic_write_jsonl
-from dflash_prep.store.manifest import build_manifest, read_committed, write_manifest
+from dflash_prep.store.manifest import (
+    FINISHED_INPUTS,
+    STATE_NAME,
+    build_manifest,
+    read_committed,
+    read_state_json,
+    write_manifest,
+)
 from dflash_prep.target.kernels import kernels_history, last_kernels_record
 from dflash_prep.target.model import describe_source, hidden_size_of, vocab_size_of
 from dflash_prep.target.norms import final_norm_entry
@@ -62,12 +69,22 @@ def finish_run(run: Run, data, rank_plan: RankPlan) -> dict:
         atomic_write_jsonl(out_dir / FAILED_NAME, failed_rows)
         if previous is None:
             atomic_write_json(out_dir / SUMMARY_NAME, summary)
+        _record_finished_inputs(out_dir, run.inputs_stamp)
         write_manifest(out_dir, manifest)
     except OSError as e:
         raise ExtractionError(f"writing the manifest failed ({e}); every shard is committed: re-run the same "
                               f"command (nothing is recomputed) to write it") from e
     _log_done(summary, data.skipped_counts, out_dir)
     return summary
+
+
+def _record_finished_inputs(out_dir, stamp: dict | None) -> None:
+    """run_state.json's `finished_inputs`: the inputs as this run found them (preflight.py compares a re-run's)."""
+    state = read_state_json(out_dir / STATE_NAME)
+    state.pop(FINISHED_INPUTS, None)
+    if stamp is not None:
+        state[FINISHED_INPUTS] = stamp
+    atomic_write_json(out_dir / STATE_NAME, state)
 
 
 def _previous_summary(out_dir) -> dict | None:

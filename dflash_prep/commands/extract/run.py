@@ -40,12 +40,13 @@ from dflash_prep.data.rows import check_data_verdict, load_rows, tokenize_datase
 from dflash_prep.io import atomic_write_json, atomic_write_jsonl  # noqa: E402
 from dflash_prep.plan.batches import PlannedBatches  # noqa: E402
 from dflash_prep.plan.planner import plan_stats, rank_finish_seconds, split_across_ranks  # noqa: E402
-from dflash_prep.recipe.fingerprints import rows_fingerprint  # noqa: E402
+from dflash_prep.recipe.fingerprints import inputs_stamp, rows_fingerprint  # noqa: E402
 from dflash_prep.recipe.schema import Recipe  # noqa: E402
 from dflash_prep.store.locks import check_no_rank_writing, lock_rank, lock_run  # noqa: E402
 from dflash_prep.store.manifest import next_shard_number, read_committed  # noqa: E402
+from dflash_prep.store.records import rank_name  # noqa: E402
 from dflash_prep.store.sizes import check_free_space  # noqa: E402
-from dflash_prep.store.writer import AsyncShardWriter, DiscardingWriter, lanes, rank_name  # noqa: E402
+from dflash_prep.store.writer import AsyncShardWriter, DiscardingWriter, lanes  # noqa: E402
 from dflash_prep.target.model import hidden_size_of, padding_token_id, vocab_size_of  # noqa: E402
 from dflash_prep.target.packing import replay_stored_layout  # noqa: E402
 
@@ -104,6 +105,7 @@ def _claim_output(run: Run, held: list) -> None:
         held.append(lock_run(run.out_dir))
         check_no_rank_writing(run.out_dir)  # no orphaned worker of an earlier run still writes
         open_output(run.out_dir, run.recipe, run.identity)
+        run.inputs_stamp = inputs_stamp(run.recipe)  # before any input is read: written once the output is finished
     run.state.wait_for_everyone()
     if run.is_writer:  # the other processes of a replica write nothing
         held.append(lock_rank(run.out_dir, run.rank))
