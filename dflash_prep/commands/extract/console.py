@@ -1,14 +1,12 @@
 """What a run shows: the console (the main process only, one line per message) and each rank's log file
-(`OUT/logs/rank-R.log`, tracebacks included), and the progress bar of the forward loop."""
+(`OUT/logs/rank-R.log`, tracebacks included). The progress bar: progress.py."""
 
 from __future__ import annotations
 
 import logging
 import sys
-import time
 from pathlib import Path
 
-from dflash_prep.commands.extract.finish import DISK_BOUND_FRACTION
 from dflash_prep.store.records import rank_name
 
 log = logging.getLogger("dflash_prep")
@@ -44,26 +42,3 @@ def setup_logging(out_dir: Path, rank: int, is_main: bool) -> None:
 
     transformers.logging.set_verbosity_error()
     logging.getLogger("transformers").setLevel(logging.ERROR)
-
-
-def progress_bar(is_main: bool, total_samples: int, world: int):
-    """The main process's tqdm bar over `total_samples` (None on the other processes)."""
-    if not is_main:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total_samples, desc=f"extract (rank 0 of {world})", unit="sample", dynamic_ncols=True,
-                file=sys.stderr, mininterval=1.0)
-
-
-def show_progress(progress, num_samples: int, num_tokens_all_ranks: int, t_loop: float,
-                  writer_wait_seconds: float) -> None:
-    """tok/s over all ranks, and, once the loop has spent over 10% of its time waiting on the writers, that share
-    (`disk_wait`: the disk, not the GPU, sets the pace)."""
-    if progress is not None:
-        progress.update(num_samples)
-        elapsed = max(time.perf_counter() - t_loop, 1e-9)
-        postfix = {"tok_s": f"{num_tokens_all_ranks / elapsed:,.0f}"}
-        if writer_wait_seconds > DISK_BOUND_FRACTION * elapsed:
-            postfix["disk_wait"] = f"{writer_wait_seconds / elapsed:.0%}"
-        progress.set_postfix(refresh=False, **postfix)

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from dflash_prep.commands.extract.preflight import answer_finished, failed_samples_code, finished_summary, parse_recipe
-from dflash_prep.errors import EXIT_BAD_RECIPE, EXIT_FAILED_SAMPLES, EXIT_STOPPED, ExtractionError
+from dflash_prep.errors import EXIT_BAD_RECIPE, EXIT_FAILED_SAMPLES, EXIT_STOPPED, ExtractionError, StopRequested
 from dflash_prep.recipe.schema import RecipeError
 
 log = logging.getLogger("dflash_prep")
@@ -74,7 +74,8 @@ def _main(argv: list[str] | None, own_process: bool = False) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_RECIPE
     except ExtractionError as e:
-        print(f"error: {e} (details in {Path(recipe.output.dir) / 'logs'})", file=sys.stderr)
+        if not (isinstance(e, StopRequested) and os.environ.get("RANK", "0") != "0"):  # the main one speaks for all
+            print(f"error: {e} (details in {Path(recipe.output.dir) / 'logs'})", file=sys.stderr)
         return EXIT_STOPPED
     except KeyboardInterrupt:  # Ctrl-C outside the loop (which handles it at a batch boundary)
         print("error: stopped by Ctrl-C; committed shards are intact, re-run the same command to resume",

@@ -12,12 +12,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from dflash_prep.commands.extract.console import progress_bar, show_progress
 from dflash_prep.commands.extract.host_copy import GpuTimer, to_host
+from dflash_prep.commands.extract.progress import STOP_WAIT_SECONDS, JobProgress
 from dflash_prep.commands.extract.report import stopped_message
 from dflash_prep.commands.extract.stop import StopRequest
 from dflash_prep.commands.job import Run
-from dflash_prep.errors import ExtractionError
+from dflash_prep.errors import ExtractionError, StopRequested
 from dflash_prep.store.manifest import read_committed
 from dflash_prep.store.writer import AsyncShardWriter, NonFiniteStatesError, PendingBatch
 from dflash_prep.target.backoff import BatchRunner
@@ -48,10 +48,9 @@ class LoopResult:
     gpu_forward_seconds: float | None
 
 
-def forward_loop(run: Run, model, loader, writer: AsyncShardWriter, num_samples: int) -> LoopResult:
-    """Every batch of `loader` through `model` into `writer` (see the module docstring); a stop signal commits the
-    batches captured so far and raises ExtractionError."""
-    progress = progress_bar(run.is_main, num_samples, run.world)
+def forward_loop(run: Run, model, loader, writer: AsyncShardWriter, progress: JobProgress) -> LoopResult:
+    """Every batch of `loader` through `model` into `writer` (see the module docstring), counted in `progress`; a
+    stop signal commits the batches captured so far and raises ExtractionError."""
     gpu_timer = GpuTimer() if run.device.type == "cuda" else None
     stats, runner, stop, stopped_early = RankStats(), None, StopRequest(), False
     t_loop = time.perf_counter()
@@ -66,8 +65,7 @@ def forward_loop(run: Run, model, loader, writer: AsyncShardWriter, num_samples:
                 _forward_agreed(run, batch, runner, writer, stats, gpu_timer, stop)
                 if stats.num_batches == 1:  # its DataLoader start, collate, first-seen shape, hooks
                     run.startup_seconds["first_batch"] = time.perf_counter() - t_loop
-                show_progress(progress, len(batch.samples), stats.num_real_tokens * run.world, t_loop,
-                              writer.wait_seconds)
+                progress.update(stats.num_samples, stats.num_real_tokens, writer.wait_seconds)
                 if stop.requested:
                     stopped_early = True  # the batches captured so far are written and committed below
                     break
@@ -75,18 +73,21 @@ def forward_loop(run: Run, model, loader, writer: AsyncShardWriter, num_samples:
         t_drain = time.perf_counter()
         writer.close()
         stats.writer_drain_seconds = time.perf_counter() - t_drain
+        progress.finish(stats.num_samples, stats.num_real_tokens)
     except BaseException as e:
+        progress.close()
         _abort_writer(run, writer, e)
         raise
     finally:
         stop.restore()
-        if progress is not None:
-            progress.close()
     if stopped_early:
-        _stop_after_commit(run, stop.signal_name, stats.num_batches)
+        progress.close()
+        _stop_after_commit(run, stop.signal_name, stats.num_batches, progress)
     stats.writer_wait_seconds = writer.wait_seconds
-    return LoopResult(stats, runner, time.perf_counter() - t_loop,
-                      gpu_timer.total_seconds() if gpu_timer is not None else None)
+    result = LoopResult(stats, runner, time.perf_counter() - t_loop,
+                        gpu_timer.total_seconds() if gpu_timer is not None else None)
+    progress.follow_others(stats.num_samples, stats.num_real_tokens)  # the main's bar, outside its loop's time
+    return result
 
 
 def _forward_agreed(run: Run, batch, runner: BatchRunner, writer: AsyncShardWriter, stats: RankStats,
@@ -145,11 +146,18 @@ def _abort_writer(run: Run, writer: AsyncShardWriter, error: BaseException) -> N
                   "to resume", run.rank)
 
 
-def _stop_after_commit(run: Run, signal_name: str | None, num_batches: int) -> None:
-    """A stop signal arrived: every batch captured was written and committed; say so and raise ExtractionError."""
-    committed_now = read_committed(run.out_dir)
+def _stop_after_commit(run: Run, signal_name: str | None, num_batches: int, progress: JobProgress) -> None:
+    """A stop signal arrived: every batch this rank captured was written and committed; raise StopRequested. The
+    main process first waits for the other ranks to commit theirs (progress.py), then says one count for all."""
     message = (f"rank {run.rank} stopped on {signal_name}: {num_batches} batch(es) of this run were written and "
-               f"committed ({sum(r.num_samples for r in committed_now)} samples committed in all); re-run the same "
-               f"command to resume")
+               f"committed")
+    if run.is_main:
+        running = progress.wait_for_others(STOP_WAIT_SECONDS)
+        committed = sum(r.num_samples for r in read_committed(run.out_dir))
+        message = (f"stopped on {signal_name}: every rank committed the batches it had captured (on rank {run.rank}, "
+                   f"{num_batches} batch(es) of this run were written and committed); {committed} samples committed "
+                   f"in all"
+                   + (f" so far (rank(s) {', '.join(map(str, running))} still running)" if running else ""))
+    message += "; re-run the same command to resume"
     log.warning("%s", message, extra={"console": False})
-    raise ExtractionError(message)
+    raise StopRequested(message)

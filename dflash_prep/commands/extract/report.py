@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_prep.commands.cost import FORWARD_FLOPS_PER_SECOND, WRITE_BYTES_PER_SECOND
 from dflash_prep.store.manifest import read_committed
 from dflash_prep.store.writer import AsyncShardWriter, NonFiniteStatesError
 from dflash_prep.target.model import decoder_params_in
@@ -53,6 +54,16 @@ def idle_rank_report(rank: int) -> dict:
                   failed={}, oom_batch_caps={}, oom_packed_token_cap=None, kernels=[], startup_seconds={},
                   predicted_seconds=None)
     return report
+
+
+def prediction_note(run, report: dict) -> str:
+    """The split's predicted seconds of this rank's share, with what they rest on: one H200's measured rates
+    (cost.py), so said on GPU runs only; a CPU run gets none (no basis: the rates are a GPU's)."""
+    predicted = report.get("predicted_seconds")
+    if predicted is None or run.device.type != "cuda":
+        return ""
+    return (f" (the split predicted {predicted:.1f}s from one H200's rates: {FORWARD_FLOPS_PER_SECOND / 1e12:.0f} "
+            f"TFLOP/s forwards, {WRITE_BYTES_PER_SECOND / 1e9:.2f} GB/s writes)")
 
 
 def stopped_message(out_dir: Path, rank: int, writer: AsyncShardWriter, error: BaseException) -> str:

@@ -23,7 +23,8 @@ import torch  # noqa: E402
 
 from dflash_prep.commands.extract.finish import finish_run  # noqa: E402
 from dflash_prep.commands.extract.loop import forward_loop  # noqa: E402
-from dflash_prep.commands.extract.report import idle_rank_report, rank_report  # noqa: E402
+from dflash_prep.commands.extract.progress import JobProgress, clear_progress  # noqa: E402
+from dflash_prep.commands.extract.report import idle_rank_report, prediction_note, rank_report  # noqa: E402
 from dflash_prep.commands.extract.start import start  # noqa: E402
 from dflash_prep.commands.extract.stop import init_worker  # noqa: E402
 from dflash_prep.commands.extract.target_load import TargetLoad, load_target  # noqa: E402
@@ -90,12 +91,14 @@ def _run_extraction(recipe: Recipe, held: list, own_process: bool = False) -> di
     # one process per replica writes; a finished output keeps its run's figures
     if run.is_writer and (rank_plan.todo or not manifest_readable(run.out_dir)):
         atomic_write_json(run.out_dir / "index" / f"{rank_name(run.rank)}.done.json", report)
-    log.info("rank %d done: %d samples, %d tokens in %.1fs (predicted %s); start-up %s", run.rank,
-             report["num_samples"], report["num_real_tokens"], report["loop_seconds"],
-             "n/a" if report.get("predicted_seconds") is None else f"{report['predicted_seconds']:.1f}s",
+    log.info("rank %d done: %d samples, %d tokens in %.1fs%s; start-up %s", run.rank,
+             report["num_samples"], report["num_real_tokens"], report["loop_seconds"], prediction_note(run, report),
              ", ".join(f"{k} {v:.1f}s" for k, v in run.startup_seconds.items() if not isinstance(v, bool)))
     run.state.wait_for_everyone()
-    return finish_run(run, data, rank_plan) if run.is_main else None  # manifest last
+    if not run.is_main:
+        return None
+    clear_progress(run.out_dir)  # every rank is done: the live figures have served
+    return finish_run(run, data, rank_plan)  # manifest last
 
 
 def _claim_output(run: Run, held: list) -> None:
@@ -106,6 +109,7 @@ def _claim_output(run: Run, held: list) -> None:
         check_no_rank_writing(run.out_dir)  # no orphaned worker of an earlier run still writes
         open_output(run.out_dir, run.recipe, run.identity)
         run.inputs_stamp = inputs_stamp(run.recipe)  # before any input is read: written once the output is finished
+        clear_progress(run.out_dir)  # the progress files of an earlier run (progress.py)
     run.state.wait_for_everyone()
     if run.is_writer:  # the other processes of a replica write nothing
         held.append(lock_rank(run.out_dir, run.rank))
@@ -178,7 +182,9 @@ def _run_rank(run: Run, data, rank_plan: RankPlan, lock_fds: tuple, load: Target
         pin_memory=run.device.type == "cuda", persistent_workers=False,
         prefetch_factor=4 if run.recipe.batching.num_workers else None,
         worker_init_fn=functools.partial(init_worker, lock_fds))
-    loop = forward_loop(run, model, loader, writer, sum(len(p.sample_indices) for p in rank_plan.mine))
+    total = len(rank_plan.lengths)
+    progress = JobProgress(run, total, total - sum(len(p.sample_indices) for p in rank_plan.todo))
+    loop = forward_loop(run, model, loader, writer, progress)
     report = rank_report(run, model, writer, loop)
     report["predicted_seconds"] = rank_plan.predicted_seconds[run.rank] if rank_plan.predicted_seconds else None
     return report
