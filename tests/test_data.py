@@ -120,3 +120,25 @@ def test_a_template_with_a_jinja_syntax_error_is_one_line_naming_the_key_and_lin
     template = "{% for m in messages %}\n{{ m.content }\n{% endfor %}"
     with pytest.raises(RecipeError, match=r"`data\.chat_template`: the chat template is not valid Jinja \(line 2"):
         check_chat_template(None, template)
+
+
+@pytest.mark.parametrize("rows,says", [
+    ([{"input_ids": [1, 2, 3.5], "loss_mask": [0, 1, 1]}, {"input_ids": [4, 5], "loss_mask": [1, 1]}],
+     "token ids or masks typed as floats"),
+    ([{"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+       "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]},
+      {"tools": [], "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "y"}]}],
+     "tool schemas typed as a table column"),
+])
+def test_a_file_read_line_by_line_says_what_one_table_would_have_lost(tmp_path, caplog, rows, says):
+    """The note names the loss this file has, not every loss a file could have (chat rows have no token ids)."""
+    import json
+    import logging
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with caplog.at_level(logging.INFO, logger="dflash_prep"):
+        assert len(load_rows(DataSection(path=str(path)))) == 2
+    notes = [r.getMessage() for r in caplog.records if "reading it line by line" in r.getMessage()]
+    assert len(notes) == 1 and says in notes[0], notes
+    assert ("floats" in notes[0]) == ("floats" in says)
