@@ -96,6 +96,9 @@ def test_two_concurrent_extractions_one_runs_the_other_is_refused(tmp_path):
     assert second.returncode == EXIT_BAD_RECIPE and "another extraction is running into" in second.stderr
     assert first.wait(timeout=300) == 0, first.stderr.read()[-2000:]
     assert len(raw_records(out)) == 24 and check_output(out) == []
+    # the refused run wrote nothing into the running one's log: one start line, no refusal
+    log = (out / "logs" / "rank-00000.log").read_text()
+    assert log.count(": rank 0 of 1 on cpu") == 1 and "another extraction is running" not in log, log[-2000:]
 
 
 def children_of(pid: int) -> list[int]:

@@ -63,6 +63,7 @@ def _main(argv: list[str] | None, own_process: bool = False) -> int:
     finished = finished_summary(recipe)  # before the heavy imports: a re-run of a finished job answers at once
     if finished is not None:
         return answer_finished(recipe, finished)
+    from dflash_prep.commands.extract.console import log_to_file
     from dflash_prep.commands.extract.run import run_extraction
     from dflash_prep.commands.job import OutputMismatchError
     from dflash_prep.store.locks import OutputBusyError
@@ -72,6 +73,7 @@ def _main(argv: list[str] | None, own_process: bool = False) -> int:
         summary = run_extraction(recipe, own_process)
     except (RecipeError, OutputMismatchError, OutputBusyError, OutputStateError) as e:
         print(f"error: {e}", file=sys.stderr)
+        log_to_file(f"refused (exit code {EXIT_BAD_RECIPE}): {e}")  # a claimed output's log says why it stopped
         return EXIT_BAD_RECIPE
     except ExtractionError as e:
         if not (isinstance(e, StopRequested) and os.environ.get("RANK", "0") != "0"):  # the main one speaks for all

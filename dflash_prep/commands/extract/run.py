@@ -21,6 +21,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
 
+from dflash_prep.commands.extract.console import attach_log_file  # noqa: E402
 from dflash_prep.commands.extract.finish import finish_run  # noqa: E402
 from dflash_prep.commands.extract.loop import forward_loop  # noqa: E402
 from dflash_prep.commands.extract.progress import JobProgress, clear_progress  # noqa: E402
@@ -110,7 +111,10 @@ def _claim_output(run: Run, held: list) -> None:
         open_output(run.out_dir, run.recipe, run.identity)
         run.inputs_stamp = inputs_stamp(run.recipe)  # before any input is read: written once the output is finished
         clear_progress(run.out_dir)  # the progress files of an earlier run (progress.py)
+        attach_log_file(run.out_dir, run.state.process_index)  # the folder is this job's: its log from here on
     run.state.wait_for_everyone()
+    if not run.is_main:
+        attach_log_file(run.out_dir, run.state.process_index)
     if run.is_writer:  # the other processes of a replica write nothing
         held.append(lock_rank(run.out_dir, run.rank))
 

@@ -55,8 +55,8 @@ def start(recipe: Recipe) -> Run:
 
 
 def _remove_if_only_logs(out_dir: Path) -> None:
-    """Delete `out_dir` when it holds nothing but what `start` made (logs, lock folder): a run refused before it
-    claimed the folder."""
+    """Delete `out_dir` when it holds nothing but what `start` made (the lock folder; logs of an older version): a run
+    refused before it claimed the folder."""
     from dflash_prep.store.locks import LOCKS_DIR
 
     for h in list(log.handlers):  # the rank log file is inside
