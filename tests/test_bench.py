@@ -310,3 +310,57 @@ def test_command_line_writes_the_report_layout_of_the_committed_gpu_reports(tmp_
         assert [p for p in parts if p in committed_parts] == committed_parts
     assert list(report["consistency"]["pairs"]) == ["per_sample~dflash_prep"]
     assert "| **tokens/s** (real) |" in path.with_suffix(".md").read_text()
+
+
+def test_a_scenario_round_limits_logs_and_records_every_step(tmp_path, monkeypatch, capsys):
+    """bench/scenarios.py's Round: a step's output goes to its log and its outcome to steps.jsonl; a failing step
+    does not stop the next; a step past its limit is stopped with the processes it started, also one in a session
+    of its own (as launched ranks are); a step with too little time left is skipped; the round says it is not ok."""
+    import json
+    import os
+    import time
+
+    from bench import scenarios
+
+    monkeypatch.setattr(scenarios, "MIN_STEP_SECONDS", 1)
+    monkeypatch.setattr(scenarios, "KILL_GRACE_SECONDS", 1)
+    pid_file = tmp_path / "grandchild.pid"
+    spawn = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+             "time.sleep(120)'], start_new_session=True); open(sys.argv[1], 'w').write(str(p.pid)); time.sleep(120)")
+
+    def fake(r):
+        r.step("prints", 30, r.python("-c", "print('12,345 tok/s')"))
+        r.step("fails", 30, r.python("-c", "import sys; sys.exit(3)"))
+        r.step("hangs", 3, r.python("-c", spawn, pid_file))
+        r.deadline = time.monotonic() - r.t0  # nothing left for the last one
+        r.step("too-late", 30, r.python("-c", "print('never')"))
+
+    sc = scenarios.Scenario("fake", 1, "a test scenario", fake)
+    monkeypatch.setitem(scenarios.SCENARIOS, "fake", sc)
+    results = tmp_path / "results"
+    assert scenarios.main(["run", "fake", str(results)]) == 1
+    steps = {s["name"]: s for s in map(json.loads, (results / "steps.jsonl").read_text().splitlines())}
+    assert {n: s["status"] for n, s in steps.items()} == {"prints": "ok", "fails": "failed", "hangs": "timeout",
+                                                          "too-late": "skipped"}
+    assert steps["fails"]["exit_code"] == 3 and steps["hangs"]["seconds"] < 15
+    assert (results / "logs" / "prints.log").read_text() == "12,345 tok/s\n"
+    grandchild = int(pid_file.read_text())
+    for _ in range(50):
+        if not os.path.exists(f"/proc/{grandchild}") or " Z " in open(f"/proc/{grandchild}/stat").read():
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the step's process in a session of its own outlived its timeout")
+    out = capsys.readouterr().out
+    assert "12,345 tok/s" in out and "not ok: fails, hangs, too-late" in out
+
+
+def test_every_scenario_is_listed_with_its_options(capsys):
+    from bench import scenarios
+
+    assert scenarios.main(["list"]) == 0
+    out = capsys.readouterr().out
+    for name in ("smoke", "bench", "kernels", "packing", "balance", "replica", "round", "levers", "long", "profile",
+                 "faults"):
+        assert out.count(f"\n{name} ") + out.startswith(f"{name} ") == 1, name
+    assert "--set alt_wheels=" in out and "--set run_8b=1" in out

@@ -185,10 +185,10 @@ def test_an_oom_split_is_agreed_by_the_replica(tp_out, llama_config_file, tmp_pa
 
 
 def test_the_gpu_replica_check_runs_every_step_on_a_cpu(tmp_path):
-    """bench/gpu_replica.sh --dry-run-cpu: every step of the 2-GPU check (tiny configs, CPU processes) succeeds and
-    the report holds the figures the GPU run prints."""
+    """`python -m bench run replica --dry-run-cpu`: every step of the 2-GPU check (tiny configs, CPU processes)
+    succeeds and the report holds the figures the GPU run prints."""
     results, work = tmp_path / "results", tmp_path / "work"
-    proc = subprocess.run(["bash", "bench/gpu_replica.sh", str(results), "--dry-run-cpu"], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "bench", "run", "replica", str(results), "--dry-run-cpu"], cwd=REPO,
                           env=dict(ENV, WORK_DIR=str(work)), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((results / "replica.json").read_text())
@@ -197,11 +197,12 @@ def test_the_gpu_replica_check_runs_every_step_on_a_cpu(tmp_path):
                                 "8b-1gpu", "8b-2gpu")}
     assert report["70b-tp"]["replicas"]["parallelism"] == "tensor_parallel" and report["70b-tp"]["verify"] == "ok"
     assert report["70b-tp"]["verify_one_process"] == "ok"
-    assert "(tensor parallel over 2 processes)" in (results / "verify-70b-tp.log").read_text()
+    assert "(tensor parallel over 2 processes)" in (results / "logs" / "verify-70b-tp.log").read_text()
     assert report["70b-tp"]["mfu_over_all_gpus"] > 0 and report["8b_per_gpu_ratio"] > 0
     assert report["8b_1gpu"]["num_tokens"] == report["8b_2gpu"]["num_tokens"]  # the same data
     assert report["8b_2gpu"]["replicas"]["num_replicas"] == 2
-    assert "per-GPU ratio" in proc.stdout and "MFU over 2 GPUs" in proc.stdout
+    report_log = (results / "logs" / "report.log").read_text()
+    assert "per-GPU ratio" in report_log and "MFU over 2 GPUs" in report_log
     assert not list(work.glob("out-*"))  # big outputs deleted once their summaries are kept
 
 
