@@ -45,6 +45,7 @@ def test_a_second_lock_on_the_same_file_is_refused_until_released(tmp_path):
     b.release()
 
 
+@pytest.mark.slow
 def test_a_run_into_a_folder_another_run_holds_is_refused_and_touches_nothing(tmp_path, capsys):
     out = tmp_path / "out"
     stray = out / "shards" / "rank-00000" / "shard-000000.tar.tmp"  # the other run's shard in the making
@@ -82,6 +83,7 @@ def test_an_orphaned_rank_of_an_earlier_run_is_named_and_blocks_the_cleanup(tmp_
     assert main(argv(out)) == 0 and not stray.exists()
 
 
+@pytest.mark.slow
 def test_two_concurrent_extractions_one_runs_the_other_is_refused(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
@@ -119,6 +121,7 @@ def alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_dataloader_workers_neither_hold_the_locks_nor_outlive_a_main_process_killed_alone(tmp_path, capsys):
     """The kernel's OOM killer kills the rank's main process only: its DataLoader workers must not keep the output
     locked (every resume would be refused naming the dead pid) and must not linger."""
