@@ -8,6 +8,7 @@
     profiling.py  torch.profiler kernel categories
     modes.py      per_sample, fixed_batch, dflash_prep and its warm / variant / profile passes
     report.py     the JSON and Markdown report
+    scenarios.py  the device rounds as named scenarios: `python3 -m bench run SCENARIO` (list: `python3 -m bench list`)
 """
 
 import os

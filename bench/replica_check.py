@@ -1,4 +1,4 @@
-"""Helpers of bench/gpu_replica.sh (targets larger than one GPU, `model.gpus_per_replica`):
+"""Helpers of the `replica` scenario (bench/scenarios.py: targets larger than one GPU, `model.gpus_per_replica`):
 
     python3 -m bench.replica_check data WORK [--dry-run-cpu]     pre-tokenized data + the configs the steps use
     python3 -m bench.replica_check gemm RESULTS [--dry-run-cpu]  dense bf16 GEMM rate of one GPU (the MFU peak)
@@ -6,8 +6,8 @@
 
 `data` writes WORK/data.parquet (the benchmark's lengths: lognormal mu 5.41, sigma 0.9, clipped to [16, 4096],
 seed 0) and WORK/configs/{8b,70b}.json: the Llama-3.1-8B and Llama-3.3-70B shapes of bench/configs, or with
---dry-run-cpu a tiny Llama of 8 layers for both (so every step of the script runs on a CPU in seconds).
-`report` reads each step's OUT/summary.json and status (WORK/steps.jsonl, written by the script) and prints:
+--dry-run-cpu a tiny Llama of 8 layers for both (so every step of the scenario runs on a CPU in seconds).
+`report` reads each step's OUT/summary.json and status (WORK/steps.jsonl, the round's) and prints:
 the 8B's per-GPU tok/s on 2 GPUs over 1 GPU (data parallel: replicas of 1 GPU), and the 70B replica's tok/s,
 MFU over both GPUs (2 x decoder params run x tok/s / (2 x the GEMM rate); attention FLOPs not counted) and
 verify's verdict.

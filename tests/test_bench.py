@@ -124,6 +124,7 @@ def _check_outputs(rb, report: dict, tmp_path: Path, model: str, atol_rel: float
             torch.testing.assert_close(hs.float(), ref.float(), rtol=0, atol=float(atol_rel * scale))
 
 
+@pytest.mark.slow
 def test_bench_tiny_qwen35_fp32_storage(rb, tmp_path, monkeypatch):
     # fp32 compute and storage: padded batches of the GDN hybrid must match the unbatched run to fp32 noise
     report = _run(rb, tmp_path, monkeypatch, "tiny-qwen3.5", "float32",
@@ -133,6 +134,7 @@ def test_bench_tiny_qwen35_fp32_storage(rb, tmp_path, monkeypatch):
     _check_outputs(rb, report, tmp_path, "tiny-qwen3.5", atol_rel=1e-4)
 
 
+@pytest.mark.slow
 def test_bench_tiny_llama_bf16_storage(rb, tmp_path, monkeypatch):
     # bf16 storage (the default): modes may differ by one bf16 rounding step (2^-8 relative)
     report = _run(rb, tmp_path, monkeypatch, "tiny-llama", "bfloat16")
@@ -171,6 +173,7 @@ def _run_dflash_modes(rb, tmp_path, monkeypatch, model: str, modes: str, extra: 
                     "--out-dir", str(tmp_path / "out"), *extra])
 
 
+@pytest.mark.slow
 def test_variant_mode_reruns_dflash_prep_with_other_settings_on_the_same_samples(rb, tmp_path, monkeypatch):
     report = _run_dflash_modes(rb, tmp_path, monkeypatch, "tiny-qwen3.5", "dflash_prep,dflash_prep_variant",
                                ["--num-samples", "10", "--max-length", "300", "--storage-dtype", "float32",
@@ -187,6 +190,7 @@ def test_variant_mode_reruns_dflash_prep_with_other_settings_on_the_same_samples
     assert "dflash_prep_variant" in Path(report["markdown_path"]).read_text()
 
 
+@pytest.mark.slow
 def test_fresh_mode_reruns_dflash_prep_in_a_new_process_on_the_same_samples(rb, tmp_path, monkeypatch):
     report = _run_dflash_modes(rb, tmp_path, monkeypatch, "tiny-llama", "dflash_prep,dflash_prep_fresh",
                                ["--num-samples", "8", "--max-length", "200", "--storage-dtype", "float32"])
@@ -199,6 +203,7 @@ def test_fresh_mode_reruns_dflash_prep_in_a_new_process_on_the_same_samples(rb, 
     assert pair["samples_compared"] == 8 and pair["input_ids_equal"] and pair["max_abs_diff"] == 0
 
 
+@pytest.mark.slow
 def test_fixed_batch_splits_a_batch_that_runs_out_of_memory(rb, tmp_path, monkeypatch):
     """A batch that raises OutOfMemoryError is split in halves and retried; nothing is lost or duplicated."""
     context = importlib.import_module("bench.context")  # the baselines build their model through Ctx.build_model
@@ -248,6 +253,7 @@ def test_writer_bench_runs_and_reports_each_thread_count(tmp_path):
     assert list(tmp_path.iterdir()) == [out]  # its temporary folders are removed
 
 
+@pytest.mark.slow
 def test_profile_mode_reports_where_the_time_goes(rb, tmp_path, monkeypatch):
     report = _run_dflash_modes(rb, tmp_path, monkeypatch, "tiny-llama", "dflash_prep,dflash_prep_profile",
                                ["--num-samples", "8", "--max-length", "200"])
@@ -284,6 +290,7 @@ def test_kernel_categories_of_the_gpu_profile(rb, name, category):
     assert next((c for c, pattern in rb.KERNEL_CATEGORIES if pattern.search(name)), "other") == category
 
 
+@pytest.mark.slow
 def test_command_line_writes_the_report_layout_of_the_committed_gpu_reports(tmp_path):
     """`python bench/run_bench.py` as the README runs it (a file, another working directory, no PYTHONPATH): its
     report has the keys, in order, of the newest committed GPU report of the same model (written on an H200)."""
@@ -310,3 +317,58 @@ def test_command_line_writes_the_report_layout_of_the_committed_gpu_reports(tmp_
         assert [p for p in parts if p in committed_parts] == committed_parts
     assert list(report["consistency"]["pairs"]) == ["per_sample~dflash_prep"]
     assert "| **tokens/s** (real) |" in path.with_suffix(".md").read_text()
+
+
+@pytest.mark.slow
+def test_a_scenario_round_limits_logs_and_records_every_step(tmp_path, monkeypatch, capsys):
+    """bench/scenarios.py's Round: a step's output goes to its log and its outcome to steps.jsonl; a failing step
+    does not stop the next; a step past its limit is stopped with the processes it started, also one in a session
+    of its own (as launched ranks are); a step with too little time left is skipped; the round says it is not ok."""
+    import json
+    import os
+    import time
+
+    from bench import scenarios
+
+    monkeypatch.setattr(scenarios, "MIN_STEP_SECONDS", 1)
+    monkeypatch.setattr(scenarios, "KILL_GRACE_SECONDS", 1)
+    pid_file = tmp_path / "grandchild.pid"
+    spawn = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+             "time.sleep(120)'], start_new_session=True); open(sys.argv[1], 'w').write(str(p.pid)); time.sleep(120)")
+
+    def fake(r):
+        r.step("prints", 30, r.python("-c", "print('12,345 tok/s')"))
+        r.step("fails", 30, r.python("-c", "import sys; sys.exit(3)"))
+        r.step("hangs", 3, r.python("-c", spawn, pid_file))
+        r.deadline = time.monotonic() - r.t0  # nothing left for the last one
+        r.step("too-late", 30, r.python("-c", "print('never')"))
+
+    sc = scenarios.Scenario("fake", 1, "a test scenario", fake)
+    monkeypatch.setitem(scenarios.SCENARIOS, "fake", sc)
+    results = tmp_path / "results"
+    assert scenarios.main(["run", "fake", str(results)]) == 1
+    steps = {s["name"]: s for s in map(json.loads, (results / "steps.jsonl").read_text().splitlines())}
+    assert {n: s["status"] for n, s in steps.items()} == {"prints": "ok", "fails": "failed", "hangs": "timeout",
+                                                          "too-late": "skipped"}
+    assert steps["fails"]["exit_code"] == 3 and steps["hangs"]["seconds"] < 15
+    assert (results / "logs" / "prints.log").read_text() == "12,345 tok/s\n"
+    grandchild = int(pid_file.read_text())
+    for _ in range(50):
+        if not os.path.exists(f"/proc/{grandchild}") or " Z " in open(f"/proc/{grandchild}/stat").read():
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the step's process in a session of its own outlived its timeout")
+    out = capsys.readouterr().out
+    assert "12,345 tok/s" in out and "not ok: fails, hangs, too-late" in out
+
+
+def test_every_scenario_is_listed_with_its_options(capsys):
+    from bench import scenarios
+
+    assert scenarios.main(["list"]) == 0
+    out = capsys.readouterr().out
+    for name in ("smoke", "bench", "kernels", "packing", "balance", "replica", "round", "levers", "long", "profile",
+                 "faults"):
+        assert out.count(f"\n{name} ") + out.startswith(f"{name} ") == 1, name
+    assert "--set alt_wheels=" in out and "--set run_8b=1" in out

@@ -170,6 +170,7 @@ def test_every_layer_id_equals_hf_hidden_states_of_id_plus_one():
         torch.testing.assert_close(out.hidden_states_NK[:, slot * H:(slot + 1) * H], ref[i + 1][0], rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_extraction_without_the_padding_mask_writes_the_same_states(tmp_path):
     """`model.padding_mask: false` end to end: the same samples, the same states (to storage rounding)."""
     from conftest import demo_overrides, raw_records

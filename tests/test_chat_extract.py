@@ -63,6 +63,7 @@ def supervised_runs(ids: np.ndarray, mask: np.ndarray, tokenizer) -> list[str]:
     return runs
 
 
+@pytest.mark.slow
 def test_every_row_format_through_the_flagship_recipe_on_a_qwen36_template(tmp_path):
     from transformers import AutoTokenizer
 
@@ -94,6 +95,7 @@ def test_every_row_format_through_the_flagship_recipe_on_a_qwen36_template(tmp_p
     assert records[ROW["id"]][0].tolist() == list(reference)
 
 
+@pytest.mark.slow
 def test_no_kept_row_stops_before_the_model_loads_with_exit_2_and_plan_says_the_same(tmp_path, capsys):
     data = tmp_path / "bad.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in [

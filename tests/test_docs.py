@@ -30,6 +30,7 @@ def output(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_readme_reading_example(output, monkeypatch):
     (block,) = [b for b in python_blocks(REPO / "README.md") if "ShardDataset" in b]
     assert '"out/tiny-demo"' in block and "    ...\n" in block
@@ -53,6 +54,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_training_example_runs_under_torchrun_with_two_ranks(output, tmp_path):
     (block,) = [b for b in python_blocks(REPO / "docs" / "TRAINING.md") if "train_dflash.py" in b]
     script = tmp_path / "train_dflash.py"

@@ -53,6 +53,7 @@ def demo_out(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_default_job_output_tree(demo_out):
     files = sorted(str(p.relative_to(demo_out)) for p in demo_out.rglob("*") if p.is_file())
     shards = [f for f in files if f.startswith("shards/")]
@@ -65,6 +66,7 @@ def test_default_job_output_tree(demo_out):
     assert not any(f.endswith(".tmp") for f in files)
 
 
+@pytest.mark.slow
 def test_default_job_counts_and_records(demo_out):
     manifest = json.loads((demo_out / "manifest.json").read_text())
     summary = json.loads((demo_out / "summary.json").read_text())
@@ -94,6 +96,7 @@ def test_default_job_counts_and_records(demo_out):
     assert (demo_out / "recipe.resolved.yaml").read_text().count("max_tokens_per_batch") == 1
 
 
+@pytest.mark.slow
 def test_rerun_of_a_finished_job_writes_nothing_and_keeps_the_manifest(demo_out):
     before = (demo_out / "manifest.json").read_text()
     summary_before = (demo_out / "summary.json").read_text()
@@ -129,6 +132,7 @@ def test_written_states_equal_each_sample_run_alone(arch, tmp_path, llama_config
     assert worst <= 1e-5, f"{arch}: max abs diff {worst}"
 
 
+@pytest.mark.slow
 def test_two_processes_through_accelerate_write_each_sample_once(tmp_path):
     """`accelerate launch --multi_gpu --num_processes 2` (gloo on CPU): same ids as one process, none twice."""
     one, two = tmp_path / "one", tmp_path / "two"

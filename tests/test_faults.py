@@ -129,6 +129,7 @@ def test_nan_sample_is_recorded_as_failed_not_written(tmp_path, monkeypatch, cap
     assert "1 failed {'non_finite_hidden_states': 1}" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_nan_policy_fatal_stops_cleanly_and_a_resume_completes(tmp_path, monkeypatch, capsys, clean):
     bad_batch = 6
     bad = _sid(clean["plan"][bad_batch][1][0])
@@ -171,6 +172,7 @@ def test_full_disk_stops_cleanly_with_a_clear_message_and_a_resume_completes(tmp
     assert unlisted_shard_files(out) == [] and check_output(out) == []
 
 
+@pytest.mark.slow
 def test_full_disk_under_several_writer_lanes_stops_cleanly_and_a_resume_completes(tmp_path, monkeypatch, capsys,
                                                                                   clean):
     """3 lanes write shards 0/3/6.., 1/4/7.., 2/5/8..; the disk fills while lane 1 writes its second shard (4)
@@ -211,6 +213,7 @@ def test_a_torn_index_line_is_cut_before_a_resume_appends(tmp_path, clean):
     assert index.read_text() == lines[0]
 
 
+@pytest.mark.slow
 def test_a_slow_disk_is_reported_with_the_figures_and_what_would_fix_it(tmp_path, monkeypatch, capsys):
     """A disk slower than the model (every batch write sleeps): the summary and the done line say the disk set the
     pace, with the bytes per second the model produced and the writers sustained, and the levers."""

@@ -7,6 +7,7 @@ import shutil
 import tarfile
 from collections import namedtuple
 
+import pytest
 from conftest import demo_overrides
 
 from dflash_prep.commands.extract import main
@@ -31,6 +32,7 @@ def _record_bytes_in_shards(out) -> int:
     return total
 
 
+@pytest.mark.slow
 def test_the_estimate_is_the_bytes_the_records_take(tmp_path):
     from dflash_prep.plan.planner import PlannedBatch
     from dflash_prep.recipe.schema import load_recipe

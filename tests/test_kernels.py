@@ -197,6 +197,7 @@ def test_kernels_are_not_part_of_the_recipe_fingerprint():
     assert auto.fingerprint() == listed.fingerprint() == load_recipe(None, ["model.kernels=eager"]).fingerprint()
 
 
+@pytest.mark.slow
 def test_importing_the_extraction_imports_no_kernel_library():
     code = ("import sys, dflash_prep.commands.extract, dflash_prep.target.kernels, dflash_prep.commands.verify; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('liger_kernel', 'fla', 'triton')))")

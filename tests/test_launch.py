@@ -23,6 +23,7 @@ CPU_2PROC = ["--config_file", str(REPO / "accelerate_configs" / "cpu_2proc.yaml"
 
 
 @pytest.mark.parametrize("launcher_args", [[], CPU_2PROC], ids=["1 process", "2 processes"])
+@pytest.mark.slow
 def test_a_refusal_reaches_the_shell_as_exit_code_2_in_one_line(tmp_path, launcher_args):
     missing = tmp_path / "missing.jsonl"
     proc = subprocess.run([*LAUNCH, *launcher_args, "extract.py", "--set", f"output.dir={tmp_path / 'out'}",
@@ -37,6 +38,7 @@ def test_a_refusal_reaches_the_shell_as_exit_code_2_in_one_line(tmp_path, launch
     assert "were not passed to `accelerate launch`" not in proc.stderr  # no warning block
 
 
+@pytest.mark.slow
 def test_too_many_failed_samples_reach_the_shell_as_exit_code_3(tmp_path):
     env = {**ENV, "DFLASH_PREP_FAULTS": json.dumps({"nan_samples": ["0000000002"]})}
     proc = subprocess.run([*LAUNCH, "extract.py", "--set", f"output.dir={tmp_path / 'out'}", "--set",
@@ -46,6 +48,7 @@ def test_too_many_failed_samples_reach_the_shell_as_exit_code_3(tmp_path):
     assert "more than output.max_failed_samples=0" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_under_the_launcher_stops_cleanly_with_exit_code_1(tmp_path):
     """Ctrl-C reaches the launcher and the script (one process group): the script commits what it captured and
     exits 1 with one line; the launcher prints no KeyboardInterrupt traceback and passes the 1 on."""
@@ -59,6 +62,7 @@ def test_ctrl_c_under_the_launcher_stops_cleanly_with_exit_code_1(tmp_path):
     assert not (out / "manifest.json").exists() and not list(Path(out).rglob("*.tmp"))
 
 
+@pytest.mark.slow
 def test_plain_accelerate_launch_says_that_it_reports_a_refusal_as_1(tmp_path):
     """accelerate's own launcher turns exit code 2 into 1 (its CalledProcessError); the script says so and names
     the launcher that keeps the code."""
@@ -87,6 +91,7 @@ def _start_and_wait_for_a_commit(out: Path, num_workers: int = 1) -> subprocess.
 
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_stops_the_script_cleanly_and_leaves_nothing_running(tmp_path):
     """A preemption notice goes to the launcher's pid only: the script must still stop at a batch boundary
     (committing what it captured, exit 1, one line) and no process may stay behind holding the output."""
@@ -103,6 +108,7 @@ def test_sigterm_to_the_launcher_stops_the_script_cleanly_and_leaves_nothing_run
     assert not (out / "manifest.json").exists() and not list(Path(out).rglob("*.tmp"))
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_whole_job_stops_at_a_batch_boundary(tmp_path):
     """A scheduler that signals every process of the job: the script gets the SIGTERM and the launcher's forward of
     it, one request; it still stops at a batch boundary, commits what it captured and exits 1."""
@@ -115,6 +121,7 @@ def test_sigterm_to_the_whole_job_stops_at_a_batch_boundary(tmp_path):
     assert not list(Path(out).rglob("*.tmp"))
 
 
+@pytest.mark.slow
 def test_a_script_killed_by_a_signal_is_named_in_one_line(tmp_path):
     """What the OOM killer does: SIGKILL to the script alone. It can print nothing; the launcher says what
     happened, exit 1 (resumable)."""

@@ -236,6 +236,7 @@ def padded_and_packed(tmp_path_factory):
     return outs
 
 
+@pytest.mark.slow
 def test_packed_extraction_equals_the_padded_one(padded_and_packed):
     packed, padded = padded_and_packed["packed"], padded_and_packed["padded"]
     _assert_same_samples(_by_id(packed), _by_id(padded))
@@ -251,6 +252,7 @@ def test_packed_extraction_equals_the_padded_one(padded_and_packed):
     assert summary["ranks"][0]["packed"] is True and summary["ranks"][0]["num_shapes"] <= 5
 
 
+@pytest.mark.slow
 def test_plan_command_reports_the_packed_rows(padded_and_packed, tmp_path):
     from dflash_prep.commands.plan import format_plan, make_run_plan
     from dflash_prep.recipe.schema import load_recipe
@@ -291,6 +293,7 @@ def test_plan_command_reports_the_packed_rows(padded_and_packed, tmp_path):
     assert not cpu["packing"]["packed"] and any(not k.startswith("1x") for k in cpu["shapes"])
 
 
+@pytest.mark.slow
 def test_packed_oom_splits_the_row_by_samples(padded_and_packed, tmp_path, monkeypatch, capsys):
     packed = padded_and_packed["packed"]
     plan = json.loads((packed / "plan.json").read_text())["batches"]
@@ -315,6 +318,7 @@ def test_packed_oom_splits_the_row_by_samples(padded_and_packed, tmp_path, monke
     assert summary["num_failed"] == 1 and summary["num_oom"] >= 2
 
 
+@pytest.mark.slow
 def test_a_resume_without_packing_finishes_a_packed_plan(padded_and_packed, tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
     monkeypatch.setenv(ENV_VAR, json.dumps({"enospc_shard": 1}))  # stops the packed run after shard 0 committed
@@ -331,6 +335,7 @@ def test_a_resume_without_packing_finishes_a_packed_plan(padded_and_packed, tmp_
     assert raw_records(out).keys() == raw_records(padded_and_packed["packed"]).keys()
 
 
+@pytest.mark.slow
 def test_benchmark_runs_dflash_prep_with_packed_rows(tmp_path):
     """bench/run_bench.py's dflash_prep mode with packed rows (forced here: `auto` packs on GPUs only) and the
     padded A/B as its variant; the report says which ran, with each one's padding efficiency and shapes."""
@@ -355,6 +360,7 @@ def test_benchmark_runs_dflash_prep_with_packed_rows(tmp_path):
     assert "| batches (batching.packing) |" in path.with_suffix(".md").read_text()
 
 
+@pytest.mark.slow
 def test_packed_nonfinite_states_fail_only_their_sample(padded_and_packed, tmp_path, monkeypatch):
     """The per-sample NaN/Inf flags find the sample of each token in a packed row (its segment); fp8 storage."""
     plan = json.loads((padded_and_packed["packed"] / "plan.json").read_text())["batches"]
@@ -387,6 +393,7 @@ def test_forced_packing_where_not_exact_is_refused_with_one_line(tmp_path, capsy
     assert "gpt2" in err[0] and not (out / "plan.json").exists()
 
 
+@pytest.mark.slow
 def test_two_processes_split_the_packed_rows(padded_and_packed, tmp_path):
     """`accelerate launch` with 2 processes (gloo on CPU): the packed plan's rows split over both ranks, each sample
     written once, with the bytes of the 1-process packed run (same global plan, same rows)."""
@@ -404,6 +411,7 @@ def test_two_processes_split_the_packed_rows(padded_and_packed, tmp_path):
     assert all(two[k]["hidden_states.safetensors"] == one[k]["hidden_states.safetensors"] for k in one)
 
 
+@pytest.mark.slow
 def test_samples_longer_than_the_budget_get_rows_of_their_own(padded_and_packed, tmp_path):
     out = tmp_path / "out"
     assert main(_argv(out, **{"batching.packing": "true", "batching.num_workers": 0, "data.max_samples": 40,

@@ -322,6 +322,7 @@ def _flip_a_state_byte(shard: Path) -> str:
     return info.name.split(".", 1)[0]
 
 
+@pytest.mark.slow
 def test_no_consumer_gets_a_corrupted_state_silently(extraction, tmp_path):
     """One flipped byte inside a stored state: the reader (DataLoader workers on) stops with an error naming the
     shard; only `verify_sha256=False` reads it, and then the state really differs (the corruption is silent to

@@ -213,6 +213,7 @@ def test_the_key_is_checked_and_is_not_part_of_the_jobs_identity():
     assert model_fingerprint(one.model, config) != model_fingerprint(four.model, config)
 
 
+@pytest.mark.slow
 def test_an_extraction_asking_for_more_gpus_than_the_node_has_stops_with_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "extract.py", *[a for o in demo_overrides(tmp_path / "out")
                                                            for a in ("--set", o)], "--set", "model.gpus_per_replica=2"],

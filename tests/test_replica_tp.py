@@ -74,6 +74,7 @@ def tp_out(tmp_path_factory, llama_config_file) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_a_tensor_parallel_replica_writes_what_each_sample_gets_alone(tp_out):
     summary = json.loads((tp_out / "summary.json").read_text())
     assert summary["replicas"] == {"gpus_per_replica": 2, "parallelism": "tensor_parallel", "num_replicas": 1,
@@ -87,6 +88,7 @@ def test_a_tensor_parallel_replica_writes_what_each_sample_gets_alone(tp_out):
     assert worst <= 1e-5, f"max abs diff {worst}"
 
 
+@pytest.mark.slow
 def test_verify_rebuilds_a_tensor_parallel_replicas_weights(tp_out):
     proc = subprocess.run([sys.executable, "-m", "dflash_prep.commands.cli", "verify", str(tp_out), "--num-samples", "6"],
                           cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
@@ -102,6 +104,7 @@ def verify_launched(out: Path, num_processes: int, *extra: str) -> subprocess.Co
     return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_verify_launched_as_the_replica_computes_its_reference_tensor_parallel(tp_out):
     proc = verify_launched(tp_out, 2, "--json")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -130,12 +133,14 @@ def test_verify_launched_as_the_replica_computes_its_reference_tensor_parallel(t
     assert shard.name in proc.stdout and "1 integrity problem(s)" in proc.stdout
 
 
+@pytest.mark.slow
 def test_verify_launched_as_several_replicas_is_refused(tp_out):
     proc = verify_launched(tp_out, 4)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "cannot verify" in proc.stderr and "one replica per run" in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_stop_signal_to_one_process_stops_the_replica_and_a_resume_completes_it(tp_out, llama_config_file,
                                                                                     tmp_path):
     """SIGTERM to the replica's second process (not the writer) after its 3rd batch: both stop at that batch,
@@ -154,6 +159,7 @@ def test_a_stop_signal_to_one_process_stops_the_replica_and_a_resume_completes_i
     assert set(a) == set(b) and all(a[k]["raw"] == b[k]["raw"] for k in a)
 
 
+@pytest.mark.slow
 def test_a_fatal_nan_seen_by_the_writer_stops_the_other_process(tp_out, llama_config_file, tmp_path):
     out = tmp_path / "out"
     first_id = sorted(read_records(tp_out))[5]
@@ -168,6 +174,7 @@ def test_a_fatal_nan_seen_by_the_writer_stops_the_other_process(tp_out, llama_co
     {"oom_batches": "SEVERAL"},  # before the forward, on both processes (as shards of equal size do)
     {"oom_after_forward_batches": "SEVERAL", "oom_process": 1},  # after it, on the non-writer only
 ])
+@pytest.mark.slow
 def test_an_oom_split_is_agreed_by_the_replica(tp_out, llama_config_file, tmp_path, faults):
     """The first two batches of several samples run out of memory: both processes split them the same way (also
     when only one process ran out of memory: without the agreement the other would run the next batch's
@@ -184,11 +191,12 @@ def test_an_oom_split_is_agreed_by_the_replica(tp_out, llama_config_file, tmp_pa
     assert set(a) == set(b) and all(a[k]["raw"] == b[k]["raw"] for k in a)
 
 
+@pytest.mark.slow
 def test_the_gpu_replica_check_runs_every_step_on_a_cpu(tmp_path):
-    """bench/gpu_replica.sh --dry-run-cpu: every step of the 2-GPU check (tiny configs, CPU processes) succeeds and
-    the report holds the figures the GPU run prints."""
+    """`python -m bench run replica --dry-run-cpu`: every step of the 2-GPU check (tiny configs, CPU processes)
+    succeeds and the report holds the figures the GPU run prints."""
     results, work = tmp_path / "results", tmp_path / "work"
-    proc = subprocess.run(["bash", "bench/gpu_replica.sh", str(results), "--dry-run-cpu"], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "bench", "run", "replica", str(results), "--dry-run-cpu"], cwd=REPO,
                           env=dict(ENV, WORK_DIR=str(work)), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((results / "replica.json").read_text())
@@ -197,11 +205,12 @@ def test_the_gpu_replica_check_runs_every_step_on_a_cpu(tmp_path):
                                 "8b-1gpu", "8b-2gpu")}
     assert report["70b-tp"]["replicas"]["parallelism"] == "tensor_parallel" and report["70b-tp"]["verify"] == "ok"
     assert report["70b-tp"]["verify_one_process"] == "ok"
-    assert "(tensor parallel over 2 processes)" in (results / "verify-70b-tp.log").read_text()
+    assert "(tensor parallel over 2 processes)" in (results / "logs" / "verify-70b-tp.log").read_text()
     assert report["70b-tp"]["mfu_over_all_gpus"] > 0 and report["8b_per_gpu_ratio"] > 0
     assert report["8b_1gpu"]["num_tokens"] == report["8b_2gpu"]["num_tokens"]  # the same data
     assert report["8b_2gpu"]["replicas"]["num_replicas"] == 2
-    assert "per-GPU ratio" in proc.stdout and "MFU over 2 GPUs" in proc.stdout
+    report_log = (results / "logs" / "report.log").read_text()
+    assert "per-GPU ratio" in report_log and "MFU over 2 GPUs" in report_log
     assert not list(work.glob("out-*"))  # big outputs deleted once their summaries are kept
 
 
@@ -234,6 +243,7 @@ os._exit(0)  # process 0's lone collective never completes
 '''
 
 
+@pytest.mark.slow
 def test_the_agreement_of_a_replicas_processes(tmp_path):
     """ReplicaAgreement over 2 real gloo processes: an OOM of one is a split for both when their collectives are in
     step, a stop of one a stop for both, and an OOM between collectives the peer went past stops both."""
@@ -248,6 +258,7 @@ def test_the_agreement_of_a_replicas_processes(tmp_path):
         assert json.loads((tmp_path / f"verdicts.{rank}").read_text()) == [True, False, [True, False], stop]
 
 
+@pytest.mark.slow
 def test_several_tensor_parallel_replicas_are_refused_before_any_weights_load(llama_config_file, tmp_path):
     """4 CPU processes as 2 tensor-parallel replicas of 2: one line naming the key and the ways out, exit code 2."""
     out = tmp_path / "out"

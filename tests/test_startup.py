@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import REPO, processes_writing, raw_records
 
 from dflash_prep.commands.extract import run_extraction
@@ -41,6 +42,7 @@ def _run(data: Path, out: Path, *extra: str) -> dict:
                                              *extra]))
 
 
+@pytest.mark.slow
 def test_the_overlapped_load_writes_the_records_of_a_load_after_tokenizing(tmp_path):
     """The default (load during tokenizing, random weights drawn on the load thread) against a run whose load
     follows tokenizing (`data.num_proc: 2` keeps the load in the main thread): byte-identical records."""
@@ -54,6 +56,7 @@ def test_the_overlapped_load_writes_the_records_of_a_load_after_tokenizing(tmp_p
     assert len(records) == 24 and records == raw_records(tmp_path / "after")
 
 
+@pytest.mark.slow
 def test_startup_seconds_show_the_load_hidden_behind_tokenizing_and_planning(tmp_path, monkeypatch):
     """A slow load (3 s): the main thread waits for it only what tokenizing and planning did not hide."""
     monkeypatch.setenv(ENV_VAR, json.dumps({"load_delay_seconds": 3.0}))
@@ -74,6 +77,7 @@ def test_a_finished_output_rerun_loads_nothing(tmp_path, monkeypatch):
 
 
 
+@pytest.mark.slow
 def test_a_refusal_on_the_main_process_while_both_ranks_load_ends_the_run_at_once_with_exit_code_2(tmp_path):
     """2 processes under the README's launch command; the main process refuses the rows (they differ from the
     output's) while both ranks' loads would take two more minutes: exit code 2 in one line, well before the
@@ -97,6 +101,7 @@ def test_a_refusal_on_the_main_process_while_both_ranks_load_ends_the_run_at_onc
     assert not processes_writing(out)
 
 
+@pytest.mark.slow
 def test_two_processes_record_their_startup_and_predicted_seconds_and_the_balance_report_reads_them(tmp_path):
     """2 CPU processes (each loads while the rows are tokenized): the records are the one-process run's; each
     rank's report has its start-up stages and the predicted seconds of its share; bench/balance_report.py (the

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from dflash_prep.recipe.schema import load_recipe
 from dflash_prep.target.kernels import configure_triton_cache
 
@@ -40,6 +42,7 @@ def test_the_default_is_under_the_users_cache_and_not_part_of_the_jobs_identity(
     assert load_recipe(None, ["model.triton_cache_dir=null"]).model.triton_cache_dir is None
 
 
+@pytest.mark.slow
 def test_a_cpu_run_sets_nothing_and_imports_no_triton(tmp_path, monkeypatch):
     from dflash_prep.commands.extract import run_extraction
 

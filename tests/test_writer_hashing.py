@@ -324,6 +324,7 @@ print("exiting", flush=True)
 
 
 @pytest.mark.parametrize("how", ["abort", "no_cleanup"])
+@pytest.mark.slow
 def test_a_process_that_stops_mid_write_exits_promptly(tmp_path, how):
     """A process leaving with shards open (aborted, or not cleaned up at all) does not hang at exit on a hashing
     thread (the interpreter joins those threads at exit; a hang would hit the timeout)."""
@@ -381,6 +382,7 @@ def clean_digests(tmp_path_factory):
 
 
 @pytest.mark.parametrize("threads,dtype", [(1, "bfloat16"), (4, "bfloat16"), (4, "fp8_e4m3")])
+@pytest.mark.slow
 def test_extraction_passes_inspect_check(tmp_path, capsys, clean_digests, threads, dtype):
     from dflash_prep.commands.inspect import main as inspect_main
 
@@ -397,6 +399,7 @@ def test_extraction_passes_inspect_check(tmp_path, capsys, clean_digests, thread
     assert _hash_threads() == []
 
 
+@pytest.mark.slow
 def test_sigterm_mid_run_then_resume_gives_the_uninterrupted_digests(tmp_path, monkeypatch, clean_digests):
     from dflash_prep.commands.extract import EXIT_STOPPED
     from dflash_prep.faults import ENV_VAR
@@ -412,6 +415,7 @@ def test_sigterm_mid_run_then_resume_gives_the_uninterrupted_digests(tmp_path, m
     assert _digests_by_batch(out) == clean_digests
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_then_resume_gives_the_uninterrupted_digests(tmp_path, clean_digests):
     """A hard kill (shards open on 3 lanes, hashing threads busy), then a resume in this process: the shard of
     every batch is byte for byte that of the uninterrupted run."""

@@ -1,0 +1,601 @@
+"""Device rounds as named scenarios: one command runs a scenario's steps on the GPU machine, each under a time limit,
+all within one deadline, every step logged.
+
+    python3 -m bench list
+    python3 -m bench run SCENARIO [RESULTS_DIR] [--deadline-seconds S] [--set NAME=VALUE ...] [--dry-run-cpu]
+                                                [-- ARGS for the `bench` scenario's run_bench.py]
+
+What a round does around its steps (`Round`):
+- the environment: on an offline GPU machine the wheels of WHEEL_DIR (default `.whl/`; datasets, webdataset,
+  flash-linear-attention, liger-kernel) are installed into a folder of their own, put first on PYTHONPATH with the
+  checkout; `alt_wheels` (e.g. another transformers) goes before them for the scenarios that take it;
+  RESULTS_DIR/env.txt gets the GPUs and the library versions;
+- a step runs a command under `timeout`: the step's own limit or what is left of the round's deadline, whichever
+  is less (skipped when 20 s or less are left); its output goes to RESULTS_DIR/logs/NAME.log, its outcome (ok,
+  timeout, failed with the exit code, skipped) to RESULTS_DIR/steps.jsonl and the console, with the log's last
+  lines that carry figures; a step that ends in a timeout has its process tree stopped (SIGTERM, then SIGKILL
+  10 s later); a failed step never stops the next one. The round's exit code is 1 when a step did not end ok;
+- `--dry-run-cpu` runs every step a CPU can run with tiny models and tiny data in the same order (GPU-only steps,
+  e.g. a CUDA profile, are skipped and said so), so the scenario itself is tested before it costs device time.
+
+Result files are the benchmark's own (bench/results/*.json and .md by run_bench.py, the checks' JSON); bench/RESULTS.md
+is written from them by hand. bench/README.md describes each scenario.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO = REPO / "dflash_prep" / "demo" / "tiny-demo"
+TOKENIZER = DEMO / "tokenizer"
+CONFIGS = REPO / "bench" / "configs"
+MIN_STEP_SECONDS = 20  # a step with less time left than this is skipped
+KILL_GRACE_SECONDS = 10  # after a timeout: SIGTERM, then SIGKILL this much later (the launcher passes the stop on)
+FIGURES = r"tok/s|\[bench\].*: (ok|error)|worst|max_rel|PASS|FAIL|OK|verify: |^\[dflash-prep\] done|[Ee]rror"
+
+
+@dataclass
+class Option:
+    default: str
+    help: str
+
+
+@dataclass
+class Scenario:
+    name: str
+    gpus: int
+    summary: str
+    run: Callable
+    deadline_seconds: int = 570
+    options: dict[str, Option] = field(default_factory=dict)
+
+
+SCENARIOS: dict[str, Scenario] = {}
+
+
+def scenario(name: str, gpus: int, summary: str, deadline_seconds: int = 570, **options: str):
+    """Register a scenario; each option is "DEFAULT:what it does" (`--set NAME=VALUE` overrides the default)."""
+    def register(fn):
+        SCENARIOS[name] = Scenario(name, gpus, summary, fn, deadline_seconds,
+                                   {k: Option(*v.split(":", 1)) for k, v in options.items()})
+        return fn
+    return register
+
+
+# ------------------------------------------------------------------------------------------------------ round
+class Round:
+    """One scenario's run: results folder, deadline, options, environment, and its steps (module docstring)."""
+
+    def __init__(self, sc: Scenario, results: Path, deadline_seconds: float, options: dict[str, str], dry: bool,
+                 extra_args: list[str]):
+        self.sc, self.results, self.dry, self.extra_args = sc, results, dry, extra_args
+        self.options = {k: o.default for k, o in sc.options.items()} | options
+        self.t0, self.deadline = time.monotonic(), deadline_seconds
+        self.failed: list[str] = []
+        self._lock = threading.Lock()
+        (results / "logs").mkdir(parents=True, exist_ok=True)
+        (results / "steps.jsonl").unlink(missing_ok=True)  # this round's steps only
+        # the steps' outputs: WORK_DIR (kept, its outputs deleted as their summaries are kept), or a temporary folder
+        self.own_work = "WORK_DIR" not in os.environ
+        self.work = Path(tempfile.mkdtemp(prefix=f"dflash-bench-{sc.name}-")) if self.own_work else \
+            Path(os.environ["WORK_DIR"])
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.env = self._environment()
+
+    # -- options
+    def opt(self, name: str) -> str:
+        return self.options[name]
+
+    def flag(self, name: str) -> bool:
+        return self.options[name] not in ("", "0", "false", "no")
+
+    # -- environment
+    def _environment(self) -> dict:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+               "HF_DATASETS_OFFLINE": "1"}
+        paths = [str(REPO)]
+        wheels = Path(os.environ.get("WHEEL_DIR", ".whl"))
+        if wheels.is_dir() and list(wheels.glob("*.whl")):
+            paths.insert(0, self._install_wheels(wheels, Path(tempfile.gettempdir()) / "site"))
+        alt = self.options.get("alt_wheels")
+        if alt:
+            paths.insert(0, self._install_wheels(Path(alt), Path(tempfile.gettempdir()) / "site-alt"))
+        env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [os.environ.get("PYTHONPATH")] if p])
+        if self.dry:
+            env["CUDA_VISIBLE_DEVICES"] = ""  # the dry run is a CPU run, whatever the machine has
+        self._describe(env)
+        return env
+
+    def _install_wheels(self, folder: Path, target: Path) -> str:
+        wheels = [str(w) for w in sorted(folder.glob("*.whl"))]
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--no-cache-dir", "--upgrade", "--target", str(target), *wheels], check=True)
+        return str(target)
+
+    def _describe(self, env: dict) -> None:
+        lines = [f"scenario {self.sc.name}{' (dry run on the CPU)' if self.dry else ''}, options {self.options}",
+                 f"work dir {self.work}"]
+        if shutil.which("nvidia-smi") and not self.dry:
+            lines.append(subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,memory.used", "--format=csv"],
+                                        capture_output=True, text=True).stdout.strip())
+        code = ("import importlib.metadata as m\nfor d in ('torch', 'transformers', 'accelerate', 'datasets', "
+                "'webdataset', 'flash-linear-attention', 'liger-kernel', 'triton'):\n"
+                "    try: print(d, m.version(d))\n    except m.PackageNotFoundError: print(d, '-')")
+        lines.append(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout)
+        (self.results / "env.txt").write_text("\n".join(lines) + "\n")
+
+    # -- time
+    def left(self) -> float:
+        return self.deadline - (time.monotonic() - self.t0)
+
+    def say(self, text: str) -> None:
+        with self._lock:
+            print(f"[{self.sc.name} +{time.monotonic() - self.t0:.0f}s] {text}", flush=True)
+
+    # -- steps
+    def step(self, name: str, seconds: float, cmd: list[str], gpus: str | None = None, gpu_only: bool = False,
+             env: dict | None = None, grep: str = FIGURES) -> int:
+        """Run `cmd` as the step `name` (module docstring); -> its exit code (99: skipped)."""
+        if gpu_only and self.dry:
+            return self._record(name, "skipped (needs CUDA: not part of a CPU dry run)", 99, 0.0)
+        limit = min(seconds, self.left() - KILL_GRACE_SECONDS)
+        if limit <= MIN_STEP_SECONDS:
+            return self._record(name, f"skipped (deadline: {max(self.left(), 0):.0f} s left)", 99, 0.0)
+        step_env = {**self.env, **(env or {})}
+        if gpus is not None and not self.dry:
+            step_env["CUDA_VISIBLE_DEVICES"] = gpus
+        self.say(f"{name}: start (timeout {limit:.0f}s): {' '.join(map(str, cmd))[:300]}")
+        log_path = self.results / "logs" / f"{name}.log"
+        start = time.monotonic()
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=step_env, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                rc = proc.wait(timeout=limit)
+                status = "ok" if rc == 0 else f"failed (exit code {rc})"
+            except subprocess.TimeoutExpired:
+                _stop_tree(proc)
+                rc, status = 124, "timeout"
+        self._record(name, status, rc, time.monotonic() - start)
+        import re
+
+        lines = [line for line in log_path.read_text(errors="replace").splitlines() if re.search(grep, line)]
+        for line in lines[-8:]:
+            self.say(f"    {line[:240]}")
+        return rc
+
+    def _record(self, name: str, status: str, rc: int, seconds: float) -> int:
+        with self._lock, open(self.results / "steps.jsonl", "a") as f:
+            f.write(json.dumps({"name": name, "status": status.split(" (")[0], "exit_code": rc,
+                                "seconds": round(seconds, 1), "detail": status}) + "\n")
+        if not status.startswith("ok") and "needs CUDA" not in status:  # a dry run leaves the GPU-only steps out
+            self.failed.append(name)
+        self.say(f"{name}: {status} in {seconds:.0f}s")
+        return rc
+
+    def parallel(self, *sequences: Callable[[], None]) -> None:
+        """Run step sequences side by side (e.g. one per GPU); a dry run runs them one after the other."""
+        if self.dry:
+            for seq in sequences:
+                seq()
+            return
+        threads = [threading.Thread(target=seq) for seq in sequences]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    # -- commands
+    def python(self, *args) -> list[str]:
+        return [sys.executable, *map(str, args)]
+
+    def extract(self, out: Path, *sets: str) -> list[str]:
+        """The extraction in one process (`python -m dflash_prep.commands.extract`), the demo recipe, `sets` on top."""
+        return self.python("-m", "dflash_prep.commands.extract", "--set", f"output.dir={out}",
+                           "--set", "output.overwrite=true", *(a for kv in sets for a in ("--set", kv)))
+
+    def launch(self, launch_args: list[str], out: Path, *sets: str) -> list[str]:
+        """`dflash-prep launch LAUNCH_ARGS -m dflash_prep.commands.extract` with the recipe `sets`."""
+        return self.python("-m", "dflash_prep.commands.cli", "launch", *launch_args, "-m",
+                           "dflash_prep.commands.extract", "--set", f"output.dir={out}",
+                           *(a for kv in sets for a in ("--set", kv)))
+
+    def two_processes(self) -> list[str]:
+        """Launcher arguments of one process per GPU of a 2-GPU node (two CPU processes in a dry run)."""
+        return (["--config_file", str(REPO / "accelerate_configs" / "cpu_2proc.yaml")] if self.dry else
+                ["--multi_gpu", "--num_processes", "2"])
+
+    def verify(self, out: Path, *args: str) -> list[str]:
+        return self.python("-m", "dflash_prep.commands.cli", "verify", out, *args)
+
+    def keep(self, out: Path, name: str) -> None:
+        """Copy a finished output's summary and manifest to RESULTS_DIR/NAME.*.json, then delete the output."""
+        for what in ("summary", "manifest"):
+            if (out / f"{what}.json").is_file():
+                shutil.copy(out / f"{what}.json", self.results / f"{name}.{what}.json")
+        if (out / "logs").is_dir():
+            shutil.copytree(out / "logs", self.results / f"{name}.logs", dirs_exist_ok=True)
+        shutil.rmtree(out, ignore_errors=True)
+
+    def close(self) -> int:
+        if self.own_work:
+            shutil.rmtree(self.work, ignore_errors=True)
+        self.say(f"done: {'every step ok' if not self.failed else 'not ok: ' + ', '.join(self.failed)}; results in "
+                 f"{self.results}")
+        return 1 if self.failed else 0
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc), children first found first."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _stop_tree(proc: subprocess.Popen) -> None:
+    """A step past its time: SIGTERM to it and every process below it (launched ranks run in sessions of their own),
+    then SIGKILL to what is left KILL_GRACE_SECONDS later."""
+    tree = [proc.pid, *_descendants(proc.pid)]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in tree:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        try:
+            proc.wait(timeout=KILL_GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            pass
+    time.sleep(1)
+
+
+def _shm_or_tmp(need_gb: int) -> Path:
+    """/dev/shm when it has `need_gb` GB free (outputs on RAM: the disk does not set the pace), else the temp dir."""
+    try:
+        if shutil.disk_usage("/dev/shm").free >= need_gb * 1e9:
+            return Path("/dev/shm")
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir())
+
+
+def _bench(r: Round, model: str, out_dir: Path, *args: str) -> list[str]:
+    """bench/run_bench.py on `model` (a tiny one on the CPU in a dry run), results in RESULTS_DIR."""
+    if r.dry:
+        model = {"qwen3.6-27b": "tiny-qwen3.5", "llama3.1-8b": "tiny-llama"}.get(model, model)
+        args = (*args, "--device", "cpu", "--num-samples", "24")
+    return r.python("bench/run_bench.py", "--results-dir", r.results, "--model", model, "--out-dir", out_dir, *args)
+
+
+def _tiny(model_list: str) -> str:
+    return ",".join({"qwen3.6-27b": "tiny-qwen3.5", "llama3.1-8b": "tiny-llama"}.get(m, m)
+                    for m in model_list.split(","))
+
+
+# -------------------------------------------------------------------------------------------------- scenarios
+@scenario("smoke", 1, "the demo recipe on the GPU in bf16, its summary")
+def smoke(r: Round) -> None:
+    out = r.work / "smoke"
+    r.step("demo-bf16", 300, r.extract(out, "model.dtype=bfloat16", *(["data.max_samples=60"] if r.dry else [])))
+    r.keep(out, "smoke")
+    summary = r.results / "smoke.summary.json"
+    if summary.is_file():
+        s = json.loads(summary.read_text())
+        r.say(str({k: s[k] for k in ("num_samples_written", "num_tokens_written", "tokens_per_second",
+                                     "padding_efficiency")}))
+
+
+@scenario("bench", 1, "bench/run_bench.py with the arguments after `--` (default: the 27B, every mode, cold and warm)",
+          deadline_seconds=3600)
+def bench(r: Round) -> None:
+    args = r.extra_args or ["--modes", "per_sample,fixed_batch,dflash_prep,per_sample_warm,fixed_batch_warm,"
+                                       "dflash_prep_warm"]
+    model = "qwen3.6-27b"
+    if "--model" in args:
+        i = args.index("--model")
+        model, args = args[i + 1], args[:i] + args[i + 2:]
+    r.step("run-bench", r.deadline, _bench(r, model, r.work, *args))
+
+
+@scenario("kernels", 1, "model.kernels on a GPU: fused vs eager in fp32 (kernels_check.py), then a bf16 extraction "
+          "of each tiny architecture with the fused kernels and verify against the same kernels and eager",
+          check="1:run kernels_check.py first (0: skip it)")
+def kernels(r: Round) -> None:
+    if r.flag("check"):  # fused kernels exist on CUDA only: nothing to compare on a CPU
+        r.step("kernels-check", 200, r.python("bench/kernels_check.py", "--json", r.results / "kernels_check.json"),
+               gpu_only=True)
+    for arch, sets in _tiny_archs():
+        out = r.work / f"kernels-{arch}"
+        if r.step(f"extract-{arch}", 200, r.extract(out, "model.dtype=bfloat16", "data.max_samples=" +
+                                                     ("60" if r.dry else "300"), *sets)) == 0:
+            r.step(f"verify-{arch}", 150, r.verify(out, "--num-samples", "16", "--seed", "0"))
+            r.step(f"verify-{arch}-eager", 150, r.verify(out, "--num-samples", "16", "--seed", "0", "--skip-hash",
+                                                        "--set", "model.kernels=eager"))
+        r.keep(out, f"kernels-{arch}")
+
+
+def _tiny_archs() -> list[tuple[str, list[str]]]:
+    """The demo's Qwen3.5 hybrid (final state before the norm) and a tiny Llama (EAGLE-3, final after the norm)."""
+    return [("qwen3.5", ["layers.capture_final=before_norm"]),
+            ("llama", [f"model.config={CONFIGS / 'tiny-llama.json'}", "layers.preset=eagle3",
+                       "layers.capture_final=after_norm"])]
+
+
+@scenario("packing", 1, "packed rows on a GPU: one packed row vs each sample alone (packing_check.py, fp32 and bf16 "
+          "slices of the 27B and 8B shapes; then every family's GPU-sized config, bench/families.py, with the "
+          "attention function checked alone), then a packed bf16 extraction of each tiny architecture and verify",
+          check="1:run packing_check.py on the benchmark slices (0: skip it)",
+          families="1:run packing_check.py on every family (0: skip it)",
+          extract="1:the packed extractions (0: skip them)")
+def packing(r: Round) -> None:
+    if r.flag("check"):
+        device = ["--device", "cpu", "--models", "tiny-qwen3.5,tiny-llama"] if r.dry else []
+        r.step("packing-check", 540, r.python("bench/packing_check.py", "--json", r.results / "packing_check.json",
+                                               *device))
+    if r.flag("families"):
+        size = ["--device", "cpu", "--size", "tiny", "--dtypes", "float32"] if r.dry else []
+        r.step("packing-check-families", 540, r.python(
+            "bench/packing_check.py", "--models", "none", "--families", "all",
+            "--json", r.results / "packing_check_families.json", *size))
+    if not r.flag("extract"):
+        return
+    for arch, sets in _tiny_archs():
+        out = r.work / f"packing-{arch}"
+        dtype = "model.dtype=float32" if r.dry else "model.dtype=bfloat16"  # a CPU packs exactly in fp32
+        if r.step(f"extract-{arch}", 300, r.extract(out, dtype, "batching.packing=true", "data.max_samples=" +
+                                                     ("60" if r.dry else "300"), *sets)) == 0:
+            r.step(f"verify-{arch}", 300, r.verify(out, "--num-samples", "16", "--seed", "0"))
+        r.keep(out, f"packing-{arch}")
+
+
+@scenario("balance", 2, "2 GPUs, the 8B shape on 4,500 samples (EAGLE-3 + final, fp8): the split by predicted time, "
+          "the load beside tokenizing, verify, and per rank loop vs predicted seconds (balance_report.py)")
+def balance(r: Round) -> None:
+    data, out = r.work / "data.parquet", r.work / "out"
+    num, vocab = (400, 1024) if r.dry else (4500, 128256)
+    r.step("data", 90, r.python("-c", "import sys; from pathlib import Path; from bench.samples import make_samples, "
+                                      "write_pretokenized; n, v = int(sys.argv[2]), int(sys.argv[3]); "
+                                      "s = make_samples(n, 5.41, 0.9, 16, 4096, v, seed=0); "
+                                      "write_pretokenized(Path(sys.argv[1]), s, n); print(s.params)",
+                                data, num, vocab))
+    config = CONFIGS / ("tiny-llama.json" if r.dry else "llama3.1-8b.json")
+    r.step("extract", 330, r.launch(r.two_processes(), out, f"data.path={data}", "data.max_length=4096",
+                                    f"model.config={config}", f"model.tokenizer={TOKENIZER}",
+                                    "model.dtype=bfloat16", "layers.preset=eagle3", "layers.capture_final=after_norm",
+                                    "output.dtype=fp8_e4m3", "batching.max_tokens_per_batch=auto",
+                                    "output.overwrite=true"))
+    r.step("verify", 240, r.verify(out, "--num-samples", "16", "--seed", "0"))
+    r.step("balance", 120, r.python("bench/balance_report.py", out, r.results / "balance.txt"))
+    for name in ("summary.json", "plan.json"):
+        if (out / name).is_file():
+            shutil.copy(out / name, r.results / name)
+
+
+@scenario("replica", 2, "targets larger than one GPU: the 70B shape as one tensor-parallel replica of 2 GPUs (or a "
+          "layer split), verified as the replica and as one process; the 8B on 1 GPU then 2 (per-GPU ratio)",
+          run_8b="1:the 8B steps (0: skip them)")
+def replica(r: Round) -> None:
+    work, dry = r.work, ["--dry-run-cpu"] if r.dry else []
+    if r.dry:
+        r.env["DFLASH_PREP_CPU_REPLICAS"] = "1"  # test-only: a node's CPU processes stand for its GPUs
+    env: dict = {}
+    n70, n8, nwarm = (48, 240, 16) if r.dry else (640, 7800, 64)
+    (work / "disk.json").write_text(json.dumps(f"{work} ({_filesystem(work)})"))
+    r.step("data", 90, r.python("-m", "bench.replica_check", "data", work, *dry))
+    r.step("gemm", 60, r.python("-m", "bench.replica_check", "gemm", r.results, *dry))
+    common = [f"data.path={work / 'data.parquet'}", "data.max_length=4096", f"model.tokenizer={TOKENIZER}",
+              "model.dtype=bfloat16", "layers.preset=eagle3", "batching.max_tokens_per_batch=auto",
+              "batching.num_workers=2", f"model.triton_cache_dir={work / 'triton'}", "output.overwrite=true"]
+    c70 = [f"model.config={work / 'configs' / '70b.json'}", "model.gpus_per_replica=2", f"data.max_samples={n70}",
+           "layers.capture_final=after_norm", "output.dtype=bfloat16"]
+    out = work / "out-70b-tp"
+    if r.step("70b-tp", 200, r.launch(r.two_processes(), out, *common, *c70), env=env) == 0:
+        # the reference computed as the extraction ran (the same tensor-parallel replica), then by one process
+        r.step("verify-70b-tp", 200, r.python("-m", "dflash_prep.commands.cli", "launch", *r.two_processes(), "-m",
+                                              "dflash_prep.commands.cli", "verify", out, "--num-samples", "8",
+                                              "--seed", "0", "--skip-hash"), env=env)
+        r.step("verify-70b-tp-one-process", 170, r.verify(out, "--num-samples", "8", "--seed", "0"), env=env)
+        r.keep(out, "70b-tp")
+    else:
+        r.keep(out, "70b-tp")
+        out = work / "out-70b-ls"
+        if r.step("70b-layer-split", 200, r.launch(["--num_processes", "1"], out, *common, *c70,
+                                                   "model.replica_parallelism=layer_split"), env=env) == 0:
+            r.step("verify-70b-layer-split", 150, r.verify(out, "--num-samples", "8", "--seed", "0"), env=env)
+        r.keep(out, "70b-layer-split")
+    if r.flag("run_8b"):
+        c8 = [f"model.config={work / 'configs' / '8b.json'}", "layers.capture_final=none", "output.dtype=fp8_e4m3"]
+        out = work / "out-8b-warmup"  # fills the shared Triton cache; not measured
+        r.step("8b-warmup", 90, r.launch(["--num_processes", "1"], out, *common, *c8, f"data.max_samples={nwarm}"))
+        shutil.rmtree(out, ignore_errors=True)
+        for name, launch in (("8b-1gpu", ["--num_processes", "1"]), ("8b-2gpu", r.two_processes())):
+            out = work / f"out-{name}"
+            r.step(name, 170, r.launch(launch, out, *common, *c8, f"data.max_samples={n8}"), env=env)
+            r.keep(out, name)
+    shutil.copy(r.results / "steps.jsonl", work / "steps.jsonl")
+    r.step("report", 60, r.python("-m", "bench.replica_check", "report", work, r.results))
+
+
+def _filesystem(path: Path) -> str:
+    found = subprocess.run(["findmnt", "-n", "-o", "FSTYPE", "--target", str(path)], capture_output=True, text=True)
+    fs = found.stdout.strip().splitlines()[0] if found.returncode == 0 and found.stdout.strip() else "unknown"
+    return f"{fs} filesystem: " + ("memory, not a disk" if fs in ("tmpfs", "ramfs") else "a disk, not /dev/shm")
+
+
+@scenario("round", 2, "one benchmark round on 2 GPUs at once: the 27B hybrid on GPU 0, the 8B shape on GPU 1, each as "
+          "packed rows (cold, warm, the padded A/B, a fresh process); the 8B also profiled and with 65,536-token rows",
+          one_gpu="0:both models on GPU 0, one after the other", packed_row_tokens="32768:tokens of a packed row",
+          modes_8b=":the 8B's modes (default: dflash_prep,dflash_prep_warm,dflash_prep_variant,dflash_prep_fresh,"
+                   "dflash_prep_profile)")
+def round_(r: Round) -> None:
+    out = (r.work if r.dry else _shm_or_tmp(60)) / "bench-out"
+    row = r.opt("packed_row_tokens")
+    packed = ["--dflash-set", "batching.packing=true", "--dflash-set", f"batching.max_tokens_per_batch={row}"]
+    one = r.flag("one_gpu")
+
+    def gpu0() -> None:
+        r.step("27b-packed", r.deadline, _bench(r, "qwen3.6-27b", out, *packed, "--modes",
+                                                 "dflash_prep,dflash_prep_warm,dflash_prep_variant,"
+                                                 "dflash_prep_variant_warm,dflash_prep_fresh", "--variant-set",
+                                                 "batching.packing=false", "--variant-set",
+                                                 "batching.max_tokens_per_batch=65536"), gpus="0")
+
+    def gpu1() -> None:
+        modes = r.opt("modes_8b") or ("dflash_prep,dflash_prep_warm,dflash_prep_profile,dflash_prep_variant" if one
+                                      else "dflash_prep,dflash_prep_warm,dflash_prep_variant,dflash_prep_fresh,"
+                                           "dflash_prep_profile")
+        gpu = "0" if one else "1"
+        r.step("8b-packed", r.deadline, _bench(r, "llama3.1-8b", out, *packed, "--modes", modes, "--variant-set",
+                                                "batching.packing=false", "--variant-set",
+                                                "batching.max_tokens_per_batch=131072"), gpus=gpu)
+        r.step("8b-packed-65k", r.deadline, _bench(r, "llama3.1-8b", out, "--dflash-set", "batching.packing=true",
+                                                    "--dflash-set", "batching.max_tokens_per_batch=65536",
+                                                    "--modes", "dflash_prep,dflash_prep_warm"), gpus=gpu)
+
+    if one:
+        gpu0()
+        gpu1()
+    else:
+        r.parallel(gpu0, gpu1)
+
+
+@scenario("levers", 1, "the 27B hybrid's forward levers: padded batches cold and warm, then kernels_check.py on its "
+          "slice in fp32", deadline_seconds=540, model="qwen3.6-27b:the benchmark model",
+          kc_models="qwen3.6-27b:the models of kernels_check.py")
+def levers(r: Round) -> None:
+    out = _shm_or_tmp(60) / "bench-out" if not r.dry else r.work / "bench-out"
+    r.step("27b-padded", 380, _bench(r, r.opt("model"), out, "--dflash-set", "batching.packing=false", "--modes",
+                                     "dflash_prep,dflash_prep_warm"))
+    r.step("kernels-check", 200, r.python("bench/kernels_check.py", "--models", r.opt("kc_models"), "--json",
+                                          r.results / "kernels_check_gated_norm.json"), gpu_only=True)
+
+
+@scenario("long", 1, "the 27B hybrid on a longer job (800,000 tokens: the once-per-job tail amortized) and the packing "
+          "check of the transformers it runs", deadline_seconds=540,
+          alt_wheels=":a folder of wheels (e.g. another transformers) first on PYTHONPATH for every step",
+          model="qwen3.6-27b:the benchmark model", pc_seconds="300:packing check's limit (0: skip it)",
+          pc_models="qwen3.6-27b:models of packing_check.py", long="1:the long run (0: skip it)",
+          long_samples="3000:samples of the long run's list", long_tokens="800000:real tokens of the long run",
+          short="0:also the standard 250,000-token run", short_modes="dflash_prep,dflash_prep_warm:its modes",
+          short_seconds="200:its limit", run_8b="0:also the 8B's standard run", model_8b="llama3.1-8b:that model")
+def long(r: Round) -> None:
+    out = r.work / "bench-out" if r.dry else _shm_or_tmp(60) / "bench-out"
+    if int(r.opt("pc_seconds")) > 0:
+        device = ["--device", "cpu"] if r.dry else []
+        models = _tiny(r.opt("pc_models")) if r.dry else r.opt("pc_models")
+        r.step("packing-check", int(r.opt("pc_seconds")), r.python(
+            "bench/packing_check.py", "--models", models, "--json", r.results / "packing_check_long.json", *device))
+    if r.flag("long"):
+        tokens = "20000" if r.dry else r.opt("long_tokens")
+        r.step("27b-long", 330, _bench(r, r.opt("model"), out, "--modes", "dflash_prep,dflash_prep_warm",
+                                       *([] if r.dry else ["--num-samples", r.opt("long_samples")]),
+                                       "--dflash-max-tokens", tokens))
+    if r.flag("short"):
+        r.step("27b-short", int(r.opt("short_seconds")), _bench(r, r.opt("model"), out, "--modes",
+                                                                 r.opt("short_modes")))
+    if r.flag("run_8b"):
+        r.step("8b", 200, _bench(r, r.opt("model_8b"), out, "--modes", "dflash_prep,dflash_prep_warm"))
+
+
+@scenario("profile", 1, "one packed forward of a benchmark model, CUDA kernels by device time (forward_profile.py), "
+          "with the installed transformers and again with `alt_wheels`; the writer lanes on tmpfs (writer_bench.py)",
+          alt_wheels=":a folder of wheels to profile against (a second process with them first on PYTHONPATH)",
+          model="qwen3.6-27b:the benchmark model", row_tokens="32768:tokens of the packed row",
+          writer_bench="1:also the writer bench (0: skip it)", limit_image="200:the first profile's limit",
+          limit_alt="160:the second profile's limit")
+def profile(r: Round) -> None:
+    if r.flag("writer_bench"):
+        size = ["--gb", "0.05", "--width", "2560"] if r.dry else ["--gb", "3"]
+        r.step("writer-bench", 90, r.python("bench/writer_bench.py", "--dir", _shm_or_tmp(8), "--threads", "1,4",
+                                            *size, "--json", r.results / "writer-bench.json"))
+    args = ["--model", r.opt("model"), "--row-tokens", r.opt("row_tokens")]
+    alt = r.opt("alt_wheels")
+    image_env = {"PYTHONPATH": os.pathsep.join(p for p in r.env["PYTHONPATH"].split(os.pathsep)
+                                               if not p.endswith("site-alt"))} if alt else None
+    r.step("profile-image", int(r.opt("limit_image")), r.python("bench/forward_profile.py", *args, "--json",
+                                                                r.results / "profile-image.json"),
+           gpu_only=True, env=image_env)
+    if alt:
+        r.step("profile-alt", int(r.opt("limit_alt")), r.python("bench/forward_profile.py", *args, "--json",
+                                                                r.results / "profile-alt.json"), gpu_only=True)
+
+
+@scenario("regen", 1, "the in-process regeneration engine against one prompt at a time through `generate` on the 8B "
+          "and 27B shapes (regen_bench.py; the arguments after `--` go to it)")
+def regen(r: Round) -> None:
+    args = ["--dry-run"] if r.dry else r.extra_args
+    r.step("regen-bench", r.deadline, r.python("bench/regen_bench.py", r.results, *args))
+
+
+@scenario("faults", 1, "the failure paths the CPU tests can only inject: a real CUDA out-of-memory error under a "
+          "capped allocator, and the device-side NaN check (bf16 and fp8)", fractions="0.0006:the memory caps")
+def faults(r: Round) -> None:
+    r.step("gpu-faults", 540, r.python("bench/gpu_faults.py", "--out", r.work / "gpu_faults", "--fractions",
+                                       r.opt("fractions")), gpu_only=True, grep=r'"stage"|FAILED|"ok"')
+
+
+# ----------------------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(prog="python3 -m bench", description="Benchmark scenarios (bench/scenarios.py).")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="the scenarios and their options")
+    run = sub.add_parser("run", help="run one scenario")
+    run.add_argument("scenario", choices=sorted(SCENARIOS))
+    run.add_argument("results", nargs="?", default=None, help="results folder (default bench/results/SCENARIO-TIME)")
+    run.add_argument("--deadline-seconds", type=float, default=None, help="all steps within this (scenario default)")
+    run.add_argument("--set", dest="options", action="append", default=[], metavar="NAME=VALUE",
+                     help="a scenario option (python3 -m bench list shows them)")
+    run.add_argument("--dry-run-cpu", action="store_true", help="every step a CPU can run, tiny models and data")
+    args = p.parse_args(argv)
+    if args.command == "list":
+        for sc in SCENARIOS.values():
+            print(f"{sc.name:<9} {sc.gpus} GPU(s), deadline {sc.deadline_seconds} s: {sc.summary}")
+            for name, o in sc.options.items():
+                print(f"          --set {name}={o.default}  {o.help}")
+        return 0
+    sc = SCENARIOS[args.scenario]
+    options = {}
+    for kv in args.options:
+        name, sep, value = kv.partition("=")
+        if not sep or name not in sc.options:
+            p.error(f"--set {kv}: {sc.name} takes {', '.join(sc.options) or 'no option'}")
+        options[name] = value
+    results = Path(args.results or REPO / "bench" / "results" / f"{sc.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    r = Round(sc, results.resolve(), args.deadline_seconds or sc.deadline_seconds, options, args.dry_run_cpu, extra)
+    try:
+        sc.run(r)
+    finally:
+        code = r.close()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
