@@ -377,3 +377,11 @@ def test_a_template_without_a_generation_prompt_supervises_the_separator_not_the
     ids, mask = chat.ChatRenderer(tokenizer, template).tokenize(*chat.row_to_chat(PLAIN))
     assert supervised_runs(tokenizer, ids, mask) == ["\n4 — facile.<|im_end|>", "\n9.<|im_end|>",
                                                      "\nDe rien ! 😊<|im_end|>"]
+
+
+def test_tool_calls_that_are_not_a_list_skip_the_row_with_a_detail():
+    """Found by the property test: `tool_calls` holding a string crashed the row reader instead of skipping."""
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": "system"}]}
+    with pytest.raises(chat.SkipRow) as e:
+        chat.row_to_chat(row)
+    assert e.value.reason == "malformed_tool_calls" and "`tool_calls` is" in str(e.value.detail)

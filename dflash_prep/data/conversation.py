@@ -197,6 +197,8 @@ def _turn_messages(turn: Any, t: int) -> list[tuple[dict, list[str]]]:
     role, role_raw, content_key = _turn_fields(turn, t)
     content = turn.get(content_key)
     calls = turn.get("tool_calls") or None
+    if calls is not None and not isinstance(calls, list):
+        raise SkipRow(BAD_TOOL_CALLS, f"turn {t} ({role_raw}): `tool_calls` is {type_name(calls)}, not a list")
     if role_raw == "function_call":
         calls, content = _calls_in_text(content, t), None
     elif role == "assistant" and calls is None and turn.get("function_call") is not None:
