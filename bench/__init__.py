@@ -9,6 +9,7 @@
     modes.py      per_sample, fixed_batch, dflash_prep and its warm / variant / profile passes
     report.py     the JSON and Markdown report
     scenarios.py  the device rounds as named scenarios: `python3 -m bench run SCENARIO` (list: `python3 -m bench list`)
+    device_round.py  a round's environment, steps under one deadline, logs and outcomes
 """
 
 import os

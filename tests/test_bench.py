@@ -321,17 +321,18 @@ def test_command_line_writes_the_report_layout_of_the_committed_gpu_reports(tmp_
 
 @pytest.mark.slow
 def test_a_scenario_round_limits_logs_and_records_every_step(tmp_path, monkeypatch, capsys):
-    """bench/scenarios.py's Round: a step's output goes to its log and its outcome to steps.jsonl; a failing step
+    """bench/device_round.py's Round: a step's output goes to its log and its outcome to steps.jsonl; a failing step
     does not stop the next; a step past its limit is stopped with the processes it started, also one in a session
     of its own (as launched ranks are); a step with too little time left is skipped; the round says it is not ok."""
     import json
     import os
     import time
 
+    from bench import device_round as bench_round
     from bench import scenarios
 
-    monkeypatch.setattr(scenarios, "MIN_STEP_SECONDS", 1)
-    monkeypatch.setattr(scenarios, "KILL_GRACE_SECONDS", 1)
+    monkeypatch.setattr(bench_round, "MIN_STEP_SECONDS", 1)
+    monkeypatch.setattr(bench_round, "KILL_GRACE_SECONDS", 1)
     pid_file = tmp_path / "grandchild.pid"
     spawn = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
              "time.sleep(120)'], start_new_session=True); open(sys.argv[1], 'w').write(str(p.pid)); time.sleep(120)")
@@ -343,7 +344,7 @@ def test_a_scenario_round_limits_logs_and_records_every_step(tmp_path, monkeypat
         r.deadline = time.monotonic() - r.t0  # nothing left for the last one
         r.step("too-late", 30, r.python("-c", "print('never')"))
 
-    sc = scenarios.Scenario("fake", 1, "a test scenario", fake)
+    sc = bench_round.Scenario("fake", 1, "a test scenario", fake)
     monkeypatch.setitem(scenarios.SCENARIOS, "fake", sc)
     results = tmp_path / "results"
     assert scenarios.main(["run", "fake", str(results)]) == 1
