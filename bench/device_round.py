@@ -88,7 +88,8 @@ class Round:
                "HF_DATASETS_OFFLINE": "1"}
         paths = [str(REPO)]
         wheels = Path(os.environ.get("WHEEL_DIR", ".whl"))
-        if wheels.is_dir() and list(wheels.glob("*.whl")):
+        # Not in a CPU dry run: the GPU wheels (flash-linear-attention, liger-kernel with Triton) break a CPU forward.
+        if not self.dry and wheels.is_dir() and list(wheels.glob("*.whl")):
             paths.insert(0, self._install_wheels(wheels, Path(tempfile.gettempdir()) / "site"))
         alt = self.options.get("alt_wheels")
         if alt:
