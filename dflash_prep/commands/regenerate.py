@@ -34,8 +34,9 @@ from dflash_prep.recipe.schema import REGEN_IDENTITY_KEYS, Recipe, RecipeError, 
 from dflash_prep.regen import output as regen_output
 from dflash_prep.regen.conversation import RegenSettings
 from dflash_prep.regen.engine import EngineUnavailable
-from dflash_prep.regen.loop import EngineFailed, LoopStopped, RegenLoop, StopRequest
+from dflash_prep.regen.loop import REGEN_STOP_MESSAGE, EngineFailed, LoopStopped, RegenLoop
 from dflash_prep.regen.sampling import generation_config_source, read_generation_defaults, resolve_sampling
+from dflash_prep.signals import StopRequest
 from dflash_prep.store.locks import OutputBusyError, check_no_rank_writing, lock_rank, lock_run
 from dflash_prep.store.manifest import OutputStateError, read_state_json
 
@@ -88,24 +89,12 @@ def _check_output_dir(recipe: Recipe, out_dir: Path) -> None:
 
 
 def _setup_logging(out_dir: Path, rank: int, is_main: bool) -> None:
-    """Console from the main process only (one line a message); every rank to its own log file."""
-    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
-    log.setLevel(logging.INFO)
-    log.propagate = False
-    for h in list(log.handlers):
-        log.removeHandler(h)
-        h.close()
-    fh = logging.FileHandler(out_dir / "logs" / f"rank-{rank:05d}.log")
-    fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    log.addHandler(fh)
-    if is_main:
-        ch = logging.StreamHandler(sys.stderr)
-        ch.setFormatter(logging.Formatter("[dflash-prep] %(message)s"))
-        ch.addFilter(lambda record: getattr(record, "console", True))
-        log.addHandler(ch)
-    import transformers
+    """The extraction's console and log files (commands/extract/console.py): console from the main process only, one
+    line a message; every rank to its own log file."""
+    from dflash_prep.commands.extract.console import attach_log_file, setup_logging
 
-    transformers.logging.set_verbosity_error()
+    setup_logging(out_dir, rank, is_main)
+    attach_log_file(out_dir, rank)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
 
 
@@ -272,7 +261,7 @@ def _run_rank(recipe: Recipe, state, out_dir: Path, rows, mine: list[int], rows_
                       "sampling": json.dumps(settings.sampling, sort_keys=True), "max_tokens": settings.max_tokens}
         total = sum(len(regen_output.chunk_rows(c, rows_per_shard, len(rows))) for c in mine)
         progress = _Progress(total, state.num_processes) if state.is_main_process else None
-        stop = StopRequest()
+        stop = StopRequest(REGEN_STOP_MESSAGE)
         loop = RegenLoop(engine, rows, mine, rows_per_shard, settings,
                          regen_output.ChunkCommitter(out_dir, state.process_index), provenance,
                          recipe.data.id_column, window, batch_size, parallel, stop=stop,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import signal
 import threading
 import time
 from collections import Counter, deque
@@ -29,47 +28,11 @@ from dflash_prep.data import rows as data_rows
 from dflash_prep.regen.conversation import Conversation, RegenSettings
 from dflash_prep.regen.engine import EngineUnavailable
 from dflash_prep.regen.output import ChunkCommitter, chunk_rows
+from dflash_prep.signals import StopRequest
+
+REGEN_STOP_MESSAGE = "%s received: stopping; the chunks committed so far stay, the rest is asked again on resume"
 
 log = logging.getLogger("dflash_prep")
-
-
-class StopRequest:
-    """SIGTERM or SIGINT asks the loop to stop (it commits nothing more and ends with exit code 1: the chunks
-    committed so far stay, the rest is asked again on resume); a second, different signal (or the same one after
-    DUPLICATE_SECONDS: a launcher forwards a group's signal once more) acts at once with the default handlers.
-    Installed only from the main thread."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-    DUPLICATE_SECONDS = 2.0
-
-    def __init__(self):
-        self.signal_name: str | None = None
-        self._first: tuple[int, float] | None = None
-        self._previous: dict = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        now = time.monotonic()
-        if self._first is None:
-            self._first, self.signal_name = (signum, now), signal.Signals(signum).name
-            log.warning("%s received: stopping; the chunks committed so far stay, the rest is asked again on resume",
-                        self.signal_name)
-            return
-        if signum == self._first[0] and now - self._first[1] < self.DUPLICATE_SECONDS:
-            return
-        self.restore()
-        signal.raise_signal(signum)
-
-    @property
-    def requested(self) -> bool:
-        return self.signal_name is not None
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}
 
 
 class LoopStopped(Exception):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from dflash_prep.commands.extract.host_copy import GpuTimer, to_host
 from dflash_prep.commands.extract.progress import STOP_WAIT_SECONDS, JobProgress
 from dflash_prep.commands.extract.report import stopped_message
-from dflash_prep.commands.extract.stop import StopRequest
+from dflash_prep.commands.extract.stop import EXTRACTION_STOP_MESSAGE, StopRequest
 from dflash_prep.commands.job import Run
 from dflash_prep.errors import ExtractionError, StopRequested
 from dflash_prep.store.manifest import read_committed
@@ -52,7 +52,7 @@ def forward_loop(run: Run, model, loader, writer: AsyncShardWriter, progress: Jo
     """Every batch of `loader` through `model` into `writer` (see the module docstring), counted in `progress`; a
     stop signal commits the batches captured so far and raises ExtractionError."""
     gpu_timer = GpuTimer() if run.device.type == "cuda" else None
-    stats, runner, stop, stopped_early = RankStats(), None, StopRequest(), False
+    stats, runner, stop, stopped_early = RankStats(), None, StopRequest(EXTRACTION_STOP_MESSAGE), False
     t_loop = time.perf_counter()
     try:
         with LayerCapture(model, run.layer_ids, capture_final=run.recipe.layers.capture_final,

@@ -7,51 +7,13 @@ import logging
 import os
 import signal
 import sys
-import threading
-import time
+
+from dflash_prep.signals import StopRequest
 
 log = logging.getLogger("dflash_prep")
 
-
-class StopRequest:
-    """SIGTERM (a scheduler's preemption notice) or SIGINT (Ctrl-C) asks the run to stop at the next batch
-    boundary: the batches already captured are written and their shards committed, so a resume redoes nothing
-    that was computed; a second signal stops at once (the default handlers are back), except the same signal within
-    DUPLICATE_SECONDS of the first: one request delivered twice (a SIGTERM to the job's process group reaches the
-    script and the launcher, which forwards it). Installed only in the main thread (signal handlers can only be
-    set there)."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-    DUPLICATE_SECONDS = 2.0
-
-    def __init__(self):
-        self.signal_name: str | None = None
-        self._first: tuple[int, float] | None = None
-        self._previous: dict = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        now = time.monotonic()
-        if self._first is None:
-            self._first, self.signal_name = (signum, now), signal.Signals(signum).name
-            log.warning("%s received: finishing the batches in flight and committing their shards; send it again "
-                        "to stop at once (a resume is safe either way)", self.signal_name)
-            return
-        if signum == self._first[0] and now - self._first[1] < self.DUPLICATE_SECONDS:
-            return  # the same request, delivered twice
-        self.restore()  # a second signal acts at once: the default action
-        signal.raise_signal(signum)
-
-    @property
-    def requested(self) -> bool:
-        return self.signal_name is not None
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}
+EXTRACTION_STOP_MESSAGE = ("%s received: finishing the batches in flight and committing their shards; send it again "
+                           "to stop at once (a resume is safe either way)")
 
 
 def init_worker(lock_fds: tuple[int, ...], worker_id: int) -> None:
