@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 from chat_templates import QWEN3
+from processes import descendants, kill_tree  # noqa: F401 - re-exported to the regeneration tests
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "dflash_prep" / "demo" / "tiny-demo"
@@ -116,22 +117,6 @@ def index_lines(out: Path) -> int:
         if (out / "index").is_dir() else 0
 
 
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def start_and_wait(cmd: list[str], out: Path, new_commits: int, timeout: float = 240.0) -> subprocess.Popen:
     """Start `cmd` and return once it committed `new_commits` more chunks (or ended)."""
     before = index_lines(out)
@@ -141,14 +126,5 @@ def start_and_wait(cmd: list[str], out: Path, new_commits: int, timeout: float =
     while time.time() < deadline and proc.poll() is None and index_lines(out) < before + new_commits:
         time.sleep(0.02)
     return proc
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    for pid in [proc.pid] + descendants(proc.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait(timeout=30)
 
 

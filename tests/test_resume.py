@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import REPO, raw_records
+from processes import kill_tree
 from safetensors.numpy import load_file
 
 from dflash_prep.commands.inspect import check_output, unlisted_shard_files
@@ -54,41 +55,6 @@ def count_in_logs(out_dir: Path, text: str, ranks: int) -> list[int]:
         path = out_dir / "logs" / f"rank-{r:05d}.log"
         counts.append(path.read_text().count(text) if path.exists() else 0)
     return counts
-
-
-def descendants(pid: int) -> list[int]:
-    """All processes below `pid` (torchrun starts its workers in sessions of their own, so a process group kill
-    of the launcher would miss them)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL the process and everything it started, at once (what a dead node does)."""
-    pids = [proc.pid] + descendants(proc.pid)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait(timeout=30)
-    for pid in pids[1:]:  # reap-free wait: children of the launcher are re-parented; wait until they are gone
-        deadline = time.time() + 30
-        while Path(f"/proc/{pid}").exists() and time.time() < deadline:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                break
-            time.sleep(0.05)
 
 
 def state_of(out_dir: Path) -> dict:
