@@ -100,9 +100,9 @@ class BatchLog:
 
 # ----------------------------------------------------------------------------------------------- dflash-prep
 class DflashTimings:
-    """Per-batch timings of run_extraction, gathered by wrapping two of extract.py's module globals.
+    """Per-batch timings of run_extraction, gathered by wrapping module globals of the extraction's loop.
 
-    `LayerCapture.run` (the forward) and `_to_host` (the device-to-host copy) are bracketed by CUDA events on
+    `loop.LayerCapture.run` (the forward), `loop.to_host` (the device-to-host copy) are bracketed by CUDA events on
     the current stream: no synchronization is added, the pipeline runs as it does without the benchmark; the
     events are read after the run. On CPU, wall-clock times (CPU ops are synchronous).
     """
@@ -126,10 +126,10 @@ class DflashTimings:
 
     @contextlib.contextmanager
     def installed(self):
-        import dflash_prep.commands.extract as ex
+        from dflash_prep.commands.extract import host_copy, loop, target_load
 
         timings = self
-        orig_capture, orig_to_host, orig_load = ex.LayerCapture, ex._to_host, ex.load_model
+        orig_capture, orig_to_host, orig_load = loop.LayerCapture, loop.to_host, target_load.load_model
 
         class TimedCapture(orig_capture):
             def run(self, input_ids, attention_mask, position_ids, flat_index, **packed):
@@ -146,8 +146,8 @@ class DflashTimings:
             t0 = time.perf_counter()
             out = orig_to_host(captured, device)
             if timings.batches:
-                # the copy runs on extract's copy stream: its end is marked there (on CPU, now)
-                timings.batches[-1]["copy_end"] = timings.mark(ex._copy_stream(device) if timings.cuda else None)
+                # the copy runs on the extraction's copy stream: its end is marked there (on CPU, now)
+                timings.batches[-1]["copy_end"] = timings.mark(host_copy.copy_stream(device) if timings.cuda else None)
                 # host time of the copy's enqueue (pinned allocation included), and when it ended: the gap to the
                 # next forward's start is the loop's own host time (writer hand-off, the next batch)
                 timings.batches[-1]["host_copy"] = time.perf_counter() - t0
@@ -162,11 +162,11 @@ class DflashTimings:
             timings.checksum = weights_checksum(model, timings.layer_ids)
             return model
 
-        ex.LayerCapture, ex._to_host, ex.load_model = TimedCapture, timed_to_host, timed_load
+        loop.LayerCapture, loop.to_host, target_load.load_model = TimedCapture, timed_to_host, timed_load
         try:
             yield self
         finally:
-            ex.LayerCapture, ex._to_host, ex.load_model = orig_capture, orig_to_host, orig_load
+            loop.LayerCapture, loop.to_host, target_load.load_model = orig_capture, orig_to_host, orig_load
 
     def resolve(self) -> dict:
         """Sum the per-batch spans (after the run, once every event has completed)."""

@@ -250,3 +250,25 @@ def test_a_second_tokenization_reads_the_map_from_the_cache(tmp_path, tokenizer,
         cache_files.append(sorted(p.name for p in (tmp_path / "cache").rglob("*.arrow")))
     assert outcomes[0][:2] == (300, 300) and outcomes[1][:2] == (0, 300) and outcomes[0][2] == outcomes[1][2]
     assert cache_files[0] == cache_files[1] and any(n.startswith("cache-") for n in cache_files[0])
+
+
+@pytest.mark.parametrize("rows,says", [
+    ([{"input_ids": [1, 2, 3.5], "loss_mask": [0, 1, 1]}, {"input_ids": [4, 5], "loss_mask": [1, 1]}],
+     "token ids or masks typed as floats"),
+    ([{"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+       "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]},
+      {"tools": [], "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "y"}]}],
+     "tool schemas typed as a table column"),
+])
+def test_a_file_read_line_by_line_says_what_one_table_would_have_lost(tmp_path, caplog, rows, says):
+    """The note names the loss this file has, not every loss a file could have (chat rows have no token ids)."""
+    import json
+    import logging
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with caplog.at_level(logging.INFO, logger="dflash_prep"):
+        assert len(load_rows(DataSection(path=str(path)))) == 2
+    notes = [r.getMessage() for r in caplog.records if "reading it line by line" in r.getMessage()]
+    assert len(notes) == 1 and says in notes[0], notes
+    assert ("floats" in notes[0]) == ("floats" in says)

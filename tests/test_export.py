@@ -381,6 +381,40 @@ def test_one_export_per_dest_and_files_counted_after_the_rename(out_before, tmp_
         holder.wait(timeout=30)
     report = export(out_before, "specforge", dest, progress=False)
     assert report.num_files == len(_files(dest)) == NUM_ROWS + 1  # + dflash_prep_export.json
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dest"]  # no dest.lock left beside it
+
+
+def test_a_lock_file_removed_by_its_holder_is_not_held_twice(tmp_path, monkeypatch):
+    """An export removes DEST.lock as it ends. A process that had opened the old file just before must not lock
+    that removed file while another holds the new one at the path: its try_acquire retakes the lock on the file
+    the path names now."""
+    import os
+
+    import dflash_prep.store.locks as locks
+
+    path = tmp_path / "dest.lock"
+    first = locks.FileLock(path)
+    assert first.try_acquire()
+    stale_fd = os.open(path, os.O_RDWR)  # opened by a second process between the first's lock and its release
+    first.release(remove=True)
+    assert not path.exists()
+    third = locks.FileLock(path)
+    assert third.try_acquire()  # the new file at the path
+    real_open, opened = os.open, []
+
+    def open_stale_first(*args, **kwargs):
+        opened.append(args[0])
+        return stale_fd if len(opened) == 1 else real_open(*args, **kwargs)
+
+    monkeypatch.setattr(locks.os, "open", open_stale_first)
+    second = locks.FileLock(path)
+    assert not second.try_acquire()  # the removed file's flock was free, but it is not the path's lock
+    assert len(opened) == 2
+    monkeypatch.undo()
+    third.release(remove=True)
+    assert second.try_acquire() and path.exists()
+    second.release(remove=True)
+    assert not path.exists()
 
 
 @pytest.mark.parametrize("where", ["same", "parent", "inside"])

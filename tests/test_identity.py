@@ -66,6 +66,9 @@ def test_data_rows_edited_or_shuffled_in_place_are_refused_naming_the_rows(outpu
         assert "data rows differ" in err and "output.overwrite=true" in err and "Traceback" not in err
         assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1
         assert models_loaded(out) == 1  # the output's own run only
+        # the output is this job's (claimed): its log says why this run stopped, after the run's start line
+        log = (out / "logs" / "rank-00000.log").read_text().splitlines()
+        assert "refused (exit code 2)" in log[-1] and "data rows differ" in log[-1], log[-3:]
 
 
 def test_weights_overwritten_in_place_are_refused_naming_the_file(tmp_path, data_file, capsys):

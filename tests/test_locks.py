@@ -96,6 +96,9 @@ def test_two_concurrent_extractions_one_runs_the_other_is_refused(tmp_path):
     assert second.returncode == EXIT_BAD_RECIPE and "another extraction is running into" in second.stderr
     assert first.wait(timeout=300) == 0, first.stderr.read()[-2000:]
     assert len(raw_records(out)) == 24 and check_output(out) == []
+    # the refused run wrote nothing into the running one's log: one start line, no refusal
+    log = (out / "logs" / "rank-00000.log").read_text()
+    assert log.count(": rank 0 of 1 on cpu") == 1 and "another extraction is running" not in log, log[-2000:]
 
 
 def children_of(pid: int) -> list[int]:
@@ -162,7 +165,7 @@ def test_inspect_of_an_unfinished_output_shows_progress_and_whether_it_runs(tmp_
     capsys.readouterr()
     committed = read_committed(out)
     batches = json.loads((out / "plan.json").read_text())["batches"]
-    assert inspect_main([str(out), "--json"]) == 2
+    assert inspect_main([str(out), "--json"]) == 0  # a live view, not a failure
     progress = json.loads(capsys.readouterr().out)
     assert progress["finished"] is False and progress["running"] == {}
     assert progress["num_shards"] == len(committed) == 3
@@ -177,9 +180,9 @@ def test_inspect_of_an_unfinished_output_shows_progress_and_whether_it_runs(tmp_
     by_hand = sum(r.num_samples for r in committed if r.committed_at > stamps[0]) / (stamps[-1] - stamps[0])
     assert progress["samples_per_second_recent"] == pytest.approx(by_hand)
     monkeypatch.setattr("dflash_prep.commands.inspect.time.time", lambda: stamps[-1] + 600)
-    assert inspect_main([str(out), "--json"]) == 2
+    assert inspect_main([str(out), "--json"]) == 0  # a live view, not a failure
     assert json.loads(capsys.readouterr().out)["samples_per_second_recent"] == pytest.approx(by_hand)
-    assert inspect_main([str(out)]) == 2
+    assert inspect_main([str(out)]) == 0
     text = capsys.readouterr().out
     assert "unfinished, not running (interrupted: re-run the same command to resume)" in text
     assert f"{progress['committed_batches']} of {len(batches)} batches committed" in text
@@ -187,7 +190,7 @@ def test_inspect_of_an_unfinished_output_shows_progress_and_whether_it_runs(tmp_
     main_proc = hold_lock(out / "locks" / "run.lock")
     rank_proc = hold_lock(out / "locks" / "rank-00000.lock")
     try:
-        assert inspect_main([str(out)]) == 2
+        assert inspect_main([str(out)]) == 0
         text = capsys.readouterr().out
         assert f"unfinished, running now (main process pid {main_proc.pid} on " in text
         assert "1 rank(s) writing)" in text
@@ -196,6 +199,8 @@ def test_inspect_of_an_unfinished_output_shows_progress_and_whether_it_runs(tmp_
         for proc in (main_proc, rank_proc):
             proc.send_signal(signal.SIGKILL)
             proc.wait()
+    assert inspect_main([str(out), "--check"]) == 2  # what cannot be checked yet is not a pass
+    assert "no manifest yet" in capsys.readouterr().err
     assert main(argv(out)) == 0  # the probes took nothing: the resume runs
     assert inspect_main([str(out)]) == 0
 

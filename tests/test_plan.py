@@ -90,10 +90,10 @@ def test_replicas_of_several_gpus_split_the_plan_and_set_the_rate(planned_and_ru
     of 1 would; GPU-hours count every GPU of a replica."""
     plan1, _, _ = planned_and_run
     base = ["output.dir=/nonexistent/never-written", *BASE, "model.gpus_per_replica=4"]
-    tp = make_run_plan(load_recipe(None, base), num_gpus=4, tokens_per_second=1000.0)
-    split = make_run_plan(load_recipe(None, base), num_gpus=8, tokens_per_second=1000.0)
+    tp = make_run_plan(load_recipe(None, base), num_gpus=4, tokens_per_second=1000.0, gpu=True)
+    split = make_run_plan(load_recipe(None, base), num_gpus=8, tokens_per_second=1000.0, gpu=True)
     two = make_run_plan(load_recipe(None, ["output.dir=/nonexistent/never-written", *BASE]), num_gpus=2,
-                        tokens_per_second=1000.0)
+                        tokens_per_second=1000.0, gpu=True)
     assert tp["replicas"] == {"gpus_per_replica": 4, "num_replicas": 1, "parallelism": "tensor_parallel",
                               "computing_gpus": 4, "tokens_per_second_per_replica": 4000.0}
     assert split["replicas"] == {"gpus_per_replica": 4, "num_replicas": 2, "parallelism": "layer_split",
@@ -168,7 +168,13 @@ def test_plan_of_a_benchmarked_model_uses_its_figure(config, layers, expected, t
     """The benchmark's own shapes (same layers run): the headline figure itself, and the wall time from it."""
     recipe = load_recipe(None, [f"output.dir={tmp_path}", "data.max_samples=20", f"model.config={REPO}/bench/configs/"
                                 f"{config}", "model.dtype=bfloat16", *layers])
-    plan = make_run_plan(recipe, num_gpus=1)
+    padded = load_recipe(None, [f"output.dir={tmp_path}", "data.max_samples=20", f"model.config={REPO}/bench/configs/"
+                                f"{config}", "model.dtype=bfloat16", *layers, "batching.packing=false"])
+    # planned for the CPU (this machine): no figure, the benchmark's are of GPUs
+    cpu = make_run_plan(recipe, num_gpus=1)
+    assert cpu["device"]["type"] == "cpu" and cpu["throughput"]["tokens_per_second"] is None and cpu["wall"] is None
+    assert "a CPU run: the benchmark's figures are of GPUs" in format_plan(cpu)
+    plan = make_run_plan(padded, num_gpus=1, gpu=True)  # padded batches on a GPU: the padded runs' figure
     t = plan["throughput"]
     assert t["source"] == "same model" and round(t["tokens_per_second"]) == expected
     assert t["scaled_by_decoder_params"] == pytest.approx(1.0)
@@ -178,7 +184,8 @@ def test_plan_of_a_benchmarked_model_uses_its_figure(config, layers, expected, t
     # The same model capturing the final layer runs every decoder layer: fewer tokens/s, by the parameter ratio.
     more = make_run_plan(load_recipe(None, [f"output.dir={tmp_path}", "data.max_samples=20",
                                             f"model.config={REPO}/bench/configs/{config}", "model.dtype=bfloat16",
-                                            *layers, "layers.capture_final=after_norm"]), num_gpus=1)
+                                            *layers, "layers.capture_final=after_norm", "batching.packing=false"]),
+                         num_gpus=1, gpu=True)
     assert more["decoder_params_run"] > plan["decoder_params_run"]
     assert more["throughput"]["tokens_per_second"] == pytest.approx(
         t["tokens_per_second"] * plan["decoder_params_run"] / more["decoder_params_run"])
@@ -201,13 +208,19 @@ def test_cli_prints_the_plan_and_its_json(capsys, planned_and_run):
     assert printed["wall"]["write_bytes_per_second_per_gpu"] == pytest.approx(1000 * bytes_per_token)
     from dflash_prep.commands.cli import main as cli_main
 
-    assert cli_main(["plan", *args, "--num-gpus", "2", "--tokens-per-second", "500"]) == 0
+    assert cli_main(["plan", *args, "--num-gpus", "2", "--tokens-per-second", "500", "--gpu"]) == 0
     text = capsys.readouterr().out
-    for expected in ("rows", "skipped (longer_than_max_length:", f"{plan['num_tokens']:,}", "padding     efficiency",
-                     "fp8_e4m3", "500 real tok/s per GPU", "on 2 GPU(s)", "length histogram", "p99"):
+    for expected in ("device      GPUs (--gpu)", "rows", "skipped (longer_than_max_length:", f"{plan['num_tokens']:,}",
+                     "padding     efficiency", "fp8_e4m3", "500 real tok/s per GPU", "on 2 GPU(s)",
+                     "length histogram", "p99"):
         assert expected in text, expected
     per_gpu = 500 * plan["disk"][plan["dtype"]]["bytes_per_token"]
     assert f"writes      {per_gpu / 1e9:.2f} GB/s per GPU at that rate" in text
+    # the same on this machine (no GPU): what it plans for is a CPU run, and says so
+    assert cli_main(["plan", *args, "--num-gpus", "2", "--tokens-per-second", "500"]) == 0
+    text = capsys.readouterr().out
+    assert "device      CPU (this machine has no GPU; --gpu plans the GPU run)" in text
+    assert "500 real tok/s per CPU process" in text and "on 2 CPU process(es)" in text and "GPU(s)" not in text
     assert main(["--set", "batching.max_batch_size=0"]) == 2  # a bad recipe: error naming the key, exit 2
     assert "batching.max_batch_size" in capsys.readouterr().err
 
@@ -227,7 +240,7 @@ def test_auto_budget_is_sized_for_the_gpu_memory_given(capsys):
 
 
 def test_no_benchmark_near_the_model_asks_for_a_figure(planned_and_run):
-    plan = make_run_plan(load_recipe(None, ["output.dir=/nonexistent/never-written", *BASE]))
+    plan = make_run_plan(load_recipe(None, ["output.dir=/nonexistent/never-written", *BASE]), gpu=True)
     assert plan["throughput"]["tokens_per_second"] is None and plan["wall"] is None
     assert "no benchmark within 4x" in plan["throughput"]["source"]
 

@@ -264,14 +264,14 @@ def test_the_reference_applies_the_kernels_the_extraction_applied():
     tensor-parallel replica (its reference, split by layers, would otherwise choose fused kernels)."""
     from conftest import tiny_llama_config
 
-    from dflash_prep.commands.verify import _reference_kernels
+    from dflash_prep.commands.verify.reference import reference_kernels
     from dflash_prep.recipe.schema import load_recipe
 
     recipe, config, cuda = load_recipe(None), tiny_llama_config(), torch.device("cuda")
     tensor_parallel = {"requested": "auto", "applied": [], "reason": "tensor parallel: not measured on sharded layers"}
-    assert _reference_kernels(recipe, config, cuda, tensor_parallel).requested == "eager"
-    assert _reference_kernels(recipe, config, cuda, None).requested == "auto"  # no record: chosen as then
-    assert _reference_kernels(recipe, config, torch.device("cpu"), tensor_parallel).requested == "auto"  # eager on CPU
+    assert reference_kernels(recipe, config, cuda, tensor_parallel).requested == "eager"
+    assert reference_kernels(recipe, config, cuda, None).requested == "auto"  # no record: chosen as then
+    assert reference_kernels(recipe, config, torch.device("cpu"), tensor_parallel).requested == "auto"  # eager on CPU
 
 
 # ------------------------------------------------------------------------------------- noise floor (padded batch)
@@ -446,11 +446,11 @@ def test_no_noise_floor_runs_no_padded_batch_reference(bf16_output, capsys):
 
 
 def test_padded_batches_group_the_drawn_samples_in_reading_order_under_the_token_cap():
-    from dflash_prep.commands.verify import NOISE_FLOOR_BATCH_TOKENS, _PaddedBatches
+    from dflash_prep.commands.verify.noise import NOISE_FLOOR_BATCH_TOKENS, PaddedBatches
 
     def groups(lengths):
         samples = [(f"s{i}", torch.zeros(n, dtype=torch.int64)) for i, n in enumerate(lengths)]
-        batches = _PaddedBatches(None, samples, [1], "none", torch.device("cpu"))
+        batches = PaddedBatches(None, samples, [1], "none", torch.device("cpu"))
         return [[int(sid[1:]) for sid, _ in group] for group in batches.groups]
 
     assert NOISE_FLOOR_BATCH_TOKENS == 8192
@@ -464,12 +464,12 @@ def test_padded_batches_group_the_drawn_samples_in_reading_order_under_the_token
 
 def test_a_padded_batch_out_of_memory_gives_no_noise_floor_in_one_process(output, monkeypatch):
     """One process: the samples of a padded batch that ran out of memory are judged on the tolerance alone."""
-    import dflash_prep.commands.verify as verify_module
+    import dflash_prep.commands.verify.noise as noise_module
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
-    monkeypatch.setattr(verify_module, "run_padded_batch", out_of_memory)
+    monkeypatch.setattr(noise_module, "run_padded_batch", out_of_memory)
     lines = []
     report = verify(output, num_samples=3, check_shards=False, log=lines.append)
     assert report.ok and report.noise == [] and all(r.allowed == report.tolerance for r in report.results)

@@ -1,12 +1,13 @@
 """`dflash-prep` command line.
 
     dflash-prep extract [--recipe PATH] [--set key=value ...]
-    dflash-prep launch [accelerate launch options] extract.py [--recipe PATH] [--set key=value ...]
+    dflash-prep launch [accelerate launch options] -m dflash_prep.commands.extract [--recipe PATH] [--set key=value ...]
     dflash-prep export OUT --to specforge|speculators|modelopt --dest DIR
     dflash-prep inspect OUT [--check]
     dflash-prep plan [--recipe PATH] [--set key=value ...] [--num-gpus N] [--tokens-per-second X]
     dflash-prep verify OUT [--num-samples N] [--seed S]
     dflash-prep vocab OUT --size N [--layout speculators|specforge|all] [--dest DIR]
+    dflash-prep --version
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dflash_prep import __version__
+
     parser = argparse.ArgumentParser(prog="dflash-prep", description="Hidden-state extraction for drafter training.")
+    parser.add_argument("--version", action="version", version=f"dflash-prep {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     from dflash_prep.recipe.schema import add_recipe_args
 

@@ -18,9 +18,11 @@ Only headers and the small id/mask members are parsed (plus one sequential read 
 
 An output without a manifest (a run in progress, or interrupted) gets its progress instead: batches and
 samples committed against the plan, per rank, the time since the last commit, and whether a process holds the
-output's locks now (running) or not (interrupted: resume it); exit code 2.
+output's locks now (running) or not (interrupted: resume it); exit code 0 (it is how a live run is watched), 2
+with `--check` (there is nothing to verify yet).
 
-Exit codes: 0 = fine, 1 = a mismatch (each printed as `FAIL <shard>: <what>`), 2 = no readable manifest.
+Exit codes: 0 = fine (or an unfinished output's progress), 1 = a mismatch (each printed as `FAIL <shard>: <what>`),
+2 = nothing readable: no run in the folder, a damaged manifest or plan.json, `--check` of an unfinished output.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_prep.consume.reader import (
+from dflash_prep.consume.shard_format import (
     MEMBER_INPUT_IDS,
     MEMBER_LOSS_MASK,
     MEMBER_META,
@@ -46,9 +48,9 @@ from dflash_prep.consume.reader import (
     REQUIRED_MEMBERS,
     OutputLayout,
     ShardInfo,
-    sample_key,
     shards_of,
 )
+from dflash_prep.consume.shard_read import sample_key
 from dflash_prep.store.manifest import OutputStateError, read_manifest, read_state_json
 from dflash_prep.store.writer import ST_CODE, ST_ITEMSIZE, ST_TORCH_CODE
 
@@ -468,7 +470,8 @@ def build_parser(prog: str = "dflash-prep inspect") -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`dflash-prep inspect OUT [--check]`: 0 fine, 1 mismatch (shards named), 2 no readable manifest."""
+    """`dflash-prep inspect OUT [--check]`: 0 fine (or an unfinished output's progress), 1 mismatch (shards named),
+    2 nothing readable (see the module docstring)."""
     args = build_parser().parse_args(argv)
     if not Path(args.out).is_dir():
         print(f"error: {args.out}: no such folder", file=sys.stderr)
@@ -488,7 +491,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(progress, indent=2) if args.json else format_progress(progress))
         if args.check:
             print("error: no manifest yet: --check verifies a finished output", file=sys.stderr)
-        return 2
+            return 2
+        return 0
     extra = unlisted_shard_files(args.out)
     problems = check_output(args.out, progress=not args.no_progress and not args.json) if args.check else None
     if args.json:

@@ -37,15 +37,14 @@ from dflash_prep.store.manifest import (
     remove_uncommitted,
     repair_indexes,
 )
+from dflash_prep.store.records import FAILED_NAME, SUMMARY_NAME
 from dflash_prep.target.model import describe_source, model_fingerprint, tokenizer_fingerprint
 
 log = logging.getLogger("dflash_prep")
 
 PLAN_NAME = "plan.json"
 RECIPE_NAME = "recipe.resolved.yaml"
-SUMMARY_NAME = "summary.json"
 SKIPPED_NAME = "skipped.jsonl"
-FAILED_NAME = "failed.jsonl"
 
 
 class OutputMismatchError(RuntimeError):
@@ -329,6 +328,7 @@ class Run:
     startup_seconds: dict = field(default_factory=dict)  # start, tokenize, plan, model_load(_wait), first_batch
     packing: Any = None  # packing.PackingChoice: packed rows or padded batches (the stored plan's layout wins)
     agreement: Any = None  # replica.ReplicaAgreement: the decisions a tensor-parallel replica's processes share
+    inputs_stamp: dict | None = None  # fingerprints.inputs_stamp as the output was claimed (main process)
 
     @property
     def rank(self) -> int:

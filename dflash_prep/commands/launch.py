@@ -1,6 +1,7 @@
 """`dflash-prep launch`: accelerate's own launcher, run in this process, keeping the script's exit code.
 
-    dflash-prep launch [accelerate launch options] extract.py [--recipe PATH] [--set key=value ...]
+    dflash-prep launch [accelerate launch options] -m dflash_prep.commands.extract [--recipe PATH] [--set key=value ...]
+    dflash-prep launch [accelerate launch options] extract.py [--recipe PATH] [--set key=value ...]   (a checkout)
 
 takes exactly the arguments of `accelerate launch` and calls accelerate's `launch_command` with them. Why not
 `accelerate launch` itself (accelerate 1.x, `commands/launch.py`): its single-process launcher raises
@@ -18,6 +19,10 @@ loops forever on a permanent refusal. Here:
 - without `--config_file` and without a default accelerate config, the values accelerate would warn about
   (`--num_processes`, `--num_machines`, `--mixed_precision`, `--dynamo_backend`) are set to what accelerate would
   choose (one process per GPU, one without GPUs), so the console shows no warning block.
+
+- for the extraction (`-m dflash_prep.commands.extract`, or `extract.py`), a recipe that does not read and an
+  output already finished with its inputs untouched are answered before accelerate and torch are imported
+  (commands/extract/preflight.py): a typo costs no launcher start-up.
 
 Errors: a launcher argument accelerate rejects is one line and exit code 2.
 """
@@ -116,9 +121,47 @@ def _ignore_interrupt(signum, frame) -> None:
     (A Python handler, not SIG_IGN: children start with the default disposition again.)"""
 
 
+EXTRACTION_MODULE = "dflash_prep.commands.extract"
+
+
+def extraction_script_args(argv: list[str]) -> list[str] | None:
+    """The arguments of the extraction when `argv` launches it (`-m dflash_prep.commands.extract ...`, or a script
+    `extract.py ...` that runs it), else None. The script is the first argument that is the module or such a file;
+    what follows it is the script's (accelerate passes it on unparsed)."""
+    for i, arg in enumerate(argv):
+        if arg == EXTRACTION_MODULE:
+            return argv[i + 1:]
+        if not arg.startswith("-") and os.path.basename(arg) == "extract.py" and os.path.isfile(arg):
+            try:
+                with open(arg) as f:
+                    runs_ours = EXTRACTION_MODULE in f.read(100_000)
+            except (OSError, UnicodeDecodeError):
+                runs_ours = False
+            return argv[i + 1:] if runs_ours else None
+    return None
+
+
+def _preflight(argv: list[str]) -> int | None:
+    """For a launch of the extraction: its recipe checked and a finished output answered before accelerate (and
+    torch) is imported (commands/extract/preflight.py); the exit code when that decides the run, else None."""
+    script_args = extraction_script_args(argv)
+    if script_args is None:
+        return None
+    from dflash_prep.commands.extract.preflight import preflight
+
+    try:
+        return preflight(script_args)
+    except SystemExit as e:  # argparse: --help, or an argument the script does not take (as the script would exit)
+        return e.code if isinstance(e.code, int) else EXIT_REFUSED
+
+
 def main(argv: list[str] | None = None) -> int:
     # first: a preemption notice during the imports below is an orderly stop (exit code 1), not a death by SIGTERM
     previous_term = signal.signal(signal.SIGTERM, _forward_terminate)
+    code = _preflight(sys.argv[1:] if argv is None else argv)
+    if code is not None:
+        signal.signal(signal.SIGTERM, previous_term)
+        return code
     from accelerate.commands.launch import launch_command, launch_command_parser
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -25,6 +25,9 @@ Guarantees (tests/test_plan.py checks them against real extractions):
   parameters, for an MoE those a token runs through: routed experts at num_experts_per_tok / num_experts,
   model.decoder_params_run; counted on a meta-device model: no memory, no weights); `--tokens-per-second`
   overrides it. No default when no benchmark is near: the plan says so;
+- the device planned for is the run's, not necessarily this machine's (`plan_device`): GPUs with `--gpu`,
+  `--gpu-memory-gb` or a GPU here (batches and `batching.packing` as on CUDA with the gpu extra, the GPU
+  benchmark's rates), else the CPU (a CPU run's batches; no default rate: the benchmark's are GPU figures);
 - the data verdict is the extraction's own (`data.check_data_verdict`): no kept row, or more than
   `data.max_skipped_fraction` skipped, is the same one-line error and exit code 2; `--show-sample N` first prints
   row N as the extraction tokenizes it, supervised tokens marked (`show_sample`).
@@ -174,9 +177,11 @@ def length_histogram(lengths: list[int], max_length: int, width: int = 40) -> st
 
 # ------------------------------------------------------------------------------------------------- plan
 def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | None = None,
-                  bench_dir: Path | None = BENCH_RESULTS_DIR, gpu_memory_bytes: int | None = None) -> dict:
-    """Every figure of `dflash-prep plan` as a dict (see the module docstring). `gpu_memory_bytes` sizes
-    `max_tokens_per_batch: auto` (default: this machine's GPU; without one the CPU figure)."""
+                  bench_dir: Path | None = BENCH_RESULTS_DIR, gpu_memory_bytes: int | None = None,
+                  gpu: bool = False) -> dict:
+    """Every figure of `dflash-prep plan` as a dict (see the module docstring). It plans the run of the device the
+    recipe will run on (`plan_device`): GPUs with `gpu`, `gpu_memory_bytes` (which also sizes
+    `max_tokens_per_batch: auto`) or a GPU on this machine, else the CPU."""
     from dflash_prep.commands.cost import batch_cost_model
     from dflash_prep.data.rows import check_data_verdict, load_rows, tokenize_dataset
     from dflash_prep.plan.planner import make_plan, packed_row_budget, plan_stats, split_across_ranks
@@ -199,6 +204,7 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
     config = load_config(recipe.model)
     num_layers = num_decoder_layers(config)
     layer_ids = resolve_layer_ids(recipe.layers, num_layers)
+    device = plan_device(gpu, gpu_memory_bytes, local_gpu_memory_bytes())
     recipe, budget_how = resolve_token_budget(recipe, config, layer_ids, num_layers,
                                               gpu_memory_bytes if gpu_memory_bytes else local_gpu_memory_bytes())
     hidden_size = hidden_size_of(config)
@@ -209,7 +215,7 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
     check_data_verdict(data, recipe.data)  # the extraction's own stop: nothing kept, or too much skipped
     cols = data.kept.select_columns(["sample_id", "source_row", "source_id", "num_tokens"]).to_dict()
     lengths = [int(n) for n in cols["num_tokens"]]
-    packing = plan_packing(recipe, config, gpu_memory_bytes is not None or local_gpu_memory_bytes() is not None)
+    packing = plan_packing(recipe, config, device["type"] == "cuda")
     plan = make_plan(lengths, recipe, packed=packing.packed)
     stats = plan_stats(plan)
 
@@ -221,7 +227,8 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
     shares = split_across_ranks(plan, replicas["num_replicas"],  # a rank of the output is a replica
                                 functools.partial(cost_model.cost_of, lengths=lengths))
     disk = _disk_figures(recipe, plan, shares, cols, lengths, layer_ids, hidden_size, stats["num_real_tokens"])
-    throughput = _throughput(recipe, config, params, tokens_per_second, bench_dir, packing.packed)
+    throughput = _throughput(recipe, config, params, tokens_per_second, bench_dir, packing.packed) \
+        if device["type"] == "cuda" or tokens_per_second else NO_CPU_FIGURE
     if throughput["tokens_per_second"]:
         replicas["tokens_per_second_per_replica"] = throughput["tokens_per_second"] * replicas["computing_gpus"]
     ranks = [plan_stats(share) for share in shares]
@@ -229,6 +236,7 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
                       ranks, num_gpus, disk[recipe.output.dtype]["bytes_per_token"], recipe.model.gpus_per_replica)
 
     return {
+        "device": device,
         "recipe_fingerprint": recipe.fingerprint(),
         "model": describe_source(recipe.model),
         "model_type": getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
@@ -255,6 +263,21 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
         "lengths_histogram": length_histogram(lengths, recipe.data.max_length),
         "tokenize_seconds": tokenize_seconds, "plan_seconds": time.perf_counter() - t0,
     }
+
+
+# The benchmark's figures are of GPUs: a plan of a CPU run has none, unless given.
+NO_CPU_FIGURE = {"tokens_per_second": None, "reference": None,
+                 "source": "a CPU run: the benchmark's figures are of GPUs; --gpu plans the GPU run"}
+
+
+def plan_device(gpu: bool, gpu_memory_bytes: int | None, local_gpu_memory_bytes: int | None) -> dict:
+    """What the plan is for: {"type": "cuda" or "cpu", "why"}. GPUs when asked (`--gpu`, `--gpu-memory-gb`) or when
+    this machine has one; the CPU otherwise: batches, packing and rates then are a CPU run's."""
+    if gpu or gpu_memory_bytes:
+        return {"type": "cuda", "why": "--gpu" if gpu else "--gpu-memory-gb"}
+    if local_gpu_memory_bytes:
+        return {"type": "cuda", "why": "this machine's GPU"}
+    return {"type": "cpu", "why": "this machine has no GPU; --gpu plans the GPU run"}
 
 
 def plan_packing(recipe: Recipe, config, for_gpus: bool):
@@ -393,7 +416,10 @@ def format_plan(p: dict) -> str:
                                      stored else f"{stored['path']} holds {stored['num_batches']:,} "
                                      f"{'packed rows' if stored['packed'] else 'padded batches'}: a resume runs "
                                      f"those, not the plan below")]
+    device = p.get("device") or {"type": "cuda", "why": ""}
     lines = resume + [
+        ("device", ("GPUs" if device["type"] == "cuda" else "CPU") + f" ({device['why']}): batches, packing and "
+                   f"rates as a run there makes them"),
         ("model", f"{p['model']}  [{p['model_type']}, {p['num_hidden_layers']} layers, hidden {p['hidden_size']}]; "
                   f"{p['layers_run']} decoder layers run"
                   + (f" ({p['decoder_params_run'] / 1e9:.3g}B parameters per token)"
@@ -404,7 +430,8 @@ def format_plan(p: dict) -> str:
         ("tokens", f"{p['num_tokens']:,} (mean {p['num_tokens'] / max(p['num_samples'], 1):.1f} per sample)"),
         _batches_line(p),
         ("padding", f"efficiency {p['padding_efficiency'] or 0:.3f} ({p['num_padded_tokens']:,} padded tokens)"),
-        ("budget", f"{p['max_tokens_per_batch']:,} padded tokens per batch" + _auto_note(p["max_tokens_per_batch_auto"])
+        ("budget", f"{p['max_tokens_per_batch']:,} padded tokens per batch"
+         + _auto_note(p["max_tokens_per_batch_auto"], device["type"])
          + (f"; packed rows of at most {p['max_tokens_per_row']:,} tokens (batching.max_tokens_per_row)"
             if p.get("max_tokens_per_row") else "")),
     ]
@@ -421,12 +448,15 @@ def format_plan(p: dict) -> str:
                f"{ref['compute_dtype']}; {t['source']}"
                + (f", scaled x{t['scaled_by_decoder_params']:.3f} by decoder FLOPs/token" if
                   abs(t['scaled_by_decoder_params'] - 1) > 1e-9 else "") + ")") if ref else t["source"]
-        lines.append(("throughput", f"{t['tokens_per_second']:,.0f} real tok/s per GPU: {src}"))
+        unit, units, hours = (("GPU", "GPU(s)", "GPU-hours") if device["type"] == "cuda" else
+                              ("CPU process", "CPU process(es)", "process-hours"))
+        lines.append(("throughput", f"{t['tokens_per_second']:,.0f} real tok/s per {unit}: {src}"))
         w = p["wall"]
         warm = (f" + {_duration(w['warmup_seconds'])} first-seen-shape warm-up" if w["warmup_seconds"] else "")
-        lines.append(("wall time", f"{_duration(w['seconds'])} on {w['num_gpus']} GPU(s){_replicas_note(p['replicas'])} "
-                                   f"({_duration(w['compute_seconds'])} compute{warm}; {w['gpu_hours']:.2f} GPU-hours)"))
-        per = ("per GPU" if p["replicas"]["gpus_per_replica"] == 1 else
+        lines.append(("wall time", f"{_duration(w['seconds'])} on {w['num_gpus']} {units}"
+                                   f"{_replicas_note(p['replicas'])} ({_duration(w['compute_seconds'])} compute{warm}; "
+                                   f"{w['gpu_hours']:.2f} {hours})"))
+        per = (f"per {unit}" if p["replicas"]["gpus_per_replica"] == 1 else
                f"per replica ({w['write_bytes_per_second_per_gpu'] / 1e9:.2f} GB/s per GPU)")
         lines.append(("writes", f"{w['write_bytes_per_second_per_replica'] / 1e9:.2f} GB/s {per} at that rate "
                                 f"(bench/writer_bench.py measures what a disk and output.num_writer_threads give)"))
@@ -459,9 +489,11 @@ def _replicas_note(replicas: dict) -> str:
     return f" as {replicas['num_replicas']} replica(s) of {n} GPUs ({replicas['parallelism']}: {how})"
 
 
-def _auto_note(how: str | None) -> str:
+def _auto_note(how: str | None, device_type: str = "cpu") -> str:
     if not how:
         return ""
+    if how.startswith("no GPU") and device_type == "cuda":  # --gpu without a memory: the CPU figure, said so
+        how = f"no GPU memory given, the CPU figure {how.split(':')[-1].strip()}"
     hint = "; pass --gpu-memory-gb to size it for the run's GPUs" if how.startswith("no GPU") else ""
     return f" (max_tokens_per_batch: auto, {how}{hint})"
 
@@ -478,7 +510,10 @@ def build_parser(prog: str = "dflash-prep plan") -> argparse.ArgumentParser:
                    help="real tokens/s per GPU (default: the benchmark figure, bench/results/*.json)")
     p.add_argument("--bench-results", default=str(BENCH_RESULTS_DIR), help="folder of benchmark reports")
     p.add_argument("--gpu-memory-gb", type=float, default=None,
-                   help="memory of one GPU of the run, for max_tokens_per_batch: auto (default: this machine's)")
+                   help="memory of one GPU of the run, for max_tokens_per_batch: auto (default: this machine's); "
+                        "plans for GPUs")
+    p.add_argument("--gpu", action="store_true",
+                   help="plan the run on GPUs (batches, packing, benchmark rates) from a machine without one")
     p.add_argument("--json", action="store_true", help="print every figure as JSON")
     p.add_argument("--show-sample", type=int, default=None, metavar="N",
                    help="first print input row N (0-based) as the extraction tokenizes it, supervised tokens marked")
@@ -541,7 +576,8 @@ def main(argv: list[str] | None = None) -> int:
             print(show_sample(recipe, args.show_sample) + "\n", flush=True)
         plan = make_run_plan(recipe, num_gpus=args.num_gpus, tokens_per_second=args.tokens_per_second,
                              bench_dir=Path(args.bench_results) if args.bench_results else None,
-                             gpu_memory_bytes=int(args.gpu_memory_gb * 1e9) if args.gpu_memory_gb else None)
+                             gpu_memory_bytes=int(args.gpu_memory_gb * 1e9) if args.gpu_memory_gb else None,
+                             gpu=args.gpu)
         if recipe.regenerate is not None:  # on-policy data: the regeneration first (plan_regeneration, below)
             plan["regenerate"] = plan_regeneration(recipe, args.generated_tokens_per_second)
     except (RecipeError, ValueError) as e:

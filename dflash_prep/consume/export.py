@@ -47,7 +47,8 @@ Guarantees:
 - integrity: the manifest's shard list must name each path once and add up to `num_samples`, and every shard's
   sha256 is verified as it is streamed (`--skip-hash` to skip): a corrupted shard stops the export (exit 1)
   before DIR exists;
-- one export per DIR at a time: `DIR.lock` (beside DIR, flock'ed, released by the kernel when the process dies)
+- one export per DIR at a time: `DIR.lock` (beside DIR, flock'ed, released by the kernel when the process dies;
+  removed when the export ends)
   is held from before DIR is looked at until the rename; a second export into DIR is refused (exit 2);
 - the export is written to `DIR.partial` and renamed to DIR at the end: DIR never holds a partial export.
   After the rename the files in DIR are counted: the report's `num_files` is that count, and a per-sample file
@@ -75,15 +76,14 @@ import torch
 from safetensors.torch import save_file as safetensors_save_file
 
 from dflash_prep import __version__
-from dflash_prep.consume.reader import (
+from dflash_prep.consume.shard_format import (
     OutputLayout,
     ShardFormatError,
     ShardInfo,
-    iter_shard,
-    iter_tar_samples,
     manifest_shard_problems,
     shards_of,
 )
+from dflash_prep.consume.shard_read import iter_shard, iter_tar_samples
 from dflash_prep.consume.vocab import TOKEN_FREQ_NAME, read_token_freq, token_freq_dict
 from dflash_prep.store.locks import FileLock
 from dflash_prep.store.manifest import OutputStateError, read_committed, read_manifest
@@ -334,7 +334,7 @@ def export(out_dir: str | Path, target: str, dest: str | Path, *, strategy: str 
         return _export_locked(out_dir, manifest, target, dest, strategy, overwrite, cast_to_bfloat16, verify_sha256,
                               hidden_states_backend, progress)
     finally:
-        lock.release()
+        lock.release(remove=True)  # no DEST.lock left beside DEST
 
 
 def _export_locked(out_dir: Path, manifest: dict, target: str, dest: Path, strategy: str, overwrite: bool,

@@ -65,429 +65,59 @@ on a shared 2-core CPU): webdataset reads a tar as a stream (10 KB chunks, membe
 seeking reader's one read): 3,682 samples/s against 4,321 before with sha256 (-15%), 4,837 against 6,386 with
 `verify_sha256=False` (-24%); one consumer of 4 with `split="sample"` 1,187 against 1,494 (sha256) and 1,657
 against 2,792 (no hash: it used to seek over the others' samples).
+
+Modules: shard_format.py (member names, `OutputLayout`, the manifest's shard list), shard_read.py (one shard: tar,
+sha256, decoding), split.py (the work split over consumers), this module (`ShardDataset`: the pipeline of an epoch),
+collator.py (`DFlashCollator`: trainer batches). Every public name of those is importable from here.
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
 import random
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
 import webdataset as wds
-from safetensors.torch import load as safetensors_load
 from torch.utils.data import IterableDataset, get_worker_info
-from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_expander
 
+from dflash_prep.consume.collator import SEQUENCE_KEYS, DFlashCollator, has_supervised_pair, truncate_sample
+from dflash_prep.consume.shard_format import (
+    FP8_MODES,
+    MEMBER_INPUT_IDS,
+    MEMBER_LOSS_MASK,
+    MEMBER_META,
+    MEMBER_STATES,
+    REQUIRED_MEMBERS,
+    TORCH_DTYPES,
+    OutputLayout,
+    ShardFormatError,
+    ShardInfo,
+    manifest_shard_problems,
+    shards_of,
+)
+from dflash_prep.consume.shard_read import HashingReader, decode_sample, iter_shard, iter_tar_samples, sample_key
+from dflash_prep.consume.split import (
+    SPLIT_MODES,
+    ConsumerPlan,
+    SplitByConsumer,
+    epoch_shard_order,
+    plan_consumer,
+    plan_from_order,
+    resolve_rank_world,
+    shard_list,
+)
 from dflash_prep.store.manifest import read_manifest
-from dflash_prep.target.fp8 import FP8_DTYPE
-from dflash_prep.target.fp8 import dequantize as fp8_dequantize
 from dflash_prep.target.norms import can_derive_after_norm, read_final_norm, with_after_norm_final
 
-MEMBER_INPUT_IDS = "input_ids.npy"
-MEMBER_LOSS_MASK = "loss_mask.npy"
-MEMBER_STATES = "hidden_states.safetensors"
-MEMBER_META = "meta.json"
-REQUIRED_MEMBERS = (MEMBER_INPUT_IDS, MEMBER_LOSS_MASK, MEMBER_STATES)
-
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-                "fp8_e4m3": FP8_DTYPE}
-SPLIT_MODES = ("auto", "shard", "sample")
-FP8_MODES = ("bfloat16", "float32", "raw")  # what the reader returns for an fp8 output
 FINAL_MODES = ("as_stored", "before_norm", "after_norm")  # the final layer the reader returns
 
-
-class ShardFormatError(ValueError):
-    """A shard disagrees with the manifest or the shard format; the message names the shard (and sample)."""
-
-
-@dataclass(frozen=True)
-class ShardInfo:
-    """One shard as listed in the manifest. `path` is absolute; `rel_path` is the manifest's (relative to OUT)."""
-
-    path: Path
-    rel_path: str
-    num_samples: int
-    num_tokens: int
-    num_bytes: int
-    sha256: str
-
-
-@dataclass(frozen=True)
-class OutputLayout:
-    """What every sample of an output must look like, from its manifest."""
-
-    layer_ids: tuple[int, ...]
-    hidden_size: int
-    dtype: torch.dtype
-    capture_final: str
-    dtype_name: str = "bfloat16"  # the manifest's spelling of `dtype`
-
-    @property
-    def width(self) -> int:
-        """Columns of `hidden_states`: k * H."""
-        return len(self.layer_ids) * self.hidden_size
-
-    @property
-    def has_final(self) -> bool:
-        return self.capture_final != "none"
-
-    @property
-    def is_fp8(self) -> bool:
-        return self.dtype == FP8_DTYPE
-
-    def expected_tensors(self, T: int) -> dict[str, tuple[torch.dtype, tuple[int, int]]]:
-        """name -> (dtype, shape) of the tensors in a T-token sample's `hidden_states.safetensors`."""
-        k = len(self.layer_ids)
-        out = {"hidden_states": (self.dtype, (T, self.width))}
-        if self.is_fp8:
-            out["hidden_states_scales"] = (torch.float32, (T, k))
-        if self.has_final:
-            out["final_hidden_states"] = (self.dtype, (T, self.hidden_size))
-            if self.is_fp8:
-                out["final_hidden_states_scales"] = (torch.float32, (T, 1))
-        return out
-
-    @classmethod
-    def from_manifest(cls, manifest: dict) -> "OutputLayout":
-        dtype_name = manifest["dtype"]
-        if dtype_name not in TORCH_DTYPES:
-            raise ValueError(f"manifest dtype {dtype_name!r} is not one of {sorted(TORCH_DTYPES)}")
-        return cls(layer_ids=tuple(int(i) for i in manifest["layer_ids"]), hidden_size=int(manifest["hidden_size"]),
-                   dtype=TORCH_DTYPES[dtype_name], capture_final=manifest.get("capture_final", "none"),
-                   dtype_name=dtype_name)
-
-
-def manifest_shard_problems(manifest: dict) -> list[str]:
-    """What is wrong with the manifest's shard list on its own (no shard read): a path listed more than once, or
-    shard sample / token counts that do not add up to `num_samples` / `num_tokens`. Empty: consistent."""
-    problems = []
-    paths = [s["path"] for s in manifest["shards"]]
-    for p in sorted({p for p in paths if paths.count(p) > 1}):
-        problems.append(f"{p}: listed {paths.count(p)} times in the manifest")
-    for name in ("num_samples", "num_tokens"):
-        total = sum(int(s[name]) for s in manifest["shards"])
-        if name in manifest and int(manifest[name]) != total:
-            problems.append(f"manifest.json: {name} is {manifest[name]}, its shards add up to {total}")
-    return problems
-
-
-def shards_of(out_dir: str | Path, manifest: dict) -> list[ShardInfo]:
-    """The manifest's shard list, in manifest order, with absolute paths."""
-    out_dir = Path(out_dir)
-    return [ShardInfo(path=out_dir / s["path"], rel_path=s["path"], num_samples=int(s["num_samples"]),
-                      num_tokens=int(s["num_tokens"]), num_bytes=int(s["num_bytes"]), sha256=s["sha256"])
-            for s in manifest["shards"]]
-
-
-# ------------------------------------------------------------------------------------------------ tar level
-def sample_key(member_name: str) -> tuple[str, str]:
-    """webdataset naming (`webdataset.tariterators.base_plus_ext`): `dir/KEY.suffix.ext` -> (`dir/KEY`,
-    `suffix.ext`); the key ends at the first dot of the base name; a name without one is its own key."""
-    key, suffix = base_plus_ext(member_name)
-    return (member_name, "") if key is None else (key, suffix)
-
-
-class HashingReader(io.RawIOBase):
-    """A read-only, forward-only file that passes every byte it reads through sha256; `finish()` reads the rest
-    (the tar's end blocks and padding), so the digest covers the whole file.
-
-    Why ours: webdataset's opener (`gopen`) has no digest, and `hashlib.file_digest` before reading is a second
-    pass over each shard (2x the I/O of a multi-GB shard); this hashes the bytes webdataset's tar reader reads
-    anyway (it reads a tar as a stream, never seeking)."""
-
-    def __init__(self, path: str | Path, chunk_bytes: int = 8 << 20):
-        super().__init__()
-        self._f = open(path, "rb", buffering=chunk_bytes)
-        self._sha = hashlib.sha256()
-        self._pos = 0
-        self._chunk = chunk_bytes
-
-    def readable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def read(self, size: int = -1) -> bytes:
-        data = self._f.read() if size is None or size < 0 else self._f.read(size)
-        self._sha.update(data)
-        self._pos += len(data)
-        return data
-
-    def readinto(self, buffer) -> int:
-        data = self.read(len(buffer))
-        buffer[:len(data)] = data
-        return len(data)
-
-    def finish(self) -> tuple[str, int]:
-        """Read the rest of the file; (sha256 hex, size in bytes) of the whole file."""
-        while self.read(self._chunk):
-            pass
-        return self._sha.hexdigest(), self._pos
-
-    def close(self) -> None:
-        self._f.close()
-        super().close()
-
-
-def _tar_error(path: str | Path):
-    """A webdataset exception handler that turns any tar or grouping error into one `ShardFormatError`."""
-
-    def handler(exn: Exception) -> bool:
-        if isinstance(exn, ShardFormatError):  # ours, passing through an outer webdataset stage that added args
-            exn.args = exn.args[:1]
-            raise exn
-        what = str(exn.args[0]).split(" @ ")[0] if exn.args else type(exn).__name__  # webdataset appends " @ stream"
-        if isinstance(exn, ValueError) and ": duplicate file name" in what:  # group_by_keys: "KEY.SUFFIX: dup..."
-            key, suffix = sample_key(what.split(": duplicate file name")[0])
-            raise ShardFormatError(f"{path}: sample {key!r} has two {suffix!r} members") from exn
-        raise ShardFormatError(f"{path}: not a readable tar ({type(exn).__name__}: {what})") from exn
-
-    return handler
-
-
-def iter_tar_samples(path: str | Path, wanted=None, member_names: Iterable[str] | None = None,
-                     expected_sha256: str | None = None, expected_bytes: int | None = None,
-                     ) -> Iterator[tuple[int, str, dict[str, bytes] | None]]:
-    """Yield `(position, key, members)` for each sample of one tar, in file order.
-
-    The tar is parsed and grouped into samples by webdataset (`tar_file_expander` + `group_by_keys`: a stream
-    read of the whole file). `position` counts samples from 0. `members` maps member suffix (e.g.
-    `input_ids.npy`) to its bytes; only suffixes in `member_names` are kept (all when None). When
-    `wanted(position)` is false, `members` is None (the bytes were read, not decoded).
-
-    With `expected_sha256` every byte of the file is hashed as it is read (`HashingReader`), and after the last
-    sample a digest (or a size, with `expected_bytes`) that differs raises `ShardFormatError`.
-
-    Raises `ShardFormatError` naming the file when a key appears in two separate runs of members (a sample split
-    in two), a sample has two members of one name, or the tar cannot be parsed.
-    """
-    keep = None if member_names is None else set(member_names)
-    handler = _tar_error(path)
-    seen: set[str] = set()
-    stream = HashingReader(path) if expected_sha256 is not None else open(path, "rb")
-    with stream:
-        files = tar_file_expander([{"url": str(path), "stream": stream}], handler=handler)
-        for position, record in enumerate(group_by_keys(files, handler=handler)):
-            key = record["__key__"]
-            if key in seen:
-                raise ShardFormatError(f"{path}: sample key {key!r} appears twice (its members are not "
-                                       f"contiguous or the key is repeated)")
-            seen.add(key)
-            members = None
-            if wanted is None or wanted(position):
-                members = {name: data for name, data in record.items()
-                           if not name.startswith("__") and (keep is None or name in keep)}
-            yield position, key, members
-        if expected_sha256 is not None:
-            _check_digest(path, stream.finish(), expected_sha256, expected_bytes)
-
-
-def _check_digest(path, digest_size: tuple[str, int], sha256: str, num_bytes: int | None) -> None:
-    digest, size = digest_size
-    if num_bytes is not None and size != num_bytes:
-        raise ShardFormatError(f"{path}: {size} bytes, the manifest says {num_bytes} (truncated or replaced shard)")
-    if digest != sha256:
-        raise ShardFormatError(f"{path}: sha256 {digest[:16]}... differs from the manifest's {sha256[:16]}... "
-                               f"(corrupt or replaced shard)")
-
-
-# --------------------------------------------------------------------------------------------- sample level
-def _npy(shard: Path | str, key: str, name: str, data: bytes, dtype: np.dtype) -> np.ndarray:
-    try:
-        array = np.load(io.BytesIO(data), allow_pickle=False)
-    except ValueError as e:
-        raise ShardFormatError(f"{shard}: sample {key!r}: {name} is not a plain .npy array ({e})") from e
-    if array.dtype != dtype or array.ndim != 1:
-        raise ShardFormatError(f"{shard}: sample {key!r}: {name} is {array.dtype} {list(array.shape)}, "
-                               f"expected {np.dtype(dtype)} [T]")
-    return array
-
-
-def decode_sample(members: dict[str, bytes], key: str, layout: OutputLayout, shard: Path | str = "<shard>",
-                  include_meta: bool = False, fp8: str = "bfloat16") -> dict[str, Any]:
-    """Decode one sample's members (no pickle) and check them against `layout`.
-
-    Returns `sample_id`, `input_ids` int64 [T], `loss_mask` int64 [T], `hidden_states` [T, k*H] (storage dtype),
-    `final_hidden_states` [T, H] when the layout has it, and `meta` (dict) with `include_meta`. fp8 outputs: see
-    the module docstring (`fp8` = "bfloat16", "float32" or "raw").
-    """
-    if fp8 not in FP8_MODES:
-        raise ValueError(f"fp8 must be one of {FP8_MODES}, got {fp8!r}")
-    missing = [m for m in REQUIRED_MEMBERS if m not in members]
-    if missing:
-        raise ShardFormatError(f"{shard}: sample {key!r} lacks member(s) {missing}")
-    input_ids_T = _npy(shard, key, MEMBER_INPUT_IDS, members[MEMBER_INPUT_IDS], np.dtype(np.int32))
-    loss_mask_T = _npy(shard, key, MEMBER_LOSS_MASK, members[MEMBER_LOSS_MASK], np.dtype(np.uint8))
-    T = input_ids_T.shape[0]
-    if loss_mask_T.shape[0] != T:
-        raise ShardFormatError(f"{shard}: sample {key!r}: loss_mask has {loss_mask_T.shape[0]} tokens, "
-                               f"input_ids {T}")
-    try:
-        tensors = safetensors_load(members[MEMBER_STATES])
-    except Exception as e:  # safetensors raises its own error types on malformed headers
-        raise ShardFormatError(f"{shard}: sample {key!r}: {MEMBER_STATES} cannot be decoded ({e})") from e
-    expected = layout.expected_tensors(T)
-    if set(tensors) != set(expected):
-        raise ShardFormatError(f"{shard}: sample {key!r}: {MEMBER_STATES} holds {sorted(tensors)}, expected "
-                               f"{sorted(expected)} (capture_final={layout.capture_final!r}, "
-                               f"dtype={layout.dtype_name!r})")
-    for name, (dtype, shape) in expected.items():
-        t = tensors[name]
-        if tuple(t.shape) != shape or t.dtype != dtype:
-            raise ShardFormatError(f"{shard}: sample {key!r}: {name} is {t.dtype} {list(t.shape)}, expected "
-                                   f"{dtype} {list(shape)}")
-    if layout.is_fp8 and fp8 != "raw":
-        dtype = TORCH_DTYPES[fp8]
-        for name in [n for n in expected if not n.endswith("_scales")]:
-            tensors[name] = fp8_dequantize(tensors[name], tensors.pop(f"{name}_scales"), dtype)
-    sample: dict[str, Any] = {
-        "sample_id": key,
-        "input_ids": torch.from_numpy(input_ids_T.astype(np.int64)),
-        "loss_mask": torch.from_numpy(loss_mask_T.astype(np.int64)),
-    }
-    sample.update((name, tensors[name]) for name in expected if name in tensors)  # in docs/FORMAT.md order
-    if include_meta:
-        sample["meta"] = json.loads(members[MEMBER_META]) if MEMBER_META in members else None
-    return sample
-
-
-def iter_shard(shard: ShardInfo, layout: OutputLayout, wanted=None, include_meta: bool = False,
-               check_tokens: bool = True, fp8: str = "bfloat16", verify_sha256: bool = True,
-               ) -> Iterator[dict[str, Any]]:
-    """Decoded samples of one shard (those with `wanted(position)`, all when None), in file order.
-
-    At the end of the shard, raises `ShardFormatError` when its size or sha256 (`verify_sha256`, hashed while
-    streaming), its sample count or (when every sample was decoded and `check_tokens`) its token count differs
-    from the manifest's.
-    """
-    names = REQUIRED_MEMBERS + ((MEMBER_META,) if include_meta else ())
-    count = tokens = 0
-    decoded_all = True
-    digest = dict(expected_sha256=shard.sha256, expected_bytes=shard.num_bytes) if verify_sha256 else {}
-    for position, key, members in iter_tar_samples(shard.path, wanted, names, **digest):
-        count = position + 1
-        if members is None:
-            decoded_all = False
-            continue
-        sample = decode_sample(members, key, layout, shard.path, include_meta, fp8)
-        tokens += sample["input_ids"].shape[0]
-        yield sample
-    if count != shard.num_samples:
-        raise ShardFormatError(f"{shard.path}: holds {count} samples, the manifest says {shard.num_samples}")
-    if decoded_all and check_tokens and tokens != shard.num_tokens:
-        raise ShardFormatError(f"{shard.path}: holds {tokens} tokens, the manifest says {shard.num_tokens}")
-
-
-# ---------------------------------------------------------------------------------------------- work split
-def resolve_rank_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
-    """(rank, world_size): the explicit values, else torch.distributed's when initialized, else (0, 1)."""
-    if (rank is None) != (world_size is None):
-        raise ValueError("pass both rank and world_size, or neither")
-    if rank is None:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        else:
-            rank, world_size = 0, 1
-    if not (world_size >= 1 and 0 <= rank < world_size):
-        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
-    return int(rank), int(world_size)
-
-
-@dataclass(frozen=True)
-class ConsumerPlan:
-    """What one consumer reads in one epoch.
-
-    `shards` in reading order. Mode "shard": every sample of each listed shard. Mode "sample": the shards are
-    all shards of the epoch, `first_positions[i]` is the global position of shard i's first sample, and the
-    consumer keeps the samples with `(first_positions[i] + j) % num_consumers == consumer`.
-    """
-
-    mode: str
-    consumer: int
-    num_consumers: int
-    shards: tuple[ShardInfo, ...]
-    first_positions: tuple[int, ...]
-
-    def wanted(self, shard_index: int):
-        """The `wanted(position)` filter for `iter_tar_samples` on `shards[shard_index]` (None: all)."""
-        if self.mode == "shard":
-            return None
-        base, C, c = self.first_positions[shard_index], self.num_consumers, self.consumer
-        return lambda j: (base + j) % C == c
-
-    @property
-    def num_samples(self) -> int:
-        if self.mode == "shard":
-            return sum(s.num_samples for s in self.shards)
-        total = sum(s.num_samples for s in self.shards)
-        C, c = self.num_consumers, self.consumer
-        return total // C + (1 if c < total % C else 0)
-
-
-def epoch_shard_order(shards: list[ShardInfo], shuffle: bool, seed: int, epoch: int) -> list[ShardInfo]:
-    """The epoch's shard order: manifest order, or a permutation seeded by (seed, epoch), the same on every
-    consumer (`webdataset.SimpleShardList`, seeded with a string of seed and epoch)."""
-    by_url = {str(s.path): s for s in shards}
-    return [by_url[d["url"]] for d in _shard_list(shards, shuffle, seed, epoch)] if shards else []
-
-
-def _shard_list(shards: list[ShardInfo], shuffle: bool, seed: int, epoch: int) -> wds.SimpleShardList:
-    return wds.SimpleShardList([str(s.path) for s in shards],
-                               seed=f"dflash-prep:shards:{seed}:{epoch}" if shuffle else None)
-
-
-def plan_consumer(shards: list[ShardInfo], consumer: int, num_consumers: int, split: str = "auto",
-                  shuffle: bool = False, seed: int = 0, epoch: int = 0) -> ConsumerPlan:
-    """Consumer `consumer` of `num_consumers`'s share of one epoch (see the module docstring for the rule)."""
-    return plan_from_order(epoch_shard_order(shards, shuffle, seed, epoch), consumer, num_consumers, split)
-
-
-def plan_from_order(order: list[ShardInfo], consumer: int, num_consumers: int, split: str = "auto") -> ConsumerPlan:
-    """Consumer `consumer`'s share of an epoch whose shards come in `order`: whole shards dealt to the least
-    loaded consumer, or every shard with sample striding (the module docstring's rule)."""
-    if split not in SPLIT_MODES:
-        raise ValueError(f"split must be one of {SPLIT_MODES}, got {split!r}")
-    if not 0 <= consumer < num_consumers:
-        raise ValueError(f"consumer {consumer} is not in [0, {num_consumers})")
-    mode = split if split != "auto" else ("shard" if len(order) >= num_consumers else "sample")
-    if mode == "shard":
-        load = [0] * num_consumers
-        mine = []
-        for shard in order:
-            c = min(range(num_consumers), key=lambda j: (load[j], j))
-            load[c] += shard.num_samples
-            if c == consumer:
-                mine.append(shard)
-        return ConsumerPlan("shard", consumer, num_consumers, tuple(mine), ())
-    firsts, position = [], 0
-    for s in order:
-        firsts.append(position)
-        position += s.num_samples
-    return ConsumerPlan("sample", consumer, num_consumers, tuple(order), tuple(firsts))
-
-
-class SplitByConsumer:
-    """A webdataset pipeline stage, in place of `split_by_node` + `split_by_worker`: from the epoch's stream of
-    `{"url": ...}` (every consumer sees the same order), yield this consumer's shards as
-    `{"url", "shard": ShardInfo, "wanted": position filter or None}` (`plan_from_order`'s rule)."""
-
-    def __init__(self, shards: list[ShardInfo], consumer: int, num_consumers: int, split: str):
-        self.by_url = {str(s.path): s for s in shards}
-        self.consumer, self.num_consumers, self.split = consumer, num_consumers, split
-
-    def __call__(self, src: Iterable[dict]) -> Iterator[dict]:
-        order = [self.by_url[d["url"]] for d in src]
-        plan = plan_from_order(order, self.consumer, self.num_consumers, self.split)
-        for i, shard in enumerate(plan.shards):
-            yield {"url": str(shard.path), "shard": shard, "wanted": plan.wanted(i)}
+__all__ = ["MEMBER_INPUT_IDS", "MEMBER_LOSS_MASK", "MEMBER_STATES", "MEMBER_META", "REQUIRED_MEMBERS",
+           "TORCH_DTYPES", "SPLIT_MODES", "FP8_MODES", "FINAL_MODES", "ShardFormatError", "ShardInfo", "OutputLayout",
+           "manifest_shard_problems", "shards_of", "sample_key", "HashingReader", "iter_tar_samples", "decode_sample",
+           "iter_shard", "resolve_rank_world", "ConsumerPlan", "epoch_shard_order", "plan_consumer",
+           "plan_from_order", "SplitByConsumer", "ShardDataset", "has_supervised_pair", "SEQUENCE_KEYS",
+           "truncate_sample", "DFlashCollator"]
 
 
 class ShardDataset(IterableDataset):
@@ -617,7 +247,7 @@ class ShardDataset(IterableDataset):
     def pipeline(self, consumer: int, num_consumers: int) -> wds.DataPipeline:
         """The webdataset pipeline of one consumer for the current epoch: shard list (seeded order) -> this
         consumer's shards -> tar -> decoded samples -> seeded shuffle buffer (with `shuffle`)."""
-        stages = [_shard_list(self.shards, self.shuffle, self.seed, self.epoch) if self.shards else [],
+        stages = [shard_list(self.shards, self.shuffle, self.seed, self.epoch) if self.shards else [],
                   SplitByConsumer(self.shards, consumer, num_consumers, self.split), self._decode_shards]
         if self.shuffle:
             rng = random.Random(f"dflash-prep:samples:{self.seed}:{self.epoch}:{consumer}")
@@ -627,132 +257,3 @@ class ShardDataset(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return iter(self.pipeline(*self._consumer()))
 
-
-# ------------------------------------------------------------------------------------------ DFlash batches
-def has_supervised_pair(loss_mask_T: torch.Tensor) -> bool:
-    """True when some p has loss_mask[p] and loss_mask[p+1] both nonzero (a DFlash anchor exists)."""
-    m = loss_mask_T.bool()
-    return bool((m[:-1] & m[1:]).any()) if m.shape[0] >= 2 else False
-
-
-SEQUENCE_KEYS = ("input_ids", "loss_mask", "hidden_states", "final_hidden_states", "hidden_states_scales",
-                 "final_hidden_states_scales")
-
-
-def truncate_sample(sample: dict[str, Any], max_length: int) -> dict[str, Any]:
-    """The sample's first `max_length` tokens (views; every per-token tensor cut alike)."""
-    out = dict(sample)
-    for name in SEQUENCE_KEYS:
-        if name in out:
-            out[name] = out[name][:max_length]
-    return out
-
-
-class DFlashCollator:
-    """Build DFlash trainer batches from `ShardDataset` samples.
-
-    Each sample is first truncated to `max_length` tokens; samples that then lack two consecutive supervised
-    tokens (no DFlash anchor) are dropped (counted in `num_dropped`). Returns None when every sample was
-    dropped.
-
-    mode="padded" (SpecForge-style `[B, T]`, T = longest kept sample, or rounded up to `pad_to_multiple_of`):
-        input_ids int64 [B, T] (pad_token_id on padding), loss_mask int64 [B, T] (0 on padding),
-        attention_mask int64 [B, T] (1 on real tokens, a prefix of each row), position_ids int64 [B, T]
-        (0..len-1, 0 on padding), hidden_states [B, T, k*H] (zeros on padding), final_hidden_states
-        [B, T, H] when present, lengths int64 [B].
-    mode="packed" (speculators-style `[1, N]`: documents back to back, N = total kept tokens, or rounded up to
-    `pad_to_multiple_of`):
-        input_ids / loss_mask / position_ids (restart at 0 per document) / document_ids (0..D-1, -1 on
-        padding) int64 [1, N], hidden_states [1, N, k*H], final_hidden_states [1, N, H] when present,
-        lengths int64 [D], cu_seqlens int32 [D+1] (document boundaries, for varlen attention kernels).
-    Both: sample_ids list[str] (batch order), num_dropped int.
-    Guarantee: row b (padded) / document d (packed) holds exactly the tokens and states of the b-th/d-th kept
-    sample after truncation, bit for bit; padding never carries loss.
-    """
-
-    def __init__(self, max_length: int, mode: str = "padded", pad_token_id: int = 0,
-                 pad_to_multiple_of: int | None = None):
-        if mode not in ("padded", "packed"):
-            raise ValueError(f"mode must be 'padded' or 'packed', got {mode!r}")
-        if max_length < 2:
-            raise ValueError(f"max_length must be >= 2, got {max_length}")
-        if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
-            raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
-        self.max_length = max_length
-        self.mode = mode
-        self.pad_token_id = pad_token_id
-        self.pad_to_multiple_of = pad_to_multiple_of
-
-    def _round_up(self, n: int) -> int:
-        m = self.pad_to_multiple_of
-        return n if m is None else -(-n // m) * m
-
-    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, Any] | None:
-        kept = []
-        for s in samples:
-            s = truncate_sample(s, self.max_length)
-            if has_supervised_pair(s["loss_mask"]):
-                kept.append(s)
-        num_dropped = len(samples) - len(kept)
-        if not kept:
-            return None
-        has_final = all("final_hidden_states" in s for s in kept)
-        if not has_final and any("final_hidden_states" in s for s in kept):
-            raise ValueError("some samples carry final_hidden_states and some do not")
-        batch = self._padded(kept, has_final) if self.mode == "padded" else self._packed(kept, has_final)
-        batch["sample_ids"] = [s["sample_id"] for s in kept]
-        batch["num_dropped"] = num_dropped
-        return batch
-
-    def _padded(self, kept: list[dict[str, Any]], has_final: bool) -> dict[str, Any]:
-        lengths_B = torch.tensor([s["input_ids"].shape[0] for s in kept], dtype=torch.int64)
-        B, T = len(kept), self._round_up(int(lengths_B.max()))
-        first = kept[0]
-        input_ids_BT = torch.full((B, T), self.pad_token_id, dtype=torch.int64)
-        loss_mask_BT = torch.zeros(B, T, dtype=torch.int64)
-        attention_mask_BT = torch.zeros(B, T, dtype=torch.int64)
-        position_ids_BT = torch.zeros(B, T, dtype=torch.int64)
-        hidden_states_BTK = first["hidden_states"].new_zeros(B, T, first["hidden_states"].shape[1])
-        final_BTH = first["final_hidden_states"].new_zeros(B, T, first["final_hidden_states"].shape[1]) \
-            if has_final else None
-        for b, s in enumerate(kept):
-            n = s["input_ids"].shape[0]
-            input_ids_BT[b, :n] = s["input_ids"]
-            loss_mask_BT[b, :n] = s["loss_mask"]
-            attention_mask_BT[b, :n] = 1
-            position_ids_BT[b, :n] = torch.arange(n)
-            hidden_states_BTK[b, :n] = s["hidden_states"]
-            if final_BTH is not None:
-                final_BTH[b, :n] = s["final_hidden_states"]
-        out = {"input_ids": input_ids_BT, "loss_mask": loss_mask_BT, "attention_mask": attention_mask_BT,
-               "position_ids": position_ids_BT, "hidden_states": hidden_states_BTK, "lengths": lengths_B}
-        if final_BTH is not None:
-            out["final_hidden_states"] = final_BTH
-        return out
-
-    def _packed(self, kept: list[dict[str, Any]], has_final: bool) -> dict[str, Any]:
-        lengths_D = torch.tensor([s["input_ids"].shape[0] for s in kept], dtype=torch.int64)
-        total = int(lengths_D.sum())
-        N = self._round_up(total)
-        pad = N - total
-        cu_seqlens = torch.zeros(len(kept) + 1, dtype=torch.int32)
-        cu_seqlens[1:] = torch.cumsum(lengths_D, 0).to(torch.int32)
-
-        def cat(name: str, fill=0, dtype=None) -> torch.Tensor:
-            parts = [s[name] for s in kept]
-            if pad:
-                parts.append(parts[0].new_full((pad, *parts[0].shape[1:]), fill))
-            t = torch.cat(parts, 0)
-            return (t if dtype is None else t.to(dtype)).unsqueeze(0)
-
-        document_ids_N = torch.repeat_interleave(torch.arange(len(kept), dtype=torch.int64), lengths_D)
-        position_ids_N = torch.cat([torch.arange(int(n), dtype=torch.int64) for n in lengths_D])
-        if pad:
-            document_ids_N = torch.cat([document_ids_N, torch.full((pad,), -1, dtype=torch.int64)])
-            position_ids_N = torch.cat([position_ids_N, torch.zeros(pad, dtype=torch.int64)])
-        out = {"input_ids": cat("input_ids", self.pad_token_id), "loss_mask": cat("loss_mask", 0),
-               "position_ids": position_ids_N.unsqueeze(0), "document_ids": document_ids_N.unsqueeze(0),
-               "hidden_states": cat("hidden_states"), "lengths": lengths_D, "cu_seqlens": cu_seqlens}
-        if has_final:
-            out["final_hidden_states"] = cat("final_hidden_states")
-        return out

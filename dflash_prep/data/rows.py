@@ -275,10 +275,11 @@ def _check_parquet_files(files: list[str]) -> None:
                               f"{sorted(first[1])}; all files of one dataset need the same columns")
 
 
-def _table_is_lossy(ds) -> bool:
-    """True when a JSON file loaded as one Arrow table lost what a row said: token ids or masks typed as floats
-    (one 5.5 or 2**64 in a file turns every id into a float), or tool schemas and call arguments typed as structs
-    (Arrow unions the keys of all rows and fills the missing ones with null, which the template would render)."""
+def _table_is_lossy(ds) -> str | None:
+    """What a JSON file loaded as one Arrow table lost of what a row said, or None: token ids or masks typed as
+    floats (one 5.5 or 2**64 in a file turns every id into a float), or tool schemas and call arguments typed as
+    structs (Arrow unions the keys of all rows and fills the missing ones with null, which the template would
+    render)."""
     import datasets
 
     def float_list(feature) -> bool:
@@ -287,11 +288,13 @@ def _table_is_lossy(ds) -> bool:
 
     features = ds.features
     if any(c in features and float_list(features[c]) for c in ("input_ids", "loss_mask")):
-        return True
+        return "token ids or masks typed as floats"
     if "tools" in features and not isinstance(features["tools"], datasets.Value):
-        return True
+        return "tool schemas typed as a table column, not JSON strings"
     turns = repr(features.get("messages", features.get("conversations")))
-    return "tool_calls" in turns and not re.search(r"'arguments': Value\('(large_)?string'\)", turns)
+    if "tool_calls" in turns and not re.search(r"'arguments': Value\('(large_)?string'\)", turns):
+        return "tool-call arguments typed as a table column, not JSON strings"
+    return None
 
 
 def load_rows(section: DataSection):
@@ -320,9 +323,11 @@ def load_rows(section: DataSection):
         except Exception as e:  # noqa: BLE001 - a file datasets cannot read is a bad input, not a crash
             raise RecipeError(f"recipe key `data.path` = {section.path!r}: cannot read {kind} files {source[:3]}"
                               f"{' ...' if len(source) > 3 else ''} ({type(e).__name__}: {str(e)[:160]})") from None
-    if kind != "json" and _table_is_lossy(ds):
-        log.warning("data: %s types tool schemas or tool-call arguments as structs: keys one row lacks are null in "
-                    "it and the template renders them; store them as JSON strings (or use JSON Lines)", section.path)
+    if kind != "json" and (lost := _table_is_lossy(ds)):
+        log.warning("data: %s: %s (%s)", section.path, lost,
+                    "rows are read as typed" if "floats" in lost else
+                    "keys one row lacks are null in it and the template renders them; store them as JSON strings, "
+                    "or use JSON Lines")
     if len(ds) == 0:
         where = source if isinstance(source, str) else ", ".join(source[:3]) + (" ..." if len(source) > 3 else "")
         raise RecipeError(f"recipe key `data.path` = {section.path!r}: no rows in {where} (empty or blank lines only)")
@@ -345,9 +350,9 @@ def _load_json(section: DataSection, files: list[str]):
         log.warning("data: %s does not load as one table (%s: %s); reading it line by line, bad lines are "
                     "skipped with a reason", section.path, type(e).__name__, str(e)[:200])
         return _load_json_lines(files)
-    if _table_is_lossy(ds):
-        log.info("data: %s: token ids typed as floats, or tool schemas/arguments typed as structs; reading it line "
-                 "by line so each row keeps its own values", section.path)
+    if lost := _table_is_lossy(ds):
+        log.info("data: %s: as one table it would have %s; reading it line by line so each row keeps its own "
+                 "values", section.path, lost)
         return _load_json_lines(files)
     return ds
 

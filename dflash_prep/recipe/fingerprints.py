@@ -13,11 +13,15 @@ fingerprints say what they hold, so a data file edited in place or a checkpoint 
   in a dozen files instead of all 55 GB (a fine-tune written over the same path changes every tensor, so every
   chunk);
   for a hub id, the commit the local cache resolves it to; for random weights (`model.config`), the init seed
-  (the config itself is in `model_fingerprint`).
+  (the config itself is in `model_fingerprint`);
+- `inputs_stamp(recipe)`: not a content fingerprint but a cheap stamp, the size and modification time of every
+  local input file with the recipe's content keys, so a re-run of a finished output can answer without reading
+  anything when nothing was touched (anything else goes through the content checks above).
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -134,3 +138,44 @@ def describe_weights_change(previous: dict, current: dict) -> str:
                         else "sampled bytes")
                 return f"{name}: {what} differ(s)"
     return f"output has {json.dumps(previous, sort_keys=True)[:200]}, this run has {json.dumps(current, sort_keys=True)[:200]}"
+
+
+def _files_under(path: Path) -> list[Path]:
+    return sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+
+
+def _input_paths(recipe) -> list[Path] | None:
+    """Every local file the job's inputs are read from (the model's folder or config, the tokenizer's folder, the
+    data files: a folder's every file, a glob's matches), or None when an input is not local (a hub id)."""
+    model, data = recipe.model, recipe.data
+    weights = Path(os.path.expanduser(model.config if model.config is not None else model.name_or_path))
+    tokenizer = Path(os.path.expanduser(model.tokenizer_path))
+    if not weights.exists() or not tokenizer.is_dir() or data.format == "hub":
+        return None
+    if any(c in data.path for c in "*?["):
+        data_files = [Path(p) for p in sorted(glob.glob(os.path.expanduser(data.path), recursive=True))]
+    elif Path(os.path.expanduser(data.path)).exists():
+        data_files = _files_under(Path(os.path.expanduser(data.path)))
+    else:
+        return None
+    return _files_under(weights) + _files_under(tokenizer) + data_files
+
+
+def inputs_stamp(recipe) -> dict | None:
+    """{"recipe": the recipe's content fingerprint, "data": its data keys, "files": {path: [bytes, mtime_ns]}} of
+    the job's local inputs, or None when an input is not local (hub ids: no stamp, the content checks decide).
+
+    Equal stamps mean the recipe asks for the same content and no input file was written since (a write changes
+    the modification time); a stamp is never evidence of a change, only of its absence."""
+    paths = _input_paths(recipe)
+    if paths is None:
+        return None
+    files = {}
+    for path in paths:
+        try:
+            st = path.stat()
+        except OSError:
+            return None
+        files[str(path.resolve())] = [st.st_size, st.st_mtime_ns]
+    data = {k: v for k, v in recipe.to_dict()["data"].items() if k != "num_proc"}
+    return {"recipe": recipe.fingerprint(), "data": data, "files": files}

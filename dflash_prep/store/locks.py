@@ -60,10 +60,19 @@ class FileLock:
         self._fd: int | None = None
 
     def try_acquire(self) -> bool:
-        """Take the lock if it is free (True), False if another process holds it. Unsupported: warns, True."""
+        """Take the lock if it is free (True), False if another process holds it. Unsupported: warns, True.
+
+        A lock file may be removed by its holder on release (`release(remove=True)`): a lock taken on a file that
+        is no longer the one at `path` is dropped and taken again on the new file, so two processes never both
+        hold `path`'s lock (one on the removed file, one on its successor)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        outcome = _flock_nonblocking(fd)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            outcome = _flock_nonblocking(fd)
+            if outcome == "taken" and not _same_file(fd, self.path):
+                os.close(fd)  # its holder removed it after we opened it: lock the file that is there now
+                continue
+            break
         if outcome != "taken":
             os.close(fd)
             if outcome == "unsupported":
@@ -104,13 +113,27 @@ class FileLock:
         host, _, pid = text.partition(" ")
         return f"pid {pid} on {host}"
 
-    def release(self) -> None:
+    def release(self, remove: bool = False) -> None:
+        """Drop the lock; `remove`: delete the lock file first, while still holding it (nothing left behind; a
+        process waiting on the old file sees it is gone, `try_acquire`)."""
         if self._fd is not None:
             fd, self._fd = self._fd, None
             try:
+                if remove:
+                    self.path.unlink(missing_ok=True)
                 fcntl.flock(fd, fcntl.LOCK_UN)
             finally:
                 os.close(fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether the open file `fd` is the file at `path` now (not removed or replaced since it was opened)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (own.st_dev, own.st_ino) == (st.st_dev, st.st_ino)
 
 
 def lock_run(out_dir: Path) -> FileLock:

@@ -12,11 +12,12 @@ import tarfile
 from pathlib import Path
 
 from dflash_prep.io import atomic_write_json, fsync_dir
-from dflash_prep.store.writer import INDEX_DIR, SHARDS_DIR, ShardRecord
+from dflash_prep.store.records import INDEX_DIR, SHARDS_DIR, ShardRecord
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 STATE_NAME = "run_state.json"
+FINISHED_INPUTS = "finished_inputs"  # run_state.json's key: the inputs as the run that finished the output found them
 
 
 def read_committed(out_dir: str | Path) -> list[ShardRecord]:
@@ -152,15 +153,18 @@ def drop_records(out_dir: str | Path, paths: set[str]) -> None:
         (out_dir / rel).unlink(missing_ok=True)
 
 
-def remove_uncommitted(out_dir: str | Path, committed: list[ShardRecord]) -> list[Path]:
-    """Delete `.tmp` files and shard files no index lists (left by a crash). Returns what was removed."""
+def uncommitted_files(out_dir: str | Path, committed: list[ShardRecord]) -> list[Path]:
+    """`.tmp` files and shard files no index lists (left by a crash)."""
     out_dir = Path(out_dir)
     keep = {out_dir / r.path for r in committed}
-    removed = []
-    for path in sorted((out_dir / SHARDS_DIR).glob("rank-*/*")):
-        if path not in keep:
-            path.unlink()
-            removed.append(path)
+    return [path for path in sorted((out_dir / SHARDS_DIR).glob("rank-*/*")) if path not in keep]
+
+
+def remove_uncommitted(out_dir: str | Path, committed: list[ShardRecord]) -> list[Path]:
+    """Delete `uncommitted_files`. Returns what was removed."""
+    removed = uncommitted_files(out_dir, committed)
+    for path in removed:
+        path.unlink()
     return removed
 
 

@@ -47,15 +47,9 @@ import torch
 
 from dflash_prep.io import fsync_dir
 from dflash_prep.plan.batches import SampleInfo
+from dflash_prep.store.records import INDEX_DIR, SHARDS_DIR, ShardRecord, rank_name
 from dflash_prep.target.backoff import FAIL_NON_FINITE
 from dflash_prep.target.fp8 import unpack_rows as unpack_fp8_rows
-
-SHARDS_DIR = "shards"
-INDEX_DIR = "index"
-
-
-def rank_name(rank: int) -> str:
-    return f"rank-{rank:05d}"
 
 
 class _HashingFile:
@@ -261,26 +255,6 @@ def encode_sample(info: SampleInfo, hidden_states_TK: torch.Tensor, final_TH: to
         "hidden_states.safetensors": safetensors_parts(tensors),
         "meta.json": meta_json_bytes(meta),
     }
-
-
-@dataclass
-class ShardRecord:
-    """One committed shard, as listed in the rank index and the manifest."""
-
-    path: str  # relative to OUT
-    num_samples: int
-    num_tokens: int
-    num_bytes: int
-    sha256: str
-    batch_ids: list[int] = field(default_factory=list)
-    sample_ids: list[str] = field(default_factory=list)
-    failed: list[dict] = field(default_factory=list)  # [{sample_id, source_row, source_id, batch_id, reason}]
-    committed_at: float | None = None  # unix time of the commit (progress and ETA of a running job)
-
-    def to_json(self) -> dict:
-        return dict(path=self.path, num_samples=self.num_samples, num_tokens=self.num_tokens,
-                    num_bytes=self.num_bytes, sha256=self.sha256, batch_ids=self.batch_ids,
-                    sample_ids=self.sample_ids, failed=self.failed, committed_at=self.committed_at)
 
 
 class ShardWriter:

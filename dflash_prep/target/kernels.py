@@ -147,10 +147,9 @@ def apply_kernels(model: nn.Module, choice: KernelChoice) -> None:
     Call before any hook is registered. liger-kernel / fla (and so Triton) are imported here, only when a kernel of
     theirs is chosen (select_kernels chooses none without CUDA). Raises ImportError when a library fails to import.
     """
-    if choice.reason:
-        log.info("model.kernels: %s", choice.reason)
-    if not choice.names:
-        log.info("model.kernels: eager (transformers' own forward)")
+    if not choice.names:  # one line: what runs, and why (the reasons of `select_kernels` end in ": eager")
+        why = (choice.reason or "").removesuffix(": eager")
+        log.info("model.kernels: eager, transformers' own forward%s", f" ({why})" if why else "")
         return
     module_name, _, liger_apply = ARCHITECTURES[choice.model_type]
     modeling = importlib.import_module(module_name)
@@ -161,8 +160,9 @@ def apply_kernels(model: nn.Module, choice: KernelChoice) -> None:
         _apply_fla_conv(model, modeling)
     if "fla_gated_norm" in choice.names:
         _apply_fla_gated_norm(model)
-    log.info("model.kernels: %s applied (%s)", ", ".join(choice.names),
-             ", ".join(f"{k} {v}" for k, v in sorted(choice.libraries.items())))
+    log.info("model.kernels: %s applied (%s)%s", ", ".join(choice.names),
+             ", ".join(f"{k} {v}" for k, v in sorted(choice.libraries.items())),
+             f"; {choice.reason}" if choice.reason else "")
 
 
 def _apply_liger(model: nn.Module, modeling, apply_name: str, names: set[str]) -> None:

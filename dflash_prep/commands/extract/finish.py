@@ -17,8 +17,16 @@ from collections import Counter
 from dflash_prep import __version__
 from dflash_prep.commands.job import FAILED_NAME, SUMMARY_NAME, RankPlan, Run, manifest_readable
 from dflash_prep.consume.vocab import count_supervised_tokens, write_token_freq
+from dflash_prep.errors import ExtractionError
 from dflash_prep.io import atomic_write_json, atomic_write_jsonl
-from dflash_prep.store.manifest import build_manifest, read_committed, write_manifest
+from dflash_prep.store.manifest import (
+    FINISHED_INPUTS,
+    STATE_NAME,
+    build_manifest,
+    read_committed,
+    read_state_json,
+    write_manifest,
+)
 from dflash_prep.target.kernels import kernels_history, last_kernels_record
 from dflash_prep.target.model import describe_source, hidden_size_of, vocab_size_of
 from dflash_prep.target.norms import final_norm_entry
@@ -61,12 +69,22 @@ def finish_run(run: Run, data, rank_plan: RankPlan) -> dict:
         atomic_write_jsonl(out_dir / FAILED_NAME, failed_rows)
         if previous is None:
             atomic_write_json(out_dir / SUMMARY_NAME, summary)
+        _record_finished_inputs(out_dir, run.inputs_stamp)
         write_manifest(out_dir, manifest)
     except OSError as e:
         raise ExtractionError(f"writing the manifest failed ({e}); every shard is committed: re-run the same "
                               f"command (nothing is recomputed) to write it") from e
     _log_done(summary, data.skipped_counts, out_dir)
     return summary
+
+
+def _record_finished_inputs(out_dir, stamp: dict | None) -> None:
+    """run_state.json's `finished_inputs`: the inputs as this run found them (preflight.py compares a re-run's)."""
+    state = read_state_json(out_dir / STATE_NAME)
+    state.pop(FINISHED_INPUTS, None)
+    if stamp is not None:
+        state[FINISHED_INPUTS] = stamp
+    atomic_write_json(out_dir / STATE_NAME, state)
 
 
 def _previous_summary(out_dir) -> dict | None:
@@ -120,6 +138,9 @@ def _summary(run: Run, data, rank_plan: RankPlan, manifest: dict, reports: list[
         "num_tokens_written": manifest["num_tokens"],
         "num_samples_this_run": sum(r["num_samples"] for r in reports),
         "num_tokens_this_run": real,
+        # what earlier runs had committed when this one started (a resume: the job's progress was not 0)
+        "num_samples_committed_before": sum(r.num_samples for r in rank_plan.committed),
+        "num_tokens_committed_before": sum(r.num_tokens for r in rank_plan.committed),
         "num_skipped": manifest["num_skipped"],
         "skipped": data.skipped_counts,
         "num_failed": manifest["num_failed"],
@@ -135,8 +156,9 @@ def _summary(run: Run, data, rank_plan: RankPlan, manifest: dict, reports: list[
         "planned_padding_efficiency": rank_plan.stats["padding_efficiency"],
         "num_ranks": run.world,  # replicas (processes that write)
         "replicas": run.replica.record(),  # gpus_per_replica, parallelism (replica.py)
-        "wall_seconds": time.perf_counter() - run.t_start,
-        "tokens_per_second": real / max(max((r["loop_seconds"] for r in reports), default=0.0), 1e-9),
+        "wall_seconds": time.perf_counter() - run.t_start,  # this run's
+        "loop_seconds": max((r["loop_seconds"] for r in reports), default=0.0),  # this run's slowest rank's loop
+        "tokens_per_second": real / max(max((r["loop_seconds"] for r in reports), default=0.0), 1e-9),  # this run's
         "bytes_written_this_run": sum(r["bytes_written"] for r in reports),
         "bytes_total": manifest["num_bytes"],
         "num_shards": len(manifest["shards"]),
@@ -179,13 +201,18 @@ def disk_verdict(reports: list[dict], storage_dtype: str) -> dict | None:
 
 
 def _log_done(summary: dict, skipped_counts: dict, out_dir) -> None:
+    """Two lines: what the output holds (every run's work), then what this run did and its own rate."""
     log.info("done: %d samples, %d tokens written (%d skipped%s, %d failed%s), padding efficiency %s, %.1f GB in "
-             "%d shards, %.1fs wall, %.0f tok/s%s -> %s", summary["num_samples_written"], summary["num_tokens_written"],
+             "%d shards -> %s", summary["num_samples_written"], summary["num_tokens_written"],
              summary["num_skipped"], f" {skipped_counts}" if skipped_counts else "",
              summary["num_failed"], f" {summary['failed']}" if summary["failed"] else "",
              f"{summary['padding_efficiency']:.3f}" if summary["padding_efficiency"] else "n/a",
-             summary["bytes_total"] / 1e9, summary["num_shards"], summary["wall_seconds"],
-             summary["tokens_per_second"], _replicas_phrase(summary.get("replicas")), out_dir / "manifest.json")
+             summary["bytes_total"] / 1e9, summary["num_shards"], out_dir / "manifest.json")
+    before = summary.get("num_samples_committed_before", 0)
+    log.info("this run: %d samples, %d tokens in %.1fs wall; its loop %.1fs at %.0f tok/s%s%s",
+             summary["num_samples_this_run"], summary["num_tokens_this_run"], summary["wall_seconds"],
+             summary.get("loop_seconds", 0.0), summary["tokens_per_second"], _replicas_phrase(summary.get("replicas")),
+             f" (a resume: {before} samples were committed before it)" if before else "")
     disk = summary.get("disk")
     if disk and disk["disk_bound"]:
         log.warning("the disk set the pace: rank %d waited on its writers %.0f%% of its loop; the model produced "

@@ -1,0 +1,97 @@
+"""`extract.py` / `dflash-prep extract` / `python -m dflash_prep.commands.extract`: the command line of the
+extraction, its errors as one line each and its exit codes (0 done, 1 stopped, resumable, 2 refused, 3 done but more
+samples failed than `output.max_failed_samples`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+from dflash_prep.commands.extract.preflight import answer_finished, failed_samples_code, finished_summary, parse_recipe
+from dflash_prep.errors import EXIT_BAD_RECIPE, EXIT_FAILED_SAMPLES, EXIT_STOPPED, ExtractionError, StopRequested
+from dflash_prep.recipe.schema import RecipeError
+
+log = logging.getLogger("dflash_prep")
+
+
+def main(argv: list[str] | None = None, own_process: bool = False) -> int:
+    """`extract.py` / `dflash-prep extract`: [--recipe PATH] [--set key=value ...]. Returns the exit code.
+
+    `own_process` (the launched script): an error while the model was still loading on its thread (a data verdict,
+    an output of another job) ends the process at once with its exit code, after the error line, instead of
+    waiting for the load (a model load cannot be interrupted, and the other ranks are stopped by the launcher
+    only once this process exits)."""
+    code = _main(argv, own_process)
+    if code in (EXIT_BAD_RECIPE, EXIT_FAILED_SAMPLES) and _under_plain_accelerate_launch():
+        print(f"note: `accelerate launch` reports exit code {code} as 1 (\"stopped, resumable\"); `dflash-prep launch` "
+              f"takes the same arguments and keeps it", file=sys.stderr)
+    if own_process and code != 0 and "dflash_prep.commands.extract.target_load" in sys.modules:
+        from dflash_prep.commands.extract.target_load import TargetLoad
+
+        if TargetLoad.in_flight():
+            _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> None:
+    """End the process with `code` without waiting for the load thread: flush what was printed and logged, then
+    os._exit (nothing else is running yet: no writer, no DataLoader worker; the locks are released by the
+    kernel)."""
+    for handler in log.handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _under_plain_accelerate_launch() -> bool:
+    """Started by `accelerate launch` (it sets ACCELERATE_MIXED_PRECISION), not by `dflash-prep launch`; rank 0."""
+    from dflash_prep.commands.launch import LAUNCHER_ENV
+
+    return ("ACCELERATE_MIXED_PRECISION" in os.environ and LAUNCHER_ENV not in os.environ
+            and os.environ.get("RANK", "0") == "0")
+
+
+def _main(argv: list[str] | None, own_process: bool = False) -> int:
+    try:
+        recipe = parse_recipe(argv)
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_RECIPE
+    from dflash_prep.commands.regenerate import regenerate_first
+
+    recipe, code = regenerate_first(recipe)  # a `regenerate:` section: the target's answers first, then their states
+    if code is not None:
+        return code
+    finished = finished_summary(recipe)  # before the heavy imports: a re-run of a finished job answers at once
+    if finished is not None:
+        return answer_finished(recipe, finished)
+    from dflash_prep.commands.extract.console import log_to_file
+    from dflash_prep.commands.extract.run import run_extraction
+    from dflash_prep.commands.job import OutputMismatchError
+    from dflash_prep.store.locks import OutputBusyError
+    from dflash_prep.store.manifest import OutputStateError
+
+    try:
+        summary = run_extraction(recipe, own_process)
+    except (RecipeError, OutputMismatchError, OutputBusyError, OutputStateError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        log_to_file(f"refused (exit code {EXIT_BAD_RECIPE}): {e}")  # a claimed output's log says why it stopped
+        return EXIT_BAD_RECIPE
+    except ExtractionError as e:
+        if not (isinstance(e, StopRequested) and os.environ.get("RANK", "0") != "0"):  # the main one speaks for all
+            print(f"error: {e} (details in {Path(recipe.output.dir) / 'logs'})", file=sys.stderr)
+        return EXIT_STOPPED
+    except KeyboardInterrupt:  # Ctrl-C outside the loop (which handles it at a batch boundary)
+        print("error: stopped by Ctrl-C; committed shards are intact, re-run the same command to resume",
+              file=sys.stderr)
+        return EXIT_STOPPED
+    except OSError as e:
+        if log.handlers:
+            log.error("stopped: %s", e, exc_info=e, extra={"console": False})
+        print(f"error: {type(e).__name__}: {e}. Committed shards are intact; fix the cause and re-run the same "
+              f"command to resume (details in {Path(recipe.output.dir) / 'logs'})", file=sys.stderr)
+        return EXIT_STOPPED
+    return failed_samples_code(recipe, summary)

@@ -1,0 +1,194 @@
+"""One rank's run of a job, stage after stage in data-flow order (`_run_extraction` reads top to bottom):
+
+    start               recipe checks, config, layer ids, kernels, replica, token budget, tokenizer     (start.py)
+    _claim_output       run/rank locks, an output of another job refused                                (locks, job)
+    TargetLoad          the model loads on a thread of its own during the next two stages              (target_load.py)
+    _tokenize           rows -> token ids + loss masks, skips counted, the data verdict                 (data)
+    _plan               the frozen global plan minus what is committed, this replica's share            (planner, job)
+    _run_rank           load_target -> DataLoader -> forward_loop -> writer lanes                       (loop.py)
+    finish_run          main process: token frequencies, failed.jsonl, summary, manifest last           (finish.py)
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+
+# Before torch touches CUDA: fewer fragmentation OOMs with batches of changing shapes (user settings win).
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch  # noqa: E402
+
+from dflash_prep.commands.extract.console import attach_log_file  # noqa: E402
+from dflash_prep.commands.extract.finish import finish_run  # noqa: E402
+from dflash_prep.commands.extract.loop import forward_loop  # noqa: E402
+from dflash_prep.commands.extract.progress import JobProgress, clear_progress  # noqa: E402
+from dflash_prep.commands.extract.report import idle_rank_report, prediction_note, rank_report  # noqa: E402
+from dflash_prep.commands.extract.start import start  # noqa: E402
+from dflash_prep.commands.extract.stop import init_worker  # noqa: E402
+from dflash_prep.commands.extract.target_load import TargetLoad, load_target  # noqa: E402
+from dflash_prep.commands.job import (  # noqa: E402
+    SKIPPED_NAME,
+    RankPlan,
+    Run,
+    load_or_make_plan,
+    manifest_readable,
+    open_output,
+    prepare_output,
+)
+from dflash_prep.data.rows import check_data_verdict, load_rows, tokenize_dataset  # noqa: E402
+from dflash_prep.io import atomic_write_json, atomic_write_jsonl  # noqa: E402
+from dflash_prep.plan.batches import PlannedBatches  # noqa: E402
+from dflash_prep.plan.planner import plan_stats, rank_finish_seconds, split_across_ranks  # noqa: E402
+from dflash_prep.recipe.fingerprints import inputs_stamp, rows_fingerprint  # noqa: E402
+from dflash_prep.recipe.schema import Recipe  # noqa: E402
+from dflash_prep.store.locks import check_no_rank_writing, lock_rank, lock_run  # noqa: E402
+from dflash_prep.store.manifest import next_shard_number, read_committed  # noqa: E402
+from dflash_prep.store.records import rank_name  # noqa: E402
+from dflash_prep.store.sizes import check_free_space  # noqa: E402
+from dflash_prep.store.writer import AsyncShardWriter, DiscardingWriter, lanes  # noqa: E402
+from dflash_prep.target.model import hidden_size_of, padding_token_id, vocab_size_of  # noqa: E402
+from dflash_prep.target.packing import replay_stored_layout  # noqa: E402
+
+log = logging.getLogger("dflash_prep")
+
+
+def run_extraction(recipe: Recipe, own_process: bool = False) -> dict | None:
+    """Run the job of `recipe` on this process's rank. Returns the summary on the main process.
+
+    The output folder is locked for the run (locks.py): a second run into it stops before touching anything.
+    `own_process`: this process runs the extraction and exits after it (the launched script), so an error before
+    the model finished loading returns at once, leaving the load to the process's exit (`main`); otherwise the
+    load is waited for."""
+    held: list = []
+    try:
+        return _run_extraction(recipe, held, own_process)
+    finally:
+        for lock in reversed(held):
+            lock.release()
+
+
+def _run_extraction(recipe: Recipe, held: list, own_process: bool = False) -> dict | None:
+    """The stages, in data-flow order; each is a function below (or of its own module). The model loads on a
+    thread of its own while the rows are tokenized and the plan made (`TargetLoad`)."""
+    run = start(recipe)                        # process group, logging; every recipe check before any weights
+    _claim_output(run, held)                   # locks; an output of another job refused
+    run.startup_seconds["start"] = time.perf_counter() - run.t_start
+    load = TargetLoad.start_if_safe(run)       # the weights load while this thread tokenizes and plans
+    try:
+        t0 = time.perf_counter()
+        data = _tokenize(run)                  # rows -> token ids + loss masks (datasets cache), skips counted
+        t1 = time.perf_counter()
+        rank_plan = _plan(run, data)           # the frozen global plan minus what is committed, this rank's share
+        run.startup_seconds.update(tokenize=t1 - t0, plan=time.perf_counter() - t1)
+    except BaseException:
+        if load is not None and not own_process:
+            load.wait()  # in-process callers get no thread left behind; a process of its own exits at once (main)
+        raise
+    lock_fds = tuple(lock.fd for lock in held if lock.fd is not None)
+    report = _run_rank(run, data, rank_plan, lock_fds, load)  # model + kernels + hooks + loop -> committed shards
+    # one process per replica writes; a finished output keeps its run's figures
+    if run.is_writer and (rank_plan.todo or not manifest_readable(run.out_dir)):
+        atomic_write_json(run.out_dir / "index" / f"{rank_name(run.rank)}.done.json", report)
+    log.info("rank %d done: %d samples, %d tokens in %.1fs%s; start-up %s", run.rank,
+             report["num_samples"], report["num_real_tokens"], report["loop_seconds"], prediction_note(run, report),
+             ", ".join(f"{k} {v:.1f}s" for k, v in run.startup_seconds.items() if not isinstance(v, bool)))
+    run.state.wait_for_everyone()
+    if not run.is_main:
+        return None
+    clear_progress(run.out_dir)  # every rank is done: the live figures have served
+    return finish_run(run, data, rank_plan)  # manifest last
+
+
+def _claim_output(run: Run, held: list) -> None:
+    """The main process locks the folder and checks it is this job's before anything in it is touched; then
+    every rank holds its own lock (released by the kernel when its process dies)."""
+    if run.is_main:
+        held.append(lock_run(run.out_dir))
+        check_no_rank_writing(run.out_dir)  # no orphaned worker of an earlier run still writes
+        open_output(run.out_dir, run.recipe, run.identity)
+        run.inputs_stamp = inputs_stamp(run.recipe)  # before any input is read: written once the output is finished
+        clear_progress(run.out_dir)  # the progress files of an earlier run (progress.py)
+        attach_log_file(run.out_dir, run.state.process_index)  # the folder is this job's: its log from here on
+    run.state.wait_for_everyone()
+    if not run.is_main:
+        attach_log_file(run.out_dir, run.state.process_index)
+    if run.is_writer:  # the other processes of a replica write nothing
+        held.append(lock_rank(run.out_dir, run.rank))
+
+
+def _tokenize(run: Run):
+    """Rows -> tokenized data (cached by datasets: the main process fills the cache, the others read it). The data
+    verdict (nothing kept, too much skipped: exit 2) comes before the output is prepared."""
+    with run.state.main_process_first():
+        rows = load_rows(run.recipe.data)
+        data = tokenize_dataset(rows, run.tokenizer, run.recipe.data, vocab_size_of(run.config))
+    check_data_verdict(data, run.recipe.data)
+    if run.is_main:
+        run.identity["data_rows"] = rows_fingerprint(data.kept)
+        finished = prepare_output(run.out_dir, run.recipe, run.identity)  # refuses rows that differ
+        if not finished:
+            atomic_write_jsonl(run.out_dir / SKIPPED_NAME, data.skipped_rows)
+        log.info("data: %d rows, %d kept, %d skipped%s", data.num_rows, len(data.kept),
+                 sum(data.skipped_counts.values()), f" {data.skipped_counts}" if data.skipped_counts else "")
+    return data
+
+
+def _plan(run: Run, data) -> RankPlan:
+    """The global plan (frozen in OUT/plan.json by the first run), minus the committed batches, split over this
+    run's ranks by predicted time (cost.py: the forward's FLOPs and the write's bytes of each batch)."""
+    lengths = [int(n) for n in data.kept["num_tokens"]]
+    plan = load_or_make_plan(run.out_dir, lengths, run.recipe, run.is_main, run.state, packed=run.packing.packed)
+    run.packing = replay_stored_layout(run.packing, bool(plan) and plan[0].packed, run.config, run.device.type,
+                                       run.kernels.names)
+    committed = read_committed(run.out_dir)
+    done_batches = {b for r in committed for b in r.batch_ids}
+    todo = [p for p in plan if p.batch_id not in done_batches]
+    cost = functools.partial(run.cost_model.cost_of, lengths=lengths)
+    shares = split_across_ranks(todo, run.world, cost)  # every rank finishes at the same predicted time
+    rank_plan = RankPlan(lengths=lengths, stats=plan_stats(plan), committed=committed, todo=todo,
+                         mine=shares[run.rank],
+                         predicted_seconds=[rank_finish_seconds([cost(b) for b in s]) for s in shares])
+    if run.is_main:
+        s = rank_plan.stats
+        packed = run.packing.packed
+        log.info("plan: %d %s, %d shapes, batch size %s-%s (mean %.1f), %s %s-%s, padding efficiency %.3f",
+                 s["num_batches"], "packed rows" if packed else "batches", s["num_shapes"], s["batch_size_min"],
+                 s["batch_size_max"], s["batch_size_mean"] or 0, "row length" if packed else "padded length",
+                 s["padded_length_min"], s["padded_length_max"], s["padding_efficiency"] or 0)
+        if done_batches:
+            log.info("resume: %d of %d batches already committed, %d left over %d rank(s)",
+                     len(plan) - len(todo), len(plan), len(todo), run.world)
+        check_free_space(run.out_dir, lengths, todo, run.layer_ids, hidden_size_of(run.config), run.recipe)
+    return rank_plan
+
+
+def _run_rank(run: Run, data, rank_plan: RankPlan, lock_fds: tuple, load: TargetLoad | None) -> dict:
+    """This rank's batches through the model into the writer; the rank's report. A finished output re-run has
+    nothing to do: the model is not even loaded (a load already under way is waited for and dropped)."""
+    if not rank_plan.todo:
+        if load is not None:
+            load.wait()
+        log.info("every batch of the plan is committed: nothing to run, the model is not loaded")
+        return {**idle_rank_report(run.rank), "startup_seconds": dict(run.startup_seconds)}
+    model = load_target(run, load)
+    run.agreement.watch(model)  # a tensor-parallel replica's OOM splits compare its collectives (replica.py)
+    writer = DiscardingWriter() if not run.is_writer else AsyncShardWriter(
+        lanes(run.out_dir, run.rank, run.recipe.output.max_shard_bytes,
+              next_shard_number(rank_plan.committed, rank_name(run.rank)), run.recipe.output.num_writer_threads,
+              run.faults), nan_policy=run.recipe.output.nan_policy,
+        max_pending_bytes=run.recipe.output.max_pending_bytes)
+    loader = torch.utils.data.DataLoader(
+        PlannedBatches(data.kept, rank_plan.mine, padding_token_id(run.tokenizer, vocab_size_of(run.config))),
+        batch_size=None, shuffle=False, num_workers=run.recipe.batching.num_workers,
+        pin_memory=run.device.type == "cuda", persistent_workers=False,
+        prefetch_factor=4 if run.recipe.batching.num_workers else None,
+        worker_init_fn=functools.partial(init_worker, lock_fds))
+    total = len(rank_plan.lengths)
+    progress = JobProgress(run, total, total - sum(len(p.sample_indices) for p in rank_plan.todo))
+    loop = forward_loop(run, model, loader, writer, progress)
+    report = rank_report(run, model, writer, loop)
+    report["predicted_seconds"] = rank_plan.predicted_seconds[run.rank] if rank_plan.predicted_seconds else None
+    return report
