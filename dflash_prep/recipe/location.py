@@ -96,7 +96,7 @@ def as_location(location, storage_options: dict | None = None):
         return location
     if not is_remote(location):
         return local_path(location)
-    check_location(location, writable=False, key="location")
+    check_location(location, writable=False, key="output")
     from upath import UPath
 
     return UPath(str(location), **(storage_options or {}))
