@@ -399,17 +399,20 @@ class CuttingProxy:
 
 
 @pytest.mark.slow
-def test_connections_dropped_mid_upload_leave_no_partial_object_and_the_resume_completes(server, bucket,
-                                                                                        local_run, tmp_path):
-    """Shards of ~12 MB uploaded as multipart uploads of 5 MiB parts through a proxy that drops every connection
-    in the middle of the first one: the run stops (exit code 1, one line), every object under shards/ is absent
-    or a whole shard, and the resume (connections back) gives the local run's samples."""
+def test_connections_dropped_mid_upload_leave_no_partial_object_and_the_resume_completes(server, bucket, tmp_path):
+    """Shards of ~12 MB (float32 states: 15 MB in all) uploaded as multipart uploads of 5 MiB parts through a
+    proxy that drops every connection in the middle of the first one: the run stops (exit code 1, one line), every
+    object under shards/ is absent or a whole shard, and the resume (connections back) gives the local run's
+    samples."""
     fs = store(server)
     prefix = f"{bucket}/out"
+    big = ["--set", "output.max_shard_bytes=12MB", "--set", "output.num_writer_threads=1",
+           "--set", "output.dtype=float32"]
+    run_ok(extract_cmd(str(tmp_path / "local"), tmp_path / "l", *big), BASE_ENV)
+    reference = raw_records(tmp_path / "local")
     proxy = CuttingProxy(int(server.rsplit(":", 1)[1]))
     proxy.cut_after_bytes = 8 << 20  # past the small files, inside the first shard's parts
     try:
-        big = ["--set", "output.max_shard_bytes=12MB", "--set", "output.num_writer_threads=1"]
         faults = json.dumps({"upload_part_bytes": 5 << 20})
         env = env_for(f"http://127.0.0.1:{proxy.port}", DFLASH_PREP_FAULTS=faults, AWS_MAX_ATTEMPTS="2")
         proc = subprocess.run(extract_cmd(f"s3://{prefix}", tmp_path, *big), cwd=REPO, env=env,
@@ -422,12 +425,11 @@ def test_connections_dropped_mid_upload_leave_no_partial_object_and_the_resume_c
         for key in fs.find(f"{prefix}/shards"):  # whatever is there is a whole tar
             with tarfile.open(fileobj=io.BytesIO(fs.cat_file(key))) as tar:
                 assert all(m.size >= 0 for m in tar.getmembers())
-        bucket_name, _, key = prefix.partition("/")
         proxy.restore()
         run_ok(extract_cmd(f"s3://{prefix}", tmp_path, *big), {**env, "AWS_MAX_ATTEMPTS": "5"})
     finally:
         proxy.close()
-    assert_equal_to(local_run[1], remote_records(fs, prefix)[0])
+    assert_equal_to(reference, remote_records(fs, prefix)[0])
     assert_clean(fs, prefix)
 
 

@@ -24,6 +24,7 @@ longer than the TTL (a frozen VM) can still complete an upload it had started be
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -35,6 +36,28 @@ import uuid
 log = logging.getLogger("dflash_prep")
 
 LEASE_TTL_SECONDS = 120.0
+
+
+class StoreError(ConnectionError):
+    """The object store failed or could not be reached: the client's own error (botocore, aiohttp, ...) as an
+    OSError, whose commands' answer is exit code 1 (stopped, resumable once the store answers again)."""
+
+
+_CLIENT_PACKAGES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "requests", "google", "azure", "s3fs",
+                    "gcsfs", "adlfs")
+
+
+def store_call(fn):
+    """Turn an error of the store's client into a StoreError (an OSError), its own error kept as the cause."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            if isinstance(e, OSError) or type(e).__module__.split(".")[0] not in _CLIENT_PACKAGES:
+                raise
+            raise StoreError(f"the object store failed: {type(e).__name__}: {e}") from e
+    return wrapper
 
 
 class LeaseLostError(RuntimeError):
@@ -76,6 +99,7 @@ class Lease:
                            "run_id": self.run_id, "renewed_at": time.time(),
                            "ttl_seconds": self.ttl_seconds}).encode()
 
+    @store_call
     def _create(self) -> None:
         """Create the object only if absent (FileExistsError-like when it exists)."""
         body = self._body()
@@ -88,6 +112,7 @@ class Lease:
             self.etag = None
         self._renewed_at = time.time()
 
+    @store_call
     def _overwrite_own(self) -> None:
         body = self._body()
         if _is_s3(self.fs):
@@ -97,6 +122,7 @@ class Lease:
             self.fs.pipe_file(self.path, body)
         self._renewed_at = time.time()
 
+    @store_call
     def _delete_if(self, etag: str | None) -> None:
         if _is_s3(self.fs) and etag is not None:
             bucket, key = self._bucket_key()
@@ -104,6 +130,7 @@ class Lease:
         else:
             self.fs.rm_file(self.path)
 
+    @store_call
     def read(self) -> tuple[dict | None, str | None]:
         """(the lease's content, its ETag), (None, None) when absent; a body that is not JSON reads as {}."""
         try:

@@ -40,7 +40,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from dflash_prep.store.lease import Lease, _is_s3
+from dflash_prep.store.lease import Lease, LeaseLostError, StoreError, _is_s3, store_call
 from dflash_prep.store.locks import LOCKS_DIR, OutputBusyError
 from dflash_prep.store.manifest import MANIFEST_NAME, read_committed
 from dflash_prep.store.records import INDEX_DIR, SHARDS_DIR, ShardRecord, rank_name
@@ -51,6 +51,17 @@ LOGS_DIR = "logs"
 MULTIPART_CHUNK_BYTES = 64 << 20  # a shard above 2x this is uploaded as a multipart upload of parts of this size
 _NOT_STATE = (SHARDS_DIR + "/", LOCKS_DIR + "/", LOGS_DIR + "/")  # folders pull_state leaves out
 _PROGRESS_SUFFIX = ".progress.json"  # progress.py's per-rank figures: advisory, node-local, never pushed
+
+
+def _quiet_client_loop(fs) -> None:
+    """An async client's failed requests (a dropped connection) leave tasks whose errors asyncio prints to stderr
+    ("Task exception was never retrieved", with a traceback): the error that matters reaches the run through the
+    call that failed, so these go to the log file only."""
+    loop = getattr(fs, "loop", None)
+    if loop is not None:
+        loop.set_exception_handler(lambda _loop, context: log.debug(
+            "object store client: %s", context.get("exception") or context.get("message"),
+            extra={"console": False}))
 
 
 def default_staging_dir(url: str) -> Path:
@@ -68,6 +79,7 @@ class RemoteOutput:
 
         self.url = url.rstrip("/")
         self.fs, self.root = fsspec.url_to_fs(self.url, **(storage_options or {}))
+        _quiet_client_loop(self.fs)
         self.root = self.root.rstrip("/")
         self.staging = Path(staging)
         self.rank_lease: Lease | None = None  # this process's rank lease, once it writes (claim_rank)
@@ -84,6 +96,7 @@ class RemoteOutput:
     def _rel(self, key: str) -> str:
         return key[len(self.root) + 1:]
 
+    @store_call
     def _objects(self, prefix: str = "") -> dict[str, int]:
         """{relative name: size} of every object under the prefix (a fresh listing)."""
         self.fs.invalidate_cache()
@@ -96,16 +109,19 @@ class RemoteOutput:
                 if v.get("type", "file") == "file" and k.startswith(self.root + "/")}
 
     # -- small files ---------------------------------------------------------------------------------------------
+    @store_call
     def cat(self, rel: str) -> bytes | None:
         try:
             return self.fs.cat_file(self.key(rel))
         except FileNotFoundError:
             return None
 
+    @store_call
     def put_bytes(self, rel: str, data: bytes) -> None:
         """One PUT of the whole object: it is replaced atomically."""
         self.fs.pipe_file(self.key(rel), data)
 
+    @store_call
     def _download(self, rel: str, dest: Path) -> bool:
         """`rel` into `dest` (tmp, rename: a reader never sees part of it); False when the object is absent."""
         data = self.cat(rel)
@@ -140,6 +156,7 @@ class RemoteOutput:
             self._download(rel, self.staging / rel)
         return names
 
+    @store_call
     def push(self, rels) -> None:
         """Upload these staging files (relative names; those absent are skipped), each one PUT."""
         for rel in rels:
@@ -169,7 +186,7 @@ class RemoteOutput:
         folder = self.staging / LOGS_DIR
         for path in sorted(folder.glob("*.log")) if folder.is_dir() else []:
             try:
-                self.fs.put_file(str(path), self.key(f"{LOGS_DIR}/{path.name}"))
+                self.push([f"{LOGS_DIR}/{path.name}"])
             except OSError as e:
                 log.warning("could not upload %s: %s", path.name, e)
 
@@ -185,6 +202,7 @@ class RemoteOutput:
     def shard_sizes(self) -> dict[str, int]:
         return {rel: size for rel, size in self._objects(SHARDS_DIR + "/").items()}
 
+    @store_call
     def damaged_shards(self, committed: list[ShardRecord]) -> dict[str, str]:
         """Committed shards whose object is missing, of another size than its record, or (first 512 bytes read)
         starting with another sample than the record's first: manifest.damaged_shards for the store."""
@@ -219,12 +237,14 @@ class RemoteOutput:
         self._abort_multipart_uploads()
         return removed
 
+    @store_call
     def _rm(self, rel: str) -> None:
         try:
             self.fs.rm_file(self.key(rel))
         except FileNotFoundError:
             pass
 
+    @store_call
     def _abort_multipart_uploads(self) -> None:
         if not _is_s3(self.fs):
             return
@@ -254,6 +274,7 @@ class RemoteOutput:
         """The lease object `locks/NAME.lease` (lease.py)."""
         return Lease(self.fs, self.key(f"{LOCKS_DIR}/{name}.lease"))
 
+    @store_call
     def live_leases(self, prefix: str = "rank-") -> dict[str, str]:
         """{lease name: holder} of the leases under locks/ starting with `prefix` that a live holder has now."""
         held = {}
@@ -318,7 +339,8 @@ class ShardUploader:
             local.unlink(missing_ok=True)
         except BaseException as e:  # noqa: BLE001 - handed to the lanes and to close()
             if self.error is None:
-                self.error = e
+                self.error = e if isinstance(e, (OSError, LeaseLostError)) or not isinstance(e, Exception) \
+                    else StoreError(f"uploading {record.path} failed: {type(e).__name__}: {e}")
         finally:
             self._slots.release()
 
