@@ -314,7 +314,8 @@ def test_killed_then_resumed_equals_a_local_run(server, bucket, local_run, tmp_p
     fs = store(server)
     prefix = f"{bucket}/out"
     env = env_for(server, DFLASH_PREP_FAULTS=json.dumps({"forward_delay_seconds": 0.2}))
-    proc = subprocess.Popen(launch_2proc_cmd(f"s3://{prefix}", tmp_path), cwd=REPO, env=env,
+    workers = ["--set", "batching.num_workers=2"]  # DataLoader workers, as users run them: they must not hold on
+    proc = subprocess.Popen(launch_2proc_cmd(f"s3://{prefix}", tmp_path, *workers), cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 180
     while time.time() < deadline and proc.poll() is None and committed_lines(fs, prefix) < 3:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 import time
 
 # Before torch touches CUDA: fewer fragmentation OOMs with batches of changing shapes (user settings win).
@@ -47,7 +48,7 @@ from dflash_prep.recipe.fingerprints import inputs_stamp, rows_fingerprint  # no
 from dflash_prep.recipe.schema import Recipe  # noqa: E402
 from dflash_prep.store.locks import check_no_rank_writing, lock_rank, lock_run  # noqa: E402
 from dflash_prep.store.manifest import next_shard_number  # noqa: E402
-from dflash_prep.store.records import rank_name  # noqa: E402
+from dflash_prep.store.records import SHARDS_DIR, rank_name  # noqa: E402
 from dflash_prep.store.remote import ShardUploader, claim_rank, claim_run  # noqa: E402
 from dflash_prep.store.sizes import check_free_space  # noqa: E402
 from dflash_prep.store.writer import AsyncShardWriter, DiscardingWriter, lanes  # noqa: E402
@@ -134,6 +135,8 @@ def _uploader(run: Run):
     """An object-store output's uploader of this rank's shards (store/remote.py), else None (local commits)."""
     if run.remote is None:
         return None
+    # what a killed run of this rank left in this node's staging folder was never uploaded: redone, not kept
+    shutil.rmtree(run.out_dir / SHARDS_DIR / rank_name(run.rank), ignore_errors=True)
     part = run.faults.upload_part_bytes if run.faults is not None and run.faults.upload_part_bytes else None
     return ShardUploader(run.remote, run.rank, run.recipe.output.max_uploads_in_flight,
                          lease=run.remote.rank_lease, **({"chunk_bytes": part} if part else {}))
