@@ -26,15 +26,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Iterator
 
 from dflash_prep.consume.shard_format import TORCH_DTYPES, OutputLayout, ShardInfo, shards_of
-from dflash_prep.recipe.location import fresh_listing
+from dflash_prep.recipe.location import fresh_listing, read_whole
+from dflash_prep.store.lease import StoreError, store_call
 from dflash_prep.store.manifest import MANIFEST_NAME, STATE_NAME, read_manifest
 from dflash_prep.store.records import INDEX_DIR, ShardRecord
 
 DEFAULT_POLL_SECONDS = 5.0
+
+log = logging.getLogger("dflash_prep")
 
 
 def committed_now(out_dir) -> list[ShardRecord]:
@@ -43,7 +47,7 @@ def committed_now(out_dir) -> list[ShardRecord]:
     records, seen = [], set()
     for index in sorted((out_dir / INDEX_DIR).glob("rank-*.jsonl"), key=str):
         try:
-            data = index.read_bytes()
+            data = read_whole(index)
         except FileNotFoundError:
             continue
         for line in data[:data.rfind(b"\n") + 1].splitlines():
@@ -63,7 +67,7 @@ def layout_before_manifest(out_dir) -> OutputLayout | None:
     """The output's layout from `run_state.json` (written when a run claims the output), None while absent or
     when it lacks a key (an output of a version that did not record the hidden size)."""
     try:
-        identity = json.loads((out_dir / STATE_NAME).read_bytes())["identity"]
+        identity = json.loads(read_whole(out_dir / STATE_NAME))["identity"]
         return OutputLayout(layer_ids=tuple(int(i) for i in identity["layer_ids"]),
                             hidden_size=int(identity["hidden_size"]), dtype=TORCH_DTYPES[identity["dtype"]],
                             capture_final=identity.get("capture_final", "none"), dtype_name=identity["dtype"])
@@ -82,6 +86,19 @@ def _manifest_or_none(out_dir) -> dict | None:
     return read_manifest(out_dir)
 
 
+@store_call
+def _poll(out_dir, layout: OutputLayout | None) -> tuple[dict | None, OutputLayout | None, list[ShardInfo]]:
+    """One look at the output: (its manifest or None, the layout, the committed shards in commit order)."""
+    fresh_listing(out_dir)
+    manifest = _manifest_or_none(out_dir)
+    if manifest is not None:
+        return manifest, OutputLayout.from_manifest(manifest), shards_of(out_dir, manifest)
+    layout = layout or layout_before_manifest(out_dir)
+    return None, layout, [] if layout is None else [
+        ShardInfo(path=out_dir / r.path, rel_path=r.path, num_samples=r.num_samples, num_tokens=r.num_tokens,
+                  num_bytes=r.num_bytes, sha256=r.sha256) for r in committed_now(out_dir)]
+
+
 def follow_shards(out_dir, consumer: int, num_consumers: int, poll_seconds: float = DEFAULT_POLL_SECONDS,
                   timeout_seconds: float | None = None) -> Iterator[tuple[ShardInfo, OutputLayout]]:
     """This consumer's committed shards, each once, as they land; ends at the manifest (module docstring)."""
@@ -89,16 +106,11 @@ def follow_shards(out_dir, consumer: int, num_consumers: int, poll_seconds: floa
     layout = None
     last_news = time.monotonic()
     while True:
-        fresh_listing(out_dir)
-        manifest = _manifest_or_none(out_dir)
-        if manifest is not None:
-            layout = OutputLayout.from_manifest(manifest)
-            shards = shards_of(out_dir, manifest)
-        else:
-            layout = layout or layout_before_manifest(out_dir)
-            shards = [] if layout is None else [
-                ShardInfo(path=out_dir / r.path, rel_path=r.path, num_samples=r.num_samples, num_tokens=r.num_tokens,
-                          num_bytes=r.num_bytes, sha256=r.sha256) for r in committed_now(out_dir)]
+        try:
+            manifest, layout, shards = _poll(out_dir, layout)
+        except (OSError, StoreError) as e:  # the store or the network failed this once: look again next time
+            log.warning("%s: %s; looking again in %g s", out_dir, e, poll_seconds)
+            manifest, shards = None, []
         news = [s for s in shards if (s.rel_path, s.sha256) not in done]
         for shard in news:
             done.add((shard.rel_path, shard.sha256))

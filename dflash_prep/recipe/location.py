@@ -107,6 +107,15 @@ def is_remote_path(path) -> bool:
     return not isinstance(path, Path)
 
 
+def read_whole(path) -> bytes:
+    """The bytes of a file, or of an object in one GET: an object rewritten meanwhile (a rank index) is read as one
+    version or the other, never as parts of two (fsspec's file would read it in ranges pinned to the first ETag, and
+    fail when it changes)."""
+    if is_remote_path(path):
+        return path.fs.cat_file(path.path)
+    return path.read_bytes()
+
+
 def fresh_listing(path) -> None:
     """Drop the fsspec filesystem's cached listings (s3fs caches them): a poll must see objects written since."""
     fs = getattr(path, "fs", None)

@@ -12,7 +12,7 @@ import tarfile
 from pathlib import Path
 
 from dflash_prep.io import atomic_write_json, fsync_dir
-from dflash_prep.recipe.location import as_location
+from dflash_prep.recipe.location import as_location, read_whole
 from dflash_prep.store.records import INDEX_DIR, SHARDS_DIR, ShardRecord
 
 FORMAT_VERSION = 1
@@ -31,17 +31,16 @@ def read_committed(out_dir: str | Path) -> list[ShardRecord]:
     records: dict[str, ShardRecord] = {}
     index_dir = as_location(out_dir) / INDEX_DIR  # a local folder, or an output in an object store (read-only)
     for index in sorted(index_dir.glob("rank-*.jsonl"), key=str):
-        with index.open() as f:
-            for line in f:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    record = ShardRecord(**json.loads(line))
-                except (json.JSONDecodeError, TypeError):
-                    break  # torn tail
-                if records.setdefault(record.path, record) != record:
-                    raise _damaged_index(out_dir, f"{record.path} is listed twice, differently")
+        for line in read_whole(index).decode().splitlines():  # an object being rewritten: one version of it
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                record = ShardRecord(**json.loads(line))
+            except (json.JSONDecodeError, TypeError):
+                break  # torn tail
+            if records.setdefault(record.path, record) != record:
+                raise _damaged_index(out_dir, f"{record.path} is listed twice, differently")
     sample_ids = [s for r in records.values() for s in r.sample_ids]
     if len(sample_ids) != len(set(sample_ids)):
         twice = sorted({s for s in sample_ids if sample_ids.count(s) > 1})[:5]
