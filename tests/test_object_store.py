@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
 import random
 import signal
@@ -44,7 +45,8 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server():
-    """moto's S3 server on a loopback port, for this module."""
+    """moto's S3 server on a loopback port, for this module (its request log kept off the test output)."""
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
     srv = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
     srv.start()
     host, port = srv.get_host_and_port()
