@@ -26,6 +26,9 @@ Unset (the normal case), `Faults.from_env()` returns None and no code path pays 
     sigterm_after_batches  K                 the process sends itself SIGTERM (a preemption notice) after its
                                              K-th batch
     sigterm_process        P                 only the process of index P does (default: every process)
+    upload_part_bytes      N                 an object-store output uploads shards above 2N bytes as multipart
+                                             uploads of N-byte parts (default 64 MiB; S3 takes >= 5 MiB): small
+                                             test shards then cross the multipart path
 
 Example: DFLASH_PREP_FAULTS='{"oom_batches": [3, 5], "nan_samples": ["0000000012"], "enospc_shard": 1}'.
 It is a test hook: it never mocks the model; the forward, the writer and the commit all run for real.
@@ -41,7 +44,7 @@ from dataclasses import dataclass, field
 ENV_VAR = "DFLASH_PREP_FAULTS"
 KNOWN_KEYS = ("oom_batches", "oom_samples", "nan_samples", "enospc_shard", "enospc_rank", "exit_after_rename_shard",
               "forward_delay_seconds", "write_delay_seconds", "sigterm_after_batches", "sigterm_process",
-              "oom_after_forward_batches", "oom_process", "load_delay_seconds")
+              "oom_after_forward_batches", "oom_process", "load_delay_seconds", "upload_part_bytes")
 
 
 @dataclass
@@ -59,6 +62,7 @@ class Faults:
     sigterm_process: int | None = None
     oom_after_forward_batches: set[int] = field(default_factory=set)
     oom_process: int | None = None
+    upload_part_bytes: int | None = None
     _oom_fired: set[int] = field(default_factory=set)
     _oom_after_fired: set[int] = field(default_factory=set)
 
@@ -80,7 +84,7 @@ class Faults:
                    load_delay_seconds=float(spec.get("load_delay_seconds", 0.0)),
                    sigterm_after_batches=spec.get("sigterm_after_batches"), sigterm_process=spec.get("sigterm_process"),
                    oom_after_forward_batches={int(b) for b in spec.get("oom_after_forward_batches", [])},
-                   oom_process=spec.get("oom_process"))
+                   oom_process=spec.get("oom_process"), upload_part_bytes=spec.get("upload_part_bytes"))
 
     # -- model load ----------------------------------------------------------------------------------------
     def before_load(self) -> None:

@@ -50,7 +50,8 @@ from dflash_prep.consume.shard_format import (
     ShardInfo,
     shards_of,
 )
-from dflash_prep.consume.shard_read import sample_key
+from dflash_prep.consume.shard_read import open_for_reading, sample_key
+from dflash_prep.recipe.location import as_location, is_remote_path
 from dflash_prep.store.manifest import OutputStateError, read_manifest, read_state_json
 from dflash_prep.store.writer import ST_CODE, ST_ITEMSIZE, ST_TORCH_CODE
 
@@ -60,7 +61,7 @@ MAX_PROBLEMS_PER_SHARD = 20
 # ---------------------------------------------------------------------------------------------- describe
 def describe(out_dir: str | Path) -> dict:
     """Facts about an output from its manifest (and summary.json when present); reads no shard."""
-    out_dir = Path(out_dir)
+    out_dir = as_location(out_dir)  # a folder, or an object-store URL (recipe/location.py)
     m = read_manifest(out_dir)
     layer_ids = [int(i) for i in m["layer_ids"]]
     H = int(m["hidden_size"])
@@ -101,6 +102,20 @@ def describe(out_dir: str | Path) -> dict:
         except (OSError, json.JSONDecodeError):
             facts["extraction"] = None
     return facts
+
+
+def _live_leases(out_dir) -> dict[str, str]:
+    """{lease name: holder} of the live leases of an output in an object store (store/lease.py)."""
+    from dflash_prep.store.lease import Lease
+
+    held = {}
+    folder = out_dir / "locks"
+    for path in folder.glob("*.lease"):
+        lease = Lease(path.fs, path.path)
+        content, _ = lease.read()
+        if content is not None and not lease.stale(content):
+            held[path.name[:-len(".lease")]] = content.get("holder", "unknown")
+    return held
 
 
 def _size(n: float) -> str:
@@ -160,7 +175,7 @@ def describe_progress(out_dir: str | Path) -> dict | None:
     from dflash_prep.store.locks import running_holders
     from dflash_prep.store.manifest import read_committed
 
-    out_dir = Path(out_dir)
+    out_dir = as_location(out_dir)
     plan_path, index_dir = out_dir / "plan.json", out_dir / "index"
     if not plan_path.is_file() and not index_dir.is_dir():
         return None
@@ -173,9 +188,13 @@ def describe_progress(out_dir: str | Path) -> dict | None:
         entry["shards"] += 1
         entry["samples"] += r.num_samples
         entry["tokens"] += r.num_tokens
-    indexes = list(index_dir.glob("rank-*.jsonl")) if index_dir.is_dir() else []
-    last = max((p.stat().st_mtime for p in indexes), default=None)
-    running = running_holders(out_dir)
+    if is_remote_path(out_dir):  # an object store: the last commit's own time; the live leases (store/lease.py)
+        last = max((r.committed_at for r in committed if r.committed_at), default=None)
+        running = _live_leases(out_dir)
+    else:
+        indexes = list(index_dir.glob("rank-*.jsonl")) if index_dir.is_dir() else []
+        last = max((p.stat().st_mtime for p in indexes), default=None)
+        running = running_holders(out_dir)
     # Rate over the commits of the last RATE_WINDOW_SECONDS (all ranks), and the ETA of a running job. The window
     # ends now for a running job, at the last commit for an interrupted one (its rate must not decay while idle).
     now = time.time()
@@ -258,7 +277,7 @@ class ShardCheck:
 def sha256_file(path: Path, chunk_bytes: int = 8 << 20) -> tuple[str, int]:
     """(sha256 hex, size in bytes) of a file, read sequentially."""
     h, n = hashlib.sha256(), 0
-    with open(path, "rb") as f:
+    with open_for_reading(path, chunk_bytes) as f:
         while chunk := f.read(chunk_bytes):
             h.update(chunk)
             n += len(chunk)
@@ -335,6 +354,7 @@ def check_shard(shard: ShardInfo, layout: OutputLayout, hash_bytes: bool = True)
     if not shard.path.is_file():
         problems.append("file is missing")
         return result
+    remote = is_remote_path(shard.path)
     if hash_bytes:
         digest, size = sha256_file(shard.path)
         if size != shard.num_bytes:
@@ -343,7 +363,8 @@ def check_shard(shard: ShardInfo, layout: OutputLayout, hash_bytes: bool = True)
             problems.append(f"sha256 {digest[:16]}... differs from the manifest's {shard.sha256[:16]}...")
     seen: set[str] = set()
     try:
-        with tarfile.open(shard.path, mode="r:") as tar:
+        with tarfile.open(fileobj=open_for_reading(shard.path, 1 << 20), mode="r:") if remote \
+                else tarfile.open(shard.path, mode="r:") as tar:
             current: str | None = None
             lengths: dict[str, int] = {}  # member suffix -> T of this sample's npy members
             states = None  # (header, data_start, member_size) of this sample's safetensors member
@@ -411,7 +432,7 @@ def check_shard(shard: ShardInfo, layout: OutputLayout, hash_bytes: bool = True)
 
 def check_output(out_dir: str | Path, progress: bool = False) -> list[str]:
     """Every problem of the output, one line each, naming the shard (empty list: the output is intact)."""
-    out_dir = Path(out_dir)
+    out_dir = as_location(out_dir)
     manifest = read_manifest(out_dir)
     layout = OutputLayout.from_manifest(manifest)
     shards = shards_of(out_dir, manifest)
@@ -452,10 +473,10 @@ def check_output(out_dir: str | Path, progress: bool = False) -> list[str]:
 
 def unlisted_shard_files(out_dir: str | Path) -> list[str]:
     """Files under OUT/shards/ that the manifest does not list (an unfinished or crashed run leaves them)."""
-    out_dir = Path(out_dir)
+    out_dir = as_location(out_dir)
     listed = {s["path"] for s in read_manifest(out_dir)["shards"]}
-    return sorted(str(p.relative_to(out_dir)) for p in (out_dir / "shards").glob("*/*")
-                  if p.is_file() and str(p.relative_to(out_dir)) not in listed)
+    found = [str(p)[len(str(out_dir)):].lstrip("/") for p in (out_dir / "shards").glob("*/*") if p.is_file()]
+    return sorted(rel for rel in found if rel not in listed)
 
 
 # --------------------------------------------------------------------------------------------------- CLI
@@ -473,14 +494,19 @@ def main(argv: list[str] | None = None) -> int:
     """`dflash-prep inspect OUT [--check]`: 0 fine (or an unfinished output's progress), 1 mismatch (shards named),
     2 nothing readable (see the module docstring)."""
     args = build_parser().parse_args(argv)
-    if not Path(args.out).is_dir():
+    try:
+        out = as_location(args.out)
+    except ValueError as e:  # a URL of an unknown or uninstalled protocol
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not out.is_dir():
         print(f"error: {args.out}: no such folder", file=sys.stderr)
         return 2
     try:
         facts = describe(args.out)
     except (FileNotFoundError, ValueError, KeyError, json.JSONDecodeError) as e:
         try:
-            progress = describe_progress(args.out) if not (Path(args.out) / "manifest.json").exists() else None
+            progress = describe_progress(args.out) if not (out / "manifest.json").exists() else None
         except OutputStateError as state_error:
             print(f"error: {state_error}", file=sys.stderr)
             return 2

@@ -22,6 +22,7 @@ from dflash_prep import __version__
 from dflash_prep.io import atomic_write_json
 from dflash_prep.plan.planner import PlannedBatch, make_plan, plan_settings
 from dflash_prep.recipe.fingerprints import describe_weights_change, weights_fingerprint
+from dflash_prep.recipe.location import is_remote
 from dflash_prep.recipe.schema import Recipe, RecipeError
 from dflash_prep.store.locks import LOCKS_DIR
 from dflash_prep.store.manifest import (
@@ -38,7 +39,7 @@ from dflash_prep.store.manifest import (
     repair_indexes,
 )
 from dflash_prep.store.records import FAILED_NAME, SUMMARY_NAME
-from dflash_prep.target.model import describe_source, model_fingerprint, tokenizer_fingerprint
+from dflash_prep.target.model import describe_source, hidden_size_of, model_fingerprint, tokenizer_fingerprint
 
 log = logging.getLogger("dflash_prep")
 
@@ -63,6 +64,8 @@ def run_identity(recipe: Recipe, config, layer_ids: list[int], tokenizer, is_mai
         "layer_ids": layer_ids,
         "capture_final": recipe.layers.capture_final,
         "dtype": recipe.output.dtype,
+        # what a follower (reader.py, follow=True) decodes the shards with before the manifest exists
+        "hidden_size": hidden_size_of(config),
     }
 
 
@@ -126,6 +129,8 @@ def refuse_unsafe_output_dir(recipe: Recipe) -> None:
     """Before anything is created: `output.overwrite` on a folder that is not an output of this tool would delete
     the user's files, and an output inside the data (`data.path` a folder holding it, or a glob matching the
     files a run writes there) would be read back as rows. Both raise RecipeError."""
+    if is_remote(recipe.output.dir):
+        return  # a store's prefix (remote_output_refusals checks it once the store is reached)
     out_dir = Path(recipe.output.dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise RecipeError(f"recipe key `output.dir` = {str(out_dir)!r} is a file, not a folder; choose a new or "
@@ -168,9 +173,25 @@ def _written_path_matching_data(data_path: str, out_dir: Path) -> Path | None:
     return next((w for w in written if matches(list(w.parts), list(pattern))), None)
 
 
-def open_output(out_dir: Path, recipe: Recipe, identity: dict) -> None:
+def refuse_unsafe_remote_output(remote, recipe: Recipe) -> None:
+    """`output.overwrite` on a store prefix that holds objects but no dflash-prep output (RecipeError): the user's
+    objects are never deleted."""
+    names = remote.names() - {LOCKS_DIR}
+    if recipe.output.overwrite and names and "logs" not in names and not names & set(_OUTPUT_MARKERS):
+        raise RecipeError(f"recipe key `output.overwrite` = True: {remote.url} is not a dflash-prep output (no "
+                          f"{', '.join(_OUTPUT_MARKERS)}; it holds {', '.join(sorted(names)[:5])}...): refusing to "
+                          f"delete its objects; set output.dir to a new or empty prefix")
+
+
+def open_output(out_dir: Path, recipe: Recipe, identity: dict, remote=None) -> None:
     """Main process, holding the run lock, before the data is read: start afresh (`output.overwrite`) or check
-    that the output is this job's (all but the data rows, which are not tokenized yet)."""
+    that the output is this job's (all but the data rows, which are not tokenized yet). An object-store output
+    (`remote`): its small files are first copied into the staging folder `out_dir` (remote.py)."""
+    if remote is not None:
+        refuse_unsafe_remote_output(remote, recipe)
+        if recipe.output.overwrite:
+            remote.clear()
+        remote.pull_state()
     if recipe.output.overwrite and out_dir.exists():
         for child in out_dir.iterdir():
             if child.name in ("logs", LOCKS_DIR):
@@ -180,27 +201,35 @@ def open_output(out_dir: Path, recipe: Recipe, identity: dict) -> None:
     check_identity(out_dir, identity)
 
 
-def prepare_output(out_dir: Path, recipe: Recipe, identity: dict) -> bool:
+def prepare_output(out_dir: Path, recipe: Recipe, identity: dict, remote=None) -> bool:
     """Main process, once the rows are tokenized: check the data rows, clean up a crashed run, drop committed
     shards whose file is missing or damaged (their batches are redone), save the recipe and the run state.
 
     Returns True for a finished output found intact (a readable manifest, nothing repaired, dropped or removed):
-    then nothing is written, so re-running a finished job leaves the output as it was."""
+    then nothing is written, so re-running a finished job leaves the output as it was. An object-store output
+    (`remote`): `out_dir` is the staging folder holding a copy of its indexes; the shards are checked, dropped and
+    removed in the store, and what is repaired or written here is uploaded."""
     check_identity(out_dir, identity)
     for index, records_cut in repair_indexes(out_dir):
+        if remote is not None:
+            remote.push([str(Path(index).relative_to(out_dir))])
         if records_cut:
             log.warning("%s holds an unreadable line before %d readable record(s) (an edit, or damage): cut at that "
                         "line; the shards of those records are redone", index, records_cut)
         else:
             log.warning("%s ended in a torn line (a crash while appending): cut back to its last complete line", index)
     committed = read_committed(out_dir)
-    damaged = damaged_shards(out_dir, committed)
+    damaged = damaged_shards(out_dir, committed) if remote is None else remote.damaged_shards(committed)
     for path, why in damaged.items():
         log.warning("committed shard %s is damaged (%s): its batches are redone", path, why)
     if damaged:
         drop_records(out_dir, set(damaged))
+        if remote is not None:
+            remote.drop(set(damaged))
         committed = read_committed(out_dir)
     removed = remove_uncommitted(out_dir, committed)
+    if remote is not None:
+        removed += remote.remove_uncommitted(committed)
     if removed:
         log.info("removed %d uncommitted file(s) left by an interrupted run", len(removed))
     if not damaged and not removed and manifest_readable(out_dir):
@@ -211,6 +240,8 @@ def prepare_output(out_dir: Path, recipe: Recipe, identity: dict) -> bool:
     runs.append({"started_at": time.time(), "dflash_prep_version": __version__,
                  "attn_implementation": recipe.model.attn_implementation})
     atomic_write_json(state_path, {"identity": identity, "dflash_prep_version": __version__, "runs": runs})
+    if remote is not None:
+        remote.push([RECIPE_NAME, STATE_NAME])
     return False
 
 
@@ -224,16 +255,21 @@ def manifest_readable(out_dir: Path) -> bool:
 
 
 def load_or_make_plan(out_dir: Path, lengths: list[int], recipe: Recipe, is_main: bool, state,
-                      packed: bool = False) -> list[PlannedBatch]:
+                      packed: bool = False, remote=None) -> list[PlannedBatch]:
     """The global plan: made once by the main process (packed rows when `packed`) and frozen in OUT/plan.json (so
     resumes run the same batches whatever the number of ranks); every rank reads it back. A stored plan keeps its
-    layout (`PlannedBatch.packed`, false for a plan.json written before packing existed)."""
+    layout (`PlannedBatch.packed`, false for a plan.json written before packing existed). An object-store output
+    (`remote`): the main process uploads the plan, the others read the store's (their node may be another)."""
     path = out_dir / PLAN_NAME
     if is_main and not path.exists():
         plan = make_plan(lengths, recipe, packed=packed)
         atomic_write_json(path, {"batching": plan_settings(recipe), "num_samples": len(lengths), "packed": packed,
                                  "batches": [[p.padded_length, list(p.sample_indices)] for p in plan]})
+        if remote is not None:
+            remote.push([PLAN_NAME])
     state.wait_for_everyone()
+    if remote is not None and not is_main:
+        remote.pull_file(PLAN_NAME)
     stored = read_stored_plan(path, lengths)
     if is_main and {k: v for k, v in stored["batching"].items() if k != "packing"} != \
             {k: v for k, v in plan_settings(recipe).items() if k != "packing"}:
@@ -329,6 +365,7 @@ class Run:
     packing: Any = None  # packing.PackingChoice: packed rows or padded batches (the stored plan's layout wins)
     agreement: Any = None  # replica.ReplicaAgreement: the decisions a tensor-parallel replica's processes share
     inputs_stamp: dict | None = None  # fingerprints.inputs_stamp as the output was claimed (main process)
+    remote: Any = None  # remote.RemoteOutput of an object-store output.dir (out_dir is then its staging folder)
 
     @property
     def rank(self) -> int:
@@ -368,3 +405,8 @@ class RankPlan:
     todo: list[PlannedBatch]
     mine: list[PlannedBatch]
     predicted_seconds: list[float] = field(default_factory=list)  # each rank's predicted finish (planner)
+
+
+def committed_records(run: "Run") -> list:
+    """The committed shards now: the rank indexes in the store for an object-store output, else in OUT/index."""
+    return run.remote.committed() if run.remote is not None else read_committed(run.out_dir)

@@ -25,6 +25,9 @@ Guarantees (tests/test_plan.py checks them against real extractions):
   parameters, for an MoE those a token runs through: routed experts at num_experts_per_tok / num_experts,
   model.decoder_params_run; counted on a meta-device model: no memory, no weights); `--tokens-per-second`
   overrides it. No default when no benchmark is near: the plan says so;
+- the storage bill: the output's bytes in its storage dtype against the time `output.dir`'s disk or object store
+  needs at a measured rate (`--storage-bytes-per-second`, or `--storage-bench` with a result file of
+  bench/disk_vs_writer.py), beside the GPUs' wall time, and which of the two sets the pace; no rate, no time;
 - the device planned for is the run's, not necessarily this machine's (`plan_device`): GPUs with `--gpu`,
   `--gpu-memory-gb` or a GPU here (batches and `batching.packing` as on CUDA with the gpu extra, the GPU
   benchmark's rates), else the CPU (a CPU run's batches; no default rate: the benchmark's are GPU figures);
@@ -178,7 +181,7 @@ def length_histogram(lengths: list[int], max_length: int, width: int = 40) -> st
 # ------------------------------------------------------------------------------------------------- plan
 def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | None = None,
                   bench_dir: Path | None = BENCH_RESULTS_DIR, gpu_memory_bytes: int | None = None,
-                  gpu: bool = False) -> dict:
+                  gpu: bool = False, storage_rate: dict | None = None) -> dict:
     """Every figure of `dflash-prep plan` as a dict (see the module docstring). It plans the run of the device the
     recipe will run on (`plan_device`): GPUs with `gpu`, `gpu_memory_bytes` (which also sizes
     `max_tokens_per_batch: auto`) or a GPU on this machine, else the CPU."""
@@ -260,6 +263,7 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
         "ranks": [{"rank": i, "num_batches": r["num_batches"], "num_samples": r["num_samples"],
                    "num_real_tokens": r["num_real_tokens"], "num_shapes": r["num_shapes"]} for i, r in enumerate(ranks)],
         "throughput": throughput, "replicas": replicas, "wall": wall,
+        "storage": storage_bill(recipe.output.dir, disk[recipe.output.dtype]["num_bytes"], wall, storage_rate),
         "lengths_histogram": length_histogram(lengths, recipe.data.max_length),
         "tokenize_seconds": tokenize_seconds, "plan_seconds": time.perf_counter() - t0,
     }
@@ -375,6 +379,62 @@ def _wall_time(tps: float | None, per_shape: float, ranks: list[dict], num_gpus:
             "write_bytes_per_second_per_gpu": tps * bytes_per_token / gpus_per_replica,
             "write_bytes_per_second_per_replica": tps * bytes_per_token}
 
+def storage_rate_from(bytes_per_second: str | float | None = None, bench_file: str | Path | None = None) -> dict | None:
+    """The rate the output's disk or store takes, all writers of the run together: {"bytes_per_second", "source"}
+    from `--storage-bytes-per-second` (a number or '1.4GB'), else from a result file of bench/disk_vs_writer.py (the
+    shard writer's measured rate on that filesystem, its raw sequential rate beside it); None without either.
+    Raises ValueError on a rate that is not a positive size or a file that is not such a result."""
+    from dflash_prep.recipe.schema import RecipeError, _parse_bytes
+
+    if bytes_per_second is not None:
+        try:
+            rate = _parse_bytes("--storage-bytes-per-second", bytes_per_second)
+        except RecipeError as e:
+            raise ValueError(str(e)) from None
+        if rate <= 0:
+            raise ValueError(f"--storage-bytes-per-second must be > 0, got {bytes_per_second!r}")
+        return {"bytes_per_second": float(rate), "source": "--storage-bytes-per-second"}
+    if bench_file is None:
+        return None
+    try:
+        result = json.loads(Path(bench_file).read_text())
+        rate = float(result["writer"]["bytes_per_second"])
+        raw = float(result["raw"]["bytes_per_second"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--storage-bench {bench_file}: not a result of bench/disk_vs_writer.py ({e})") from None
+    return {"bytes_per_second": rate, "raw_bytes_per_second": raw,
+            "source": f"{Path(bench_file).name}: the shard writer on {result.get('filesystem', '?')} "
+                      f"({result.get('path', '?')}), raw sequential {raw / 1e9:.2f} GB/s"}
+
+
+def storage_bill(target: str, num_bytes: int, wall: dict | None, rate: dict | None) -> dict:
+    """The output's bytes against the time its disk or store needs to take them at `rate` (storage_rate_from), beside
+    the GPUs' time (`wall`); `pace`: which of the two is longer, i.e. sets the run's pace ("storage", "gpus", or
+    None when a figure is missing)."""
+    bill = {"target": str(target), "num_bytes": num_bytes, "bytes_per_second": None, "source": None,
+            "seconds": None, "gpu_seconds": wall["seconds"] if wall else None, "pace": None,
+            "needed_bytes_per_second": num_bytes / wall["seconds"] if wall and wall["seconds"] else None}
+    if rate is not None:
+        bill.update(rate)
+        bill["seconds"] = num_bytes / rate["bytes_per_second"]
+        if bill["gpu_seconds"]:
+            bill["pace"] = "storage" if bill["seconds"] > bill["gpu_seconds"] else "gpus"
+    return bill
+
+
+def _storage_line(b: dict, compute: str = "GPUs") -> str:
+    head = f"{b['target']}: {_size(b['num_bytes'])}"
+    if b["bytes_per_second"] is None:
+        return (head + "; its time is unknown: pass --storage-bytes-per-second (what that disk or store takes, all "
+                       "writers together) or --storage-bench (a result of bench/disk_vs_writer.py)")
+    line = f"{head} at {b['bytes_per_second'] / 1e9:.2f} GB/s ({b['source']}) = {_duration(b['seconds'])}"
+    if b["pace"] is None:
+        return line + f"; no {compute} time to set beside it (pass --tokens-per-second)"
+    verdict = "the storage sets the pace" if b["pace"] == "storage" else f"the {compute} set the pace"
+    return (line + f", the {compute} {_duration(b['gpu_seconds'])} (writing "
+            f"{b['needed_bytes_per_second'] / 1e9:.2f} GB/s): " + verdict)
+
+
 def _size(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
         if abs(n) < 1000 or unit == "PB":
@@ -462,6 +522,8 @@ def format_plan(p: dict) -> str:
                                 f"(bench/writer_bench.py measures what a disk and output.num_writer_threads give)"))
     else:
         lines.append(("throughput", f"unknown ({t['source']}): pass --tokens-per-second"))
+    if p.get("storage") is not None:
+        lines.append(("storage", _storage_line(p["storage"], "GPUs" if device["type"] == "cuda" else "CPU processes")))
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in lines) + "\n\nlength histogram (kept samples)\n" + \
         p["lengths_histogram"]
@@ -514,6 +576,11 @@ def build_parser(prog: str = "dflash-prep plan") -> argparse.ArgumentParser:
                         "plans for GPUs")
     p.add_argument("--gpu", action="store_true",
                    help="plan the run on GPUs (batches, packing, benchmark rates) from a machine without one")
+    p.add_argument("--storage-bytes-per-second", default=None, metavar="RATE",
+                   help="what output.dir's disk or object store takes, all writers of the run together (e.g. 1.4GB; "
+                        "measure it: bench/disk_vs_writer.py), to time the writes beside the GPUs")
+    p.add_argument("--storage-bench", default=None, metavar="FILE",
+                   help="a result file of bench/disk_vs_writer.py: its shard-writer rate as the storage rate")
     p.add_argument("--json", action="store_true", help="print every figure as JSON")
     p.add_argument("--show-sample", type=int, default=None, metavar="N",
                    help="first print input row N (0-based) as the extraction tokenizes it, supervised tokens marked")
@@ -577,7 +644,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = make_run_plan(recipe, num_gpus=args.num_gpus, tokens_per_second=args.tokens_per_second,
                              bench_dir=Path(args.bench_results) if args.bench_results else None,
                              gpu_memory_bytes=int(args.gpu_memory_gb * 1e9) if args.gpu_memory_gb else None,
-                             gpu=args.gpu)
+                             gpu=args.gpu,
+                             storage_rate=storage_rate_from(args.storage_bytes_per_second, args.storage_bench))
         if recipe.regenerate is not None:  # on-policy data: the regeneration first (plan_regeneration, below)
             plan["regenerate"] = plan_regeneration(recipe, args.generated_tokens_per_second)
     except (RecipeError, ValueError) as e:

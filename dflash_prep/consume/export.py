@@ -85,6 +85,7 @@ from dflash_prep.consume.shard_format import (
 )
 from dflash_prep.consume.shard_read import iter_shard, iter_tar_samples
 from dflash_prep.consume.vocab import TOKEN_FREQ_NAME, read_token_freq, token_freq_dict
+from dflash_prep.recipe.location import as_location, is_remote_path
 from dflash_prep.store.locks import FileLock
 from dflash_prep.store.manifest import OutputStateError, read_committed, read_manifest
 from dflash_prep.target.fp8 import dequantize as fp8_dequantize
@@ -297,6 +298,8 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> int:
 def _refuse_overlap(out_dir: Path, dest: Path) -> None:
     """DEST (replaced whole by the export, and by `--overwrite` before it) must not be OUT, hold it, or lie
     inside it: each would delete or alter the output being read. Raises ExportError."""
+    if is_remote_path(out_dir):
+        return  # an output in an object store: DEST is a local folder
     source, target = out_dir.resolve(), dest.resolve()
     if target == source or source.is_relative_to(target) or target.is_relative_to(source):
         raise ExportError(f"--dest {dest} overlaps the output {out_dir} (the same folder, a folder holding it, or "
@@ -321,7 +324,7 @@ def export(out_dir: str | Path, target: str, dest: str | Path, *, strategy: str 
 
     Raises `ExportError` (a refused export; `ExportBusyError` when another export holds `dest`),
     `ShardFormatError` (the output is inconsistent or a shard corrupted) or `ExportIncompleteError`."""
-    out_dir, dest = Path(out_dir), Path(dest)
+    out_dir, dest = as_location(out_dir), Path(dest)  # OUT: a local folder or an object-store URL
     _refuse_overlap(out_dir, dest)
     manifest = read_manifest(out_dir)
     check_exportable(manifest, target, strategy, cast_to_bfloat16, source=str(out_dir),
@@ -475,7 +478,7 @@ def _export_info(manifest: dict, out_dir: Path, target: str, strategy: str, orde
     after = [int(i) for i in manifest["layer_ids"]]
     info = {
         "exported_by": f"dflash-prep {__version__}",
-        "source": str(out_dir.resolve()),
+        "source": str(out_dir) if is_remote_path(out_dir) else str(out_dir.resolve()),
         "source_recipe_fingerprint": manifest.get("recipe_fingerprint"),
         "source_model": manifest.get("model"),
         "target": target,
@@ -522,7 +525,7 @@ def _progress(enabled: bool, total: int, desc: str):
 def build_parser(prog: str = "dflash-prep export") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Rewrite an extraction output in a drafter trainer's "
                                                        "layout (SpecForge, speculators, Model-Optimizer).")
-    p.add_argument("out", help="extraction output folder (holds manifest.json)")
+    p.add_argument("out", help="extraction output folder (holds manifest.json), or its object-store URL")
     p.add_argument("--to", dest="target", required=True, choices=TARGETS, help="trainer layout to write")
     p.add_argument("--dest", required=True, help="folder to create (written as DEST.partial, renamed at the end)")
     p.add_argument("--strategy", default="dflash", choices=STRATEGIES,

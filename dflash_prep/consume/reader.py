@@ -73,6 +73,7 @@ collator.py (`DFlashCollator`: trainer batches). Every public name of those is i
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -82,6 +83,7 @@ import webdataset as wds
 from torch.utils.data import IterableDataset, get_worker_info
 
 from dflash_prep.consume.collator import SEQUENCE_KEYS, DFlashCollator, has_supervised_pair, truncate_sample
+from dflash_prep.consume.follow import DEFAULT_POLL_SECONDS, follow_shards
 from dflash_prep.consume.shard_format import (
     FP8_MODES,
     MEMBER_INPUT_IDS,
@@ -107,6 +109,7 @@ from dflash_prep.consume.split import (
     resolve_rank_world,
     shard_list,
 )
+from dflash_prep.recipe.location import as_location
 from dflash_prep.store.manifest import read_manifest
 from dflash_prep.target.norms import can_derive_after_norm, read_final_norm, with_after_norm_final
 
@@ -124,7 +127,8 @@ class ShardDataset(IterableDataset):
     """Samples of an extraction output, split across ranks and DataLoader workers (see the module docstring).
 
     Args:
-        out_dir: the extraction's output folder (holding `manifest.json`).
+        out_dir: the extraction's output folder (holding `manifest.json`), or its object-store URL
+            (`s3://bucket/prefix`; credentials from the store's own configuration, `storage_options` for fsspec).
         shuffle: shuffle shard order and samples (per epoch, seeded); off: manifest order, file order.
         seed: shuffle seed.
         shuffle_buffer: samples held by each consumer's shuffle buffer (memory: this many samples).
@@ -140,6 +144,11 @@ class ShardDataset(IterableDataset):
         verify_sha256: hash each shard while streaming it and raise `ShardFormatError` at its end when the
             digest differs from the manifest's (default); False skips the hash (sample and token counts are still
             checked).
+        follow: read the output while its extraction runs (consume/follow.py): each committed shard's samples
+            once as it lands, polling every `poll_seconds`, until the manifest appears; `timeout_seconds`: raise
+            TimeoutError after that long without a new shard or the manifest. The split is by shard (a stable hash
+            of its path); `shuffle` shuffles within the buffer only; `num_samples` needs the manifest.
+        storage_options: fsspec options of an object-store URL (non-secret: endpoint_url, ...).
 
     Raises `ShardFormatError` at construction when the manifest names a shard twice or its shards' sample
     counts do not add up to `num_samples`.
@@ -148,7 +157,8 @@ class ShardDataset(IterableDataset):
     def __init__(self, out_dir: str | Path, *, shuffle: bool = False, seed: int = 0, shuffle_buffer: int = 256,
                  rank: int | None = None, world_size: int | None = None, split: str = "auto",
                  include_meta: bool = False, fp8: str = "bfloat16", verify_sha256: bool = True,
-                 final: str = "as_stored"):
+                 final: str = "as_stored", follow: bool = False, poll_seconds: float = DEFAULT_POLL_SECONDS,
+                 timeout_seconds: float | None = None, storage_options: dict | None = None):
         super().__init__()
         if fp8 not in FP8_MODES:
             raise ValueError(f"fp8 must be one of {FP8_MODES}, got {fp8!r}")
@@ -158,13 +168,26 @@ class ShardDataset(IterableDataset):
             raise ValueError(f"shuffle_buffer must be >= 1, got {shuffle_buffer}")
         if (rank is None) != (world_size is None):
             raise ValueError("pass both rank and world_size, or neither")
-        self.out_dir = Path(out_dir)
+        self.out_dir = as_location(out_dir, storage_options)  # a folder, or an object-store URL (fsspec)
+        self.follow, self.poll_seconds, self.timeout_seconds = follow, poll_seconds, timeout_seconds
+        if follow and not (self.out_dir / "manifest.json").is_file():
+            if final != "as_stored":
+                raise ValueError(f"final={final!r} needs the finished output's final norm: follow=True reads the final "
+                                 f"layer as stored (or follow a finished output)")
+            self.manifest, self.layout, self.shards = None, None, []  # follow.py: decoded as they land
+            self._set_options(verify_sha256, shuffle, seed, shuffle_buffer, rank, world_size, split, include_meta, fp8)
+            self.final_norm = None
+            return
         self.manifest = read_manifest(self.out_dir)
         self.layout = OutputLayout.from_manifest(self.manifest)
         problems = manifest_shard_problems(self.manifest)
         if problems:
             raise ShardFormatError(f"{self.out_dir / 'manifest.json'}: {'; '.join(problems[:5])}")
         self.shards = shards_of(self.out_dir, self.manifest)
+        self._set_options(verify_sha256, shuffle, seed, shuffle_buffer, rank, world_size, split, include_meta, fp8)
+        self.final_norm = self._final_norm_to_apply(final)
+
+    def _set_options(self, verify_sha256, shuffle, seed, shuffle_buffer, rank, world_size, split, include_meta, fp8):
         self.verify_sha256 = verify_sha256
         self.shuffle = shuffle
         self.seed = seed
@@ -174,7 +197,6 @@ class ShardDataset(IterableDataset):
         self.split = split
         self.include_meta = include_meta
         self.fp8 = fp8
-        self.final_norm = self._final_norm_to_apply(final)
         self.epoch = 0
 
     def _final_norm_to_apply(self, final: str) -> dict | None:
@@ -201,7 +223,10 @@ class ShardDataset(IterableDataset):
     # -- facts ---------------------------------------------------------------------------------------------
     @property
     def num_samples(self) -> int:
-        """Samples in the whole output (all ranks together) per epoch."""
+        """Samples in the whole output (all ranks together) per epoch (ValueError while a followed output has no
+        manifest yet)."""
+        if self.manifest is None:
+            raise ValueError(f"{self.out_dir}: the number of samples is known once the extraction wrote its manifest")
         return int(self.manifest["num_samples"])
 
     @property
@@ -244,9 +269,27 @@ class ShardDataset(IterableDataset):
                                      verify_sha256=self.verify_sha256):
                 yield sample if self.final_norm is None else with_after_norm_final(sample, self.final_norm)
 
+    def _follow_samples(self, consumer: int, num_consumers: int) -> Iterator[dict[str, Any]]:
+        """follow=True: this consumer's samples of each shard as it is committed, until the manifest (follow.py)."""
+        yielded: set[str] = set()
+        for shard, layout in follow_shards(self.out_dir, consumer, num_consumers, self.poll_seconds,
+                                           self.timeout_seconds):
+            for sample in iter_shard(shard, layout, None, self.include_meta, fp8=self.fp8,
+                                     verify_sha256=self.verify_sha256):
+                if sample["sample_id"] not in yielded:
+                    yielded.add(sample["sample_id"])
+                    yield sample if self.final_norm is None else with_after_norm_final(sample, self.final_norm)
+
     def pipeline(self, consumer: int, num_consumers: int) -> wds.DataPipeline:
         """The webdataset pipeline of one consumer for the current epoch: shard list (seeded order) -> this
-        consumer's shards -> tar -> decoded samples -> seeded shuffle buffer (with `shuffle`)."""
+        consumer's shards -> tar -> decoded samples -> seeded shuffle buffer (with `shuffle`). follow=True: the
+        shards as they are committed (follow.py), in commit order, then the shuffle buffer."""
+        if self.follow:
+            stages = [functools.partial(self._follow_samples, consumer, num_consumers)]
+            if self.shuffle:
+                rng = random.Random(f"dflash-prep:samples:{self.seed}:{self.epoch}:{consumer}")
+                stages.append(wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer, rng=rng))
+            return wds.DataPipeline(*stages)
         stages = [shard_list(self.shards, self.shuffle, self.seed, self.epoch) if self.shards else [],
                   SplitByConsumer(self.shards, consumer, num_consumers, self.split), self._decode_shards]
         if self.shuffle:

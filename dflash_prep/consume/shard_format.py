@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_prep.recipe.location import as_location
 from dflash_prep.target.fp8 import FP8_DTYPE
 
 MEMBER_INPUT_IDS = "input_ids.npy"
@@ -27,7 +28,8 @@ class ShardFormatError(ValueError):
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """One shard as listed in the manifest. `path` is absolute; `rel_path` is the manifest's (relative to OUT)."""
+    """One shard as listed in the manifest. `path` is absolute (a Path, or a UPath in an object store); `rel_path`
+    is the manifest's (relative to OUT)."""
 
     path: Path
     rel_path: str
@@ -97,8 +99,8 @@ def manifest_shard_problems(manifest: dict) -> list[str]:
 
 
 def shards_of(out_dir: str | Path, manifest: dict) -> list[ShardInfo]:
-    """The manifest's shard list, in manifest order, with absolute paths."""
-    out_dir = Path(out_dir)
+    """The manifest's shard list, in manifest order, with absolute paths (local or in an object store)."""
+    out_dir = as_location(out_dir)
     return [ShardInfo(path=out_dir / s["path"], rel_path=s["path"], num_samples=int(s["num_samples"]),
                       num_tokens=int(s["num_tokens"]), num_bytes=int(s["num_bytes"]), sha256=s["sha256"])
             for s in manifest["shards"]]

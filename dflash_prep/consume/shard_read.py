@@ -28,10 +28,19 @@ from dflash_prep.consume.shard_format import (
     ShardFormatError,
     ShardInfo,
 )
+from dflash_prep.recipe.location import is_remote_path
 from dflash_prep.target.fp8 import dequantize as fp8_dequantize
 
 
 # ------------------------------------------------------------------------------------------------ tar level
+def open_for_reading(path, chunk_bytes: int = 8 << 20):
+    """A binary file read front to back: a local file with a `chunk_bytes` buffer, or an object of a store (a
+    `upath.UPath`: fsspec's file, fetched in `chunk_bytes` blocks with read-ahead)."""
+    if is_remote_path(path):
+        return path.open("rb", block_size=chunk_bytes)
+    return open(path, "rb", buffering=chunk_bytes)
+
+
 def sample_key(member_name: str) -> tuple[str, str]:
     """webdataset naming (`webdataset.tariterators.base_plus_ext`): `dir/KEY.suffix.ext` -> (`dir/KEY`,
     `suffix.ext`); the key ends at the first dot of the base name; a name without one is its own key."""
@@ -49,7 +58,7 @@ class HashingReader(io.RawIOBase):
 
     def __init__(self, path: str | Path, chunk_bytes: int = 8 << 20):
         super().__init__()
-        self._f = open(path, "rb", buffering=chunk_bytes)
+        self._f = open_for_reading(path, chunk_bytes)
         self._sha = hashlib.sha256()
         self._pos = 0
         self._chunk = chunk_bytes
@@ -117,7 +126,7 @@ def iter_tar_samples(path: str | Path, wanted=None, member_names: Iterable[str] 
     keep = None if member_names is None else set(member_names)
     handler = _tar_error(path)
     seen: set[str] = set()
-    stream = HashingReader(path) if expected_sha256 is not None else open(path, "rb")
+    stream = HashingReader(path) if expected_sha256 is not None else open_for_reading(path)
     with stream:
         files = tar_file_expander([{"url": str(path), "stream": stream}], handler=handler)
         for position, record in enumerate(group_by_keys(files, handler=handler)):

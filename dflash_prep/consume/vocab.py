@@ -83,14 +83,16 @@ def write_token_freq(out_dir: str | Path, counts: np.ndarray, num_samples: int) 
 
 def read_token_freq(out_dir: str | Path) -> np.ndarray:
     """`OUT/token_freq.safetensors` -> int64 [vocab_size]. Raises FileNotFoundError naming the file."""
-    from safetensors.numpy import load_file
+    from safetensors.numpy import load
 
-    path = Path(out_dir) / TOKEN_FREQ_NAME
+    from dflash_prep.recipe.location import as_location
+
+    path = as_location(out_dir) / TOKEN_FREQ_NAME  # a local folder or an object-store URL
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: {Path(out_dir)} is not a finished extraction output (the "
                                 f"frequencies are written with the manifest), or one from a dflash-prep version "
                                 f"before they were stored")
-    return load_file(str(path))["token_freq"]
+    return load(path.read_bytes())["token_freq"]
 
 
 def draft_vocab(counts: np.ndarray, draft_vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -135,10 +137,31 @@ def write_mapping(counts: np.ndarray, d2t: np.ndarray, t2d: np.ndarray, dest: st
     raise ValueError(f"unknown layout {layout!r}: one of {', '.join(LAYOUTS)}")
 
 
+def _write_mappings(counts, d2t, t2d, dest: str, layouts) -> list:
+    """`write_mapping` of each layout into `dest/LAYOUT`; a `dest` in an object store is written locally first and
+    uploaded (fsspec `put`). -> the files (their URLs for a store)."""
+    from dflash_prep.recipe.location import check_location, is_remote
+
+    if not is_remote(dest):
+        return [f for layout in layouts for f in write_mapping(counts, d2t, t2d, Path(dest) / layout, layout)]
+    import tempfile
+
+    import fsspec
+
+    check_location(dest, writable=False, key="--dest")
+    fs, root = fsspec.url_to_fs(dest)
+    with tempfile.TemporaryDirectory(prefix="dflash-prep-vocab-") as tmp:
+        local = [f for layout in layouts for f in write_mapping(counts, d2t, t2d, Path(tmp) / layout, layout)]
+        for f in local:
+            fs.put_file(str(f), f"{root}/{f.relative_to(tmp)}")
+        return [f"{dest.rstrip('/')}/{f.relative_to(tmp)}" for f in local]
+
+
 def build_parser(prog: str = "dflash-prep vocab") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Draft-vocabulary mapping (d2t / t2d) from the "
                                      "supervised-token frequencies of an extraction output.")
-    parser.add_argument("out_dir", help="a finished extraction output (holds token_freq.safetensors)")
+    parser.add_argument("out_dir", help="a finished extraction output (holds token_freq.safetensors): a folder or an "
+                                        "object-store URL")
     parser.add_argument("--size", type=int, required=True, help="draft vocabulary size N (e.g. 32000)")
     parser.add_argument("--layout", choices=(*LAYOUTS, "all"), default="all", help="trainer layout (default: all)")
     parser.add_argument("--dest", help="folder to write (default: OUT/vocab-N)")
@@ -155,10 +178,10 @@ def main(argv: list[str] | None = None) -> int:
 
         read_manifest(args.out_dir)  # a finished output, its manifest readable: the counts cover what it lists
         counts = read_token_freq(args.out_dir)
-        dest = Path(args.dest) if args.dest else Path(args.out_dir) / f"vocab-{args.size}"
+        dest = args.dest or f"{str(args.out_dir).rstrip('/')}/vocab-{args.size}"
         layouts = LAYOUTS if args.layout == "all" else (args.layout,)
         d2t, t2d = draft_vocab(counts, args.size)
-        files = [f for layout in layouts for f in write_mapping(counts, d2t, t2d, dest / layout, layout)]
+        files = _write_mappings(counts, d2t, t2d, dest, layouts)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -24,6 +24,8 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
+from dflash_prep.recipe.location import is_remote, local_path
+
 DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "demo" / "tiny-demo.yaml"
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
@@ -261,7 +263,19 @@ class OutputSection:
     """Where and how records are written."""
 
     dir: str = "out"
-    """Output folder: shards, manifest, logs, summary."""
+    """Output folder: shards, manifest, logs, summary. A local path, or an object-store URL (`s3://bucket/prefix`,
+    `gs://...`, `az://...`, through fsspec; README "Where the output goes"): shards are then staged locally
+    (`staging_dir`) and uploaded as they close. A URL whose protocol is unknown or not installed is refused."""
+    storage_options: dict = field(default_factory=dict)
+    """Non-secret fsspec options of an object-store `dir` (e.g. {endpoint_url: ..., region_name: ...}); credentials
+    come from the store's own configuration (environment, profile), and keys naming a secret are refused."""
+    staging_dir: str | None = None
+    """Object-store `dir` only: the local folder where each node stages the shards being written and uploaded, and
+    its copy of the output's small files; null: a folder under the system's temporary directory. Holds at most
+    (num_writer_threads + max_uploads_in_flight) x max_shard_bytes of shards per rank."""
+    max_uploads_in_flight: int = 4
+    """Object-store `dir` only: closed shards per rank being uploaded at once (each multipart, by the filesystem);
+    a lane that closes a shard beyond it waits. Not part of the job's identity."""
     dtype: str = "bfloat16"
     """Storage dtype of hidden states: bfloat16, float16, float32, or fp8_e4m3 (float8 e4m3 with one fp32 scale
     per token and layer, about half the bytes of bf16; see dflash_prep/target/fp8.py and docs/FORMAT.md)."""
@@ -290,6 +304,17 @@ class OutputSection:
     def validate(self, p: str) -> None:
         if not self.dir:
             _fail(f"{p}.dir", self.dir, "set an output folder")
+        from dflash_prep.recipe.location import LocationError, check_location, check_storage_options, is_remote
+
+        try:
+            check_location(self.dir, writable=True, key=f"{p}.dir")
+            check_storage_options(self.storage_options, f"{p}.storage_options")
+        except LocationError as e:
+            raise RecipeError(str(e)) from None
+        if self.storage_options and not is_remote(self.dir):
+            _fail(f"{p}.storage_options", self.storage_options, "applies to an object-store output.dir only")
+        if self.max_uploads_in_flight < 1:
+            _fail(f"{p}.max_uploads_in_flight", self.max_uploads_in_flight, "must be >= 1")
         if self.dtype not in STORAGE_DTYPES:
             _fail(f"{p}.dtype", self.dtype, f"expected one of {STORAGE_DTYPES}")
         if self.max_shard_bytes < 1:
@@ -626,8 +651,9 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
             value = [str(Path(v).expanduser().resolve()) if isinstance(v, str) and Path(v).expanduser().exists()
                      else v for v in value]
         _set_dotted(raw, key, value)
-    if isinstance(raw.get("output"), dict) and isinstance(raw["output"].get("dir"), str):
-        raw["output"]["dir"] = str(Path(raw["output"]["dir"]).expanduser().resolve())
+    if isinstance(raw.get("output"), dict) and isinstance(raw["output"].get("dir"), str) \
+            and not is_remote(raw["output"]["dir"]):  # a URL is never a local path (recipe/location.py)
+        raw["output"]["dir"] = str(local_path(raw["output"]["dir"]).expanduser().resolve())
     if isinstance(raw.get("regenerate"), dict) and isinstance(raw["regenerate"].get("output_dir"), str):
         raw["regenerate"]["output_dir"] = str(Path(raw["regenerate"]["output_dir"]).expanduser().resolve())
     return _build(Recipe, raw, "", base_dir)

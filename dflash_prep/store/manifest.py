@@ -12,6 +12,7 @@ import tarfile
 from pathlib import Path
 
 from dflash_prep.io import atomic_write_json, fsync_dir
+from dflash_prep.recipe.location import as_location, read_whole
 from dflash_prep.store.records import INDEX_DIR, SHARDS_DIR, ShardRecord
 
 FORMAT_VERSION = 1
@@ -28,18 +29,18 @@ def read_committed(out_dir: str | Path) -> list[ShardRecord]:
     shard file or the same sample (an index edited or merged by hand): a resume would write those samples twice.
     """
     records: dict[str, ShardRecord] = {}
-    for index in sorted((Path(out_dir) / INDEX_DIR).glob("rank-*.jsonl")):
-        with open(index) as f:
-            for line in f:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    record = ShardRecord(**json.loads(line))
-                except (json.JSONDecodeError, TypeError):
-                    break  # torn tail
-                if records.setdefault(record.path, record) != record:
-                    raise _damaged_index(out_dir, f"{record.path} is listed twice, differently")
+    index_dir = as_location(out_dir) / INDEX_DIR  # a local folder, or an output in an object store (read-only)
+    for index in sorted(index_dir.glob("rank-*.jsonl"), key=str):
+        for line in read_whole(index).decode().splitlines():  # an object being rewritten: one version of it
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                record = ShardRecord(**json.loads(line))
+            except (json.JSONDecodeError, TypeError):
+                break  # torn tail
+            if records.setdefault(record.path, record) != record:
+                raise _damaged_index(out_dir, f"{record.path} is listed twice, differently")
     sample_ids = [s for r in records.values() for s in r.sample_ids]
     if len(sample_ids) != len(set(sample_ids)):
         twice = sorted({s for s in sample_ids if sample_ids.count(s) > 1})[:5]
@@ -100,7 +101,7 @@ def read_state_json(path: Path) -> dict:
     """A JSON state file of the output; raises OutputStateError (one line: the file and the way out) when it is
     not valid JSON (truncated by a copy, a full disk, an edit)."""
     try:
-        with open(path, "rb") as f:
+        with path.open("rb") as f:  # a Path, or a UPath of an output in an object store
             return json.loads(f.read())
     except (ValueError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
         raise damaged_state(path, f"{type(e).__name__}: {e}") from None
@@ -202,11 +203,13 @@ def write_manifest(out_dir: str | Path, manifest: dict) -> Path:
 
 
 def read_manifest(out_dir: str | Path) -> dict:
-    path = Path(out_dir) / MANIFEST_NAME
+    """OUT/manifest.json of a local folder or an object-store URL (recipe/location.py); FileNotFoundError while the
+    extraction has not finished, ValueError when it is damaged or of another format version."""
+    path = as_location(out_dir) / MANIFEST_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: the extraction has not finished (the manifest is written last)")
     try:
-        with open(path, "rb") as f:
+        with path.open("rb") as f:
             manifest = json.loads(f.read())
     except (ValueError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
         raise ValueError(f"{path} is damaged ({type(e).__name__}: {e}); re-run the extraction's command: it "

@@ -260,6 +260,8 @@ def encode_sample(info: SampleInfo, hidden_states_TK: torch.Tensor, final_TH: to
 class ShardWriter:
     """Synchronous per-rank writer; `write_batch` appends whole batches, `close` commits the last shard."""
 
+    publisher = None  # an object-store output's ShardUploader (remote.py): it commits each shard after its upload
+
     def __init__(self, out_dir: str | Path, rank: int, max_shard_bytes: int, first_shard_number: int = 0,
                  faults=None, shard_number_step: int = 1, index_lock: threading.Lock | None = None):
         """`shard_number_step` and a shared `index_lock` let several writers (lanes) of one rank interleave their
@@ -335,6 +337,9 @@ class ShardWriter:
         fsync_dir(final.parent)
         if self.faults is not None:
             self.faults.after_rename(_shard_number(final))
+        if self.publisher is not None:  # uploaded, then committed by the index in the store; not listed locally
+            self.publisher.publish(final, record)
+            return
         with self.index_lock:  # the rank's lanes append to one index file
             created = not self.index_path.exists()
             index_size = 0 if created else self.index_path.stat().st_size
@@ -454,13 +459,17 @@ def _held_bytes(pending: PendingBatch) -> int:
 
 
 def lanes(out_dir: str | Path, rank: int, max_shard_bytes: int, first_shard_number: int, num_lanes: int,
-          faults=None) -> list[ShardWriter]:
-    """The `num_lanes` writers of one rank: lane j numbers its shards first + j, first + j + num_lanes, ..."""
+          faults=None, publisher=None) -> list[ShardWriter]:
+    """The `num_lanes` writers of one rank: lane j numbers its shards first + j, first + j + num_lanes, ...
+    `publisher`: an object-store output's uploader (remote.ShardUploader), shared by the lanes."""
     if num_lanes < 1:
         raise ValueError(f"num_lanes must be >= 1, got {num_lanes}")
     lock = threading.Lock()
-    return [ShardWriter(out_dir, rank, max_shard_bytes, first_shard_number + j, faults,
-                        shard_number_step=num_lanes, index_lock=lock) for j in range(num_lanes)]
+    writers = [ShardWriter(out_dir, rank, max_shard_bytes, first_shard_number + j, faults,
+                           shard_number_step=num_lanes, index_lock=lock) for j in range(num_lanes)]
+    for w in writers:
+        w.publisher = publisher
+    return writers
 
 
 class AsyncShardWriter:
@@ -494,7 +503,14 @@ class AsyncShardWriter:
             t.start()
 
     @property
+    def publisher(self):
+        """The lanes' uploader of an object-store output (committed shards are the uploaded ones), else None."""
+        return self.writers[0].publisher if self.writers else None
+
+    @property
     def committed(self) -> list[ShardRecord]:
+        if self.publisher is not None:
+            return list(self.publisher.committed)
         return [r for w in self.writers for r in w.committed]
 
     @property
@@ -573,6 +589,8 @@ class AsyncShardWriter:
         self._join()
         if self._error is not None:
             self._abort_writers()
+            if self.publisher is not None:
+                self.publisher.abort()
             raise self._error
         for j, w in enumerate(self.writers):
             try:
@@ -583,6 +601,14 @@ class AsyncShardWriter:
                 # the hashing thread); this close may be the caller's last call.
                 for other in self.writers[j:]:
                     other.abort()
+                if self.publisher is not None:
+                    self.publisher.abort()
+                raise
+        if self.publisher is not None:  # every upload done and committed, or the first upload error raised
+            try:
+                self.publisher.close()
+            except BaseException as e:
+                self._error = e
                 raise
 
     def _abort_writers(self) -> None:
@@ -597,7 +623,11 @@ class AsyncShardWriter:
 
     def abort(self) -> None:
         self._join()
-        self._abort_writers()
+        try:
+            self._abort_writers()
+        finally:
+            if self.publisher is not None:
+                self.publisher.abort()
 
 
 class DiscardingWriter:

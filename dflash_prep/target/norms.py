@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dflash_prep.recipe.location import as_location
+
 FINAL_NORM_NAME = "final_norm.safetensors"
 FORMS = ("weight", "one_plus_weight")
 NORM_GAIN_STD = 0.25
@@ -123,15 +125,18 @@ def write_final_norm(out_dir: str | Path, norm: dict) -> dict:
 
 def read_final_norm(out_dir: str | Path) -> dict:
     """`OUT/final_norm.safetensors` -> {"form", "eps", "weight"}. Raises FileNotFoundError naming the file."""
-    from safetensors import safe_open
+    import json
+    import struct
 
-    path = Path(out_dir) / FINAL_NORM_NAME
+    from safetensors.torch import load
+
+    path = as_location(out_dir) / FINAL_NORM_NAME  # a local folder or an object-store URL
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: the output did not capture the final layer before the norm "
                                 f"(layers.capture_final=before_norm), or was written by an older dflash-prep")
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata()
-        weight = f.get_tensor("weight") if "weight" in f.keys() else None
+    data = path.read_bytes()  # a small file (one [H] vector)
+    meta = json.loads(data[8:8 + struct.unpack("<Q", data[:8])[0]]).get("__metadata__", {})
+    weight = load(data).get("weight")
     eps = float(meta["eps"]) if meta.get("eps") not in (None, "None") else None
     return {"form": meta["form"], "eps": eps, "weight": weight}
 

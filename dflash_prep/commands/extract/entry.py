@@ -35,6 +35,18 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
     return code
 
 
+def _logs_folder(recipe) -> Path:
+    """Where the rank logs are: OUT/logs, or the staging folder's of an object-store output (uploaded at the end)."""
+    from dflash_prep.recipe.location import is_remote
+
+    if not is_remote(recipe.output.dir):
+        return Path(recipe.output.dir) / "logs"
+    from dflash_prep.store.remote import default_staging_dir
+
+    staging = recipe.output.staging_dir or default_staging_dir(recipe.output.dir)
+    return Path(staging).expanduser() / "logs"
+
+
 def _exit_now(code: int) -> None:
     """End the process with `code` without waiting for the load thread: flush what was printed and logged, then
     os._exit (nothing else is running yet: no writer, no DataLoader worker; the locks are released by the
@@ -82,7 +94,7 @@ def _main(argv: list[str] | None, own_process: bool = False) -> int:
         return EXIT_BAD_RECIPE
     except ExtractionError as e:
         if not (isinstance(e, StopRequested) and os.environ.get("RANK", "0") != "0"):  # the main one speaks for all
-            print(f"error: {e} (details in {Path(recipe.output.dir) / 'logs'})", file=sys.stderr)
+            print(f"error: {e} (details in {_logs_folder(recipe)})", file=sys.stderr)
         return EXIT_STOPPED
     except KeyboardInterrupt:  # Ctrl-C outside the loop (which handles it at a batch boundary)
         print("error: stopped by Ctrl-C; committed shards are intact, re-run the same command to resume",
@@ -92,6 +104,6 @@ def _main(argv: list[str] | None, own_process: bool = False) -> int:
         if log.handlers:
             log.error("stopped: %s", e, exc_info=e, extra={"console": False})
         print(f"error: {type(e).__name__}: {e}. Committed shards are intact; fix the cause and re-run the same "
-              f"command to resume (details in {Path(recipe.output.dir) / 'logs'})", file=sys.stderr)
+              f"command to resume (details in {_logs_folder(recipe)})", file=sys.stderr)
         return EXIT_STOPPED
     return failed_samples_code(recipe, summary)

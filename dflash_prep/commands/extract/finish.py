@@ -21,6 +21,7 @@ from dflash_prep.errors import ExtractionError
 from dflash_prep.io import atomic_write_json, atomic_write_jsonl
 from dflash_prep.store.manifest import (
     FINISHED_INPUTS,
+    MANIFEST_NAME,
     STATE_NAME,
     build_manifest,
     read_committed,
@@ -42,10 +43,12 @@ def finish_run(run: Run, data, rank_plan: RankPlan) -> dict:
     A re-run of a finished output (nothing to do, a readable manifest and summary) changes nothing: it returns
     the summary of the run that finished it."""
     out_dir = run.out_dir
+    if run.remote is not None:  # the store's rank indexes and reports (ranks of other nodes wrote theirs there)
+        run.remote.pull("index/")
     previous = _previous_summary(out_dir) if not rank_plan.todo else None  # nothing ran: keep its run's figures
     if previous is not None and manifest_readable(out_dir):
         log.info("the output was already finished: manifest and summary left as they are -> %s",
-                 out_dir / "manifest.json")
+                 run.remote.name(MANIFEST_NAME) if run.remote is not None else out_dir / MANIFEST_NAME)
         return previous
     reports = [json.loads(p.read_text()) for p in sorted((out_dir / "index").glob("rank-*.done.json"))]
     reports = [r for r in reports if r["rank"] < run.world]
@@ -71,10 +74,13 @@ def finish_run(run: Run, data, rank_plan: RankPlan) -> dict:
             atomic_write_json(out_dir / SUMMARY_NAME, summary)
         _record_finished_inputs(out_dir, run.inputs_stamp)
         write_manifest(out_dir, manifest)
+        if run.remote is not None:
+            run.remote.push_state()  # every small file the run wrote, the manifest last
     except OSError as e:
         raise ExtractionError(f"writing the manifest failed ({e}); every shard is committed: re-run the same "
                               f"command (nothing is recomputed) to write it") from e
-    _log_done(summary, data.skipped_counts, out_dir)
+    _log_done(summary, data.skipped_counts, run.remote.name(MANIFEST_NAME) if run.remote is not None
+              else out_dir / MANIFEST_NAME)
     return summary
 
 
@@ -200,14 +206,14 @@ def disk_verdict(reports: list[dict], storage_dtype: str) -> dict | None:
     return verdict
 
 
-def _log_done(summary: dict, skipped_counts: dict, out_dir) -> None:
+def _log_done(summary: dict, skipped_counts: dict, manifest_name) -> None:
     """Two lines: what the output holds (every run's work), then what this run did and its own rate."""
     log.info("done: %d samples, %d tokens written (%d skipped%s, %d failed%s), padding efficiency %s, %.1f GB in "
              "%d shards -> %s", summary["num_samples_written"], summary["num_tokens_written"],
              summary["num_skipped"], f" {skipped_counts}" if skipped_counts else "",
              summary["num_failed"], f" {summary['failed']}" if summary["failed"] else "",
              f"{summary['padding_efficiency']:.3f}" if summary["padding_efficiency"] else "n/a",
-             summary["bytes_total"] / 1e9, summary["num_shards"], out_dir / "manifest.json")
+             summary["bytes_total"] / 1e9, summary["num_shards"], manifest_name)
     before = summary.get("num_samples_committed_before", 0)
     log.info("this run: %d samples, %d tokens in %.1fs wall; its loop %.1fs at %.0f tok/s%s%s",
              summary["num_samples_this_run"], summary["num_tokens_this_run"], summary["wall_seconds"],

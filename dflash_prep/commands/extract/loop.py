@@ -16,9 +16,8 @@ from dflash_prep.commands.extract.host_copy import GpuTimer, to_host
 from dflash_prep.commands.extract.progress import STOP_WAIT_SECONDS, JobProgress
 from dflash_prep.commands.extract.report import stopped_message
 from dflash_prep.commands.extract.stop import EXTRACTION_STOP_MESSAGE, StopRequest
-from dflash_prep.commands.job import Run
+from dflash_prep.commands.job import Run, committed_records
 from dflash_prep.errors import ExtractionError, StopRequested
-from dflash_prep.store.manifest import read_committed
 from dflash_prep.store.writer import AsyncShardWriter, NonFiniteStatesError, PendingBatch
 from dflash_prep.target.backoff import BatchRunner
 from dflash_prep.target.capture import LayerCapture
@@ -139,7 +138,7 @@ def _abort_writer(run: Run, writer: AsyncShardWriter, error: BaseException) -> N
     except Exception as abort_error:  # noqa: BLE001 - the original error is the one to report
         log.error("could not clean up the open shard: %s", abort_error)
     if error is writer.error or isinstance(error, NonFiniteStatesError):
-        message = stopped_message(run.out_dir, run.rank, writer, error)
+        message = stopped_message(run.out_dir, run.rank, writer, error, lambda: committed_records(run))
         log.error("%s", message, exc_info=error, extra={"console": False})
         raise ExtractionError(message) from error
     log.exception("extraction failed on rank %d; committed shards are intact, re-run the same command "
@@ -153,7 +152,7 @@ def _stop_after_commit(run: Run, signal_name: str | None, num_batches: int, prog
                f"committed")
     if run.is_main:
         running = progress.wait_for_others(STOP_WAIT_SECONDS)
-        committed = sum(r.num_samples for r in read_committed(run.out_dir))
+        committed = sum(r.num_samples for r in committed_records(run))
         message = (f"stopped on {signal_name}: every rank committed the batches it had captured (on rank {run.rank}, "
                    f"{num_batches} batch(es) of this run were written and committed); {committed} samples committed "
                    f"in all"

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from dflash_prep.errors import EXIT_BAD_RECIPE, EXIT_FAILED_SAMPLES
 from dflash_prep.recipe.fingerprints import inputs_stamp
+from dflash_prep.recipe.location import is_remote
 from dflash_prep.recipe.schema import Recipe, RecipeError, add_recipe_args, load_recipe
 from dflash_prep.store.locks import running_holders
 from dflash_prep.store.manifest import (
@@ -51,6 +52,8 @@ def parse_recipe(argv: list[str] | None) -> Recipe:
 def finished_summary(recipe: Recipe) -> dict | None:
     """The summary of `recipe`'s output when it is finished and its inputs are untouched (module docstring), else
     None (the full run decides)."""
+    if is_remote(recipe.output.dir):
+        return None  # an object-store output: the run itself checks it (its lease, the store's indexes)
     out_dir = Path(recipe.output.dir)
     if recipe.output.overwrite or not (out_dir / MANIFEST_NAME).is_file():
         return None

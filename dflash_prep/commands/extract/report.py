@@ -66,8 +66,10 @@ def prediction_note(run, report: dict) -> str:
             f"TFLOP/s forwards, {WRITE_BYTES_PER_SECOND / 1e9:.2f} GB/s writes)")
 
 
-def stopped_message(out_dir: Path, rank: int, writer: AsyncShardWriter, error: BaseException) -> str:
-    """One paragraph for a run that stopped cleanly: what went wrong, what is committed, how to go on."""
+def stopped_message(out_dir: Path, rank: int, writer: AsyncShardWriter, error: BaseException,
+                    committed=None) -> str:
+    """One paragraph for a run that stopped cleanly: what went wrong, what is committed (`committed()`, else
+    `out_dir`'s indexes), how to go on."""
     if isinstance(error, NonFiniteStatesError):
         what, fix = str(error), "fix the cause (or set output.nan_policy: fail_sample), then re-run the same command"
     else:
@@ -76,7 +78,7 @@ def stopped_message(out_dir: Path, rank: int, writer: AsyncShardWriter, error: B
                if isinstance(error, OSError) and error.errno == errno.ENOSPC else
                "fix the cause, then re-run the same command")
     try:
-        committed = read_committed(out_dir)
+        committed = read_committed(out_dir) if committed is None else committed()
         done = (f"{sum(r.num_samples for r in committed)} samples in {len(committed)} shards are committed and "
                 f"intact ({len(writer.committed)} of those shards by rank {rank} in this run)")
     except OSError:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 import time
 
 # Before torch touches CUDA: fewer fragmentation OOMs with batches of changing shapes (user settings win).
@@ -33,6 +34,7 @@ from dflash_prep.commands.job import (  # noqa: E402
     SKIPPED_NAME,
     RankPlan,
     Run,
+    committed_records,
     load_or_make_plan,
     manifest_readable,
     open_output,
@@ -45,8 +47,9 @@ from dflash_prep.plan.planner import plan_stats, rank_finish_seconds, split_acro
 from dflash_prep.recipe.fingerprints import inputs_stamp, rows_fingerprint  # noqa: E402
 from dflash_prep.recipe.schema import Recipe  # noqa: E402
 from dflash_prep.store.locks import check_no_rank_writing, lock_rank, lock_run  # noqa: E402
-from dflash_prep.store.manifest import next_shard_number, read_committed  # noqa: E402
-from dflash_prep.store.records import rank_name  # noqa: E402
+from dflash_prep.store.manifest import next_shard_number  # noqa: E402
+from dflash_prep.store.records import SHARDS_DIR, rank_name  # noqa: E402
+from dflash_prep.store.remote import ShardUploader, claim_rank, claim_run  # noqa: E402
 from dflash_prep.store.sizes import check_free_space  # noqa: E402
 from dflash_prep.store.writer import AsyncShardWriter, DiscardingWriter, lanes  # noqa: E402
 from dflash_prep.target.model import hidden_size_of, padding_token_id, vocab_size_of  # noqa: E402
@@ -74,6 +77,8 @@ def _run_extraction(recipe: Recipe, held: list, own_process: bool = False) -> di
     """The stages, in data-flow order; each is a function below (or of its own module). The model loads on a
     thread of its own while the rows are tokenized and the plan made (`TargetLoad`)."""
     run = start(recipe)                        # process group, logging; every recipe check before any weights
+    if run.remote is not None:
+        held.append(run.remote)                # released last: this node's logs uploaded beside the output
     _claim_output(run, held)                   # locks; an output of another job refused
     run.startup_seconds["start"] = time.perf_counter() - run.t_start
     load = TargetLoad.start_if_safe(run)       # the weights load while this thread tokenizes and plans
@@ -92,6 +97,8 @@ def _run_extraction(recipe: Recipe, held: list, own_process: bool = False) -> di
     # one process per replica writes; a finished output keeps its run's figures
     if run.is_writer and (rank_plan.todo or not manifest_readable(run.out_dir)):
         atomic_write_json(run.out_dir / "index" / f"{rank_name(run.rank)}.done.json", report)
+        if run.remote is not None:  # the main process may be on another node: it reads the store's
+            run.remote.push([f"index/{rank_name(run.rank)}.done.json"])
     log.info("rank %d done: %d samples, %d tokens in %.1fs%s; start-up %s", run.rank,
              report["num_samples"], report["num_real_tokens"], report["loop_seconds"], prediction_note(run, report),
              ", ".join(f"{k} {v:.1f}s" for k, v in run.startup_seconds.items() if not isinstance(v, bool)))
@@ -106,9 +113,11 @@ def _claim_output(run: Run, held: list) -> None:
     """The main process locks the folder and checks it is this job's before anything in it is touched; then
     every rank holds its own lock (released by the kernel when its process dies)."""
     if run.is_main:
-        held.append(lock_run(run.out_dir))
+        held.append(lock_run(run.out_dir))  # an object-store output: its staging folder on this node
         check_no_rank_writing(run.out_dir)  # no orphaned worker of an earlier run still writes
-        open_output(run.out_dir, run.recipe, run.identity)
+        if run.remote is not None:
+            held.append(claim_run(run.remote))  # the store's lease (store/lease.py), no live rank lease
+        open_output(run.out_dir, run.recipe, run.identity, run.remote)
         run.inputs_stamp = inputs_stamp(run.recipe)  # before any input is read: written once the output is finished
         clear_progress(run.out_dir)  # the progress files of an earlier run (progress.py)
         attach_log_file(run.out_dir, run.state.process_index)  # the folder is this job's: its log from here on
@@ -117,6 +126,20 @@ def _claim_output(run: Run, held: list) -> None:
         attach_log_file(run.out_dir, run.state.process_index)
     if run.is_writer:  # the other processes of a replica write nothing
         held.append(lock_rank(run.out_dir, run.rank))
+        if run.remote is not None:
+            run.remote.rank_lease = claim_rank(run.remote, run.rank)
+            held.append(run.remote.rank_lease)
+
+
+def _uploader(run: Run):
+    """An object-store output's uploader of this rank's shards (store/remote.py), else None (local commits)."""
+    if run.remote is None:
+        return None
+    # what a killed run of this rank left in this node's staging folder was never uploaded: redone, not kept
+    shutil.rmtree(run.out_dir / SHARDS_DIR / rank_name(run.rank), ignore_errors=True)
+    part = run.faults.upload_part_bytes if run.faults is not None and run.faults.upload_part_bytes else None
+    return ShardUploader(run.remote, run.rank, run.recipe.output.max_uploads_in_flight,
+                         lease=run.remote.rank_lease, **({"chunk_bytes": part} if part else {}))
 
 
 def _tokenize(run: Run):
@@ -128,9 +151,11 @@ def _tokenize(run: Run):
     check_data_verdict(data, run.recipe.data)
     if run.is_main:
         run.identity["data_rows"] = rows_fingerprint(data.kept)
-        finished = prepare_output(run.out_dir, run.recipe, run.identity)  # refuses rows that differ
+        finished = prepare_output(run.out_dir, run.recipe, run.identity, run.remote)  # refuses rows that differ
         if not finished:
             atomic_write_jsonl(run.out_dir / SKIPPED_NAME, data.skipped_rows)
+            if run.remote is not None:
+                run.remote.push([SKIPPED_NAME])
         log.info("data: %d rows, %d kept, %d skipped%s", data.num_rows, len(data.kept),
                  sum(data.skipped_counts.values()), f" {data.skipped_counts}" if data.skipped_counts else "")
     return data
@@ -140,10 +165,11 @@ def _plan(run: Run, data) -> RankPlan:
     """The global plan (frozen in OUT/plan.json by the first run), minus the committed batches, split over this
     run's ranks by predicted time (cost.py: the forward's FLOPs and the write's bytes of each batch)."""
     lengths = [int(n) for n in data.kept["num_tokens"]]
-    plan = load_or_make_plan(run.out_dir, lengths, run.recipe, run.is_main, run.state, packed=run.packing.packed)
+    plan = load_or_make_plan(run.out_dir, lengths, run.recipe, run.is_main, run.state, packed=run.packing.packed,
+                             remote=run.remote)
     run.packing = replay_stored_layout(run.packing, bool(plan) and plan[0].packed, run.config, run.device.type,
                                        run.kernels.names)
-    committed = read_committed(run.out_dir)
+    committed = committed_records(run)
     done_batches = {b for r in committed for b in r.batch_ids}
     todo = [p for p in plan if p.batch_id not in done_batches]
     cost = functools.partial(run.cost_model.cost_of, lengths=lengths)
@@ -161,7 +187,14 @@ def _plan(run: Run, data) -> RankPlan:
         if done_batches:
             log.info("resume: %d of %d batches already committed, %d left over %d rank(s)",
                      len(plan) - len(todo), len(plan), len(todo), run.world)
-        check_free_space(run.out_dir, lengths, todo, run.layer_ids, hidden_size_of(run.config), run.recipe)
+        if run.remote is None:
+            check_free_space(run.out_dir, lengths, todo, run.layer_ids, hidden_size_of(run.config), run.recipe)
+        else:
+            out = run.recipe.output
+            log.info("output: %s, shards staged in %s (at most %.0f MB per rank: (%d lanes + %d uploads) x %.0f MB)",
+                     run.remote.url, run.out_dir, (out.num_writer_threads + out.max_uploads_in_flight)
+                     * out.max_shard_bytes / 1e6, out.num_writer_threads, out.max_uploads_in_flight,
+                     out.max_shard_bytes / 1e6)
     return rank_plan
 
 
@@ -178,7 +211,7 @@ def _run_rank(run: Run, data, rank_plan: RankPlan, lock_fds: tuple, load: Target
     writer = DiscardingWriter() if not run.is_writer else AsyncShardWriter(
         lanes(run.out_dir, run.rank, run.recipe.output.max_shard_bytes,
               next_shard_number(rank_plan.committed, rank_name(run.rank)), run.recipe.output.num_writer_threads,
-              run.faults), nan_policy=run.recipe.output.nan_policy,
+              run.faults, publisher=_uploader(run)), nan_policy=run.recipe.output.nan_policy,
         max_pending_bytes=run.recipe.output.max_pending_bytes)
     loader = torch.utils.data.DataLoader(
         PlannedBatches(data.kept, rank_plan.mine, padding_token_id(run.tokenizer, vocab_size_of(run.config))),

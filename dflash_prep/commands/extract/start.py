@@ -16,6 +16,7 @@ from dflash_prep.commands.extract.console import setup_logging
 from dflash_prep.commands.job import Run, refuse_unsafe_output_dir, run_identity
 from dflash_prep.data.rows import check_data_source, check_recipe_chat_template
 from dflash_prep.faults import Faults
+from dflash_prep.recipe.location import is_remote
 from dflash_prep.recipe.schema import Recipe, RecipeError
 from dflash_prep.target.budget import resolve_token_budget
 from dflash_prep.target.kernels import configure_triton_cache, select_kernels
@@ -35,7 +36,8 @@ def start(recipe: Recipe) -> Run:
     t_start = time.perf_counter()
     # Without GPUs, accelerate only forms a process group when told it is a CPU job (gloo).
     state = PartialState(cpu=not torch.cuda.is_available())
-    out_dir = Path(recipe.output.dir)
+    remote = _remote_output(recipe)
+    out_dir = remote.staging if remote is not None else Path(recipe.output.dir)
     refuse_unsafe_output_dir(recipe)
     created = not out_dir.exists()
     try:
@@ -47,11 +49,24 @@ def start(recipe: Recipe) -> Run:
     log.info("dflash-prep %s: rank %d of %d on %s", __version__, state.process_index, state.num_processes,
              state.device)
     try:
-        return _checked_run(recipe, state, out_dir, t_start)
+        run = _checked_run(recipe, state, out_dir, t_start)
+        run.remote = remote
+        return run
     except Exception:
         if created:  # a refused job leaves no folder behind (the console said why)
             _remove_if_only_logs(out_dir)
         raise
+
+
+def _remote_output(recipe: Recipe):
+    """An object-store `output.dir` (store/remote.py) with this node's staging folder, else None."""
+    if not is_remote(recipe.output.dir):
+        return None
+    from dflash_prep.store.remote import RemoteOutput, default_staging_dir
+
+    staging = Path(recipe.output.staging_dir).expanduser() if recipe.output.staging_dir \
+        else default_staging_dir(recipe.output.dir)
+    return RemoteOutput(recipe.output.dir, recipe.output.storage_options, staging.resolve())
 
 
 def _remove_if_only_logs(out_dir: Path) -> None:

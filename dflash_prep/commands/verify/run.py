@@ -18,6 +18,7 @@ from dflash_prep.commands.verify.reference import (
     tensor_parallel_replica,
 )
 from dflash_prep.commands.verify.report import CannotVerify, VerifyReport
+from dflash_prep.recipe.location import as_location, is_remote_path
 
 RECIPE_NAME = "recipe.resolved.yaml"
 
@@ -60,7 +61,7 @@ def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: 
     from dflash_prep.consume.shard_format import OutputLayout, shards_of
 
     t0 = time.perf_counter()
-    out_dir = Path(out_dir)
+    out_dir = as_location(out_dir)  # a folder, or an object-store URL (recipe/location.py)
     manifest, recipe, config, layer_ids = _output_and_recipe(out_dir, overrides)
     layout = OutputLayout.from_manifest(manifest)
     replica, state = tensor_parallel_replica(recipe, config) if num_launched_processes() > 1 else (None, None)
@@ -129,7 +130,7 @@ def _output_and_recipe(out_dir: Path, overrides: list[str] | None):
         raise CannotVerify(f"{recipe_path} not found: the recipe the output was made with is needed to rebuild "
                            f"the model")
     try:
-        recipe = load_recipe(recipe_path, overrides)
+        recipe = _load_stored_recipe(recipe_path, overrides, load_recipe)
         config = load_config(recipe.model)
     except RecipeError as e:
         raise CannotVerify(f"{e} (pass --set to point at the model, e.g. --set model.name_or_path=...)") from None
@@ -144,6 +145,18 @@ def _output_and_recipe(out_dir: Path, overrides: list[str] | None):
         raise CannotVerify(f"the recipe asks for layers {layer_ids} / final {recipe.layers.capture_final}, the "
                            f"manifest holds {manifest['layer_ids']} / {final}")
     return manifest, recipe, config, layer_ids
+
+
+def _load_stored_recipe(recipe_path, overrides, load_recipe):
+    """The output's resolved recipe (its paths are absolute); one in an object store is read through a local copy."""
+    if not is_remote_path(recipe_path):
+        return load_recipe(recipe_path, overrides)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="dflash-prep-verify-") as tmp:
+        local = Path(tmp) / RECIPE_NAME
+        local.write_bytes(recipe_path.read_bytes())
+        return load_recipe(local, overrides)
 
 
 def _noise_floor_policy(report: VerifyReport) -> str:

@@ -1,0 +1,404 @@
+"""An extraction output in an object store (`output.dir: s3://bucket/prefix`, or any protocol of
+recipe/location.py's WRITABLE_PROTOCOLS), through fsspec.
+
+The output's layout in the store is the local one (README "Output layout"): the same relative names under the
+prefix. A run works in a local staging folder (`output.staging_dir`), which holds the shards being written and
+uploaded and a copy of the output's small files (plan, run state, indexes), and this module moves things between the
+two:
+
+- shards: a lane writes and commits its shard locally as always (`.tmp`, fsync, rename), then hands it to the rank's
+  `ShardUploader`, which uploads it to its final key (`fs.put_file`: one PUT, or a multipart upload above
+  `MULTIPART_CHUNK_BYTES`, which the store completes atomically: the object appears whole under its name or not at
+  all), then commits it by rewriting the rank's index object `index/rank-RRRRR.jsonl` with one more line (a
+  whole-object PUT, also atomic), then deletes the local file. At most `output.max_uploads_in_flight` uploads run
+  per rank; a lane that closes a shard beyond that waits, so the staging folder holds at most (lanes + uploads)
+  shards per rank, never the output;
+- the committed state is what the rank indexes in the store list, as for a local output: a resume lists them,
+  deletes shard objects no index lists (an upload finished but not indexed when the run died) and aborts the
+  multipart uploads a killed run left (S3), and redoes exactly the rest;
+- the small files: pulled into the staging folder when a run claims the output (`pull_state`), pushed back after
+  the stage that wrote them (`push`), the manifest last of all.
+
+Why a rewrite of the whole index per shard (not an append, which object stores do not have): it keeps the index
+format of a local output (`read_committed`, `inspect`, the follower read it alike); its size grows with the
+shards, ~600 bytes a shard plus its sample ids, so a rank of 1,000 shards re-uploads about 0.6 GB of index over a
+whole run, against terabytes of shards.
+
+Credentials: the filesystem's own configuration (recipe/location.py); nothing secret is stored here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from dflash_prep.store.lease import Lease, LeaseLostError, StoreError, _is_s3, store_call
+from dflash_prep.store.locks import LOCKS_DIR, OutputBusyError
+from dflash_prep.store.manifest import MANIFEST_NAME, read_committed
+from dflash_prep.store.records import INDEX_DIR, SHARDS_DIR, ShardRecord, rank_name
+
+log = logging.getLogger("dflash_prep")
+
+LOGS_DIR = "logs"
+MULTIPART_CHUNK_BYTES = 64 << 20  # a shard above 2x this is uploaded as a multipart upload of parts of this size
+_NOT_STATE = (SHARDS_DIR + "/", LOCKS_DIR + "/", LOGS_DIR + "/")  # folders pull_state leaves out
+_PROGRESS_SUFFIX = ".progress.json"  # progress.py's per-rank figures: advisory, node-local, never pushed
+
+
+def _quiet_client_loop(fs) -> None:
+    """An async client's failed requests (a dropped connection) leave tasks whose errors asyncio prints to stderr
+    ("Task exception was never retrieved", with a traceback): the error that matters reaches the run through the
+    call that failed, so these go to the log file only."""
+    loop = getattr(fs, "loop", None)
+    if loop is not None:
+        loop.set_exception_handler(lambda _loop, context: log.debug(
+            "object store client: %s", context.get("exception") or context.get("message"),
+            extra={"console": False}))
+
+
+def default_staging_dir(url: str) -> Path:
+    """A per-output folder under the system's temporary directory (the same on every process of a node)."""
+    import hashlib
+
+    return Path(tempfile.gettempdir()) / "dflash-prep-staging" / hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
+class RemoteOutput:
+    """The output at `url` in an object store, and this node's staging folder for it."""
+
+    def __init__(self, url: str, storage_options: dict | None, staging: Path):
+        import fsspec
+
+        self.url = url.rstrip("/")
+        self.fs, self.root = fsspec.url_to_fs(self.url, **(storage_options or {}))
+        _quiet_client_loop(self.fs)
+        self.root = self.root.rstrip("/")
+        self.staging = Path(staging)
+        self.rank_lease: Lease | None = None  # this process's rank lease, once it writes (claim_rank)
+        self.fd = None  # kept with the run's locks (run.py), released last: `release` uploads the logs
+
+    # -- names -------------------------------------------------------------------------------------------------
+    def key(self, rel: str) -> str:
+        return f"{self.root}/{rel}"
+
+    def name(self, rel: str = "") -> str:
+        """The URL of `rel` (for messages)."""
+        return f"{self.url}/{rel}" if rel else self.url
+
+    def _rel(self, key: str) -> str:
+        return key[len(self.root) + 1:]
+
+    @store_call
+    def _objects(self, prefix: str = "") -> dict[str, int]:
+        """{relative name: size} of every object under the prefix (a fresh listing)."""
+        self.fs.invalidate_cache()
+        base = self.key(prefix).rstrip("/") if prefix else self.root
+        try:
+            found = self.fs.find(base, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {self._rel(k): int(v.get("size") or 0) for k, v in found.items()
+                if v.get("type", "file") == "file" and k.startswith(self.root + "/")}
+
+    # -- small files ---------------------------------------------------------------------------------------------
+    @store_call
+    def cat(self, rel: str) -> bytes | None:
+        try:
+            return self.fs.cat_file(self.key(rel))
+        except FileNotFoundError:
+            return None
+
+    @store_call
+    def put_bytes(self, rel: str, data: bytes) -> None:
+        """One PUT of the whole object: it is replaced atomically."""
+        self.fs.pipe_file(self.key(rel), data)
+
+    @store_call
+    def _download(self, rel: str, dest: Path) -> bool:
+        """`rel` into `dest` (tmp, rename: a reader never sees part of it); False when the object is absent."""
+        data = self.cat(rel)
+        if data is None:
+            return False
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f"{dest.name}.{uuid.uuid4().hex[:8]}.pull")
+        tmp.write_bytes(data)
+        os.replace(tmp, dest)
+        return True
+
+    def pull_state(self) -> list[str]:
+        """Main process, as it claims the output: empty the staging folder (but this run's logs and locks) and copy
+        in every object of the output that is not a shard, a lock or a log. -> the names copied."""
+        self.staging.mkdir(parents=True, exist_ok=True)
+        for child in self.staging.iterdir():
+            if child.name not in (LOGS_DIR, LOCKS_DIR):
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+        names = [rel for rel in self._objects() if not rel.startswith(_NOT_STATE)]
+        for rel in names:
+            self._download(rel, self.staging / rel)
+        return names
+
+    def pull_file(self, rel: str) -> bool:
+        """Copy one object into the staging folder (atomically); False when it is absent."""
+        return self._download(rel, self.staging / rel)
+
+    def pull(self, prefix: str) -> list[str]:
+        """Copy the objects under `prefix` (e.g. `index/`) into the staging folder; -> their names."""
+        names = list(self._objects(prefix))
+        for rel in names:
+            self._download(rel, self.staging / rel)
+        return names
+
+    @store_call
+    def push(self, rels) -> None:
+        """Upload these staging files (relative names; those absent are skipped), each one PUT."""
+        for rel in rels:
+            path = self.staging / rel
+            if path.is_file():
+                self.fs.put_file(str(path), self.key(rel))
+
+    def push_state(self, last: tuple[str, ...] = (MANIFEST_NAME,)) -> None:
+        """Upload the staging folder's small files: every file but shards, locks, logs, the rank indexes (their
+        ranks write them) and progress files; the names in `last` after all others (the manifest last)."""
+        rels = sorted(str(p.relative_to(self.staging)) for p in self.staging.rglob("*") if p.is_file())
+        rels = [r for r in rels if not r.startswith(_NOT_STATE + (INDEX_DIR + "/",))
+                and not r.endswith((".tmp", ".pull", _PROGRESS_SUFFIX))]
+        self.push([r for r in rels if r not in last])
+        self.push([r for r in last if r in rels])
+
+    def push_rank_file(self, rel: str) -> None:
+        """A rank's own file under index/ (its done report)."""
+        self.push([rel])
+
+    def release(self) -> None:
+        """The run is over on this process: upload the node's logs."""
+        self.push_logs()
+
+    def push_logs(self) -> None:
+        """This node's rank logs (best effort: a log is a record, not part of the output)."""
+        folder = self.staging / LOGS_DIR
+        for path in sorted(folder.glob("*.log")) if folder.is_dir() else []:
+            try:
+                self.push([f"{LOGS_DIR}/{path.name}"])
+            except OSError as e:
+                log.warning("could not upload %s: %s", path.name, e)
+
+    # -- the committed state ---------------------------------------------------------------------------------------
+    def committed(self) -> list[ShardRecord]:
+        """The committed shards as the rank indexes in the store list them now (`read_committed`'s rules)."""
+        with tempfile.TemporaryDirectory(prefix="dflash-prep-index-") as tmp:
+            for rel in self._objects(INDEX_DIR + "/"):
+                if rel.endswith(".jsonl"):
+                    self._download(rel, Path(tmp) / rel)
+            return read_committed(tmp)
+
+    def shard_sizes(self) -> dict[str, int]:
+        return {rel: size for rel, size in self._objects(SHARDS_DIR + "/").items()}
+
+    @store_call
+    def damaged_shards(self, committed: list[ShardRecord]) -> dict[str, str]:
+        """Committed shards whose object is missing, of another size than its record, or (first 512 bytes read)
+        starting with another sample than the record's first: manifest.damaged_shards for the store."""
+        sizes = self.shard_sizes()
+        bad = {}
+        for record in committed:
+            size = sizes.get(record.path)
+            if size is None:
+                bad[record.path] = "missing"
+            elif size != record.num_bytes:
+                bad[record.path] = f"{size} bytes, its index record says {record.num_bytes}"
+            elif record.sample_ids:
+                head = self.fs.cat_file(self.key(record.path), start=0, end=100)
+                name = head.split(b"\0", 1)[0].decode("utf-8", "replace")
+                if name.split(".", 1)[0] != record.sample_ids[0]:
+                    bad[record.path] = f"starts with {name!r}, not with sample {record.sample_ids[0]}"
+        return bad
+
+    def drop(self, paths: set[str]) -> None:
+        """After `manifest.drop_records` rewrote the staging indexes: push them, delete those shard objects."""
+        self.push(sorted(str(p.relative_to(self.staging)) for p in (self.staging / INDEX_DIR).glob("rank-*.jsonl")))
+        for rel in sorted(paths):
+            self._rm(rel)
+
+    def remove_uncommitted(self, committed: list[ShardRecord]) -> list[str]:
+        """Delete the shard objects no index lists, and abort the multipart uploads a killed run left under the
+        prefix (S3; invisible, but billed). -> the objects deleted."""
+        keep = {r.path for r in committed}
+        removed = [rel for rel in sorted(self.shard_sizes()) if rel not in keep]
+        for rel in removed:
+            self._rm(rel)
+        self._abort_multipart_uploads()
+        return removed
+
+    @store_call
+    def _rm(self, rel: str) -> None:
+        try:
+            self.fs.rm_file(self.key(rel))
+        except FileNotFoundError:
+            pass
+
+    @store_call
+    def _abort_multipart_uploads(self) -> None:
+        if not _is_s3(self.fs):
+            return
+        bucket, _, prefix = self.root.partition("/")
+        try:
+            uploads = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix + "/").get("Uploads", [])
+        except OSError as e:
+            log.warning("could not list unfinished multipart uploads under %s: %s", self.url, e)
+            return
+        for upload in uploads:
+            self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+        if uploads:
+            log.info("aborted %d unfinished multipart upload(s) left by an interrupted run", len(uploads))
+
+    def names(self) -> set[str]:
+        """The top-level names under the prefix (files and folders), e.g. {'manifest.json', 'shards'}."""
+        return {rel.split("/", 1)[0] for rel in self._objects()}
+
+    def clear(self) -> None:
+        """`output.overwrite`: delete every object under the prefix but the locks (this run's lease)."""
+        for rel in sorted(self._objects()):
+            if not rel.startswith(LOCKS_DIR + "/"):
+                self._rm(rel)
+
+    # -- leases ---------------------------------------------------------------------------------------------------
+    def lease(self, name: str) -> Lease:
+        """The lease object `locks/NAME.lease` (lease.py)."""
+        return Lease(self.fs, self.key(f"{LOCKS_DIR}/{name}.lease"))
+
+    @store_call
+    def live_leases(self, prefix: str = "rank-") -> dict[str, str]:
+        """{lease name: holder} of the leases under locks/ starting with `prefix` that a live holder has now."""
+        held = {}
+        for rel in self._objects(LOCKS_DIR + "/"):
+            name = rel.rsplit("/", 1)[1]
+            if name.startswith(prefix) and name.endswith(".lease"):
+                lease = Lease(self.fs, self.key(rel))
+                content, _ = lease.read()
+                if content is not None and not lease.stale(content):
+                    held[name[:-len(".lease")]] = content.get("holder", "unknown")
+        return held
+
+
+class ShardUploader:
+    """Uploads the shards a rank's lanes commit locally, then commits each in the store (module docstring).
+
+    `publish` is called by a lane right after its local rename; it blocks while `max_in_flight` uploads run. An
+    upload or commit error is kept and raised by the next `publish` or by `close`; nothing is committed after it
+    (a shard whose upload failed is absent or whole under its name, and unlisted: a resume deletes it)."""
+
+    def __init__(self, remote: RemoteOutput, rank: int, max_in_flight: int, lease: Lease | None = None,
+                 chunk_bytes: int = MULTIPART_CHUNK_BYTES):
+        self.remote, self.lease, self.chunk_bytes = remote, lease, chunk_bytes
+        self.index_rel = f"{INDEX_DIR}/{rank_name(rank)}.jsonl"
+        existing = remote.cat(self.index_rel) or b""  # this rank's committed lines: only this rank writes them
+        self._lines = existing.decode() if existing.endswith(b"\n") or not existing else existing.decode() + "\n"
+        self._slots = threading.Semaphore(max_in_flight)
+        self._pool = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix=f"shard-upload-{rank}")
+        self._lock = threading.Lock()  # one index rewrite at a time, in commit order
+        self.committed: list[ShardRecord] = []
+        self.error: BaseException | None = None
+        self.bytes_uploaded = 0
+        self.upload_seconds = 0.0  # summed over the uploads (they overlap)
+
+    def publish(self, local: Path, record: ShardRecord) -> None:
+        self._raise_if_failed()
+        self._slots.acquire()
+        if self.error is not None:
+            self._slots.release()
+            self._raise_if_failed()
+        self._pool.submit(self._upload, Path(local), record)
+
+    def _upload(self, local: Path, record: ShardRecord) -> None:
+        try:
+            if self.error is not None:
+                return
+            t0 = time.perf_counter()
+            # complete or absent under its final name: one PUT, or a multipart upload the store completes at once
+            extra = {"chunksize": self.chunk_bytes} if _is_s3(self.remote.fs) else {}
+            self.remote.fs.put_file(str(local), self.remote.key(record.path), **extra)
+            self.upload_seconds += time.perf_counter() - t0
+            with self._lock:
+                if self.error is not None:
+                    return
+                if self.lease is not None:
+                    self.lease.check()
+                lines = self._lines + json.dumps(record.to_json()) + "\n"
+                self.remote.put_bytes(self.index_rel, lines.encode())  # the commit: the index after its shard
+                self._lines = lines
+                self.committed.append(record)
+                self.bytes_uploaded += record.num_bytes
+            local.unlink(missing_ok=True)
+        except BaseException as e:  # noqa: BLE001 - handed to the lanes and to close()
+            if self.error is None:
+                self.error = e if isinstance(e, (OSError, LeaseLostError)) or not isinstance(e, Exception) \
+                    else StoreError(f"uploading {record.path} failed: {type(e).__name__}: {e}")
+        finally:
+            self._slots.release()
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        """Wait for every upload; raise the first error."""
+        self._pool.shutdown(wait=True)
+        self._raise_if_failed()
+
+    def abort(self) -> None:
+        """Start no queued upload; wait for those running (each ends whole or absent, committed or not)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def claim_run(remote: RemoteOutput) -> Lease:
+    """The main process's lease of the output (`locks/run.lease`); OutputBusyError when another live run holds it
+    or a rank of an earlier run still holds its rank lease (an orphaned process of a killed launcher)."""
+    _check_reachable(remote)
+    lease = remote.lease("run")
+    if not lease.try_acquire():
+        raise OutputBusyError(f"another extraction is running into {remote.url} ({lease.holder()}): wait for it to "
+                              f"end (or stop it), then re-run this command to resume; or use another output.dir")
+    busy = remote.live_leases("rank-")
+    if busy:
+        lease.release()
+        name, holder = next(iter(busy.items()))
+        raise OutputBusyError(f"{name} of an earlier extraction into {remote.url} is still running ({holder}), e.g. "
+                              f"a process left behind when its launcher was killed: stop it, then re-run this command "
+                              f"to resume")
+    return lease
+
+
+def claim_rank(remote: RemoteOutput, rank: int) -> Lease:
+    """Rank `rank`'s lease for the time it writes (`locks/rank-RRRRR.lease`); OutputBusyError when held."""
+    lease = remote.lease(rank_name(rank))
+    if not lease.try_acquire():
+        raise OutputBusyError(f"rank {rank} of another extraction is writing into {remote.url} ({lease.holder()}): "
+                              f"stop it, then re-run this command to resume")
+    return lease
+
+
+def _check_reachable(remote: RemoteOutput) -> None:
+    """A bucket that does not exist, or credentials the store refuses: RecipeError-like OutputLocationError (exit 2,
+    nothing a re-run fixes); a store that does not answer is an OSError (exit 1: resumable once it is back)."""
+    bucket = remote.root.split("/", 1)[0]
+    try:
+        exists = remote.fs.exists(bucket)
+    except PermissionError as e:
+        raise OutputLocationError(f"{remote.url}: the store refused the credentials ({e}); they come from its own "
+                                  f"configuration (for S3: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, "
+                                  f"~/.aws, an instance role)") from None
+    if not exists:
+        raise OutputLocationError(f"{remote.url}: bucket {bucket!r} does not exist (or these credentials cannot see "
+                                  f"it); create it first, the extraction does not create buckets")
+
+
+class OutputLocationError(RuntimeError):
+    """The object store cannot hold this output as configured (no such bucket, credentials refused)."""

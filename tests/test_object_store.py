@@ -1,0 +1,489 @@
+"""An output in an object store: the tiny demo extracted into a real S3-compatible server (moto's, started here on
+127.0.0.1) with 1 and 2 processes, killed (SIGKILL, SIGTERM) and resumed, cut off from the server mid-upload and
+resumed, read back by the readers and by a follower beside the extraction; every result is compared with a local run
+of the same recipe, byte for byte. The server is reached through a loopback proxy of this file in the tests that cut
+connections; nothing of the S3 client is mocked."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, raw_records
+
+s3fs = pytest.importorskip("s3fs")  # the `s3` extra; `test` installs it
+moto_server = pytest.importorskip("moto.server")
+
+NUM_SAMPLES = 60
+COMMON = ["--set", f"data.max_samples={NUM_SAMPLES}", "--set", "batching.num_workers=0",
+          "--set", "batching.max_tokens_per_batch=4096", "--set", "output.max_shard_bytes=1MB"]
+MEMBERS = ("input_ids.npy", "loss_mask.npy", "hidden_states.safetensors", "meta.json")
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+BASE_ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **CREDENTIALS}
+BASE_ENV.pop("DFLASH_PREP_FAULTS", None)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    """moto's S3 server on a loopback port, for this module (its request log kept off the test output)."""
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    srv = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    srv.start()
+    host, port = srv.get_host_and_port()
+    yield f"http://{host}:{port}"
+    srv.stop()
+
+
+def store(endpoint: str):
+    """A fresh s3fs client of the server (no cached listing)."""
+    return s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": endpoint},
+                             skip_instance_cache=True)
+
+
+@pytest.fixture
+def bucket(server, request) -> str:
+    name = "t-" + hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:12]
+    store(server).mkdir(name)
+    return name
+
+
+def env_for(endpoint: str, **extra) -> dict:
+    return {**BASE_ENV, "AWS_ENDPOINT_URL": endpoint, **extra}
+
+
+def extract_cmd(out: str, tmp_path: Path, *more: str) -> list[str]:
+    return [sys.executable, "extract.py", "--set", f"output.dir={out}",
+            "--set", f"output.staging_dir={tmp_path / 'staging'}", *COMMON, *more]
+
+
+def launch_2proc_cmd(out: str, tmp_path: Path, *more: str) -> list[str]:
+    return [sys.executable, "-m", "dflash_prep.commands.cli", "launch", "--multi_gpu", "--num_processes", "2",
+            "--main_process_port", str(free_port()), "extract.py", "--set", f"output.dir={out}",
+            "--set", f"output.staging_dir={tmp_path / 'staging'}", *COMMON, *more]
+
+
+def run_ok(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def remote_records(fs, prefix: str) -> tuple[dict, dict]:
+    """(sample id -> {member: bytes}, manifest) of an output in the store, read with s3fs and tarfile alone."""
+    fs.invalidate_cache()
+    manifest = json.loads(fs.cat_file(f"{prefix}/manifest.json"))
+    records: dict[str, dict[str, bytes]] = {}
+    for shard in manifest["shards"]:
+        data = fs.cat_file(f"{prefix}/{shard['path']}")
+        assert hashlib.sha256(data).hexdigest() == shard["sha256"] and len(data) == shard["num_bytes"]
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            for info in tar:
+                key, member = info.name.split(".", 1)
+                assert member not in records.setdefault(key, {}), f"{key}.{member} written twice"
+                records[key][member] = tar.extractfile(info).read()
+    return records, manifest
+
+
+def assert_equal_to(reference: dict, records: dict) -> None:
+    assert set(records) == set(reference), "the sample ids differ from the local run"
+    for key, members in reference.items():
+        for member in MEMBERS:
+            assert records[key][member] == members[member], f"{key}.{member} differs from the local run"
+
+
+def assert_clean(fs, prefix: str) -> None:
+    """Nothing but committed shards under shards/, no lease left, no multipart upload left open."""
+    fs.invalidate_cache()
+    manifest = json.loads(fs.cat_file(f"{prefix}/manifest.json"))
+    listed = {f"{prefix}/{s['path']}" for s in manifest["shards"]}
+    assert set(fs.find(f"{prefix}/shards")) == listed
+    assert not fs.exists(f"{prefix}/locks/run.lease")
+    bucket, _, key = prefix.partition("/")
+    assert not fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key + "/").get("Uploads")
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory) -> tuple[Path, dict]:
+    """The same recipe into a local folder, one process: (its folder, its records)."""
+    tmp = tmp_path_factory.mktemp("local")
+    out = tmp / "out"
+    run_ok(extract_cmd(str(out), tmp), BASE_ENV)
+    records = raw_records(out)
+    assert len(records) == NUM_SAMPLES
+    return out, records
+
+
+def committed_lines(fs, prefix: str) -> int:
+    fs.invalidate_cache()
+    try:
+        indexes = fs.find(f"{prefix}/index")
+    except FileNotFoundError:
+        return 0
+    return sum(fs.cat_file(p).count(b"\n") for p in indexes if p.endswith(".jsonl"))
+
+
+def kill_tree(proc: subprocess.Popen, sig=signal.SIGKILL) -> None:
+    """`sig` to the process group (start_new_session) of the launched command: every process of the run."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=60)
+
+
+# ------------------------------------------------------------------------------------------------- fast checks
+def test_a_url_the_project_cannot_write_is_refused_never_a_local_folder(tmp_path):
+    """`foo://x` (no such protocol) and `http://` (not a store the extraction writes to): exit code 2, one line,
+    and no folder named after the scheme appears (the old behaviour wrote `./foo:/x`)."""
+    for url in ("foo://bucket/demo", "http://127.0.0.1:1/demo"):
+        proc = subprocess.run([sys.executable, str(REPO / "extract.py"), "--set", f"output.dir={url}"],
+                              cwd=tmp_path, env=BASE_ENV, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr and url in proc.stderr
+        assert list(tmp_path.iterdir()) == [], "a local folder was created for a URL"
+    proc = subprocess.run([sys.executable, "-m", "dflash_prep.commands.cli", "inspect", "foo://bucket/demo"],
+                          cwd=REPO, env=BASE_ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unknown protocol foo://" in proc.stderr
+
+
+def test_credentials_never_come_from_the_recipe():
+    from dflash_prep.recipe.schema import RecipeError, load_recipe
+
+    recipe = load_recipe(None, ["output.dir=s3://bucket/x", "output.storage_options={endpoint_url: 'http://h:1'}"])
+    assert recipe.output.dir == "s3://bucket/x" and recipe.output.storage_options == {"endpoint_url": "http://h:1"}
+    for secret in ("{secret: s}", "{key: k, secret: s}", "{client_kwargs: {aws_secret_access_key: s}}",
+                   "{token: t}"):
+        with pytest.raises(RecipeError, match="credentials never go into a recipe"):
+            load_recipe(None, ["output.dir=s3://bucket/x", f"output.storage_options={secret}"])
+
+
+def test_the_lease_admits_one_run_and_is_taken_over_from_a_dead_holder(server, bucket):
+    """Conditional writes of the real server: a second holder is refused while the first renews; a lease whose
+    holder died on this host is taken over at once; the holder that lost it notices (If-Match refused)."""
+    from dflash_prep.store.lease import Lease
+
+    fs = store(server)
+    path = f"{bucket}/out/locks/run.lease"
+    first = Lease(fs, path, ttl_seconds=1.0)
+    assert first.try_acquire()
+    second = Lease(fs, path, ttl_seconds=1.0)
+    assert not second.try_acquire() and second.held_elsewhere()
+    time.sleep(1.5)  # several renewals: still held, still refused
+    assert not second.try_acquire() and not first.lost.is_set()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    fs.pipe_file(path, json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout), "holder": "dead",
+                                   "renewed_at": time.time(), "ttl_seconds": 3600}).encode())
+    assert second.try_acquire()  # its holder's process is gone: taken over without waiting for the TTL
+    deadline = time.time() + 5
+    while not first.lost.is_set() and time.time() < deadline:
+        time.sleep(0.05)
+    assert first.lost.is_set()
+    first.release()
+    second.release()
+    fs.invalidate_cache()
+    assert not fs.exists(path)
+
+
+@pytest.mark.slow
+def test_a_follower_yields_each_committed_shard_once_and_ends_at_the_manifest(local_run, tmp_path):
+    """A follower on a folder whose shards and index lines arrive one by one (copied from a real run's output):
+    nothing before its index line (a shard file alone, a torn line), everything once, the end at the manifest."""
+    from dflash_prep.consume.reader import ShardDataset
+
+    out, reference = local_run
+    live = tmp_path / "live"
+    (live / "index").mkdir(parents=True)
+    (live / "run_state.json").write_bytes((out / "run_state.json").read_bytes())
+    lines = [line for p in sorted((out / "index").glob("rank-*.jsonl")) for line in p.read_bytes().splitlines(True)]
+    got: list[str] = []
+    error: list[BaseException] = []
+
+    def follow():
+        try:
+            for s in ShardDataset(live, follow=True, poll_seconds=0.05, timeout_seconds=30):
+                got.append(s["sample_id"])
+        except BaseException as e:  # noqa: BLE001
+            error.append(e)
+
+    thread = threading.Thread(target=follow)
+    thread.start()
+    index = live / "index" / "rank-00000.jsonl"
+    expected = 0
+    for line in lines:
+        record = json.loads(line)
+        (live / record["path"]).parent.mkdir(parents=True, exist_ok=True)
+        (live / record["path"]).write_bytes((out / record["path"]).read_bytes())  # the shard, not yet committed
+        time.sleep(0.15)
+        assert len(got) == expected, "a shard was read before its index line"
+        with open(index, "ab") as f:
+            f.write(line[:20])  # a torn line: not a commit
+            f.flush()
+            time.sleep(0.15)
+            assert len(got) == expected
+            f.write(line[20:])
+        expected += record["num_samples"]
+        deadline = time.time() + 10
+        while len(got) < expected and time.time() < deadline:
+            time.sleep(0.02)
+        assert len(got) == expected
+    assert thread.is_alive(), "the follower ended before the manifest"
+    for name in ("manifest.json",):
+        (live / name).write_bytes((out / name).read_bytes())
+    thread.join(timeout=30)
+    assert not error, error
+    assert sorted(got) == sorted(reference) and len(got) == len(set(got))
+
+
+# ---------------------------------------------------------------------------------------------- extractions
+@pytest.mark.slow
+def test_one_and_two_processes_into_the_store_equal_a_local_run(server, bucket, local_run, tmp_path):
+    """The same recipe into s3://: one process gives the local run's shards byte for byte (same paths, sha256);
+    two processes give the same samples, byte for byte; inspect --check and the readers take the URL."""
+    from dflash_prep.commands.inspect import check_output
+    from dflash_prep.consume.reader import ShardDataset
+
+    out, reference = local_run
+    fs = store(server)
+    env = env_for(server)
+    run_ok(extract_cmd(f"s3://{bucket}/one", tmp_path), env)
+    records, manifest = remote_records(fs, f"{bucket}/one")
+    assert_equal_to(reference, records)
+    local_manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["shards"] == local_manifest["shards"]  # the same layout: paths, sizes, sha256
+    assert_clean(fs, f"{bucket}/one")
+    assert not list((tmp_path / "staging").rglob("*.tar*")), "a shard was left in the staging folder"
+
+    run_ok(launch_2proc_cmd(f"s3://{bucket}/two", tmp_path / "2"), env)
+    records, manifest = remote_records(fs, f"{bucket}/two")
+    assert_equal_to(reference, records)
+    assert {s["path"].split("/")[1] for s in manifest["shards"]} == {"rank-00000", "rank-00001"}
+    assert_clean(fs, f"{bucket}/two")
+
+    os.environ.update(AWS_ENDPOINT_URL=server, **CREDENTIALS)  # the readers in this process: the store's config
+    try:
+        assert check_output(f"s3://{bucket}/two") == []
+        samples = {s["sample_id"]: s for s in ShardDataset(f"s3://{bucket}/two")}
+        local = {s["sample_id"]: s for s in ShardDataset(out)}
+        assert set(samples) == set(local)
+        for key, s in local.items():
+            for name in ("input_ids", "loss_mask", "hidden_states"):
+                assert s[name].dtype == samples[key][name].dtype and s[name].equal(samples[key][name])
+    finally:
+        os.environ.pop("AWS_ENDPOINT_URL")
+
+
+@pytest.mark.slow
+def test_a_second_run_into_the_same_store_output_is_refused(server, bucket, tmp_path):
+    """A live lease (held here, renewed) refuses a run into the output with exit code 2, naming the holder."""
+    from dflash_prep.store.lease import Lease
+
+    lease = Lease(store(server), f"{bucket}/busy/locks/run.lease")
+    assert lease.try_acquire()
+    try:
+        proc = subprocess.run(extract_cmd(f"s3://{bucket}/busy", tmp_path), cwd=REPO, env=env_for(server),
+                              capture_output=True, text=True, timeout=300)
+    finally:
+        lease.release()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"another extraction is running into s3://{bucket}/busy (pid {os.getpid()}" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM], ids=["SIGTERM"])
+def test_killed_then_resumed_equals_a_local_run(server, bucket, local_run, tmp_path, sig):
+    """Two processes into the store, stopped mid-run (SIGTERM: a clean stop that commits what was captured; the
+    follower test below SIGKILLs the same run anywhere, an upload or an index rewrite included), then resumed by one
+    process: the local run's samples, byte for byte."""
+    fs = store(server)
+    prefix = f"{bucket}/out"
+    env = env_for(server, DFLASH_PREP_FAULTS=json.dumps({"forward_delay_seconds": 0.2}))
+    workers = ["--set", "batching.num_workers=2"]  # DataLoader workers, as users run them: they must not hold on
+    proc = subprocess.Popen(launch_2proc_cmd(f"s3://{prefix}", tmp_path, *workers), cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 180
+    while time.time() < deadline and proc.poll() is None and committed_lines(fs, prefix) < 3:
+        time.sleep(0.05)
+    time.sleep(random.Random(int(sig)).uniform(0.0, 0.4))
+    assert proc.poll() is None, "the run ended before the kill: the test proved nothing"
+    kill_tree(proc, sig)
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 1, proc.stderr.read()[-2000:]
+    assert not fs.exists(f"{prefix}/manifest.json")
+    run_ok(extract_cmd(f"s3://{prefix}", tmp_path), env_for(server))
+    assert_equal_to(local_run[1], remote_records(fs, prefix)[0])
+    assert_clean(fs, prefix)
+
+
+class CuttingProxy:
+    """A TCP proxy on 127.0.0.1 in front of the server that, once `cut_after_bytes` bytes went from clients to the
+    server, closes every connection and refuses new ones (a network that drops mid-upload) until `restore()`."""
+
+    def __init__(self, target_port: int):
+        self.target_port = target_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.cut_after_bytes: int | None = None
+        self.sent = 0
+        self.cut = threading.Event()
+        self.sockets: list[socket.socket] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if self.cut.is_set():
+                client.close()
+                continue
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            with self.lock:
+                self.sockets += [client, upstream]
+            threading.Thread(target=self._pipe, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, False), daemon=True).start()
+
+    def _pipe(self, src, dst, counted):
+        try:
+            while data := src.recv(65536):
+                if counted:
+                    with self.lock:
+                        self.sent += len(data)
+                        if self.cut_after_bytes is not None and self.sent >= self.cut_after_bytes:
+                            self._cut()
+                            return
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def _cut(self):
+        self.cut.set()
+        for s in self.sockets:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+                s.close()
+            except OSError:
+                pass
+        self.sockets = []
+
+    def restore(self):
+        self.cut_after_bytes = None
+        self.cut.clear()
+
+    def close(self):
+        self.listener.close()
+        self._cut()
+
+
+@pytest.mark.slow
+def test_connections_dropped_mid_upload_leave_no_partial_object_and_the_resume_completes(server, bucket, tmp_path):
+    """Shards of ~12 MB (float32 states: 15 MB in all) uploaded as multipart uploads of 5 MiB parts through a
+    proxy that drops every connection in the middle of the first one: the run stops (exit code 1, one line), every
+    object under shards/ is absent or a whole shard, and the resume (connections back) gives the local run's
+    samples."""
+    fs = store(server)
+    prefix = f"{bucket}/out"
+    big = ["--set", "output.max_shard_bytes=12MB", "--set", "output.num_writer_threads=1",
+           "--set", "output.dtype=float32"]
+    run_ok(extract_cmd(str(tmp_path / "local"), tmp_path / "l", *big), BASE_ENV)
+    reference = raw_records(tmp_path / "local")
+    proxy = CuttingProxy(int(server.rsplit(":", 1)[1]))
+    proxy.cut_after_bytes = 8 << 20  # past the small files, inside the first shard's parts
+    try:
+        faults = json.dumps({"upload_part_bytes": 5 << 20})
+        env = env_for(f"http://127.0.0.1:{proxy.port}", DFLASH_PREP_FAULTS=faults, AWS_MAX_ATTEMPTS="2")
+        proc = subprocess.run(extract_cmd(f"s3://{prefix}", tmp_path, *big), cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proxy.cut.is_set(), "the connection was never cut: the test proved nothing"
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr and "re-run the same command" in proc.stderr
+        fs.invalidate_cache()
+        assert not fs.exists(f"{prefix}/manifest.json")
+        for key in fs.find(f"{prefix}/shards"):  # whatever is there is a whole tar
+            with tarfile.open(fileobj=io.BytesIO(fs.cat_file(key))) as tar:
+                assert all(m.size >= 0 for m in tar.getmembers())
+        proxy.restore()
+        run_ok(extract_cmd(f"s3://{prefix}", tmp_path, *big), {**env, "AWS_MAX_ATTEMPTS": "5"})
+    finally:
+        proxy.close()
+    assert_equal_to(reference, remote_records(fs, prefix)[0])
+    assert_clean(fs, prefix)
+
+
+FOLLOWER = """
+import hashlib, json, sys
+from dflash_prep.consume.reader import ShardDataset
+with open(sys.argv[2], "w") as f:
+    for s in ShardDataset(sys.argv[1], follow=True, poll_seconds=0.2, timeout_seconds=300):
+        digest = hashlib.sha256(s["hidden_states"].view(-1).view(dtype=__import__("torch").uint8).numpy()).hexdigest()
+        f.write(json.dumps({"id": s["sample_id"], "states": digest, "tokens": s["input_ids"].tolist()}) + "\\n")
+        f.flush()
+print("follower done")
+"""
+
+
+@pytest.mark.slow
+def test_a_follower_beside_a_killed_and_resumed_two_process_extraction(server, bucket, local_run, tmp_path):
+    """A follower in its own process reads the store while 2 processes extract, are SIGKILLed and resumed: every
+    sample once, each equal to the local run's, none from a shard that was not committed; it ends at the
+    manifest."""
+    from safetensors.torch import load
+
+    fs = store(server)
+    prefix = f"{bucket}/out"
+    seen_file = tmp_path / "seen.jsonl"
+    follower = subprocess.Popen([sys.executable, "-c", FOLLOWER, f"s3://{prefix}", str(seen_file)], cwd=REPO,
+                                env=env_for(server), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = env_for(server, DFLASH_PREP_FAULTS=json.dumps({"forward_delay_seconds": 0.2}))
+    proc = subprocess.Popen(launch_2proc_cmd(f"s3://{prefix}", tmp_path), cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    def lines_seen() -> int:
+        return seen_file.read_text().count("\n") if seen_file.exists() else 0
+
+    deadline = time.time() + 180
+    while time.time() < deadline and proc.poll() is None and (committed_lines(fs, prefix) < 3 or not lines_seen()):
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before the kill"
+    kill_tree(proc)
+    seen_before_resume = lines_seen()
+    run_ok(launch_2proc_cmd(f"s3://{prefix}", tmp_path), env_for(server))
+    out, err = follower.communicate(timeout=300)
+    assert follower.returncode == 0 and "follower done" in out, err[-3000:]
+    seen = [json.loads(line) for line in seen_file.read_text().splitlines()]
+    ids = [s["id"] for s in seen]
+    assert len(ids) == len(set(ids)) == NUM_SAMPLES, "a sample missing or yielded twice"
+    assert 0 < seen_before_resume < NUM_SAMPLES  # it read while the extraction ran, before the resume
+    reference = local_run[1]
+    assert_equal_to(reference, remote_records(fs, prefix)[0])  # the resumed output itself, byte for byte
+    assert_clean(fs, prefix)
+    for s in seen:
+        states = load(reference[s["id"]]["hidden_states.safetensors"])["hidden_states"]
+        assert hashlib.sha256(states.view(-1).view(dtype=__import__("torch").uint8).numpy()).hexdigest() == \
+            s["states"], f"sample {s['id']} differs from the local run"
