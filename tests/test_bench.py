@@ -333,6 +333,7 @@ def test_a_scenario_round_limits_logs_and_records_every_step(tmp_path, monkeypat
 
     monkeypatch.setattr(bench_round, "MIN_STEP_SECONDS", 1)
     monkeypatch.setattr(bench_round, "KILL_GRACE_SECONDS", 1)
+    monkeypatch.setenv("WHEEL_DIR", str(tmp_path / "no-wheels"))  # a GPU machine's wheels are not this test's
     pid_file = tmp_path / "grandchild.pid"
     spawn = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
              "time.sleep(120)'], start_new_session=True); open(sys.argv[1], 'w').write(str(p.pid)); time.sleep(120)")
