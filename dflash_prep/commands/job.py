@@ -329,6 +329,9 @@ class Run:
     packing: Any = None  # packing.PackingChoice: packed rows or padded batches (the stored plan's layout wins)
     agreement: Any = None  # replica.ReplicaAgreement: the decisions a tensor-parallel replica's processes share
     inputs_stamp: dict | None = None  # fingerprints.inputs_stamp as the output was claimed (main process)
+    peers: Any = None  # peers.Peers: the waits every process of the run meets at, bounded
+    run_id: str | None = None  # this run's id (the main process's, shared): in its leases and its shards' names
+    locks: list = field(default_factory=list)  # locks.OutputLock held by this process (run, rank)
 
     @property
     def rank(self) -> int:

@@ -286,6 +286,15 @@ class OutputSection:
     max_failed_samples: int | None = 0
     """The run exits with code 3 when more samples than this failed (out of memory alone, non-finite states);
     the output is complete either way. null: never fail the exit code for failed samples."""
+    lease_seconds: float = 300.0
+    """How long a run's claim on the output folder outlives its last heartbeat (renewed every lease / 10 s, at most
+    10 s apart, while the run lives): another run, from any host, is refused while the lease is fresh and takes a
+    lapsed one over (store/locks.py). A run of a host that is gone blocks the folder this long. Not part of the
+    job's identity."""
+    peer_timeout_seconds: float = 600.0
+    """Several processes: how long a process waits where every process meets (the output claimed, the rows
+    tokenized, the plan made, the end of the run) for a peer that shows no sign of life (commands/extract/peers.py)
+    before it stops the run (exit code 1, resumable) naming it. Not part of the job's identity."""
 
     def validate(self, p: str) -> None:
         if not self.dir:
@@ -300,6 +309,11 @@ class OutputSection:
             _fail(f"{p}.num_writer_threads", self.num_writer_threads, "must be >= 1")
         if self.max_failed_samples is not None and self.max_failed_samples < 0:
             _fail(f"{p}.max_failed_samples", self.max_failed_samples, "must be >= 0 (or null for no limit)")
+        if not self.lease_seconds >= 1:
+            _fail(f"{p}.lease_seconds", self.lease_seconds, "must be >= 1 second")
+        if not self.peer_timeout_seconds >= 15:
+            _fail(f"{p}.peer_timeout_seconds", self.peer_timeout_seconds,
+                  "must be >= 15 seconds (a peer's heartbeat comes every 10 s at most)")
 
 
 REGEN_ENGINES = ("openai", "transformers")

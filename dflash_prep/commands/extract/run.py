@@ -44,7 +44,7 @@ from dflash_prep.plan.batches import PlannedBatches  # noqa: E402
 from dflash_prep.plan.planner import plan_stats, rank_finish_seconds, split_across_ranks  # noqa: E402
 from dflash_prep.recipe.fingerprints import inputs_stamp, rows_fingerprint  # noqa: E402
 from dflash_prep.recipe.schema import Recipe  # noqa: E402
-from dflash_prep.store.locks import check_no_rank_writing, lock_rank, lock_run  # noqa: E402
+from dflash_prep.store.locks import check_no_rank_writing, lock_rank, lock_run, new_run_id  # noqa: E402
 from dflash_prep.store.manifest import next_shard_number, read_committed  # noqa: E402
 from dflash_prep.store.records import rank_name  # noqa: E402
 from dflash_prep.store.sizes import check_free_space  # noqa: E402
@@ -95,7 +95,7 @@ def _run_extraction(recipe: Recipe, held: list, own_process: bool = False) -> di
     log.info("rank %d done: %d samples, %d tokens in %.1fs%s; start-up %s", run.rank,
              report["num_samples"], report["num_real_tokens"], report["loop_seconds"], prediction_note(run, report),
              ", ".join(f"{k} {v:.1f}s" for k, v in run.startup_seconds.items() if not isinstance(v, bool)))
-    run.state.wait_for_everyone()
+    run.peers.wait("every rank finishes its share of the plan")
     if not run.is_main:
         return None
     clear_progress(run.out_dir)  # every rank is done: the live figures have served
@@ -103,28 +103,37 @@ def _run_extraction(recipe: Recipe, held: list, own_process: bool = False) -> di
 
 
 def _claim_output(run: Run, held: list) -> None:
-    """The main process locks the folder and checks it is this job's before anything in it is touched; then
-    every rank holds its own lock (released by the kernel when its process dies)."""
+    """The main process locks the folder (locks.py: a flock and a lease, for runs on any host) and checks it is this
+    job's before anything in it is touched; its run id reaches every process; then every writing rank holds its
+    own lock (both released when its process dies: the flock by the kernel, the lease once it lapses)."""
+    output = run.recipe.output
     if run.is_main:
-        held.append(lock_run(run.out_dir))
-        check_no_rank_writing(run.out_dir)  # no orphaned worker of an earlier run still writes
+        held.append(lock_run(run.out_dir, new_run_id(), output.lease_seconds))
+        run.run_id = held[-1].run_id
+        check_no_rank_writing(run.out_dir, run.run_id)  # no orphaned worker of an earlier run still writes
         open_output(run.out_dir, run.recipe, run.identity)
         run.inputs_stamp = inputs_stamp(run.recipe)  # before any input is read: written once the output is finished
         clear_progress(run.out_dir)  # the progress files of an earlier run (progress.py)
         attach_log_file(run.out_dir, run.state.process_index)  # the folder is this job's: its log from here on
-    run.state.wait_for_everyone()
+        log.info("run %s holds %s", run.run_id, run.out_dir)
+    shared = run.peers.wait("the main process claims the output", payload=int(run.run_id or "0", 16))
     if not run.is_main:
+        run.run_id = f"{shared:08x}"
         attach_log_file(run.out_dir, run.state.process_index)
     if run.is_writer:  # the other processes of a replica write nothing
-        held.append(lock_rank(run.out_dir, run.rank))
+        held.append(lock_rank(run.out_dir, run.rank, run.run_id, output.lease_seconds))
+    run.locks = held
 
 
 def _tokenize(run: Run):
     """Rows -> tokenized data (cached by datasets: the main process fills the cache, the others read it). The data
     verdict (nothing kept, too much skipped: exit 2) comes before the output is prepared."""
-    with run.state.main_process_first():
-        rows = load_rows(run.recipe.data)
-        data = tokenize_dataset(rows, run.tokenizer, run.recipe.data, vocab_size_of(run.config))
+    if not run.is_main:  # the main process fills the cache first (accelerate's main_process_first, bounded)
+        run.peers.wait("the main process tokenizes the rows")
+    rows = load_rows(run.recipe.data)
+    data = tokenize_dataset(rows, run.tokenizer, run.recipe.data, vocab_size_of(run.config))
+    if run.is_main:
+        run.peers.wait("every process waits for the tokenized rows")
     check_data_verdict(data, run.recipe.data)
     if run.is_main:
         run.identity["data_rows"] = rows_fingerprint(data.kept)
@@ -140,7 +149,7 @@ def _plan(run: Run, data) -> RankPlan:
     """The global plan (frozen in OUT/plan.json by the first run), minus the committed batches, split over this
     run's ranks by predicted time (cost.py: the forward's FLOPs and the write's bytes of each batch)."""
     lengths = [int(n) for n in data.kept["num_tokens"]]
-    plan = load_or_make_plan(run.out_dir, lengths, run.recipe, run.is_main, run.state, packed=run.packing.packed)
+    plan = load_or_make_plan(run.out_dir, lengths, run.recipe, run.is_main, run.peers, packed=run.packing.packed)
     run.packing = replay_stored_layout(run.packing, bool(plan) and plan[0].packed, run.config, run.device.type,
                                        run.kernels.names)
     committed = read_committed(run.out_dir)
@@ -178,7 +187,7 @@ def _run_rank(run: Run, data, rank_plan: RankPlan, lock_fds: tuple, load: Target
     writer = DiscardingWriter() if not run.is_writer else AsyncShardWriter(
         lanes(run.out_dir, run.rank, run.recipe.output.max_shard_bytes,
               next_shard_number(rank_plan.committed, rank_name(run.rank)), run.recipe.output.num_writer_threads,
-              run.faults), nan_policy=run.recipe.output.nan_policy,
+              run.faults, run_id=run.run_id), nan_policy=run.recipe.output.nan_policy,
         max_pending_bytes=run.recipe.output.max_pending_bytes)
     loader = torch.utils.data.DataLoader(
         PlannedBatches(data.kept, rank_plan.mine, padding_token_id(run.tokenizer, vocab_size_of(run.config))),

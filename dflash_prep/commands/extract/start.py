@@ -13,6 +13,7 @@ import torch
 from dflash_prep import __version__
 from dflash_prep.commands.cost import batch_cost_model
 from dflash_prep.commands.extract.console import setup_logging
+from dflash_prep.commands.extract.peers import Peers
 from dflash_prep.commands.job import Run, refuse_unsafe_output_dir, run_identity
 from dflash_prep.data.rows import check_data_source, check_recipe_chat_template
 from dflash_prep.faults import Faults
@@ -36,6 +37,7 @@ def start(recipe: Recipe) -> Run:
     # Without GPUs, accelerate only forms a process group when told it is a CPU job (gloo).
     state = PartialState(cpu=not torch.cuda.is_available())
     out_dir = Path(recipe.output.dir)
+    peers = Peers(state, out_dir, recipe.output.peer_timeout_seconds)  # first, by every process: a collective
     refuse_unsafe_output_dir(recipe)
     created = not out_dir.exists()
     try:
@@ -47,11 +49,14 @@ def start(recipe: Recipe) -> Run:
     log.info("dflash-prep %s: rank %d of %d on %s", __version__, state.process_index, state.num_processes,
              state.device)
     try:
-        return _checked_run(recipe, state, out_dir, t_start)
+        run = _checked_run(recipe, state, out_dir, t_start)
     except Exception:
         if created:  # a refused job leaves no folder behind (the console said why)
             _remove_if_only_logs(out_dir)
         raise
+    peers.processes_per_replica = run.replica.processes_per_replica
+    run.peers = peers
+    return run
 
 
 def _remove_if_only_logs(out_dir: Path) -> None:
