@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_prep import __version__
+from dflash_prep.data.rows import data_files_fingerprint, describe_data_files_change
 from dflash_prep.io import atomic_write_json
 from dflash_prep.plan.planner import PlannedBatch, make_plan, plan_settings
 from dflash_prep.recipe.fingerprints import describe_weights_change, weights_fingerprint
@@ -38,7 +39,11 @@ from dflash_prep.store.manifest import (
     repair_indexes,
 )
 from dflash_prep.store.records import FAILED_NAME, SUMMARY_NAME
-from dflash_prep.target.model import describe_source, model_fingerprint, tokenizer_fingerprint
+from dflash_prep.target.model import (
+    describe_source,
+    model_fingerprint,
+    tokenizer_fingerprint,
+)
 
 log = logging.getLogger("dflash_prep")
 
@@ -52,14 +57,17 @@ class OutputMismatchError(RuntimeError):
 
 
 def run_identity(recipe: Recipe, config, layer_ids: list[int], tokenizer, is_main: bool) -> dict:
-    """What must match between an output and a run that resumes into it. The weights' fingerprint (identity.py)
-    is read by the main process only; the tokenized rows' fingerprint (`data_rows`) is added once they exist."""
+    """What must match between an output and a run that resumes into it. The weights' and the data files'
+    fingerprints (recipe/fingerprints.py, data/rows.py) are read by the main process only; the tokenized rows'
+    fingerprint (`data_rows`) is added once they exist."""
     return {
         "model": model_fingerprint(recipe.model, config),
         "model_source": describe_source(recipe.model),
         "weights": weights_fingerprint(recipe.model) if is_main else None,
+        "data_files": data_files_fingerprint(recipe.data) if is_main else None,
         "tokenizer": tokenizer_fingerprint(tokenizer),
-        "data": {k: v for k, v in recipe.to_dict()["data"].items() if k not in ("num_proc", "strict")},
+        "data": {k: v for k, v in recipe.to_dict()["data"].items()
+                 if k not in ("num_proc", "strict", "allow_beyond_context")},
         "layer_ids": layer_ids,
         "capture_final": recipe.layers.capture_final,
         "dtype": recipe.output.dtype,
@@ -84,6 +92,8 @@ def _difference(key: str, previous: dict, current: dict) -> str:
         return f"{key} fingerprint differs"
     if key == "weights":
         return f"model weights differ ({describe_weights_change(previous[key], current[key])})"
+    if key == "data_files":
+        return f"data files differ: {describe_data_files_change(previous[key], current[key])}"
     if key == "data_rows":
         return (f"data rows differ: the tokenized rows of data.path are not the ones the output was made from "
                 f"({previous[key]['num_rows']} kept rows then, {current[key]['num_rows']} now; edited, shuffled "
@@ -103,12 +113,14 @@ def check_identity(out_dir: Path, identity: dict) -> None:
     if not path.exists():
         return
     previous = read_state_json(path)["identity"]
-    atomic_keys = ("weights", "data_rows")  # compared whole, described by _difference
+    atomic_keys = ("data_files", "data_rows")  # compared whole, described by _difference
     diffs = []
     for key in sorted(set(previous) | set(identity)):
         if previous.get(key) is None or identity.get(key) is None:
             continue
-        if key in atomic_keys or not (isinstance(previous[key], dict) and isinstance(identity[key], dict)):
+        if key == "weights":  # the keys both fingerprints hold (an older output has fewer)
+            diffs += [key] if describe_weights_change(previous[key], identity[key]) is not None else []
+        elif key in atomic_keys or not (isinstance(previous[key], dict) and isinstance(identity[key], dict)):
             diffs += [key] if previous[key] != identity[key] else []
         else:
             diffs += identity_diffs(previous[key], identity[key], f"{key}.")
@@ -332,6 +344,7 @@ class Run:
     peers: Any = None  # peers.Peers: the waits every process of the run meets at, bounded
     run_id: str | None = None  # this run's id (the main process's, shared): in its leases and its shards' names
     locks: list = field(default_factory=list)  # locks.OutputLock held by this process (run, rank)
+    context_length: int | None = None  # model.check_context: the model's positions (None: unknown)
 
     @property
     def rank(self) -> int:

@@ -170,6 +170,11 @@ class DataSection:
     """Stop (exit code 2, before any model loads) when a whole kind of row is lost: every row with tool calls, or
     every row with reasoning, skipped or rendered without them (false: a warning with the counts). Not part of the
     records' content."""
+    allow_beyond_context: bool = False
+    """A `max_length` longer than the model's context (`max_position_embeddings`, RoPE scaling counted) is refused at
+    start-up (exit code 2): rows past the context would be extracted at positions the target was never trained on.
+    true: extract them anyway (a warning, and the summary counts them: `num_samples_beyond_context`). Not part of
+    the records' content."""
 
     def validate(self, p: str) -> None:
         if not self.path or (isinstance(self.path, list) and not all(isinstance(x, str) and x for x in self.path)):
@@ -454,7 +459,8 @@ class Recipe:
         (fused kernels change the rounding only), as are `model.gpus_per_replica` and `model.replica_parallelism`
         (where the model runs) and `model.triton_cache_dir` (where compiled kernels are cached)."""
         d = self.to_dict()
-        data = {k: v for k, v in d["data"].items() if k not in ("num_proc", "max_skipped_fraction", "strict")
+        data = {k: v for k, v in d["data"].items()
+                if k not in ("num_proc", "max_skipped_fraction", "strict", "allow_beyond_context")
                 and not (k == "chat_template" and v is None)}
         template = self.data.chat_template
         if template is not None and "{%" not in template and "{{" not in template and Path(template).is_file():

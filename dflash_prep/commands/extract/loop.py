@@ -87,7 +87,8 @@ def forward_loop(run: Run, model, loader, writer: AsyncShardWriter, progress: Jo
     stats.writer_wait_seconds = writer.wait_seconds
     result = LoopResult(stats, runner, time.perf_counter() - t_loop,
                         gpu_timer.total_seconds() if gpu_timer is not None else None)
-    progress.follow_others(stats.num_samples, stats.num_real_tokens)  # the main's bar, outside its loop's time
+    progress.follow_others(stats.num_samples, stats.num_real_tokens,  # the main's bar, outside its loop's time
+                           quiet_seconds=min(run.recipe.output.peer_timeout_seconds, 60.0))
     return result
 
 

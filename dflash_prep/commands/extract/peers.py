@@ -91,8 +91,8 @@ class Peers:
         import torch
         import torch.distributed as dist
 
-        pending = {p: _Pending(dist.irecv(torch.zeros(2, dtype=torch.int64), src=p, group=self.group,
-                                          tag=self._seq)) for p in range(1, self.world)}
+        pending = {p: _Pending(dist.irecv, torch.zeros(2, dtype=torch.int64), src=p, group=self.group,
+                               tag=self._seq) for p in range(1, self.world)}
         signs = {p: _PeerSigns(self.out_dir, self._rank_of(p)) for p in pending}
         since, next_log = time.time(), time.monotonic() + LOG_EVERY_SECONDS / 3
         while pending:
@@ -121,15 +121,8 @@ class Peers:
         import torch
         import torch.distributed as dist
 
-        sends = []
-        for p in range(1, self.world):
-            if p in skip:
-                continue
-            try:
-                sends.append(_Pending(dist.isend(torch.tensor([code, payload], dtype=torch.int64), dst=p,
-                                                 group=self.group, tag=self._seq)))
-            except RuntimeError:
-                continue
+        sends = [_Pending(dist.isend, torch.tensor([code, payload], dtype=torch.int64), dst=p, group=self.group,
+                          tag=self._seq) for p in range(1, self.world) if p not in skip]
         deadline = time.monotonic() + (min(self.timeout_seconds, 60.0) if code == GO else 5.0)
         while any(not s.done and s.error is None for s in sends) and time.monotonic() < deadline:
             time.sleep(POLL_SECONDS / 4)
@@ -140,13 +133,12 @@ class Peers:
         import torch
         import torch.distributed as dist
 
-        try:
-            self._sent = [dist.isend(torch.tensor([self.rank, 0], dtype=torch.int64), dst=0, group=self.group,
-                                     tag=self._seq)]
-        except RuntimeError as e:
-            raise PeerLostError(0, _why_closed(e), what) from None
+        self._sent = [_Pending(dist.isend, torch.tensor([self.rank, 0], dtype=torch.int64), dst=0,
+                               group=self.group, tag=self._seq)]
+        if self._sent[0].error is not None:
+            raise PeerLostError(0, _why_closed(self._sent[0].error), what)
         answer = torch.zeros(2, dtype=torch.int64)
-        receive = _Pending(dist.irecv(answer, src=0, group=self.group, tag=self._seq))
+        receive = _Pending(dist.irecv, answer, src=0, group=self.group, tag=self._seq)
         main = _MainSigns(self.out_dir)
         since, next_log = time.time(), time.monotonic() + LOG_EVERY_SECONDS / 3
         while not receive.done:
@@ -168,10 +160,16 @@ class Peers:
 
 
 class _Pending:
-    """A point-to-point operation waited for on a thread of its own: `done`, or `error` (its exception)."""
+    """A point-to-point operation (`post(tensor, **kwargs)`: dist.isend or dist.irecv) waited for on a thread of its
+    own: `done`, or `error` (its exception; posting to a peer whose connection already closed raises at once)."""
 
-    def __init__(self, work):
-        self.work, self.done, self.error = work, False, None
+    def __init__(self, post, tensor, **kwargs):
+        self.tensor, self.done, self.error = tensor, False, None
+        try:
+            self.work = post(tensor, **kwargs)
+        except RuntimeError as e:
+            self.error = e
+            return
         threading.Thread(target=self._wait, daemon=True, name="peer-wait").start()
 
     def _wait(self) -> None:

@@ -22,7 +22,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 
 from dflash_prep.commands.extract.console import attach_log_file  # noqa: E402
-from dflash_prep.commands.extract.finish import finish_run  # noqa: E402
+from dflash_prep.commands.extract.finish import finish_run, samples_beyond_context  # noqa: E402
 from dflash_prep.commands.extract.loop import forward_loop  # noqa: E402
 from dflash_prep.commands.extract.progress import JobProgress, clear_progress  # noqa: E402
 from dflash_prep.commands.extract.report import idle_rank_report, prediction_note, rank_report  # noqa: E402
@@ -142,6 +142,10 @@ def _tokenize(run: Run):
             atomic_write_jsonl(run.out_dir / SKIPPED_NAME, data.skipped_rows)
         log.info("data: %d rows, %d kept, %d skipped%s", data.num_rows, len(data.kept),
                  sum(data.skipped_counts.values()), f" {data.skipped_counts}" if data.skipped_counts else "")
+        beyond = samples_beyond_context(run, [int(n) for n in data.kept["num_tokens"]])
+        if beyond:  # only with data.allow_beyond_context (start-up refuses it otherwise)
+            log.warning("data: %d kept row(s) are longer than the model's context of %d positions; extracted as "
+                        "data.allow_beyond_context says", beyond, run.context_length)
     return data
 
 

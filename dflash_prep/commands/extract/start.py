@@ -21,7 +21,7 @@ from dflash_prep.recipe.schema import Recipe, RecipeError
 from dflash_prep.target.budget import resolve_token_budget
 from dflash_prep.target.kernels import configure_triton_cache, select_kernels
 from dflash_prep.target.layers import num_decoder_layers, resolve_layer_ids
-from dflash_prep.target.model import load_config, load_tokenizer
+from dflash_prep.target.model import check_context, check_weight_files, load_config, load_tokenizer
 from dflash_prep.target.packing import select_packing
 from dflash_prep.target.replica import TENSOR_PARALLEL, ReplicaAgreement, replica_of_process
 
@@ -80,6 +80,8 @@ def _checked_run(recipe: Recipe, state, out_dir: Path, t_start: float) -> Run:
         log.info("triton cache: %s (autotuning cached: %s; from the %s)", triton_cache["dir"],
                  triton_cache["autotuning"], triton_cache["source"])
     config = load_config(recipe.model)
+    check_weight_files(recipe.model)
+    context = check_context(recipe, config)  # data.max_length within the model's positions
     num_layers = num_decoder_layers(config)
     layer_ids = resolve_layer_ids(recipe.layers, num_layers)
     replica = replica_of_process(state, recipe, config)
@@ -103,4 +105,4 @@ def _checked_run(recipe: Recipe, state, out_dir: Path, t_start: float) -> Run:
                replica=replica, identity=run_identity(recipe, config, layer_ids, tokenizer, state.is_main_process),
                triton_cache=triton_cache, packing=packing, agreement=ReplicaAgreement.for_layout(replica),
                # the split's cost numbers (a meta-device build: before the model loads on a thread of its own)
-               cost_model=batch_cost_model(recipe, config, layer_ids, num_layers))
+               cost_model=batch_cost_model(recipe, config, layer_ids, num_layers), context_length=context)
