@@ -136,7 +136,7 @@ def test_a_killed_node_is_named_at_once_in_one_line(tmp_path):
 
 
 def test_a_node_that_never_joins_ends_the_launch_after_the_rendezvous_timeout_in_one_line(tmp_path):
-    """Node 0 alone: torch elastic's static rendezvous waits `--rdzv_conf timeout=S` (600 s by default) for the other
+    """Node 0 alone: torch elastic's static rendezvous waits `--rdzv_conf timeout=S` (900 s by default) for the other
     node; then one line saying so, exit code 1, nothing written."""
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "dflash_prep.commands.launch", "--multi_gpu", "--num_machines", "2",

@@ -25,7 +25,7 @@ loops forever on a permanent refusal. Here:
   (commands/extract/preflight.py): a typo costs no launcher start-up.
 
 Errors: a launcher argument accelerate rejects is one line and exit code 2; nodes of a multi-node launch that do
-not all join within the rendezvous timeout (`--rdzv_conf timeout=SECONDS`, 600 by default: torch elastic's static
+not all join within the rendezvous timeout (`--rdzv_conf timeout=SECONDS`, 900 by default: torch elastic's static
 rendezvous) are one line and exit code 1 (nothing ran).
 """
 
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     except DistError as e:  # the nodes' rendezvous, before any script ran (torch elastic's static TCPStore)
         print(f"error: the nodes did not all join the launch ({type(e).__name__}: {' '.join(str(e).split())[:300]}); "
               f"nothing ran: start the same command on every node (its --machine_rank); the launcher waits "
-              f"`--rdzv_conf timeout=SECONDS` for them (600 by default)", file=sys.stderr)
+              f"`--rdzv_conf timeout=SECONDS` for them (torch elastic: 900 by default)", file=sys.stderr)
         return EXIT_STOPPED
     except ValueError as e:  # accelerate's own argument checks
         print(f"error: dflash-prep launch: {e}", file=sys.stderr)
