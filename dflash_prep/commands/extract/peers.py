@@ -225,16 +225,23 @@ class _MainSigns(_Signs):
 
     def __init__(self, out_dir: Path):
         self.lease = Lease(Path(out_dir) / LOCKS_DIR, RUN_NAME, "probe")
+        self._live_generation: int | None = None  # of a lease seen held during this wait: this run's
         self._released = False
         super().__init__()
 
     def _look(self):
-        beat = _heartbeat(self.lease)
-        self._released = beat is not None and beat[1] is not None
-        return beat
+        found = self.lease.current()
+        if found is None or found[1] is None:
+            return None
+        generation, record = found
+        if record.get("released_at") is None:
+            self._live_generation = generation
+        self._released = generation == self._live_generation and record.get("released_at") is not None
+        return generation, record.get("heartbeat_at"), record.get("released_at")
 
     def ended(self) -> bool:
-        """The main process released its run lease: it has ended (refused, stopped or failed)."""
+        """The main process released the run lease it held during this wait: it has ended (refused, stopped or
+        failed). (A lease released before, an earlier run's, says nothing.)"""
         return self._released
 
 
