@@ -24,7 +24,7 @@ from dflash_prep.io import atomic_write_json
 from dflash_prep.plan.planner import PlannedBatch, make_plan, plan_settings
 from dflash_prep.recipe.fingerprints import describe_weights_change, weights_fingerprint
 from dflash_prep.recipe.schema import Recipe, RecipeError
-from dflash_prep.store.locks import LOCKS_DIR
+from dflash_prep.store.locks import LOCKS_DIR, OutputBusyError
 from dflash_prep.store.manifest import (
     MANIFEST_NAME,
     STATE_NAME,
@@ -54,6 +54,11 @@ SKIPPED_NAME = "skipped.jsonl"
 
 class OutputMismatchError(RuntimeError):
     """Resuming into an output made by a different job."""
+
+
+# What refuses a run (exit code 2, one line): a bad recipe or input, an output of another job, a damaged one, or
+# one another run holds.
+REFUSALS = (RecipeError, OutputMismatchError, OutputBusyError, OutputStateError)
 
 
 def run_identity(recipe: Recipe, config, layer_ids: list[int], tokenizer, is_main: bool) -> dict:

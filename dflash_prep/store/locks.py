@@ -166,13 +166,20 @@ def _same_file(fd: int, path: Path) -> bool:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this host runs (a zombie, killed and not yet reaped, does not)."""
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process: alive
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):  # no /proc (not Linux), or gone meanwhile
+        return True
 
 
 def heartbeat_seconds(lease_seconds: float) -> float:

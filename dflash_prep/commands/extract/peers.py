@@ -41,6 +41,7 @@ POLL_SECONDS = 0.2
 SIGNS_EVERY_SECONDS = 2.0  # signs of life are files: read them at most this often
 GLOO_TIMEOUT = datetime.timedelta(days=7)  # the group's own; our deadlines decide (a stuck receive is left behind)
 GO = 0
+ABORT = -100  # an answer of ABORT - exit code: the main process stopped the run outside a wait (`abort`)
 
 
 class PeerLostError(ExtractionError):
@@ -50,6 +51,15 @@ class PeerLostError(ExtractionError):
         self.rank = rank
         super().__init__(f"rank {rank} was lost while {what}: {why}. The output is resumable: every committed "
                          f"shard is kept; re-run the same command (on nodes that are up) to finish the job")
+
+
+class MainStopped(ExtractionError):
+    """The main process stopped the run (it said why: a refusal, a failure) while this process went on: this one
+    ends with the same exit code, without a line of its own."""
+
+    def __init__(self, exit_code: int):
+        self.exit_code = exit_code
+        super().__init__(f"the main process stopped the run (exit code {exit_code}); its console says why")
 
 
 class Peers:
@@ -77,6 +87,14 @@ class Peers:
         if self.is_main:
             return self._gather_then_answer(what, payload)
         return self._arrive_then_listen(what)
+
+    def abort(self, exit_code: int) -> None:
+        """The main process stops the run outside a wait (a refusal, a failure): every other process reads, at its
+        next wait, that it is to end with `exit_code` (MainStopped) instead of waiting for the main process."""
+        if self.group is None or not self.is_main:
+            return
+        self._seq += 1
+        self._answer(skip=set(), code=ABORT - exit_code)
 
     def wait_for_everyone(self) -> None:
         """`accelerate.PartialState.wait_for_everyone`'s name (job.load_or_make_plan calls it): the plan written."""
@@ -154,6 +172,8 @@ class Peers:
                 next_log = time.monotonic() + LOG_EVERY_SECONDS
             time.sleep(POLL_SECONDS)
         code, payload = (int(x) for x in answer.tolist())
+        if code <= ABORT:
+            raise MainStopped(ABORT - code)
         if code != GO:
             raise PeerLostError(code - 1, "the main process found it gone", what)
         return payload

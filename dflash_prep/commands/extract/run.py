@@ -24,12 +24,18 @@ import torch  # noqa: E402
 from dflash_prep.commands.extract.console import attach_log_file  # noqa: E402
 from dflash_prep.commands.extract.finish import finish_run, samples_beyond_context  # noqa: E402
 from dflash_prep.commands.extract.loop import forward_loop  # noqa: E402
+from dflash_prep.commands.extract.peers import PeerLostError  # noqa: E402
 from dflash_prep.commands.extract.progress import JobProgress, clear_progress  # noqa: E402
-from dflash_prep.commands.extract.report import idle_rank_report, prediction_note, rank_report  # noqa: E402
+from dflash_prep.commands.extract.report import (  # noqa: E402
+    idle_rank_report,
+    prediction_note,
+    rank_report,
+)
 from dflash_prep.commands.extract.start import start  # noqa: E402
 from dflash_prep.commands.extract.stop import init_worker  # noqa: E402
 from dflash_prep.commands.extract.target_load import TargetLoad, load_target  # noqa: E402
 from dflash_prep.commands.job import (  # noqa: E402
+    REFUSALS,
     SKIPPED_NAME,
     RankPlan,
     Run,
@@ -39,12 +45,18 @@ from dflash_prep.commands.job import (  # noqa: E402
     prepare_output,
 )
 from dflash_prep.data.rows import check_data_verdict, load_rows, tokenize_dataset  # noqa: E402
+from dflash_prep.errors import EXIT_BAD_RECIPE, EXIT_STOPPED  # noqa: E402
 from dflash_prep.io import atomic_write_json, atomic_write_jsonl  # noqa: E402
 from dflash_prep.plan.batches import PlannedBatches  # noqa: E402
 from dflash_prep.plan.planner import plan_stats, rank_finish_seconds, split_across_ranks  # noqa: E402
 from dflash_prep.recipe.fingerprints import inputs_stamp, rows_fingerprint  # noqa: E402
 from dflash_prep.recipe.schema import Recipe  # noqa: E402
-from dflash_prep.store.locks import check_no_rank_writing, lock_rank, lock_run, new_run_id  # noqa: E402
+from dflash_prep.store.locks import (  # noqa: E402
+    check_no_rank_writing,
+    lock_rank,
+    lock_run,
+    new_run_id,
+)
 from dflash_prep.store.manifest import next_shard_number, read_committed  # noqa: E402
 from dflash_prep.store.records import rank_name  # noqa: E402
 from dflash_prep.store.sizes import check_free_space  # noqa: E402
@@ -74,6 +86,20 @@ def _run_extraction(recipe: Recipe, held: list, own_process: bool = False) -> di
     """The stages, in data-flow order; each is a function below (or of its own module). The model loads on a
     thread of its own while the rows are tokenized and the plan made (`TargetLoad`)."""
     run = start(recipe)                        # process group, logging; every recipe check before any weights
+    try:
+        data, rank_plan = _run_share(run, held, own_process)
+    except BaseException as e:
+        if run.is_main and not isinstance(e, PeerLostError):  # the others learn it at their next wait, and end
+            run.peers.abort(EXIT_BAD_RECIPE if isinstance(e, REFUSALS) else EXIT_STOPPED)  # quietly (peers.py)
+        raise
+    if not run.is_main:
+        return None
+    clear_progress(run.out_dir)  # every rank is done: the live figures have served
+    return finish_run(run, data, rank_plan)  # manifest last
+
+
+def _run_share(run: Run, held: list, own_process: bool):
+    """From the claim of the output to the end of every rank's share: -> (data, rank plan)."""
     _claim_output(run, held)                   # locks; an output of another job refused
     run.startup_seconds["start"] = time.perf_counter() - run.t_start
     load = TargetLoad.start_if_safe(run)       # the weights load while this thread tokenizes and plans
@@ -96,10 +122,7 @@ def _run_extraction(recipe: Recipe, held: list, own_process: bool = False) -> di
              report["num_samples"], report["num_real_tokens"], report["loop_seconds"], prediction_note(run, report),
              ", ".join(f"{k} {v:.1f}s" for k, v in run.startup_seconds.items() if not isinstance(v, bool)))
     run.peers.wait("every rank finishes its share of the plan")
-    if not run.is_main:
-        return None
-    clear_progress(run.out_dir)  # every rank is done: the live figures have served
-    return finish_run(run, data, rank_plan)  # manifest last
+    return data, rank_plan
 
 
 def _claim_output(run: Run, held: list) -> None:
