@@ -59,8 +59,9 @@ def test_default_job_output_tree(demo_out):
     shards = [f for f in files if f.startswith("shards/")]
     assert shards and all(f.startswith("shards/rank-00000/shard-") and f.endswith(".tar") for f in shards)
     assert [f for f in files if not f.startswith("shards/")] == [
-        "failed.jsonl", "index/rank-00000.done.json", "index/rank-00000.jsonl", "kernels.jsonl", "locks/rank-00000.lock",
-        "locks/run.lock", "logs/rank-00000.log",
+        "failed.jsonl", "index/rank-00000.done.json", "index/rank-00000.jsonl", "kernels.jsonl",
+        "locks/rank-00000.lease-000000", "locks/rank-00000.lock", "locks/run.lease-000000", "locks/run.lock",
+        "logs/rank-00000.log",
         "manifest.json", "plan.json", "recipe.resolved.yaml", "run_state.json", "skipped.jsonl", "summary.json",
             "token_freq.safetensors"]
     assert not any(f.endswith(".tmp") for f in files)

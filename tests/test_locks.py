@@ -213,3 +213,84 @@ def test_inspect_of_a_folder_without_a_run_is_an_error(tmp_path, capsys):
 
     assert inspect_main([str(tmp_path)]) == 2
     assert "manifest.json not found" in capsys.readouterr().err
+
+
+# -- several hosts: a shared filesystem whose flock is local to each client ------------------------------------------
+
+OTHER_HOST = REPO / "tests" / "other_host.py"
+
+
+def on_other_host(host: str, *args: str, **popen) -> subprocess.Popen:
+    """A process of `host` (tests/other_host.py: its own hostname, a flock that no other host sees)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": str(REPO), **popen.pop("env", {})}
+    return subprocess.Popen([sys.executable, str(OTHER_HOST), host, *args], cwd=REPO, env=env, **popen)
+
+
+@pytest.mark.slow
+def test_a_run_on_another_host_whose_flock_is_local_is_refused_naming_it(tmp_path, capsys):
+    """The first run's flock is invisible here (NFS `local_lock=all`): its lease still refuses the second run, which
+    names the other host, its pid and how the lease ends; the first run then finishes intact."""
+    out = tmp_path / "out"
+    slow = {"DFLASH_PREP_FAULTS": json.dumps({"forward_delay_seconds": 1.5})}  # 11 batches, ~17 s
+    first = on_other_host("gpu-node-7", "extract.py", *argv(out), env=slow, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (out / "plan.json").exists() and time.time() < deadline and first.poll() is None:
+        time.sleep(0.05)
+    assert main(argv(out)) == EXIT_BAD_RECIPE
+    err = capsys.readouterr().err
+    assert first.poll() is None, "the first run ended before the second was refused: the test proved nothing"
+    assert f"another extraction is running into {out}: pid {first.pid} on gpu-node-7" in err, err[-2000:]
+    assert "if gpu-node-7 is gone or the process is stopped the lease ends 300 s after the last heartbeat" in err
+    assert first.wait(timeout=300) == 0, first.stderr.read()[-2000:]
+    assert len(raw_records(out)) == 24 and check_output(out) == []
+
+
+@pytest.mark.slow
+def test_the_lease_of_a_host_that_is_gone_is_taken_over_once_it_lapses(tmp_path, capsys):
+    out = tmp_path / "out"
+    code = (f"from dflash_prep.store.locks import lock_run; lock = lock_run({str(out)!r}, lease_seconds=4); "
+            f"print('held', flush=True); import time; time.sleep(600)")
+    holder = on_other_host("gpu-node-3", "-c", code, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    holder.send_signal(signal.SIGKILL)  # the host is gone: no one here can see or stop its pid
+    holder.wait()
+    died = time.time()
+    assert main(argv(out, **{"output.lease_seconds": 4})) == EXIT_BAD_RECIPE
+    err = capsys.readouterr().err
+    assert f"pid {holder.pid} on gpu-node-3" in err and "the lease ends 4 s after the last heartbeat" in err, err
+    assert not (out / "plan.json").exists()
+    time.sleep(max(0.0, died + 4.5 - time.time()))
+    assert main(argv(out, **{"output.lease_seconds": 4})) == 0
+    log = (out / "logs" / "rank-00000.log").read_text()
+    assert f"took over the lease of run from pid {holder.pid} on gpu-node-3" in log
+    assert len(raw_records(out)) == 24 and check_output(out) == []
+    assert main(argv(out, **{"output.lease_seconds": 4})) == 0  # released at the end: the next run goes at once
+
+
+def test_a_holder_frozen_past_its_lease_loses_it_to_the_run_that_took_over(tmp_path):
+    """A process stopped longer than its lease (SIGSTOP, a hung mount) finds on its next heartbeat that another run
+    took the lease over, and says so (`lost`: the extraction stops at its next batch); generations only grow."""
+    from dflash_prep.store.locks import Lease, OutputBusyError
+
+    folder = tmp_path / "locks"
+    first = Lease(folder, "run", "aaaaaaaa", lease_seconds=1.0)
+    first.acquire()
+    first._stop.set()  # frozen: no more heartbeats
+    with pytest.raises(OutputBusyError):  # fresh: refused
+        Lease(folder, "run", "bbbbbbbb", lease_seconds=1.0).acquire()
+    time.sleep(1.2)
+    second = Lease(folder, "run", "bbbbbbbb", lease_seconds=1.0)
+    second.acquire()
+    assert second.generation == first.generation + 1 and second.took_over["run_id"] == "aaaaaaaa"
+    assert not first.lost
+    first.renew()  # the frozen process runs again
+    assert first.lost
+    assert json.loads(second.path_of(second.generation).read_text())["run_id"] == "bbbbbbbb"
+    taken = second.generation
+    second.release()
+    third = Lease(folder, "run", "cccccccc", lease_seconds=1.0)
+    third.acquire()  # a released lease is taken at once, without a takeover
+    assert third.took_over is None and third.generation == taken + 1
+    third.release()

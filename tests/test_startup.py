@@ -80,17 +80,21 @@ def test_a_finished_output_rerun_loads_nothing(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_a_refusal_on_the_main_process_while_both_ranks_load_ends_the_run_at_once_with_exit_code_2(tmp_path):
     """2 processes under the README's launch command; the main process refuses the rows (they differ from the
-    output's) while both ranks' loads would take two more minutes: exit code 2 in one line, well before the
-    loads end, and no process left."""
+    output's: the recipe's chat template file was edited in place, the data files were not) while both ranks' loads
+    would take two more minutes: exit code 2 in one line, well before the loads end, and no process left."""
     data = _data(tmp_path / "rows.jsonl")
+    template = tmp_path / "template.jinja"
+    original = (REPO / "dflash_prep" / "demo" / "tiny-demo" / "tokenizer" / "chat_template.jinja").read_text()
+    template.write_text(original)
     out = tmp_path / "out"
-    _run(data, out, "data.max_samples=12")
-    _data(data, reverse=True)  # the same rows, shuffled: another job's data
+    _run(data, out, "data.max_samples=12", f"data.chat_template={template}")
+    template.write_text("Conversation follows.\n" + original)  # the same data: other rows
     env = {**ENV, ENV_VAR: json.dumps({"load_delay_seconds": 120.0})}
     t0 = time.perf_counter()
     proc = subprocess.run([*LAUNCH, *CPU_2PROC, "extract.py", "--set", f"output.dir={out}", "--set",
-                           f"data.path={data}", "--set", "data.max_samples=12"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+                           f"data.path={data}", "--set", "data.max_samples=12", "--set",
+                           f"data.chat_template={template}"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
     elapsed = time.perf_counter() - t0
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert elapsed < 100, f"took {elapsed:.0f}s: waited for the loads"

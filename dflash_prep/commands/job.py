@@ -19,12 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from dflash_prep import __version__
+from dflash_prep.data.rows import data_files_fingerprint, describe_data_files_change
 from dflash_prep.io import atomic_write_json
 from dflash_prep.plan.planner import PlannedBatch, make_plan, plan_settings
 from dflash_prep.recipe.fingerprints import describe_weights_change, weights_fingerprint
 from dflash_prep.recipe.location import is_remote
 from dflash_prep.recipe.schema import Recipe, RecipeError
-from dflash_prep.store.locks import LOCKS_DIR
+from dflash_prep.store.locks import LOCKS_DIR, OutputBusyError
 from dflash_prep.store.manifest import (
     MANIFEST_NAME,
     STATE_NAME,
@@ -52,15 +53,23 @@ class OutputMismatchError(RuntimeError):
     """Resuming into an output made by a different job."""
 
 
+# What refuses a run (exit code 2, one line): a bad recipe or input, an output of another job, a damaged one, or
+# one another run holds.
+REFUSALS = (RecipeError, OutputMismatchError, OutputBusyError, OutputStateError)
+
+
 def run_identity(recipe: Recipe, config, layer_ids: list[int], tokenizer, is_main: bool) -> dict:
-    """What must match between an output and a run that resumes into it. The weights' fingerprint (identity.py)
-    is read by the main process only; the tokenized rows' fingerprint (`data_rows`) is added once they exist."""
+    """What must match between an output and a run that resumes into it. The weights' and the data files'
+    fingerprints (recipe/fingerprints.py, data/rows.py) are read by the main process only; the tokenized rows'
+    fingerprint (`data_rows`) is added once they exist."""
     return {
         "model": model_fingerprint(recipe.model, config),
         "model_source": describe_source(recipe.model),
         "weights": weights_fingerprint(recipe.model) if is_main else None,
+        "data_files": data_files_fingerprint(recipe.data) if is_main else None,
         "tokenizer": tokenizer_fingerprint(tokenizer),
-        "data": {k: v for k, v in recipe.to_dict()["data"].items() if k not in ("num_proc", "strict")},
+        "data": {k: v for k, v in recipe.to_dict()["data"].items()
+                 if k not in ("num_proc", "strict", "allow_beyond_context")},
         "layer_ids": layer_ids,
         "capture_final": recipe.layers.capture_final,
         "dtype": recipe.output.dtype,
@@ -87,6 +96,8 @@ def _difference(key: str, previous: dict, current: dict) -> str:
         return f"{key} fingerprint differs"
     if key == "weights":
         return f"model weights differ ({describe_weights_change(previous[key], current[key])})"
+    if key == "data_files":
+        return f"data files differ: {describe_data_files_change(previous[key], current[key])}"
     if key == "data_rows":
         return (f"data rows differ: the tokenized rows of data.path are not the ones the output was made from "
                 f"({previous[key]['num_rows']} kept rows then, {current[key]['num_rows']} now; edited, shuffled "
@@ -106,12 +117,14 @@ def check_identity(out_dir: Path, identity: dict) -> None:
     if not path.exists():
         return
     previous = read_state_json(path)["identity"]
-    atomic_keys = ("weights", "data_rows")  # compared whole, described by _difference
+    atomic_keys = ("data_files", "data_rows")  # compared whole, described by _difference
     diffs = []
     for key in sorted(set(previous) | set(identity)):
         if previous.get(key) is None or identity.get(key) is None:
             continue
-        if key in atomic_keys or not (isinstance(previous[key], dict) and isinstance(identity[key], dict)):
+        if key == "weights":  # the keys both fingerprints hold (an older output has fewer)
+            diffs += [key] if describe_weights_change(previous[key], identity[key]) is not None else []
+        elif key in atomic_keys or not (isinstance(previous[key], dict) and isinstance(identity[key], dict)):
             diffs += [key] if previous[key] != identity[key] else []
         else:
             diffs += identity_diffs(previous[key], identity[key], f"{key}.")
@@ -366,6 +379,10 @@ class Run:
     agreement: Any = None  # replica.ReplicaAgreement: the decisions a tensor-parallel replica's processes share
     inputs_stamp: dict | None = None  # fingerprints.inputs_stamp as the output was claimed (main process)
     remote: Any = None  # remote.RemoteOutput of an object-store output.dir (out_dir is then its staging folder)
+    peers: Any = None  # peers.Peers: the waits every process of the run meets at, bounded
+    run_id: str | None = None  # this run's id (the main process's, shared): in its leases and its shards' names
+    locks: list = field(default_factory=list)  # locks.OutputLock held by this process (run, rank)
+    context_length: int | None = None  # model.check_context: the model's positions (None: unknown)
 
     @property
     def rank(self) -> int:

@@ -24,7 +24,9 @@ loops forever on a permanent refusal. Here:
   output already finished with its inputs untouched are answered before accelerate and torch are imported
   (commands/extract/preflight.py): a typo costs no launcher start-up.
 
-Errors: a launcher argument accelerate rejects is one line and exit code 2.
+Errors: a launcher argument accelerate rejects is one line and exit code 2; nodes of a multi-node launch that do
+not all join within the rendezvous timeout (`--rdzv_conf timeout=SECONDS`, 900 by default: torch elastic's static
+rendezvous) are one line and exit code 1 (nothing ran).
 """
 
 from __future__ import annotations
@@ -163,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous_term)
         return code
     from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -183,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
         _killed_message({rank: f.exitcode for rank, f in e.failures.items()})
         return rank_exit_code([f.exitcode for f in e.failures.values()])
     except (SignalException, KeyboardInterrupt):
+        return EXIT_STOPPED
+    except DistError as e:  # the nodes' rendezvous, before any script ran (torch elastic's static TCPStore)
+        print(f"error: the nodes did not all join the launch ({type(e).__name__}: {' '.join(str(e).split())[:300]}); "
+              f"nothing ran: start the same command on every node (its --machine_rank); the launcher waits "
+              f"`--rdzv_conf timeout=SECONDS` for them (torch elastic: 900 by default)", file=sys.stderr)
         return EXIT_STOPPED
     except ValueError as e:  # accelerate's own argument checks
         print(f"error: dflash-prep launch: {e}", file=sys.stderr)

@@ -187,10 +187,16 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
     `max_tokens_per_batch: auto`) or a GPU on this machine, else the CPU."""
     from dflash_prep.commands.cost import batch_cost_model
     from dflash_prep.data.rows import check_data_verdict, load_rows, tokenize_dataset
-    from dflash_prep.plan.planner import make_plan, packed_row_budget, plan_stats, split_across_ranks
+    from dflash_prep.plan.planner import (
+        make_plan,
+        packed_row_budget,
+        plan_stats,
+        split_across_ranks,
+    )
     from dflash_prep.target.budget import local_gpu_memory_bytes, resolve_token_budget
     from dflash_prep.target.layers import num_decoder_layers, resolve_layer_ids
     from dflash_prep.target.model import (
+        check_context,
         decoder_params_run,
         describe_source,
         hidden_size_of,
@@ -205,6 +211,7 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
         raise ValueError(f"tokens_per_second must be > 0, got {tokens_per_second}")
     t0 = time.perf_counter()
     config = load_config(recipe.model)
+    check_context(recipe, config)  # the extraction's own refusal of rows past the model's context
     num_layers = num_decoder_layers(config)
     layer_ids = resolve_layer_ids(recipe.layers, num_layers)
     device = plan_device(gpu, gpu_memory_bytes, local_gpu_memory_bytes())
@@ -457,7 +464,11 @@ def _stored_plan(out_dir: Path, lengths: list[int]) -> dict | None:
     """What OUT/plan.json holds when the output exists (a resume runs those batches, not a new plan): its number of
     batches and layout, or why a resume would refuse it (job.read_stored_plan, the resume's own check); None
     without one."""
-    from dflash_prep.commands.job import PLAN_NAME, OutputMismatchError, read_stored_plan
+    from dflash_prep.commands.job import (
+        PLAN_NAME,
+        OutputMismatchError,
+        read_stored_plan,
+    )
     from dflash_prep.store.manifest import OutputStateError
 
     path = out_dir / PLAN_NAME

@@ -32,9 +32,10 @@ Guarantees:
 - `check_data_verdict` stops a run (exit code 2, before any model loads) that would keep no row or skip more than
   `data.max_skipped_fraction` of them, and warns (stops, with `data.strict`) when every row with tool calls, or
   every row with reasoning, is skipped or kept without them in its rendering;
-- every row format goes through `datasets.map` with an on-disk cache (a JSON file read line by line is first written
-  as an Arrow file keyed by the files' paths, sizes and modification times), so a second plan or a resume reads the
-  tokenized rows back instead of tokenizing again.
+- every row format goes through `datasets.map` with an on-disk cache, so a second plan or a resume reads the
+  tokenized rows back instead of tokenizing again; the cache of local files is keyed on their content (the sha256
+  of their bytes: `_content_cache_dir`; a JSON file read line by line is first written as an Arrow file under the
+  same key), so a file edited in place, its modification time kept, is read again.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from typing import Any
 
 from dflash_prep.data import chat, conversation
 from dflash_prep.io import fsync_dir
+from dflash_prep.recipe.fingerprints import files_sha256
 from dflash_prep.recipe.schema import DataSection, RecipeError
 
 log = logging.getLogger(__name__)
@@ -153,6 +155,57 @@ def _detect_formats(paths: list[str], fmt: str) -> tuple[str, list[str]]:
     return kinds.pop(), files
 
 
+def data_files(section: DataSection) -> list[str] | None:
+    """The local files the rows are read from (a `save_to_disk` folder's every file), None for a hub dataset."""
+    kind, source = _detect_format(section.path, section.format)
+    if kind == "hub":
+        return None
+    if kind == "disk":
+        return sorted(str(p) for p in Path(source).rglob("*") if p.is_file())
+    return list(source)
+
+
+def content_memo_dir() -> Path | None:
+    """Where the digests of data files are remembered (fingerprints.files_sha256): beside the datasets cache."""
+    import datasets
+
+    return Path(datasets.config.HF_DATASETS_CACHE) / "dflash_prep_content" / "sha256"
+
+
+def data_files_fingerprint(section: DataSection) -> dict | None:
+    """{"files": {path: sha256 of its bytes}} of the local data files (fingerprints.files_sha256), None for a hub
+    dataset (its revision keys it). The job identity's `data_files`: a file edited in place, its modification time
+    kept or not, is a different job."""
+    files = data_files(section)
+    return None if files is None else {"files": files_sha256(files, content_memo_dir())}
+
+
+def describe_data_files_change(previous: dict, current: dict) -> str:
+    """One phrase naming how the data files differ, e.g. '/data/chat.jsonl: its bytes changed'."""
+    a, b = previous.get("files", {}), current.get("files", {})
+    if set(a) != set(b):
+        return f"the files {sorted(a)[:5]} became {sorted(b)[:5]}"
+    changed = [name for name in sorted(a) if a[name] != b[name]]
+    return f"{', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''}: its bytes changed since the output was made"
+
+
+def _content_key(files: list[str]) -> str:
+    """A key of the files' content (their sha256s, in order), for the caches of their loaded rows."""
+    digests = files_sha256(files, content_memo_dir())
+    return hashlib.sha256(json.dumps([digests[str(f)] for f in files]).encode()).hexdigest()[:32]
+
+
+def _content_cache_dir(files: list[str]) -> str | None:
+    """`cache_dir` of `datasets.load_dataset` for `files`: a folder of the datasets cache keyed on their content,
+    since datasets keys a local file's cache on its path and modification time only (an edit that keeps the
+    mtime would read the old rows back). None with datasets' caching disabled."""
+    import datasets
+
+    if not datasets.is_caching_enabled():
+        return None
+    return str(Path(datasets.config.HF_DATASETS_CACHE) / "dflash_prep_content" / _content_key(files))
+
+
 def check_data_source(section: DataSection) -> None:
     """Fail (RecipeError naming the key) when `data.path`/`data.format` cannot be read; cheap, no loading."""
     _detect_format(section.path, section.format)
@@ -167,16 +220,15 @@ JSON_LINES_VERSION = 1  # part of the cache key of `_load_json_lines`: bump when
 def _load_json_lines(files: list[str]):
     """JSON/JSONL files as one string column, one row per line (per element of a top-level JSON array), as a
     `datasets.Dataset` backed by an Arrow file in the datasets cache (HF_DATASETS_CACHE/dflash_prep_json_lines/KEY/),
-    so that the tokenize map over it is cached like any loaded table's: KEY is the sha256 of each file's absolute
-    path, size and modification time (what `datasets` keys its own loaders' caches on), written once (`.tmp`, fsync,
-    rename) and read back after. With datasets' caching disabled, an in-memory dataset."""
+    so that the tokenize map over it is cached like any loaded table's: KEY is the files' content key
+    (`_content_key`: the sha256 of their bytes, not their modification time), written once (`.tmp`, fsync, rename)
+    and read back after. With datasets' caching disabled, an in-memory dataset."""
     import datasets
     from datasets.arrow_writer import ArrowWriter
 
     if not datasets.is_caching_enabled():
         return _json_lines_in_memory(files)
-    stats = [(os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
-    key = hashlib.sha256(json.dumps([JSON_LINES_VERSION, stats]).encode()).hexdigest()[:32]
+    key = hashlib.sha256(json.dumps([JSON_LINES_VERSION, _content_key(files)]).encode()).hexdigest()[:32]
     folder = Path(datasets.config.HF_DATASETS_CACHE) / "dflash_prep_json_lines" / key
     path = folder / "lines.arrow"
     if path.is_file():
@@ -319,7 +371,7 @@ def load_rows(section: DataSection):
         if kind == "parquet":
             _check_parquet_files(source)
         try:
-            ds = datasets.load_dataset(kind, data_files=source, split="train")
+            ds = datasets.load_dataset(kind, data_files=source, split="train", cache_dir=_content_cache_dir(source))
         except Exception as e:  # noqa: BLE001 - a file datasets cannot read is a bad input, not a crash
             raise RecipeError(f"recipe key `data.path` = {section.path!r}: cannot read {kind} files {source[:3]}"
                               f"{' ...' if len(source) > 3 else ''} ({type(e).__name__}: {str(e)[:160]})") from None
@@ -345,7 +397,7 @@ def _load_json(section: DataSection, files: list[str]):
     try:
         if not _lines_are_objects(files):
             raise ValueError("a line is not a JSON object")
-        ds = datasets.load_dataset("json", data_files=files, split="train")
+        ds = datasets.load_dataset("json", data_files=files, split="train", cache_dir=_content_cache_dir(files))
     except (ValueError, TypeError, datasets.exceptions.DatasetGenerationError) as e:
         log.warning("data: %s does not load as one table (%s: %s); reading it line by line, bad lines are "
                     "skipped with a reason", section.path, type(e).__name__, str(e)[:200])

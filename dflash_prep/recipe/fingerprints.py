@@ -8,15 +8,22 @@ fingerprints say what they hold, so a data file edited in place or a checkpoint 
   loop over tokens; measured 1.5 s for 100k rows of 500 tokens on one shared CPU core). Our own code because
   `datasets`' fingerprints hash the transforms and the files' names and times, not the rows' content;
 - `weights_fingerprint(section)`: for a local checkpoint, per weight file its size in bytes, the sha256 of its
-  safetensors header (tensor names, dtypes, shapes, offsets) and the sha256 of `SAMPLE_CHUNKS` chunks of
-  `SAMPLE_CHUNK_BYTES` spread evenly over the file: 8 MiB read per file, about 100 MiB for a 55 GB checkpoint
-  in a dozen files instead of all 55 GB (a fine-tune written over the same path changes every tensor, so every
-  chunk);
+  safetensors header (tensor names, dtypes, shapes, offsets), the sha256 of `SAMPLE_CHUNKS` chunks of
+  `SAMPLE_CHUNK_BYTES` spread evenly over the file, and the sha256 of a window inside EVERY tensor (its first
+  `TENSOR_WINDOW_BYTES`, the whole tensor when smaller; found from the safetensors header), so an edit of any one
+  tensor, a 1 KB norm included, is seen: 8 MiB + 4 KiB per tensor read per file (a 55 GB checkpoint of ~1,000
+  tensors: ~100 MiB, not 55 GB; a fine-tune written over the same path changes every window). What is not
+  seen: an edit inside a large tensor that leaves its first 4 KiB and the sampled chunks alone. `.bin`/`.pt`
+  files (pickles: no header to find tensors in) get the size and the sampled chunks only;
   for a hub id, the commit the local cache resolves it to; for random weights (`model.config`), the init seed
   (the config itself is in `model_fingerprint`);
-- `inputs_stamp(recipe)`: not a content fingerprint but a cheap stamp, the size and modification time of every
-  local input file with the recipe's content keys, so a re-run of a finished output can answer without reading
-  anything when nothing was touched (anything else goes through the content checks above).
+- `files_sha256(paths)`: the sha256 of each data file's bytes (the rows' content key: the datasets cache and the
+  job identity, data/rows.py), remembered per (path, size, mtime, ctime, inode) so unchanged files are not read
+  again: no userspace tool sets a file's ctime (an edit that keeps the mtime, `cp -p`, `rsync -t`, `touch -r`,
+  `tar x`, still changes it), so a file whose every stamp is unchanged holds the bytes that were hashed;
+- `inputs_stamp(recipe)`: not a content fingerprint but a cheap stamp, the size, modification and change times of
+  every local input file with the recipe's content keys, so a re-run of a finished output can answer without
+  reading anything when nothing was touched (anything else goes through the content checks above).
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ from pathlib import Path
 
 SAMPLE_CHUNKS = 8
 SAMPLE_CHUNK_BYTES = 1 << 20
+TENSOR_WINDOW_BYTES = 4096
+HASH_READ_BYTES = 8 << 20
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 ROW_COLUMNS = ("sample_id", "source_id", "input_ids", "loss_mask")
 
@@ -90,15 +99,46 @@ def _safetensors_header_sha256(path: Path) -> str | None:
         return hashlib.sha256(f.read(length)).hexdigest()
 
 
+def _tensors_sha256(path: Path) -> str | None:
+    """sha256 over every tensor of a safetensors file, in data order: its name, then its first TENSOR_WINDOW_BYTES
+    (all of it when smaller). None when the header does not read (then the other keys still see the file)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return None
+        (length,) = struct.unpack("<Q", head)
+        if length > 100_000_000:
+            return None
+        try:
+            header = json.loads(f.read(length))
+        except ValueError:
+            return None
+        base = 8 + length
+        tensors = sorted((v["data_offsets"][0], v["data_offsets"][1], name) for name, v in header.items()
+                         if name != "__metadata__" and isinstance(v, dict) and "data_offsets" in v)
+        digest = hashlib.sha256()
+        for start, end, name in tensors:
+            digest.update(name.encode() + b"\0")
+            f.seek(base + start)
+            digest.update(f.read(min(end - start, TENSOR_WINDOW_BYTES)))
+    return digest.hexdigest()
+
+
 def _local_weights(folder: Path) -> dict:
     files = {}
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)):
+    for path in weight_files(folder):
         size = path.stat().st_size
         entry = {"bytes": size, "sample_sha256": _sample_sha256(path, size)}
         if path.suffix == ".safetensors":
             entry["header_sha256"] = _safetensors_header_sha256(path)
+            entry["tensors_sha256"] = _tensors_sha256(path)
         files[str(path.relative_to(folder))] = entry
     return {"files": files}
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The weight files (WEIGHT_SUFFIXES) under a local model folder."""
+    return sorted(p for p in Path(folder).rglob("*") if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
 
 
 def _hub_commit(repo_id: str) -> str | None:
@@ -125,19 +165,73 @@ def weights_fingerprint(section) -> dict:
     return {"hub": section.name_or_path, "commit": _hub_commit(section.name_or_path)}
 
 
-def describe_weights_change(previous: dict, current: dict) -> str:
-    """One phrase naming how the weights differ, e.g. 'model.safetensors: sampled bytes differ'."""
+_WEIGHT_KEYS = (("bytes", "size"), ("header_sha256", "safetensors header"),
+                ("tensors_sha256", "tensors (a window of every tensor)"), ("sample_sha256", "sampled bytes"))
+
+
+def describe_weights_change(previous: dict, current: dict) -> str | None:
+    """One phrase naming how the weights differ, e.g. 'model.safetensors: tensors (a window of every tensor)
+    differ', or None when they agree. Per file, only the keys both fingerprints hold are compared (an output made
+    before `tensors_sha256` existed is judged on the others)."""
     if "files" in previous and "files" in current:
         a, b = previous["files"], current["files"]
         if set(a) != set(b):
             return f"weight files {sorted(a)} became {sorted(b)}"
         for name in sorted(a):
-            if a[name] != b[name]:
-                what = ("size" if a[name].get("bytes") != b[name].get("bytes") else
-                        "safetensors header" if a[name].get("header_sha256") != b[name].get("header_sha256")
-                        else "sampled bytes")
-                return f"{name}: {what} differ(s)"
-    return f"output has {json.dumps(previous, sort_keys=True)[:200]}, this run has {json.dumps(current, sort_keys=True)[:200]}"
+            for key, what in _WEIGHT_KEYS:
+                if key in a[name] and key in b[name] and a[name][key] != b[name][key]:
+                    return f"{name}: {what} differ"
+        return None
+    if previous == current:
+        return None
+    return (f"output has {json.dumps(previous, sort_keys=True)[:200]}, "
+            f"this run has {json.dumps(current, sort_keys=True)[:200]}")
+
+
+_HASHED: dict[tuple, str] = {}  # (path, size, mtime_ns, ctime_ns, inode) -> sha256, for this process
+
+
+def _stat_key(path: Path) -> tuple:
+    st = os.stat(path)
+    return str(Path(path).resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
+
+
+def files_sha256(paths: list, memo_dir: Path | None = None) -> dict[str, str]:
+    """{path (as given): sha256 of its bytes} (module docstring). `memo_dir`: a folder where the digests of files
+    are remembered across processes, keyed on their stat (None: this process only). Raises OSError when a file
+    cannot be read."""
+    out = {}
+    for path in paths:
+        key = _stat_key(Path(path))
+        memo = (Path(memo_dir) / hashlib.sha256(json.dumps(key).encode()).hexdigest()[:40]) if memo_dir else None
+        if key not in _HASHED and memo is not None and memo.is_file():
+            text = memo.read_text().strip()
+            if len(text) == 64:
+                _HASHED[key] = text
+        if key not in _HASHED:
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                while chunk := f.read(HASH_READ_BYTES):
+                    digest.update(chunk)
+            if _stat_key(Path(path)) == key:  # not written while being read: remember it
+                _HASHED[key] = digest.hexdigest()
+                if memo is not None:
+                    _remember(memo, _HASHED[key])
+            out[str(path)] = digest.hexdigest()
+            continue
+        out[str(path)] = _HASHED[key]
+    return out
+
+
+def _remember(memo: Path, digest: str) -> None:
+    """Write a memo (tmp + rename: a reader sees all of it or nothing); a cache that cannot be written is skipped."""
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
+        tmp.write_text(digest)
+        os.replace(tmp, memo)
+    except OSError:
+        pass
 
 
 def _files_under(path: Path) -> list[Path]:
@@ -164,11 +258,13 @@ def _input_paths(recipe) -> list[Path] | None:
 
 
 def inputs_stamp(recipe) -> dict | None:
-    """{"recipe": the recipe's content fingerprint, "data": its data keys, "files": {path: [bytes, mtime_ns]}} of
-    the job's local inputs, or None when an input is not local (hub ids: no stamp, the content checks decide).
+    """{"recipe": the recipe's content fingerprint, "data": its data keys, "files": {path: [bytes, mtime_ns,
+    ctime_ns]}} of the job's local inputs, or None when an input is not local (hub ids: no stamp, the content
+    checks decide).
 
     Equal stamps mean the recipe asks for the same content and no input file was written since (a write changes
-    the modification time); a stamp is never evidence of a change, only of its absence."""
+    the change time, which no userspace tool sets back, unlike the modification time); a stamp is never evidence
+    of a change, only of its absence."""
     paths = _input_paths(recipe)
     if paths is None:
         return None
@@ -178,6 +274,6 @@ def inputs_stamp(recipe) -> dict | None:
             st = path.stat()
         except OSError:
             return None
-        files[str(path.resolve())] = [st.st_size, st.st_mtime_ns]
+        files[str(path.resolve())] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
     data = {k: v for k, v in recipe.to_dict()["data"].items() if k != "num_proc"}
     return {"recipe": recipe.fingerprint(), "data": data, "files": files}

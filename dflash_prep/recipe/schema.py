@@ -172,6 +172,11 @@ class DataSection:
     """Stop (exit code 2, before any model loads) when a whole kind of row is lost: every row with tool calls, or
     every row with reasoning, skipped or rendered without them (false: a warning with the counts). Not part of the
     records' content."""
+    allow_beyond_context: bool = False
+    """A `max_length` longer than the model's context (`max_position_embeddings`, RoPE scaling counted) is refused at
+    start-up (exit code 2): rows past the context would be extracted at positions the target was never trained on.
+    true: extract them anyway (a warning, and the summary counts them: `num_samples_beyond_context`). Not part of
+    the records' content."""
 
     def validate(self, p: str) -> None:
         if not self.path or (isinstance(self.path, list) and not all(isinstance(x, str) and x for x in self.path)):
@@ -300,6 +305,15 @@ class OutputSection:
     max_failed_samples: int | None = 0
     """The run exits with code 3 when more samples than this failed (out of memory alone, non-finite states);
     the output is complete either way. null: never fail the exit code for failed samples."""
+    lease_seconds: float = 300.0
+    """How long a run's claim on the output folder outlives its last heartbeat (renewed every lease / 10 s, at most
+    10 s apart, while the run lives): another run, from any host, is refused while the lease is fresh and takes a
+    lapsed one over (store/locks.py). A run of a host that is gone blocks the folder this long. Not part of the
+    job's identity."""
+    peer_timeout_seconds: float = 600.0
+    """Several processes: how long a process waits where every process meets (the output claimed, the rows
+    tokenized, the plan made, the end of the run) for a peer that shows no sign of life (commands/extract/peers.py)
+    before it stops the run (exit code 1, resumable) naming it. Not part of the job's identity."""
 
     def validate(self, p: str) -> None:
         if not self.dir:
@@ -325,6 +339,11 @@ class OutputSection:
             _fail(f"{p}.num_writer_threads", self.num_writer_threads, "must be >= 1")
         if self.max_failed_samples is not None and self.max_failed_samples < 0:
             _fail(f"{p}.max_failed_samples", self.max_failed_samples, "must be >= 0 (or null for no limit)")
+        if not self.lease_seconds >= 1:
+            _fail(f"{p}.lease_seconds", self.lease_seconds, "must be >= 1 second")
+        if not self.peer_timeout_seconds >= 15:
+            _fail(f"{p}.peer_timeout_seconds", self.peer_timeout_seconds,
+                  "must be >= 15 seconds (a peer's heartbeat comes every 10 s at most)")
 
 
 REGEN_ENGINES = ("openai", "transformers")
@@ -465,7 +484,8 @@ class Recipe:
         (fused kernels change the rounding only), as are `model.gpus_per_replica` and `model.replica_parallelism`
         (where the model runs) and `model.triton_cache_dir` (where compiled kernels are cached)."""
         d = self.to_dict()
-        data = {k: v for k, v in d["data"].items() if k not in ("num_proc", "max_skipped_fraction", "strict")
+        data = {k: v for k, v in d["data"].items()
+                if k not in ("num_proc", "max_skipped_fraction", "strict", "allow_beyond_context")
                 and not (k == "chat_template" and v is None)}
         template = self.data.chat_template
         if template is not None and "{%" not in template and "{{" not in template and Path(template).is_file():

@@ -1,9 +1,12 @@
 """Atomic, size-rolled webdataset shards, written per rank by background writer threads ("lanes").
 
-Layout (per rank r):
-    OUT/shards/rank-{r:05d}/shard-{n:06d}.tar      committed shards (plain, uncompressed tar)
-    OUT/shards/rank-{r:05d}/shard-{n:06d}.tar.tmp  a shard being written (never read, removed on resume)
-    OUT/index/rank-{r:05d}.jsonl                   one line per committed shard, appended after its rename
+Layout (per rank r, run id R: 8 hex digits, locks.new_run_id):
+    OUT/shards/rank-{r:05d}/shard-{n:06d}-{R}.tar      committed shards (plain, uncompressed tar)
+    OUT/shards/rank-{r:05d}/shard-{n:06d}-{R}.tar.tmp  a shard being written (never read, removed on resume)
+    OUT/index/rank-{r:05d}.jsonl                       one line per committed shard, appended after its rename
+Outputs of earlier versions hold `shard-{n:06d}.tar` (no run id); both read and resume alike (the number is the
+name's second dash-separated field either way). The run id makes a name no other run can write: two runs into one
+folder (a lock that failed) never overwrite each other's shards.
 
 A rank with L lanes hands its i-th batch to lane i mod L; lane j numbers its shards first + j, first + j + L, ...
 (`first` = one past the rank's highest committed shard). So the layout depends only on the rank's batch order and
@@ -263,9 +266,10 @@ class ShardWriter:
     publisher = None  # an object-store output's ShardUploader (remote.py): it commits each shard after its upload
 
     def __init__(self, out_dir: str | Path, rank: int, max_shard_bytes: int, first_shard_number: int = 0,
-                 faults=None, shard_number_step: int = 1, index_lock: threading.Lock | None = None):
+                 faults=None, shard_number_step: int = 1, index_lock: threading.Lock | None = None,
+                 run_id: str | None = None):
         """`shard_number_step` and a shared `index_lock` let several writers (lanes) of one rank interleave their
-        shard numbers and share the rank's index file (see `lanes`)."""
+        shard numbers and share the rank's index file (see `lanes`); `run_id` goes into every shard's name."""
         self.out_dir = Path(out_dir)
         self.rank = rank
         self.max_shard_bytes = max_shard_bytes
@@ -281,9 +285,10 @@ class ShardWriter:
         self.write_seconds = 0.0
         self._open = None  # (final_path, file, hashing, tarwriter, record)
         self.faults = faults  # test-only fault injection (faults.py); None in real runs
+        self.name_suffix = f"-{run_id}.tar" if run_id else ".tar"
 
     def _start_shard(self) -> None:
-        final = self.shard_dir / f"shard-{self.next_number:06d}.tar"
+        final = self.shard_dir / f"shard-{self.next_number:06d}{self.name_suffix}"
         self.next_number += self.shard_number_step
         # A 1 MiB buffer gathers the headers and paddings; member data (larger) goes straight to the file.
         f = open(final.with_name(final.name + ".tmp"), "wb", buffering=1 << 20)
@@ -459,14 +464,15 @@ def _held_bytes(pending: PendingBatch) -> int:
 
 
 def lanes(out_dir: str | Path, rank: int, max_shard_bytes: int, first_shard_number: int, num_lanes: int,
-          faults=None, publisher=None) -> list[ShardWriter]:
+          faults=None, publisher=None, run_id: str | None = None) -> list[ShardWriter]:
     """The `num_lanes` writers of one rank: lane j numbers its shards first + j, first + j + num_lanes, ...
-    `publisher`: an object-store output's uploader (remote.ShardUploader), shared by the lanes."""
+    `publisher`: an object-store output's uploader (remote.ShardUploader), shared by the lanes; `run_id`: this run's
+    id, in its shards' names."""
     if num_lanes < 1:
         raise ValueError(f"num_lanes must be >= 1, got {num_lanes}")
     lock = threading.Lock()
     writers = [ShardWriter(out_dir, rank, max_shard_bytes, first_shard_number + j, faults,
-                           shard_number_step=num_lanes, index_lock=lock) for j in range(num_lanes)]
+                           shard_number_step=num_lanes, index_lock=lock, run_id=run_id) for j in range(num_lanes)]
     for w in writers:
         w.publisher = publisher
     return writers

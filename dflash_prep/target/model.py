@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dflash_prep.recipe.fingerprints import WEIGHT_SUFFIXES, weight_files
 from dflash_prep.recipe.schema import ModelSection, RecipeError
 from dflash_prep.target.layers import decoder_layers, find_decoder
 from dflash_prep.target.norms import randomize_norm_gains
@@ -46,6 +47,81 @@ def load_config(section: ModelSection):
     except (OSError, ValueError, TypeError, StrictDataclassError) as e:  # TypeError, StrictDataclassError: a value
         why = " ".join(str(e).split())  # transformers' config validation rejects (one line)
         raise RecipeError(f"recipe key `{key}` = {source!r}: cannot load a model config ({why})") from None
+
+
+def check_weight_files(section: ModelSection) -> None:
+    """A local model folder must hold the weights `from_pretrained` will read: RecipeError (exit code 2, before the
+    output is claimed) naming `model.name_or_path` when it holds no weight file (a config without its weights: a
+    download or a copy that did not finish), or when its index (`*.index.json`) lists files that are missing."""
+    if section.config is not None or not section.name_or_path:
+        return
+    folder = Path(section.name_or_path).expanduser()
+    if not folder.is_dir():
+        return  # a hub id: its files are fetched or found in the hub cache by from_pretrained
+    found = weight_files(folder)
+    key = f"recipe key `model.name_or_path` = {section.name_or_path!r}"
+    if not found:
+        raise RecipeError(f"{key}: the folder holds no weight files ({', '.join('*' + s for s in WEIGHT_SUFFIXES)});"
+                          f" a download or copy that did not finish? (random weights: set `model.config` instead)")
+    for index in sorted(folder.glob("*.index.json")):
+        try:
+            listed = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        except (OSError, ValueError, AttributeError):
+            raise RecipeError(f"{key}: {index.name} is not a readable weight index") from None
+        missing = sorted(name for name in listed if not (folder / name).is_file())
+        if missing:
+            raise RecipeError(f"{key}: {index.name} lists {len(missing)} weight file(s) that are not in the folder "
+                              f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''})")
+
+
+_SCALED_ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3", "longrope")
+
+
+def context_length(config) -> tuple[int | None, str]:
+    """(positions the model was trained for, how that was found), or (None, why not known). Source: the (text)
+    config's `max_position_embeddings`, or, with RoPE scaling (`rope_parameters`, formerly `rope_scaling`; a dict per
+    layer type counts its largest), `factor` x `original_max_position_embeddings` (x `max_position_embeddings` when
+    the config has no original) when that is larger: transformers' convention for linear, dynamic, YaRN, llama3 and
+    longrope scaling (Qwen's YaRN configs keep max_position_embeddings at the original, Llama 3.1's raise it)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    base = getattr(text, "max_position_embeddings", None)
+    if not isinstance(base, int) or isinstance(base, bool) or base <= 0:
+        return None, "the config has no max_position_embeddings"
+    params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
+    if not isinstance(params, dict):
+        params = {}
+    per_layer_type = all(isinstance(v, dict) for v in params.values()) and params
+    best, how = base, f"max_position_embeddings {base}"
+    for rope in (params.values() if per_layer_type else [params]):
+        kind, factor = rope.get("rope_type", rope.get("type")), rope.get("factor")
+        if kind not in _SCALED_ROPE_TYPES or not isinstance(factor, (int, float)) or not factor > 1:
+            continue
+        original = rope.get("original_max_position_embeddings") or base
+        if int(factor * original) > best:
+            best, how = int(factor * original), f"{kind} RoPE scaling: factor {factor:g} x {original} positions"
+    return best, how
+
+
+def check_context(recipe, config) -> int | None:
+    """`data.max_length` against the model's context (`context_length`); -> the context, None when unknown.
+
+    Refused (RecipeError, exit code 2, at start-up), unless `data.allow_beyond_context`: rows longer than the
+    context would be extracted at positions the target was never trained on (its states there are not what it
+    computes when served: a server refuses such a prompt), silently. With the key, a warning here; the extraction
+    then counts the rows past the context."""
+    context, how = context_length(config)
+    data = recipe.data
+    if context is None or data.max_length <= context:
+        return context
+    if not data.allow_beyond_context:
+        raise RecipeError(
+            f"recipe key `data.max_length` = {data.max_length}: longer than the model's context of {context} "
+            f"positions ({how}); rows past it would be extracted at positions the model was not trained on, "
+            f"silently. Set data.max_length to at most {context} (longer rows are then truncated or skipped, "
+            f"`data.overlong`), or set data.allow_beyond_context: true to extract them anyway")
+    log.warning("data.max_length %d is longer than the model's context of %d positions (%s); "
+                "data.allow_beyond_context: rows past it are extracted and counted", data.max_length, context, how)
+    return context
 
 
 def model_fingerprint(section: ModelSection, config) -> str:

@@ -81,6 +81,7 @@ def _main(argv: list[str] | None, own_process: bool = False) -> int:
     if finished is not None:
         return answer_finished(recipe, finished)
     from dflash_prep.commands.extract.console import log_to_file
+    from dflash_prep.commands.extract.peers import MainStopped, PeerLostError
     from dflash_prep.commands.extract.run import run_extraction
     from dflash_prep.commands.job import OutputMismatchError
     from dflash_prep.store.locks import OutputBusyError
@@ -92,6 +93,17 @@ def _main(argv: list[str] | None, own_process: bool = False) -> int:
         print(f"error: {e}", file=sys.stderr)
         log_to_file(f"refused (exit code {EXIT_BAD_RECIPE}): {e}")  # a claimed output's log says why it stopped
         return EXIT_BAD_RECIPE
+    except MainStopped as e:  # the main process said why; this one ends with its exit code, quietly
+        log_to_file(f"stopped (exit code {e.exit_code}): {e}")
+        if own_process:
+            _exit_now(e.exit_code)
+        return e.exit_code
+    except PeerLostError as e:  # a process of the run is gone: one line, and no wait on its connection at exit
+        print(f"error: {e} (details in {Path(recipe.output.dir) / 'logs'})", file=sys.stderr)
+        log_to_file(f"stopped (exit code {EXIT_STOPPED}): {e}")
+        if own_process:
+            _exit_now(EXIT_STOPPED)
+        return EXIT_STOPPED
     except ExtractionError as e:
         if not (isinstance(e, StopRequested) and os.environ.get("RANK", "0") != "0"):  # the main one speaks for all
             print(f"error: {e} (details in {_logs_folder(recipe)})", file=sys.stderr)

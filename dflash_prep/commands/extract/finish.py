@@ -153,6 +153,8 @@ def _summary(run: Run, data, rank_plan: RankPlan, manifest: dict, reports: list[
         "failed": manifest["failed"],
         "num_failed_this_run": sum(r.get("num_failed", 0) for r in reports),
         "num_oom": sum(r.get("num_oom", 0) for r in reports),
+        # rows longer than the model's context, extracted under data.allow_beyond_context (None: context unknown)
+        "num_samples_beyond_context": samples_beyond_context(run, rank_plan.lengths),
         "num_batches": rank_plan.stats["num_batches"],
         "num_shapes_planned": rank_plan.stats["num_shapes"],
         # the whole output's (each batch is padded to its planned length, OOM splits included), whatever share of
@@ -177,6 +179,11 @@ def _summary(run: Run, data, rank_plan: RankPlan, manifest: dict, reports: list[
         "startup_seconds": next((r.get("startup_seconds") for r in reports if r["rank"] == run.rank), None),
         "ranks": reports,
     }
+
+
+def samples_beyond_context(run: Run, lengths: list[int]) -> int | None:
+    """Samples longer than the model's context (model.check_context), None when the context is not known."""
+    return None if run.context_length is None else sum(n > run.context_length for n in lengths)
 
 
 def disk_verdict(reports: list[dict], storage_dtype: str) -> dict | None:

@@ -62,6 +62,7 @@ def forward_loop(run: Run, model, loader, writer: AsyncShardWriter, progress: Jo
             for batch in loader:
                 stats.data_wait_seconds += time.perf_counter() - t_wait
                 _forward_agreed(run, batch, runner, writer, stats, gpu_timer, stop)
+                _check_leases(run)
                 if stats.num_batches == 1:  # its DataLoader start, collate, first-seen shape, hooks
                     run.startup_seconds["first_batch"] = time.perf_counter() - t_loop
                 progress.update(stats.num_samples, stats.num_real_tokens, writer.wait_seconds)
@@ -85,8 +86,21 @@ def forward_loop(run: Run, model, loader, writer: AsyncShardWriter, progress: Jo
     stats.writer_wait_seconds = writer.wait_seconds
     result = LoopResult(stats, runner, time.perf_counter() - t_loop,
                         gpu_timer.total_seconds() if gpu_timer is not None else None)
-    progress.follow_others(stats.num_samples, stats.num_real_tokens)  # the main's bar, outside its loop's time
+    progress.follow_others(stats.num_samples, stats.num_real_tokens,  # the main's bar, outside its loop's time
+                           quiet_seconds=min(run.recipe.output.peer_timeout_seconds, 60.0))
     return result
+
+
+def _check_leases(run: Run) -> None:
+    """Stop (ExtractionError) once another run took over a lease of this process (locks.py): this process stopped
+    renewing it for longer than the lease (frozen, or cut off from the output's filesystem), and the other run now
+    owns the folder; nothing more is written."""
+    lost = [lock for lock in run.locks if getattr(lock, "lost", False)]  # an object store's leases: store/lease.py
+    if lost:
+        raise ExtractionError(f"another run took over this run's claim on {run.out_dir} (the lease "
+                              f"{lost[0].lease.name}: this process did not renew it for longer than "
+                              f"output.lease_seconds={run.recipe.output.lease_seconds:g}, frozen or cut off); "
+                              f"stopping without writing more: committed shards are intact")
 
 
 def _forward_agreed(run: Run, batch, runner: BatchRunner, writer: AsyncShardWriter, stats: RankStats,

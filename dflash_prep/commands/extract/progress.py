@@ -122,13 +122,17 @@ class JobProgress:
         """This rank's loop ended: its last figures, marked final."""
         self.own.update(samples, tokens, final=True)
 
-    def follow_others(self, samples: int, tokens: int) -> None:
-        """The main process keeps its bar going until every other rank's loop has ended, then closes it."""
+    def follow_others(self, samples: int, tokens: int, quiet_seconds: float = 60.0) -> None:
+        """The main process keeps its bar going until every other rank's loop has ended, or none of them has moved
+        for `quiet_seconds` (a rank frozen or cut off: the final wait, peers.py, then decides), then closes it."""
         if self.bar is None:
             return
-        while self.wait_for_others(POLL_SECONDS):
+        seen, moved = None, time.monotonic()
+        while self.wait_for_others(POLL_SECONDS) and time.monotonic() - moved < quiet_seconds:
             self._last_read = float("-inf")
             self.update(samples, tokens)
+            if self._others != seen:
+                seen, moved = self._others, time.monotonic()
         self._last_read = float("-inf")
         self.update(samples, tokens)
         self.bar.close()

@@ -23,14 +23,20 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 
 from dflash_prep.commands.extract.console import attach_log_file  # noqa: E402
-from dflash_prep.commands.extract.finish import finish_run  # noqa: E402
+from dflash_prep.commands.extract.finish import finish_run, samples_beyond_context  # noqa: E402
 from dflash_prep.commands.extract.loop import forward_loop  # noqa: E402
+from dflash_prep.commands.extract.peers import PeerLostError  # noqa: E402
 from dflash_prep.commands.extract.progress import JobProgress, clear_progress  # noqa: E402
-from dflash_prep.commands.extract.report import idle_rank_report, prediction_note, rank_report  # noqa: E402
+from dflash_prep.commands.extract.report import (  # noqa: E402
+    idle_rank_report,
+    prediction_note,
+    rank_report,
+)
 from dflash_prep.commands.extract.start import start  # noqa: E402
 from dflash_prep.commands.extract.stop import init_worker  # noqa: E402
 from dflash_prep.commands.extract.target_load import TargetLoad, load_target  # noqa: E402
 from dflash_prep.commands.job import (  # noqa: E402
+    REFUSALS,
     SKIPPED_NAME,
     RankPlan,
     Run,
@@ -41,12 +47,18 @@ from dflash_prep.commands.job import (  # noqa: E402
     prepare_output,
 )
 from dflash_prep.data.rows import check_data_verdict, load_rows, tokenize_dataset  # noqa: E402
+from dflash_prep.errors import EXIT_BAD_RECIPE, EXIT_STOPPED  # noqa: E402
 from dflash_prep.io import atomic_write_json, atomic_write_jsonl  # noqa: E402
 from dflash_prep.plan.batches import PlannedBatches  # noqa: E402
 from dflash_prep.plan.planner import plan_stats, rank_finish_seconds, split_across_ranks  # noqa: E402
 from dflash_prep.recipe.fingerprints import inputs_stamp, rows_fingerprint  # noqa: E402
 from dflash_prep.recipe.schema import Recipe  # noqa: E402
-from dflash_prep.store.locks import check_no_rank_writing, lock_rank, lock_run  # noqa: E402
+from dflash_prep.store.locks import (  # noqa: E402
+    check_no_rank_writing,
+    lock_rank,
+    lock_run,
+    new_run_id,
+)
 from dflash_prep.store.manifest import next_shard_number  # noqa: E402
 from dflash_prep.store.records import SHARDS_DIR, rank_name  # noqa: E402
 from dflash_prep.store.remote import ShardUploader, claim_rank, claim_run  # noqa: E402
@@ -79,6 +91,20 @@ def _run_extraction(recipe: Recipe, held: list, own_process: bool = False) -> di
     run = start(recipe)                        # process group, logging; every recipe check before any weights
     if run.remote is not None:
         held.append(run.remote)                # released last: this node's logs uploaded beside the output
+    try:
+        data, rank_plan = _run_share(run, held, own_process)
+    except BaseException as e:
+        if run.is_main and not isinstance(e, PeerLostError):  # the others learn it at their next wait, and end
+            run.peers.abort(EXIT_BAD_RECIPE if isinstance(e, REFUSALS) else EXIT_STOPPED)  # quietly (peers.py)
+        raise
+    if not run.is_main:
+        return None
+    clear_progress(run.out_dir)  # every rank is done: the live figures have served
+    return finish_run(run, data, rank_plan)  # manifest last
+
+
+def _run_share(run: Run, held: list, own_process: bool):
+    """From the claim of the output to the end of every rank's share: -> (data, rank plan)."""
     _claim_output(run, held)                   # locks; an output of another job refused
     run.startup_seconds["start"] = time.perf_counter() - run.t_start
     load = TargetLoad.start_if_safe(run)       # the weights load while this thread tokenizes and plans
@@ -102,33 +128,36 @@ def _run_extraction(recipe: Recipe, held: list, own_process: bool = False) -> di
     log.info("rank %d done: %d samples, %d tokens in %.1fs%s; start-up %s", run.rank,
              report["num_samples"], report["num_real_tokens"], report["loop_seconds"], prediction_note(run, report),
              ", ".join(f"{k} {v:.1f}s" for k, v in run.startup_seconds.items() if not isinstance(v, bool)))
-    run.state.wait_for_everyone()
-    if not run.is_main:
-        return None
-    clear_progress(run.out_dir)  # every rank is done: the live figures have served
-    return finish_run(run, data, rank_plan)  # manifest last
+    run.peers.wait("every rank finishes its share of the plan")
+    return data, rank_plan
 
 
 def _claim_output(run: Run, held: list) -> None:
-    """The main process locks the folder and checks it is this job's before anything in it is touched; then
-    every rank holds its own lock (released by the kernel when its process dies)."""
+    """The main process locks the folder (locks.py: a flock and a lease, for runs on any host) and checks it is this
+    job's before anything in it is touched; its run id reaches every process; then every writing rank holds its
+    own lock (both released when its process dies: the flock by the kernel, the lease once it lapses)."""
+    output = run.recipe.output
     if run.is_main:
-        held.append(lock_run(run.out_dir))  # an object-store output: its staging folder on this node
-        check_no_rank_writing(run.out_dir)  # no orphaned worker of an earlier run still writes
+        held.append(lock_run(run.out_dir, new_run_id(), output.lease_seconds))  # object store: its staging folder
+        run.run_id = held[-1].run_id
+        check_no_rank_writing(run.out_dir, run.run_id)  # no orphaned worker of an earlier run still writes
         if run.remote is not None:
             held.append(claim_run(run.remote))  # the store's lease (store/lease.py), no live rank lease
         open_output(run.out_dir, run.recipe, run.identity, run.remote)
         run.inputs_stamp = inputs_stamp(run.recipe)  # before any input is read: written once the output is finished
         clear_progress(run.out_dir)  # the progress files of an earlier run (progress.py)
         attach_log_file(run.out_dir, run.state.process_index)  # the folder is this job's: its log from here on
-    run.state.wait_for_everyone()
+        log.info("run %s holds %s", run.run_id, run.out_dir)
+    shared = run.peers.wait("the main process claims the output", payload=int(run.run_id or "0", 16))
     if not run.is_main:
+        run.run_id = f"{shared:08x}"
         attach_log_file(run.out_dir, run.state.process_index)
     if run.is_writer:  # the other processes of a replica write nothing
-        held.append(lock_rank(run.out_dir, run.rank))
+        held.append(lock_rank(run.out_dir, run.rank, run.run_id, output.lease_seconds))
         if run.remote is not None:
             run.remote.rank_lease = claim_rank(run.remote, run.rank)
             held.append(run.remote.rank_lease)
+    run.locks = held
 
 
 def _uploader(run: Run):
@@ -145,9 +174,12 @@ def _uploader(run: Run):
 def _tokenize(run: Run):
     """Rows -> tokenized data (cached by datasets: the main process fills the cache, the others read it). The data
     verdict (nothing kept, too much skipped: exit 2) comes before the output is prepared."""
-    with run.state.main_process_first():
-        rows = load_rows(run.recipe.data)
-        data = tokenize_dataset(rows, run.tokenizer, run.recipe.data, vocab_size_of(run.config))
+    if not run.is_main:  # the main process fills the cache first (accelerate's main_process_first, bounded)
+        run.peers.wait("the main process tokenizes the rows")
+    rows = load_rows(run.recipe.data)
+    data = tokenize_dataset(rows, run.tokenizer, run.recipe.data, vocab_size_of(run.config))
+    if run.is_main:
+        run.peers.wait("every process waits for the tokenized rows")
     check_data_verdict(data, run.recipe.data)
     if run.is_main:
         run.identity["data_rows"] = rows_fingerprint(data.kept)
@@ -158,6 +190,10 @@ def _tokenize(run: Run):
                 run.remote.push([SKIPPED_NAME])
         log.info("data: %d rows, %d kept, %d skipped%s", data.num_rows, len(data.kept),
                  sum(data.skipped_counts.values()), f" {data.skipped_counts}" if data.skipped_counts else "")
+        beyond = samples_beyond_context(run, [int(n) for n in data.kept["num_tokens"]])
+        if beyond:  # only with data.allow_beyond_context (start-up refuses it otherwise)
+            log.warning("data: %d kept row(s) are longer than the model's context of %d positions; extracted as "
+                        "data.allow_beyond_context says", beyond, run.context_length)
     return data
 
 
@@ -165,7 +201,7 @@ def _plan(run: Run, data) -> RankPlan:
     """The global plan (frozen in OUT/plan.json by the first run), minus the committed batches, split over this
     run's ranks by predicted time (cost.py: the forward's FLOPs and the write's bytes of each batch)."""
     lengths = [int(n) for n in data.kept["num_tokens"]]
-    plan = load_or_make_plan(run.out_dir, lengths, run.recipe, run.is_main, run.state, packed=run.packing.packed,
+    plan = load_or_make_plan(run.out_dir, lengths, run.recipe, run.is_main, run.peers, packed=run.packing.packed,
                              remote=run.remote)
     run.packing = replay_stored_layout(run.packing, bool(plan) and plan[0].packed, run.config, run.device.type,
                                        run.kernels.names)
@@ -211,7 +247,7 @@ def _run_rank(run: Run, data, rank_plan: RankPlan, lock_fds: tuple, load: Target
     writer = DiscardingWriter() if not run.is_writer else AsyncShardWriter(
         lanes(run.out_dir, run.rank, run.recipe.output.max_shard_bytes,
               next_shard_number(rank_plan.committed, rank_name(run.rank)), run.recipe.output.num_writer_threads,
-              run.faults, publisher=_uploader(run)), nan_policy=run.recipe.output.nan_policy,
+              run.faults, publisher=_uploader(run), run_id=run.run_id), nan_policy=run.recipe.output.nan_policy,
         max_pending_bytes=run.recipe.output.max_pending_bytes)
     loader = torch.utils.data.DataLoader(
         PlannedBatches(data.kept, rank_plan.mine, padding_token_id(run.tokenizer, vocab_size_of(run.config))),

@@ -13,6 +13,7 @@ import torch
 from dflash_prep import __version__
 from dflash_prep.commands.cost import batch_cost_model
 from dflash_prep.commands.extract.console import setup_logging
+from dflash_prep.commands.extract.peers import Peers
 from dflash_prep.commands.job import Run, refuse_unsafe_output_dir, run_identity
 from dflash_prep.data.rows import check_data_source, check_recipe_chat_template
 from dflash_prep.faults import Faults
@@ -21,7 +22,7 @@ from dflash_prep.recipe.schema import Recipe, RecipeError
 from dflash_prep.target.budget import resolve_token_budget
 from dflash_prep.target.kernels import configure_triton_cache, select_kernels
 from dflash_prep.target.layers import num_decoder_layers, resolve_layer_ids
-from dflash_prep.target.model import load_config, load_tokenizer
+from dflash_prep.target.model import check_context, check_weight_files, load_config, load_tokenizer
 from dflash_prep.target.packing import select_packing
 from dflash_prep.target.replica import TENSOR_PARALLEL, ReplicaAgreement, replica_of_process
 
@@ -38,6 +39,7 @@ def start(recipe: Recipe) -> Run:
     state = PartialState(cpu=not torch.cuda.is_available())
     remote = _remote_output(recipe)
     out_dir = remote.staging if remote is not None else Path(recipe.output.dir)
+    peers = Peers(state, out_dir, recipe.output.peer_timeout_seconds)  # first, by every process: a collective
     refuse_unsafe_output_dir(recipe)
     created = not out_dir.exists()
     try:
@@ -51,11 +53,13 @@ def start(recipe: Recipe) -> Run:
     try:
         run = _checked_run(recipe, state, out_dir, t_start)
         run.remote = remote
-        return run
     except Exception:
         if created:  # a refused job leaves no folder behind (the console said why)
             _remove_if_only_logs(out_dir)
         raise
+    peers.processes_per_replica = run.replica.processes_per_replica
+    run.peers = peers
+    return run
 
 
 def _remote_output(recipe: Recipe):
@@ -90,6 +94,8 @@ def _checked_run(recipe: Recipe, state, out_dir: Path, t_start: float) -> Run:
         log.info("triton cache: %s (autotuning cached: %s; from the %s)", triton_cache["dir"],
                  triton_cache["autotuning"], triton_cache["source"])
     config = load_config(recipe.model)
+    check_weight_files(recipe.model)
+    context = check_context(recipe, config)  # data.max_length within the model's positions
     num_layers = num_decoder_layers(config)
     layer_ids = resolve_layer_ids(recipe.layers, num_layers)
     replica = replica_of_process(state, recipe, config)
@@ -113,4 +119,4 @@ def _checked_run(recipe: Recipe, state, out_dir: Path, t_start: float) -> Run:
                replica=replica, identity=run_identity(recipe, config, layer_ids, tokenizer, state.is_main_process),
                triton_cache=triton_cache, packing=packing, agreement=ReplicaAgreement.for_layout(replica),
                # the split's cost numbers (a meta-device build: before the model loads on a thread of its own)
-               cost_model=batch_cost_model(recipe, config, layer_ids, num_layers))
+               cost_model=batch_cost_model(recipe, config, layer_ids, num_layers), context_length=context)
