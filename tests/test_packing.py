@@ -387,7 +387,7 @@ def test_forced_packing_where_not_exact_is_refused_with_one_line(tmp_path, capsy
                                             eos_token_id=0).to_dict()))
     out = tmp_path / "out"
     code = main(_argv(out, **{"model.config": str(config), "batching.packing": "true",
-                              "batching.num_workers": 0}))
+                              "batching.num_workers": 0, "data.max_length": 1024}))  # GPT-2's context: 1,024
     err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("[")]
     assert code == 2 and len(err) == 1 and err[0].startswith("error: recipe key `batching.packing` = true"), err
     assert "gpt2" in err[0] and not (out / "plan.json").exists()
