@@ -95,7 +95,7 @@ def _check_leases(run: Run) -> None:
     """Stop (ExtractionError) once another run took over a lease of this process (locks.py): this process stopped
     renewing it for longer than the lease (frozen, or cut off from the output's filesystem), and the other run now
     owns the folder; nothing more is written."""
-    lost = [lock for lock in run.locks if getattr(lock, "lost", False)]  # an object store's leases: store/lease.py
+    lost = [lock for lock in run.locks if lock.lost]
     if lost:
         raise ExtractionError(f"another run took over this run's claim on {run.out_dir} (the lease "
                               f"{lost[0].lease.name}: this process did not renew it for longer than "

@@ -54,6 +54,7 @@ from dflash_prep.plan.planner import plan_stats, rank_finish_seconds, split_acro
 from dflash_prep.recipe.fingerprints import inputs_stamp, rows_fingerprint  # noqa: E402
 from dflash_prep.recipe.schema import Recipe  # noqa: E402
 from dflash_prep.store.locks import (  # noqa: E402
+    OutputLock,
     check_no_rank_writing,
     lock_rank,
     lock_run,
@@ -157,7 +158,7 @@ def _claim_output(run: Run, held: list) -> None:
         if run.remote is not None:
             run.remote.rank_lease = claim_rank(run.remote, run.rank)
             held.append(run.remote.rank_lease)
-    run.locks = held
+    run.locks = [lock for lock in held if isinstance(lock, OutputLock)]  # an object store's leases: store/lease.py
 
 
 def _uploader(run: Run):
