@@ -246,12 +246,14 @@ def _input_paths(recipe) -> list[Path] | None:
     tokenizer = Path(os.path.expanduser(model.tokenizer_path))
     if not weights.exists() or not tokenizer.is_dir() or data.format == "hub":
         return None
-    if any(c in data.path for c in "*?["):
-        data_files = [Path(p) for p in sorted(glob.glob(os.path.expanduser(data.path), recursive=True))]
-    elif Path(os.path.expanduser(data.path)).exists():
-        data_files = _files_under(Path(os.path.expanduser(data.path)))
-    else:
-        return None
+    data_files = []
+    for entry in [data.path] if isinstance(data.path, str) else data.path:  # a file, folder or glob, or a list
+        if any(c in entry for c in "*?["):
+            data_files += [Path(p) for p in sorted(glob.glob(os.path.expanduser(entry), recursive=True))]
+        elif Path(os.path.expanduser(entry)).exists():
+            data_files += _files_under(Path(os.path.expanduser(entry)))
+        else:
+            return None
     return _files_under(weights) + _files_under(tokenizer) + data_files
 
 
