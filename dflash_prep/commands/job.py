@@ -39,11 +39,7 @@ from dflash_prep.store.manifest import (
     repair_indexes,
 )
 from dflash_prep.store.records import FAILED_NAME, SUMMARY_NAME
-from dflash_prep.target.model import (
-    describe_source,
-    model_fingerprint,
-    tokenizer_fingerprint,
-)
+from dflash_prep.target.model import describe_source, model_fingerprint, tokenizer_fingerprint
 
 log = logging.getLogger("dflash_prep")
 

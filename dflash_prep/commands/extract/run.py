@@ -26,11 +26,7 @@ from dflash_prep.commands.extract.finish import finish_run, samples_beyond_conte
 from dflash_prep.commands.extract.loop import forward_loop  # noqa: E402
 from dflash_prep.commands.extract.peers import PeerLostError  # noqa: E402
 from dflash_prep.commands.extract.progress import JobProgress, clear_progress  # noqa: E402
-from dflash_prep.commands.extract.report import (  # noqa: E402
-    idle_rank_report,
-    prediction_note,
-    rank_report,
-)
+from dflash_prep.commands.extract.report import idle_rank_report, prediction_note, rank_report  # noqa: E402
 from dflash_prep.commands.extract.start import start  # noqa: E402
 from dflash_prep.commands.extract.stop import init_worker  # noqa: E402
 from dflash_prep.commands.extract.target_load import TargetLoad, load_target  # noqa: E402
@@ -51,12 +47,7 @@ from dflash_prep.plan.batches import PlannedBatches  # noqa: E402
 from dflash_prep.plan.planner import plan_stats, rank_finish_seconds, split_across_ranks  # noqa: E402
 from dflash_prep.recipe.fingerprints import inputs_stamp, rows_fingerprint  # noqa: E402
 from dflash_prep.recipe.schema import Recipe  # noqa: E402
-from dflash_prep.store.locks import (  # noqa: E402
-    check_no_rank_writing,
-    lock_rank,
-    lock_run,
-    new_run_id,
-)
+from dflash_prep.store.locks import check_no_rank_writing, lock_rank, lock_run, new_run_id  # noqa: E402
 from dflash_prep.store.manifest import next_shard_number, read_committed  # noqa: E402
 from dflash_prep.store.records import rank_name  # noqa: E402
 from dflash_prep.store.sizes import check_free_space  # noqa: E402
