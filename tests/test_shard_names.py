@@ -9,7 +9,6 @@ import re
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 from conftest import demo_overrides, raw_records
 
@@ -84,7 +83,6 @@ def _to_old_names(out: Path, keep: int) -> list[str]:
     return kept
 
 
-@pytest.mark.slow
 def test_an_output_with_the_names_of_an_earlier_version_resumes_checks_reads_and_exports(tmp_path):
     reference = tmp_path / "reference"
     assert main(argv(reference)) == 0
