@@ -72,7 +72,6 @@ def test_an_edit_in_place_that_keeps_the_mtime_is_read_by_a_new_output(tmp_path,
     assert "Most ZEBRAs" in text and "Most people" not in text
 
 
-@pytest.mark.slow
 def test_a_resume_after_an_edit_in_place_that_keeps_the_mtime_is_refused_naming_the_file(tmp_path, data_file,
                                                                                           monkeypatch, capsys):
     out = tmp_path / "out"
@@ -120,7 +119,6 @@ def _norm_outside_the_sampled_chunks(path: Path) -> tuple[str, int, int]:
     raise AssertionError("every norm lies in a sampled chunk: choose another shape")
 
 
-@pytest.mark.slow
 def test_one_small_tensor_scaled_in_place_is_refused_on_resume(tmp_path, data_file, capsys):
     checkpoint = _checkpoint(tmp_path)
     weights = checkpoint / "model.safetensors"
@@ -195,7 +193,6 @@ def test_the_context_counts_rope_scaling():
     assert context_length(llama31)[0] == 131072
 
 
-@pytest.mark.slow
 def test_rows_longer_than_the_models_context_are_refused_at_start_up_or_extracted_and_counted(tmp_path, data_file,
                                                                                               capsys):
     out = tmp_path / "out"

@@ -106,7 +106,7 @@ def test_a_written_input_goes_the_full_way_and_a_changed_one_is_refused(finished
     assert "the output was already finished: manifest and summary left as they are" in err
     rows.write_text("".join(text.splitlines(keepends=True)[1:]) + text.splitlines(keepends=True)[0])  # reordered
     code, heavy, err = probe(["extract", *args])
-    assert code == 2 and "data rows differ" in err, err
+    assert code == 2 and f"data files differ: {rows}: its bytes changed" in err, err
     rows.write_text(text)
 
 

@@ -1,6 +1,6 @@
 """Shard names carry the run id, so two runs writing into one folder (a lock that failed) can never overwrite each
-other's shards; outputs with the names of earlier versions (`shard-NNNNNN.tar`) still resume, check, read and
-export, the new shards numbered after theirs."""
+other's shards; outputs with the names of earlier versions (`shard-NNNNNN.tar`) still resume, check, read, export
+and verify, the new shards numbered after theirs."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import re
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 from conftest import demo_overrides, raw_records
 
 from dflash_prep.commands.extract import main
 from dflash_prep.commands.inspect import check_output
+from dflash_prep.commands.verify.entry import main as verify_main
 from dflash_prep.consume.export import export
 from dflash_prep.consume.reader import ShardDataset
 from dflash_prep.plan.batches import SampleInfo
@@ -84,7 +84,6 @@ def _to_old_names(out: Path, keep: int) -> list[str]:
     return kept
 
 
-@pytest.mark.slow
 def test_an_output_with_the_names_of_an_earlier_version_resumes_checks_reads_and_exports(tmp_path):
     reference = tmp_path / "reference"
     assert main(argv(reference)) == 0
@@ -106,3 +105,4 @@ def test_an_output_with_the_names_of_an_earlier_version_resumes_checks_reads_and
     assert sorted(s["sample_id"] for s in ShardDataset(out)) == sorted(expected)
     report = export(out, "specforge", tmp_path / "specforge", progress=False)
     assert report.num_samples == len(expected)
+    assert verify_main([str(out), "--num-samples", "4", "--no-noise-floor"]) == 0  # hashes, then 4 samples rerun

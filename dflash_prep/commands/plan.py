@@ -187,12 +187,7 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
     `max_tokens_per_batch: auto`) or a GPU on this machine, else the CPU."""
     from dflash_prep.commands.cost import batch_cost_model
     from dflash_prep.data.rows import check_data_verdict, load_rows, tokenize_dataset
-    from dflash_prep.plan.planner import (
-        make_plan,
-        packed_row_budget,
-        plan_stats,
-        split_across_ranks,
-    )
+    from dflash_prep.plan.planner import make_plan, packed_row_budget, plan_stats, split_across_ranks
     from dflash_prep.target.budget import local_gpu_memory_bytes, resolve_token_budget
     from dflash_prep.target.layers import num_decoder_layers, resolve_layer_ids
     from dflash_prep.target.model import (
@@ -464,11 +459,7 @@ def _stored_plan(out_dir: Path, lengths: list[int]) -> dict | None:
     """What OUT/plan.json holds when the output exists (a resume runs those batches, not a new plan): its number of
     batches and layout, or why a resume would refuse it (job.read_stored_plan, the resume's own check); None
     without one."""
-    from dflash_prep.commands.job import (
-        PLAN_NAME,
-        OutputMismatchError,
-        read_stored_plan,
-    )
+    from dflash_prep.commands.job import PLAN_NAME, OutputMismatchError, read_stored_plan
     from dflash_prep.store.manifest import OutputStateError
 
     path = out_dir / PLAN_NAME

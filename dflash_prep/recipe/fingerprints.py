@@ -33,12 +33,14 @@ import hashlib
 import json
 import os
 import struct
+import time
 from pathlib import Path
 
 SAMPLE_CHUNKS = 8
 SAMPLE_CHUNK_BYTES = 1 << 20
 TENSOR_WINDOW_BYTES = 4096
 HASH_READ_BYTES = 8 << 20
+RACY_SECONDS = 2.0
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 ROW_COLUMNS = ("sample_id", "source_id", "input_ids", "loss_mask")
 
@@ -213,7 +215,9 @@ def files_sha256(paths: list, memo_dir: Path | None = None) -> dict[str, str]:
             with open(path, "rb") as f:
                 while chunk := f.read(HASH_READ_BYTES):
                     digest.update(chunk)
-            if _stat_key(Path(path)) == key:  # not written while being read: remember it
+            # Remembered only when not written while being read, and not changed within the last 2 s: on a
+            # filesystem with coarse times, a later edit in the same second would keep the key (git's "racy" rule).
+            if _stat_key(Path(path)) == key and time.time() - os.stat(path).st_ctime > RACY_SECONDS:
                 _HASHED[key] = digest.hexdigest()
                 if memo is not None:
                     _remember(memo, _HASHED[key])

@@ -27,11 +27,7 @@ from dflash_prep.commands.extract.finish import finish_run, samples_beyond_conte
 from dflash_prep.commands.extract.loop import forward_loop  # noqa: E402
 from dflash_prep.commands.extract.peers import PeerLostError  # noqa: E402
 from dflash_prep.commands.extract.progress import JobProgress, clear_progress  # noqa: E402
-from dflash_prep.commands.extract.report import (  # noqa: E402
-    idle_rank_report,
-    prediction_note,
-    rank_report,
-)
+from dflash_prep.commands.extract.report import idle_rank_report, prediction_note, rank_report  # noqa: E402
 from dflash_prep.commands.extract.start import start  # noqa: E402
 from dflash_prep.commands.extract.stop import init_worker  # noqa: E402
 from dflash_prep.commands.extract.target_load import TargetLoad, load_target  # noqa: E402
