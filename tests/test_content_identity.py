@@ -215,3 +215,25 @@ def test_rows_longer_than_the_models_context_are_refused_at_start_up_or_extracte
     scaled = ["--set", f"model.config={_short_context_config(tmp_path, {'rope_type': 'yarn', 'factor': 4.0})}",
               "--set", "data.max_length=1024", "--set", "layers.num_layers=2", "--set", "data.max_samples=2"]
     assert main(argv(tmp_path / "scaled", data_file, *scaled)) == 0
+
+
+def test_a_save_to_disk_folder_is_keyed_on_the_files_it_loads_from(tmp_path, monkeypatch):
+    """A regenerated-rows folder (a `save_to_disk` dataset) also holds an index, locks and logs that change on every
+    run of it; the data's identity follows the Arrow files and the dataset's own json files only."""
+    import datasets
+
+    from dflash_prep.data.rows import data_files_fingerprint
+    from dflash_prep.recipe.schema import DataSection
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    folder = tmp_path / "rows"
+    datasets.Dataset.from_list([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}]).save_to_disk(str(folder))
+    section = DataSection(path=str(folder))
+    first = data_files_fingerprint(section)
+    (folder / "locks").mkdir()
+    (folder / "locks" / "run.lease-000001").write_text("{}")
+    (folder / "index.jsonl").write_text("{}\n")
+    assert data_files_fingerprint(section) == first
+    (arrow,) = [name for name in first["files"] if name.endswith(".arrow")]
+    Path(arrow).write_bytes(Path(arrow).read_bytes()[:-8] + b"\0" * 8)
+    assert data_files_fingerprint(section)["files"][arrow] != first["files"][arrow]

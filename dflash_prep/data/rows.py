@@ -156,13 +156,33 @@ def _detect_formats(paths: list[str], fmt: str) -> tuple[str, list[str]]:
 
 
 def data_files(section: DataSection) -> list[str] | None:
-    """The local files the rows are read from (a `save_to_disk` folder's every file), None for a hub dataset."""
+    """The local files the rows are read from (a `save_to_disk` folder: `_disk_dataset_files`), None for a hub
+    dataset."""
     kind, source = _detect_format(section.path, section.format)
     if kind == "hub":
         return None
     if kind == "disk":
-        return sorted(str(p) for p in Path(source).rglob("*") if p.is_file())
+        return _disk_dataset_files(Path(source))
     return list(source)
+
+
+def _disk_dataset_files(folder: Path) -> list[str]:
+    """The files `datasets.load_from_disk` reads from a `save_to_disk` folder: each split's state.json, its
+    dataset_info.json and the Arrow files its state.json lists (+ dataset_dict.json). Not the folder's other files:
+    a regenerated-rows folder also holds its own index, locks and logs, which change on every run of it (a lease's
+    generation) while its rows do not. A folder whose state.json cannot be read: every file."""
+    states = [folder / "state.json"] if (folder / "state.json").is_file() else sorted(folder.glob("*/state.json"))
+    files = [folder / "dataset_dict.json"] if (folder / "dataset_dict.json").is_file() else []
+    try:
+        for state in states:
+            listed = [entry["filename"] for entry in json.loads(state.read_text()).get("_data_files", [])]
+            info = state.parent / "dataset_info.json"
+            files += [state, *(state.parent / name for name in listed), *([info] if info.is_file() else [])]
+    except (OSError, ValueError, KeyError, TypeError):
+        files = []
+    if not states or not files:
+        return sorted(str(p) for p in folder.rglob("*") if p.is_file())
+    return sorted(str(p) for p in files)
 
 
 def content_memo_dir() -> Path | None:
