@@ -90,7 +90,8 @@ def _main(argv: list[str] | None, own_process: bool = False) -> int:
     try:
         summary = run_extraction(recipe, own_process)
     except (RecipeError, OutputMismatchError, OutputBusyError, OutputStateError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        if not getattr(e, "reported", False):  # run.py says a refusal on the main process before the others end
+            print(f"error: {e}", file=sys.stderr)
         log_to_file(f"refused (exit code {EXIT_BAD_RECIPE}): {e}")  # a claimed output's log says why it stopped
         return EXIT_BAD_RECIPE
     except MainStopped as e:  # the main process said why; this one ends with its exit code, quietly

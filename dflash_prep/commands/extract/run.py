@@ -15,6 +15,7 @@ import functools
 import logging
 import os
 import shutil
+import sys
 import time
 
 # Before torch touches CUDA: fewer fragmentation OOMs with batches of changing shapes (user settings win).
@@ -92,6 +93,9 @@ def _run_extraction(recipe: Recipe, held: list, own_process: bool = False) -> di
         data, rank_plan = _run_share(run, held, own_process)
     except BaseException as e:
         if run.is_main and not isinstance(e, PeerLostError):  # the others learn it at their next wait, and end
+            if isinstance(e, REFUSALS):  # said before the others end: the launcher may stop this process once they do
+                print(f"error: {e}", file=sys.stderr, flush=True)
+                e.reported = True  # entry.py prints it no second time
             run.peers.abort(EXIT_BAD_RECIPE if isinstance(e, REFUSALS) else EXIT_STOPPED)  # quietly (peers.py)
         raise
     if not run.is_main:
