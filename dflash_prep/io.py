@@ -52,3 +52,15 @@ def atomic_write_jsonl(path: Path, rows: list[dict]) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def atomic_write_lines(path: Path, lines: list[bytes]) -> None:
+    """`lines` (bytes, each with its own newline) as the whole of `path`, written like `atomic_write_json`: a rank
+    index rewritten without some records (store/manifest.py, regen/output.py)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.writelines(lines)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)

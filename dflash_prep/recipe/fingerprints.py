@@ -89,33 +89,35 @@ def _sample_sha256(path: Path, size_bytes: int) -> str:
     return digest.hexdigest()
 
 
+def _read_safetensors_header(f) -> bytes | None:
+    """The JSON header of a safetensors file open at its start (8-byte little-endian length, then the header); None
+    when it cannot be one."""
+    head = f.read(8)
+    if len(head) < 8:
+        return None
+    (length,) = struct.unpack("<Q", head)
+    return None if length > 100_000_000 else f.read(length)
+
+
 def _safetensors_header_sha256(path: Path) -> str | None:
-    """sha256 of the JSON header of a safetensors file (8-byte little-endian length, then the header)."""
+    """sha256 of the JSON header of a safetensors file."""
     with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            return None
-        (length,) = struct.unpack("<Q", head)
-        if length > 100_000_000:
-            return None
-        return hashlib.sha256(f.read(length)).hexdigest()
+        header = _read_safetensors_header(f)
+    return None if header is None else hashlib.sha256(header).hexdigest()
 
 
 def _tensors_sha256(path: Path) -> str | None:
     """sha256 over every tensor of a safetensors file, in data order: its name, then its first TENSOR_WINDOW_BYTES
     (all of it when smaller). None when the header does not read (then the other keys still see the file)."""
     with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            return None
-        (length,) = struct.unpack("<Q", head)
-        if length > 100_000_000:
-            return None
+        raw = _read_safetensors_header(f)
         try:
-            header = json.loads(f.read(length))
+            header = json.loads(raw) if raw is not None else None
         except ValueError:
             return None
-        base = 8 + length
+        if not isinstance(header, dict):
+            return None
+        base = f.tell()  # the data follow the header
         tensors = sorted((v["data_offsets"][0], v["data_offsets"][1], name) for name, v in header.items()
                          if name != "__metadata__" and isinstance(v, dict) and "data_offsets" in v)
         digest = hashlib.sha256()

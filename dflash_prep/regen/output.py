@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dflash_prep import __version__
-from dflash_prep.io import atomic_write_json, atomic_write_jsonl, fsync_dir
+from dflash_prep.io import atomic_write_json, atomic_write_jsonl, atomic_write_lines, fsync_dir
 from dflash_prep.store.locks import LOCKS_DIR
 from dflash_prep.store.manifest import OutputStateError, damaged_state, read_state_json
 
@@ -250,13 +250,7 @@ def _drop_records(out_dir: Path, chunks: set[int]) -> None:
         lines = index.read_bytes().splitlines(keepends=True)
         kept = [line for line in lines if line.strip() and json.loads(line)["chunk"] not in chunks]
         if len(kept) != len(lines):
-            tmp = index.with_name(index.name + ".tmp")
-            with open(tmp, "wb") as f:
-                f.writelines(kept)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, index)
-            fsync_dir(index.parent)
+            atomic_write_lines(index, kept)
 
 
 class ChunkCommitter:

@@ -11,7 +11,7 @@ import os
 import tarfile
 from pathlib import Path
 
-from dflash_prep.io import atomic_write_json, fsync_dir
+from dflash_prep.io import atomic_write_json, atomic_write_lines
 from dflash_prep.recipe.location import as_location, read_whole
 from dflash_prep.store.records import INDEX_DIR, SHARDS_DIR, ShardRecord
 
@@ -143,13 +143,7 @@ def drop_records(out_dir: str | Path, paths: set[str]) -> None:
         lines = index.read_bytes().splitlines(keepends=True)
         kept = [line for line in lines if not line.strip() or json.loads(line).get("path") not in paths]
         if len(kept) != len(lines):
-            tmp = index.with_name(index.name + ".tmp")
-            with open(tmp, "wb") as f:
-                f.writelines(kept)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, index)
-            fsync_dir(index.parent)
+            atomic_write_lines(index, kept)
     for rel in paths:
         (out_dir / rel).unlink(missing_ok=True)
 
