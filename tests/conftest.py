@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
+import tempfile
 import tarfile
 from pathlib import Path
 
@@ -19,6 +21,19 @@ torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "dflash_prep" / "demo" / "tiny-demo"
+
+
+def cpu_2proc_config() -> str:
+    """A copy of accelerate_configs/cpu_2proc.yaml with a free rendezvous port: the file's fixed port would collide
+    when two test runs (or a test run and a user's job) launch 2-process jobs on one machine at once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    text = (REPO / "accelerate_configs" / "cpu_2proc.yaml").read_text()
+    text = "\n".join(line for line in text.splitlines() if not line.startswith("main_process_port:"))
+    path = Path(tempfile.mkdtemp(prefix="cpu2proc-")) / "cpu_2proc.yaml"
+    path.write_text(f"{text}\nmain_process_port: {port}\n")
+    return str(path)
 
 
 def tiny_llama_config(vocab_size: int = 1024, num_layers: int = 6):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
-from conftest import REPO, build, max_abs_diff_to_alone, tiny_llama_config, tiny_qwen35_config
+from conftest import REPO, build, cpu_2proc_config, max_abs_diff_to_alone, tiny_llama_config, tiny_qwen35_config
 from safetensors.torch import load as safetensors_load
 
 from dflash_prep.commands.extract import OutputMismatchError, run_extraction
@@ -143,7 +143,7 @@ def test_two_processes_through_accelerate_write_each_sample_once(tmp_path):
                         capture_output=True, text=True, timeout=600)
     assert p1.returncode == 0, p1.stderr[-3000:]
     p2 = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                         str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "extract.py",
+                         cpu_2proc_config(), "extract.py",
                          "--set", f"output.dir={two}", *common], cwd=REPO, env=ENV, capture_output=True, text=True,
                         timeout=600)
     assert p2.returncode == 0, p2.stderr[-3000:]

@@ -13,13 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, processes_writing
+from conftest import REPO, cpu_2proc_config, processes_writing
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
        "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 ENV.pop("DFLASH_PREP_FAULTS", None)
 LAUNCH = [sys.executable, "-m", "dflash_prep.commands.cli", "launch"]  # what `dflash-prep launch` runs
-CPU_2PROC = ["--config_file", str(REPO / "accelerate_configs" / "cpu_2proc.yaml")]
+CPU_2PROC = ["--config_file", cpu_2proc_config()]
 
 
 @pytest.mark.parametrize("launcher_args", [[], CPU_2PROC], ids=["1 process", "2 processes"])

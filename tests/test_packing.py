@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, build, demo_overrides, raw_records, tiny_llama_config, tiny_qwen35_config
+from conftest import (REPO, build, cpu_2proc_config, demo_overrides, raw_records, tiny_llama_config,
+                      tiny_qwen35_config)
 
 from dflash_prep.commands.extract import EXIT_STOPPED, main
 from dflash_prep.consume.reader import ShardDataset
@@ -399,7 +400,7 @@ def test_two_processes_split_the_packed_rows(padded_and_packed, tmp_path):
     written once, with the bytes of the 1-process packed run (same global plan, same rows)."""
     out = tmp_path / "two"
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                           str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "extract.py",
+                           cpu_2proc_config(), "extract.py",
                            *_argv(out, **{"batching.packing": "true", "batching.num_workers": 0})],
                           cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

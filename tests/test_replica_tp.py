@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, max_abs_diff_to_alone, tiny_llama_config
+from conftest import REPO, cpu_2proc_config, max_abs_diff_to_alone, tiny_llama_config
 from test_extract import read_records
 from torch import nn
 
@@ -41,7 +41,7 @@ def common(config_file: Path) -> list[str]:
 def launch(out: Path, config_file: Path, faults: dict | None = None, extra: tuple = ()) -> subprocess.CompletedProcess:
     env = dict(ENV, DFLASH_PREP_FAULTS=json.dumps(faults)) if faults else ENV
     cmd = [sys.executable, "-m", "dflash_prep.commands.cli", "launch", "--config_file",
-           str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "extract.py", "--set", f"output.dir={out}",
+           cpu_2proc_config(), "extract.py", "--set", f"output.dir={out}",
            *common(config_file), *extra]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
 
@@ -99,7 +99,7 @@ def test_verify_rebuilds_a_tensor_parallel_replicas_weights(tp_out):
 def verify_launched(out: Path, num_processes: int, *extra: str) -> subprocess.CompletedProcess:
     """`dflash-prep launch ... -m dflash_prep.commands.cli verify OUT` as a user runs it for a tensor-parallel output."""
     cmd = [sys.executable, "-m", "dflash_prep.commands.cli", "launch", "--config_file",
-           str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "--num_processes", str(num_processes), "-m",
+           cpu_2proc_config(), "--num_processes", str(num_processes), "-m",
            "dflash_prep.commands.cli", "verify", str(out), "--num-samples", "6", *extra]
     return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
 
@@ -263,7 +263,7 @@ def test_several_tensor_parallel_replicas_are_refused_before_any_weights_load(ll
     """4 CPU processes as 2 tensor-parallel replicas of 2: one line naming the key and the ways out, exit code 2."""
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "dflash_prep.commands.cli", "launch", "--config_file",
-                           str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "--num_processes", "4", "extract.py",
+                           cpu_2proc_config(), "--num_processes", "4", "extract.py",
                            "--set", f"output.dir={out}", *common(llama_config_file)],
                           cwd=REPO, env=ENV, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, raw_records
+from conftest import REPO, cpu_2proc_config, raw_records
 from processes import kill_tree
 from safetensors.numpy import load_file
 
@@ -46,7 +46,7 @@ def extract_cmd(out: Path) -> list[str]:
 
 def launch_2proc_cmd(out: Path) -> list[str]:
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-            str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), "extract.py", "--set", f"output.dir={out}", *COMMON]
+            cpu_2proc_config(), "extract.py", "--set", f"output.dir={out}", *COMMON]
 
 
 def count_in_logs(out_dir: Path, text: str, ranks: int) -> list[int]:

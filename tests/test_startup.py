@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, processes_writing, raw_records
+from conftest import REPO, cpu_2proc_config, processes_writing, raw_records
 
 from dflash_prep.commands.extract import run_extraction
 from dflash_prep.faults import ENV_VAR
@@ -23,7 +23,7 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_DATASETS_OFFLINE": "1", "HF_HU
        "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 ENV.pop(ENV_VAR, None)
 LAUNCH = [sys.executable, "-m", "dflash_prep.commands.cli", "launch"]  # what `dflash-prep launch` runs
-CPU_2PROC = ["--config_file", str(REPO / "accelerate_configs" / "cpu_2proc.yaml")]
+CPU_2PROC = ["--config_file", cpu_2proc_config()]
 STAGES = {"start", "tokenize", "plan", "model_load", "model_load_wait", "model_load_overlapped", "first_batch"}
 
 
