@@ -51,7 +51,7 @@ from dflash_prep.consume.shard_format import (
     shards_of,
 )
 from dflash_prep.consume.shard_read import open_for_reading, sample_key
-from dflash_prep.recipe.location import as_location, is_remote_path
+from dflash_prep.recipe.location import as_location, is_remote_path, one_line_store_errors
 from dflash_prep.store.manifest import OutputStateError, read_manifest, read_state_json
 from dflash_prep.store.writer import ST_CODE, ST_ITEMSIZE, ST_TORCH_CODE
 
@@ -490,6 +490,7 @@ def build_parser(prog: str = "dflash-prep inspect") -> argparse.ArgumentParser:
     return p
 
 
+@one_line_store_errors
 def main(argv: list[str] | None = None) -> int:
     """`dflash-prep inspect OUT [--check]`: 0 fine (or an unfinished output's progress), 1 mismatch (shards named),
     2 nothing readable (see the module docstring)."""

@@ -23,7 +23,7 @@ from dflash_prep.data.rows import data_files_fingerprint, describe_data_files_ch
 from dflash_prep.io import atomic_write_json
 from dflash_prep.plan.planner import PlannedBatch, make_plan, plan_settings
 from dflash_prep.recipe.fingerprints import describe_weights_change, weights_fingerprint
-from dflash_prep.recipe.location import is_remote
+from dflash_prep.recipe.location import StoreRefusedError, is_remote
 from dflash_prep.recipe.schema import Recipe, RecipeError
 from dflash_prep.store.locks import LOCKS_DIR, OutputBusyError
 from dflash_prep.store.manifest import (
@@ -55,7 +55,7 @@ class OutputMismatchError(RuntimeError):
 
 # What refuses a run (exit code 2, one line): a bad recipe or input, an output of another job, a damaged one, or
 # one another run holds.
-REFUSALS = (RecipeError, OutputMismatchError, OutputBusyError, OutputStateError)
+REFUSALS = (RecipeError, OutputMismatchError, OutputBusyError, OutputStateError, StoreRefusedError)
 
 
 def run_identity(recipe: Recipe, config, layer_ids: list[int], tokenizer, is_main: bool) -> dict:

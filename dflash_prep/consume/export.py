@@ -85,7 +85,7 @@ from dflash_prep.consume.shard_format import (
 )
 from dflash_prep.consume.shard_read import iter_shard, iter_tar_samples
 from dflash_prep.consume.vocab import TOKEN_FREQ_NAME, read_token_freq, token_freq_dict
-from dflash_prep.recipe.location import as_location, is_remote_path
+from dflash_prep.recipe.location import as_location, is_remote_path, one_line_store_errors
 from dflash_prep.store.locks import FileLock
 from dflash_prep.store.manifest import OutputStateError, read_committed, read_manifest
 from dflash_prep.target.fp8 import dequantize as fp8_dequantize
@@ -543,6 +543,7 @@ def build_parser(prog: str = "dflash-prep export") -> argparse.ArgumentParser:
     return p
 
 
+@one_line_store_errors
 def main(argv: list[str] | None = None) -> int:
     """`dflash-prep export OUT --to TARGET --dest DIR`; 0 on success, 2 on a refused export (or DIR busy), 1 on
     bad data (a corrupt or inconsistent output, or DIR changed under the export)."""

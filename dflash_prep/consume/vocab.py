@@ -34,6 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash_prep.recipe.location import one_line_store_errors
+
 TOKEN_FREQ_NAME = "token_freq.safetensors"
 LAYOUTS = ("speculators", "specforge")
 _ROWS_PER_CHUNK = 4096  # bounds the memory of one counting step (token ids + masks of these rows)
@@ -168,6 +170,7 @@ def build_parser(prog: str = "dflash-prep vocab") -> argparse.ArgumentParser:
     return parser
 
 
+@one_line_store_errors
 def main(argv: list[str] | None = None) -> int:
     """Exit 0 on success, 2 on a missing frequency file or a bad size (one line on stderr)."""
     import sys

@@ -32,6 +32,38 @@ class LocationError(ValueError):
     """An output location the project cannot use (unknown or uninstalled protocol, a secret in the options)."""
 
 
+class StoreRefusedError(LocationError):
+    """The object store answered and refused: nothing a re-run fixes (exit code 2). One line, naming which."""
+
+    exit_code = 2
+
+
+class BucketMissingError(StoreRefusedError):
+    """The URL's bucket (container) does not exist in the store."""
+
+
+class CredentialsRefusedError(StoreRefusedError):
+    """The store refused the credentials (unknown key, bad signature, access denied, none found)."""
+
+
+class StoreUnreachableError(ConnectionError):
+    """The store did not answer (no server at the endpoint, DNS, a timeout): exit code 1, resumable once it is back.
+    One line, naming the endpoint."""
+
+    exit_code = 1
+
+
+# botocore/S3 error codes of refused credentials, and of a missing bucket
+_REFUSED_CODES = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken", "InvalidToken",
+                  "InvalidClientTokenId", "AllAccessDisabled", "AccountProblem", "403", "Forbidden")
+_MISSING_BUCKET_CODES = ("NoSuchBucket",)
+# client errors that mean "no answer" (botocore's endpoint and timeout errors, aiohttp's connector errors)
+_UNREACHABLE_NAMES = ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
+                      "ClientConnectorError", "ServerDisconnectedError", "ServerTimeoutError", "ProxyConnectionError")
+_CREDENTIALS_HELP = ("they come from the store's own configuration (for S3: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+                     "AWS_PROFILE, ~/.aws, an instance role)")
+
+
 def url_protocol(location: str | Path) -> str | None:
     """`s3` for `s3://bucket/x`, None for a plain path."""
     match = _URL.match(str(location)) if isinstance(location, str) else None
@@ -91,7 +123,9 @@ def check_location(location: str | Path, writable: bool, key: str = "output.dir"
 def as_location(location, storage_options: dict | None = None):
     """A local folder as a `pathlib.Path`, a URL as a `upath.UPath` (universal-pathlib: the pathlib API over the
     fsspec filesystem, so `/`, `open`, `exists`, `glob`, `read_bytes` work on both). An object that already is a
-    Path or UPath is returned as it is. Raises LocationError for a URL this installation cannot read."""
+    Path or UPath is returned as it is. Raises LocationError for a URL this installation cannot read; for a URL,
+    one request checks its bucket first (`check_store`: BucketMissingError, CredentialsRefusedError,
+    StoreUnreachableError)."""
     if isinstance(location, Path) or type(location).__module__.startswith("upath"):
         return location
     if not is_remote(location):
@@ -99,7 +133,9 @@ def as_location(location, storage_options: dict | None = None):
     check_location(location, writable=False, key="output")
     from upath import UPath
 
-    return UPath(str(location), **(storage_options or {}))
+    path = UPath(str(location), **(storage_options or {}))
+    check_store(path.fs, str(location))  # a missing bucket, refused credentials, no answer: one line, here
+    return path
 
 
 def is_remote_path(path) -> bool:
@@ -121,3 +157,105 @@ def fresh_listing(path) -> None:
     fs = getattr(path, "fs", None)
     if fs is not None and hasattr(fs, "invalidate_cache"):
         fs.invalidate_cache()
+
+
+def store_endpoint(fs) -> str:
+    """The endpoint an fsspec filesystem talks to, for messages (s3fs: its endpoint_url, else AWS's default)."""
+    import os
+
+    kwargs = getattr(fs, "client_kwargs", None) or {}
+    endpoint = kwargs.get("endpoint_url") or getattr(fs, "endpoint_url", None)
+    if not endpoint and type(fs).__module__.startswith("s3fs"):
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3 (default)"
+    return str(endpoint or getattr(fs, "protocol", "the store"))
+
+
+def _error_chain(e: BaseException):
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def _client_code(e: BaseException) -> str:
+    response = getattr(e, "response", None)
+    if isinstance(response, dict):
+        return str(response.get("Error", {}).get("Code", ""))
+    return ""
+
+
+def store_access_error(e: BaseException, url: str, fs=None) -> "StoreRefusedError | StoreUnreachableError | None":
+    """What a client error of the store means for `url`, as one of the one-line errors above, or None when it is
+    none of them (a missing object, a damaged file: the caller's own error). Reads the error and its causes: s3fs
+    turns botocore's ClientError into PermissionError/FileNotFoundError and keeps it as the cause."""
+    if isinstance(e, (StoreRefusedError, StoreUnreachableError)):
+        return e
+    bucket = url.split("://", 1)[-1].split("/", 1)[0]
+    chain = list(_error_chain(e))
+    codes = {_client_code(c) for c in chain} | {type(c).__name__ for c in chain}
+    text = " ".join(str(c) for c in chain)
+    if codes & set(_MISSING_BUCKET_CODES) or "specified bucket does not exist" in text:
+        return BucketMissingError(f"{url}: bucket {bucket!r} does not exist in the store at "
+                                  f"{store_endpoint(fs)}; create it first (nothing here creates buckets)")
+    if "NoCredentialsError" in codes or "PartialCredentialsError" in codes:
+        return CredentialsRefusedError(f"{url}: no credentials found for the store at {store_endpoint(fs)}; "
+                                       f"{_CREDENTIALS_HELP}")
+    if codes & set(_REFUSED_CODES) or any(isinstance(c, PermissionError) for c in chain):
+        reason = next((_client_code(c) for c in chain if _client_code(c)), "") or type(chain[-1]).__name__
+        return CredentialsRefusedError(f"{url}: the store at {store_endpoint(fs)} refused the credentials for bucket "
+                                       f"{bucket!r} ({reason}); {_CREDENTIALS_HELP}")
+    if codes & set(_UNREACHABLE_NAMES) or any(isinstance(c, (ConnectionError, TimeoutError)) for c in chain):
+        return StoreUnreachableError(f"{url}: the object store at {store_endpoint(fs)} does not answer "
+                                     f"({type(chain[0]).__name__}); re-run once it is reachable")
+    return None
+
+
+def check_store(fs, url: str) -> None:
+    """One request to the store holding `url` (an fsspec filesystem of it): raise BucketMissingError,
+    CredentialsRefusedError (exit 2) or StoreUnreachableError (exit 1) when the bucket cannot be used; a bucket
+    that answers passes (its prefix may be empty). S3: a ListObjectsV2 of at most one key under the prefix (the
+    read right every reader needs; a HeadBucket answers a bare 403 with no reason)."""
+    root = url.split("://", 1)[-1].rstrip("/")
+    bucket, _, prefix = root.partition("/")
+    try:
+        if hasattr(fs, "call_s3"):
+            fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=1)
+        else:
+            fs.ls(bucket)
+    except Exception as e:  # noqa: BLE001 - classified here; anything else is the caller's to see
+        known = store_access_error(e, url, fs)
+        if known is None:
+            raise
+        raise known from None
+
+
+def one_line_store_errors(main):
+    """A command's `main(argv) -> int`, with the store's errors as one line on stderr and their exit codes: refused
+    (a missing bucket, refused credentials) 2, no answer 1; also an error of the store's client met later (a store
+    that stops answering mid-read) that the command did not catch, classified the same way."""
+    import functools
+    import sys
+
+    @functools.wraps(main)
+    def wrapper(argv=None):
+        try:
+            return main(argv)
+        except (StoreRefusedError, StoreUnreachableError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return e.exit_code
+        except OSError as e:
+            if not _from_store_client(e):
+                raise
+            known = store_access_error(e, "the output")
+            code = known.exit_code if known is not None else 1
+            print(f"error: the object store failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+                  file=sys.stderr)
+            return code
+    return wrapper
+
+
+def _from_store_client(e: BaseException) -> bool:
+    """Whether an error (or its cause) comes from an object store's client package."""
+    return any(type(c).__module__.split(".")[0] in ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "adlfs")
+               or type(c).__name__ == "StoreError" for c in _error_chain(e))

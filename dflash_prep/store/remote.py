@@ -40,6 +40,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from dflash_prep.recipe.location import check_store
 from dflash_prep.store.lease import Lease, LeaseLostError, StoreError, _is_s3, store_call
 from dflash_prep.store.locks import LOCKS_DIR, OutputBusyError
 from dflash_prep.store.manifest import MANIFEST_NAME, read_committed
@@ -386,19 +387,7 @@ def claim_rank(remote: RemoteOutput, rank: int) -> Lease:
 
 
 def _check_reachable(remote: RemoteOutput) -> None:
-    """A bucket that does not exist, or credentials the store refuses: RecipeError-like OutputLocationError (exit 2,
-    nothing a re-run fixes); a store that does not answer is an OSError (exit 1: resumable once it is back)."""
-    bucket = remote.root.split("/", 1)[0]
-    try:
-        exists = remote.fs.exists(bucket)
-    except PermissionError as e:
-        raise OutputLocationError(f"{remote.url}: the store refused the credentials ({e}); they come from its own "
-                                  f"configuration (for S3: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, "
-                                  f"~/.aws, an instance role)") from None
-    if not exists:
-        raise OutputLocationError(f"{remote.url}: bucket {bucket!r} does not exist (or these credentials cannot see "
-                                  f"it); create it first, the extraction does not create buckets")
-
-
-class OutputLocationError(RuntimeError):
-    """The object store cannot hold this output as configured (no such bucket, credentials refused)."""
+    """A bucket that does not exist, or credentials the store refuses: BucketMissingError / CredentialsRefusedError
+    (exit 2, nothing a re-run fixes); a store that does not answer: StoreUnreachableError (exit 1: resumable once it
+    is back). One request (recipe/location.py `check_store`)."""
+    check_store(remote.fs, remote.url)

@@ -85,11 +85,12 @@ def _main(argv: list[str] | None, own_process: bool = False) -> int:
     from dflash_prep.commands.extract.run import run_extraction
     from dflash_prep.commands.job import OutputMismatchError
     from dflash_prep.store.locks import OutputBusyError
+    from dflash_prep.recipe.location import StoreRefusedError, StoreUnreachableError
     from dflash_prep.store.manifest import OutputStateError
 
     try:
         summary = run_extraction(recipe, own_process)
-    except (RecipeError, OutputMismatchError, OutputBusyError, OutputStateError) as e:
+    except (RecipeError, OutputMismatchError, OutputBusyError, OutputStateError, StoreRefusedError) as e:
         if not getattr(e, "reported", False):  # run.py says a refusal on the main process before the others end
             print(f"error: {e}", file=sys.stderr)
         log_to_file(f"refused (exit code {EXIT_BAD_RECIPE}): {e}")  # a claimed output's log says why it stopped
@@ -112,6 +113,10 @@ def _main(argv: list[str] | None, own_process: bool = False) -> int:
     except KeyboardInterrupt:  # Ctrl-C outside the loop (which handles it at a batch boundary)
         print("error: stopped by Ctrl-C; committed shards are intact, re-run the same command to resume",
               file=sys.stderr)
+        return EXIT_STOPPED
+    except StoreUnreachableError as e:  # its line names the endpoint; nothing was written
+        print(f"error: {e}", file=sys.stderr)
+        log_to_file(f"stopped (exit code {EXIT_STOPPED}): {e}")
         return EXIT_STOPPED
     except OSError as e:
         if log.handlers:

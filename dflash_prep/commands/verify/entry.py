@@ -11,6 +11,7 @@ import torch
 
 from dflash_prep.commands.verify.report import CannotVerify, finite_or_null, format_report
 from dflash_prep.commands.verify.run import verify
+from dflash_prep.recipe.location import one_line_store_errors
 
 
 def build_parser(prog: str = "dflash-prep verify") -> argparse.ArgumentParser:
@@ -46,6 +47,7 @@ def _device_problem(name: str) -> str | None:
     return None
 
 
+@one_line_store_errors
 def main(argv: list[str] | None = None) -> int:
     """`dflash-prep verify OUT [--num-samples N] [--seed S]`: 0 pass, 1 fail, 2 cannot verify."""
     args = build_parser().parse_args(argv)
