@@ -108,6 +108,11 @@ def _detect_format(path: str | list[str], fmt: str) -> tuple[str, Any]:
     if fmt == "hub":
         return "hub", path
     p = Path(path)
+    if fmt in ("auto", "disk") and p.is_dir() and _is_unfinished_regeneration(p):
+        raise RecipeError(f"recipe key `data.path` = {path!r} is an unfinished regeneration output (its "
+                          f"`state.json`, written last, is not there yet): finish it by re-running the "
+                          f"`dflash-prep regenerate` command (or the recipe with its `regenerate:` section) that "
+                          f"made it, which resumes; then give the folder as `data.path`")
     if fmt == "disk" or (fmt == "auto" and p.is_dir() and (
             (p / "dataset_info.json").exists() or (p / "state.json").exists() or (p / "dataset_dict.json").exists())):
         if not p.is_dir():
@@ -227,8 +232,62 @@ def _content_cache_dir(files: list[str]) -> str | None:
 
 
 def check_data_source(section: DataSection) -> None:
-    """Fail (RecipeError naming the key) when `data.path`/`data.format` cannot be read; cheap, no loading."""
-    _detect_format(section.path, section.format)
+    """Fail (RecipeError naming the key) when `data.path`/`data.format` cannot be read; cheap, no loading. A
+    `save_to_disk` folder is checked whole here (`check_disk_folder`), so a damaged one is refused before any
+    output is claimed."""
+    kind, source = _detect_format(section.path, section.format)
+    if kind == "disk":
+        check_disk_folder(Path(source), section.path)
+
+
+_REGEN_FORMAT = "dflash-prep regenerated rows"  # regen/output.py's run_state.json `format` (data/ may not import it)
+
+
+def _is_unfinished_regeneration(folder: Path) -> bool:
+    """A regeneration's output folder whose dataset files (`state.json`, written last) are not there yet."""
+    if (folder / "state.json").exists() or (folder / "dataset_dict.json").exists():
+        return False
+    try:
+        return json.loads((folder / "run_state.json").read_text()).get("format") == _REGEN_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_disk_folder(folder: Path, key_value) -> None:
+    """RecipeError (one line, naming the file) unless `folder` is a whole `save_to_disk` folder: every split's
+    `state.json` and `dataset_info.json` parse, and every Arrow file a `state.json` lists is there and opens as an
+    Arrow stream (its schema is read, not its rows). What `datasets.load_from_disk` would otherwise meet later,
+    after the output was claimed, as a traceback or a FileNotFoundError."""
+    import pyarrow as pa
+
+    def bad(why: str) -> RecipeError:
+        return RecipeError(f"recipe key `data.path` = {key_value!r}: the save_to_disk folder is damaged or "
+                           f"incomplete ({why}); regenerate it, or give the files it was made from")
+    try:
+        if (folder / "dataset_dict.json").is_file():
+            splits = json.loads((folder / "dataset_dict.json").read_text())["splits"]
+            states = [folder / str(split) / "state.json" for split in splits]
+        else:
+            states = [folder / "state.json"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise bad(f"{folder / 'dataset_dict.json'}: {type(e).__name__}: {e}") from None
+    for state in states:
+        info = state.parent / "dataset_info.json"
+        for path in (state, *([info] if info.exists() else [])):
+            try:
+                content = json.loads(path.read_text())
+                if path == state and not [str(entry["filename"]) for entry in content["_data_files"]]:
+                    raise ValueError("it lists no data file")
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise bad(f"{path}: {type(e).__name__}: {str(e)[:160]}") from None
+        listed = [str(entry["filename"]) for entry in json.loads(state.read_text())["_data_files"]]
+        for name in listed:
+            arrow = state.parent / name
+            try:
+                with pa.memory_map(str(arrow)) as source:
+                    pa.ipc.open_stream(source).schema
+            except (OSError, pa.ArrowException) as e:
+                raise bad(f"{arrow}, listed in {state.name}: {type(e).__name__}: {str(e)[:160]}") from None
 
 
 INVALID_UTF8_LINE = "\x00invalid utf-8\x00"  # stands for a line whose bytes are not UTF-8 (no JSON text is this)
@@ -378,7 +437,12 @@ def load_rows(section: DataSection):
 
     kind, source = _detect_format(section.path, section.format)
     if kind == "disk":
-        ds = datasets.load_from_disk(source)
+        check_disk_folder(Path(source), section.path)
+        try:
+            ds = datasets.load_from_disk(source)
+        except (OSError, ValueError, KeyError, TypeError) as e:  # a folder damaged since the check
+            raise RecipeError(f"recipe key `data.path` = {section.path!r}: cannot read the save_to_disk folder "
+                              f"({type(e).__name__}: {str(e)[:160]})") from None
         if isinstance(ds, datasets.DatasetDict):
             if section.split not in ds:
                 raise RecipeError(f"recipe key `data.split` = {section.split!r}: the dataset has splits {list(ds)}")
@@ -679,7 +743,8 @@ def tokenize_dataset(rows, tokenizer, section: DataSection, vocab_size: int,
                    stop_token_ids=None if stop_token_ids is None else list(stop_token_ids))
     try:
         tokenized = rows.map(fn, batched=True, batch_size=256, with_indices=True, remove_columns=rows.column_names,
-                             num_proc=section.num_proc, desc="tokenize", features=_tokenized_features())
+                             num_proc=section.num_proc, desc="tokenize", features=_tokenized_features(),
+                             **_disk_map_cache(section, rows, fn))
     except Exception as e:  # noqa: BLE001 - datasets can load a JSON table it then fails to decode (odd keys)
         kind, files = _detect_format(section.path, section.format)
         if kind != "json" or rows.column_names == [RAW_JSON_COLUMN]:
@@ -703,6 +768,28 @@ def tokenize_dataset(rows, tokenizer, section: DataSection, vocab_size: int,
     kept = tokenized.select(kept_idx) if skipped_idx else tokenized
     return TokenizedData(kept=kept, num_rows=len(tokenized), skipped_counts=dict(sorted(counts.items())),
                          skipped_rows=skipped_rows, kinds=_kinds_summary(tokenized, reasons))
+
+
+def _disk_map_cache(section: DataSection, rows, fn) -> dict:
+    """`map` arguments that keep the tokenization cache of a `save_to_disk` folder out of that folder and key it on
+    the bytes of the files `load_from_disk` reads ({} for other sources, and with datasets' caching off).
+
+    Why: `datasets` writes a mapped cache file beside the dataset's own Arrow files (inside the user's folder) and
+    names it after the fingerprint in the folder's `state.json`, which an edit of the rows does not change, so an
+    edited folder would read the old tokenized rows back. Here the cache file lives in the content-keyed folder of
+    the project's cache (as local files' caches do) and its name joins the content key with datasets' own hash of
+    the transform (the tokenizer, the template, the settings) and of the rows selected (`max_samples`)."""
+    import datasets
+    from datasets.fingerprint import Hasher
+
+    kind, source = _detect_format(section.path, section.format)
+    if kind != "disk" or not datasets.is_caching_enabled():
+        return {}
+    files = _disk_dataset_files(Path(source))
+    folder = Path(_content_cache_dir(files))
+    folder.mkdir(parents=True, exist_ok=True)
+    key = Hasher.hash([_content_key(files), section.split, len(rows), fn, _tokenized_features().to_dict(), 256])
+    return {"cache_file_name": str(folder / f"tokenized-{key}.arrow"), "new_fingerprint": key}
 
 
 def _kinds_summary(tokenized, reasons: list[str]) -> dict[str, dict]:
