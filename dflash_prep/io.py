@@ -19,48 +19,48 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_json(path: Path, obj) -> None:
+def _atomic_write(path: Path, write, mode: str = "w") -> None:
+    """`write(f)` into `NAME.tmp`, fsync, rename over `NAME`, fsync the folder. A failed write (a full disk, a
+    quota) removes the tmp file (an unlink needs no space) and raises the OSError: nothing is left behind."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
+    try:
+        with open(tmp, mode) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path, obj) -> None:
+    def write(f):
         json.dump(obj, f, indent=2, sort_keys=False)
         f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    _atomic_write(path, write)
 
 
 def atomic_save_safetensors(path: Path, tensors: dict, metadata: dict[str, str]) -> None:
-    """`safetensors.torch.save_file` written like `atomic_write_json` (tmp, fsync, rename, fsync the folder)."""
-    from safetensors.torch import save_file
+    """A safetensors file written like `atomic_write_json`. Serialized in memory (`safetensors.torch.save`) and
+    written here, so a full disk raises an OSError (its errno kept), not safetensors' own SafetensorError; only
+    small files go through here (token counts, a final norm: a vocabulary's or a hidden size's worth)."""
+    from safetensors.torch import save
 
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    data = save(tensors, metadata=metadata)
+    _atomic_write(path, lambda f: f.write(data), "wb")
 
 
 def atomic_write_jsonl(path: Path, rows: list[dict]) -> None:
     """One JSON object per line, written like `atomic_write_json` (a kill leaves the old file or the new one)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    _atomic_write(path, lambda f: f.writelines(json.dumps(row) + "\n" for row in rows))
 
 
 def atomic_write_lines(path: Path, lines: list[bytes]) -> None:
     """`lines` (bytes, each with its own newline) as the whole of `path`, written like `atomic_write_json`: a rank
     index rewritten without some records (store/manifest.py, regen/output.py)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.writelines(lines)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    _atomic_write(path, lambda f: f.writelines(lines), "wb")

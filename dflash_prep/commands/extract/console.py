@@ -22,6 +22,44 @@ class _ConsoleFormatter(logging.Formatter):
         return super().format(record)
 
 
+class LogFileHandler(logging.FileHandler):
+    """A rank's log file whose failed writes (a full disk, a quota) are counted, never printed: logging's own
+    `handleError` prints `--- Logging error ---` and a traceback to stderr for each line it cannot write, which
+    buries the one line the command ends with. `failed_writes` and `first_error` say what was lost; the run's
+    outcome comes from its own writes (the shards, the index, the manifest), which raise as always."""
+
+    def __init__(self, filename, *args, **kwargs):
+        super().__init__(filename, *args, **kwargs)
+        self.failed_writes = 0
+        self.first_error: BaseException | None = None
+
+    def handleError(self, record: logging.LogRecord | None) -> None:  # noqa: N802 - logging's name
+        error = sys.exc_info()[1]
+        self.failed_writes += 1
+        if self.first_error is None:
+            self.first_error = error
+
+    def flush(self) -> None:
+        try:
+            super().flush()
+        except OSError:
+            self.handleError(None)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError:  # the buffered tail of the file could not be written
+            self.handleError(None)
+
+
+def lost_log_lines() -> str | None:
+    """'N line(s) could not be written to PATH (ERROR)' when a log file failed a write this run, else None."""
+    for h in log.handlers:
+        if isinstance(h, LogFileHandler) and h.failed_writes:
+            return f"{h.failed_writes} log line(s) could not be written to {h.baseFilename} ({h.first_error})"
+    return None
+
+
 def setup_logging(out_dir: Path, rank: int, is_main: bool) -> None:
     """Console from the main process only; every rank to its own log file, once the run has claimed the output
     (`attach_log_file`): until then the lines are held, so a run refused before its claim (the folder is another
@@ -48,7 +86,7 @@ def attach_log_file(out_dir: Path, rank: int) -> None:
     """The run holds the output: its rank's log file from now on (`OUT/logs/rank-R.log`), the lines held since
     `setup_logging` first."""
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
-    fh = logging.FileHandler(out_dir / "logs" / f"{rank_name(rank)}.log")
+    fh = LogFileHandler(out_dir / "logs" / f"{rank_name(rank)}.log")
     fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     for held in [h for h in log.handlers if isinstance(h, logging.handlers.MemoryHandler)]:
         held.setTarget(fh)

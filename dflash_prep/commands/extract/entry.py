@@ -124,4 +124,8 @@ def _main(argv: list[str] | None, own_process: bool = False) -> int:
         print(f"error: {type(e).__name__}: {e}. Committed shards are intact; fix the cause and re-run the same "
               f"command to resume (details in {_logs_folder(recipe)})", file=sys.stderr)
         return EXIT_STOPPED
+    from dflash_prep.commands.extract.console import lost_log_lines
+
+    if (lost := lost_log_lines()) is not None and os.environ.get("RANK", "0") == "0":
+        print(f"warning: {lost}", file=sys.stderr)  # the run's own writes succeeded; its log is incomplete
     return failed_samples_code(recipe, summary)

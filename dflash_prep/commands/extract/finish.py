@@ -64,11 +64,11 @@ def finish_run(run: Run, data, rank_plan: RankPlan) -> dict:
             f"recorded as failed: {len(set(data.kept['sample_id']) - accounted)} missing; re-run the same command "
             f"to finish")
     # The draft vocabulary's input: supervised-token frequencies over exactly the samples the manifest lists.
-    manifest["token_freq"] = write_token_freq(
-        out_dir, count_supervised_tokens(data.kept, vocab_size_of(run.config), written), len(written))
+    counts = count_supervised_tokens(data.kept, vocab_size_of(run.config), written)
     summary = previous or _summary(run, data, rank_plan, manifest, reports)
     manifest["summary"] = {k: summary[k] for k in ("num_batches", "padding_efficiency", "num_ranks")}
-    try:
+    try:  # every write of the end phase: a full disk or a quota here is one line, exit code 1
+        manifest["token_freq"] = write_token_freq(out_dir, counts, len(written))
         atomic_write_jsonl(out_dir / FAILED_NAME, failed_rows)
         if previous is None:
             atomic_write_json(out_dir / SUMMARY_NAME, summary)
@@ -77,8 +77,8 @@ def finish_run(run: Run, data, rank_plan: RankPlan) -> dict:
         if run.remote is not None:
             run.remote.push_state()  # every small file the run wrote, the manifest last
     except OSError as e:
-        raise ExtractionError(f"writing the manifest failed ({e}); every shard is committed: re-run the same "
-                              f"command (nothing is recomputed) to write it") from e
+        raise ExtractionError(f"writing the end files (token counts, summary, manifest) failed ({e}); every shard "
+                              f"is committed: re-run the same command (nothing is recomputed) to write them") from e
     _log_done(summary, data.skipped_counts, run.remote.name(MANIFEST_NAME) if run.remote is not None
               else out_dir / MANIFEST_NAME)
     return summary
