@@ -296,7 +296,7 @@ class Lease:
         higher generation appeared meanwhile (then ours is removed again)."""
         record = self._record_now(generation)
         tmp = self.folder / f".{self.name}.{self.run_id}.{os.getpid()}.tmp"
-        _write_record(tmp, record)
+        _write_record(tmp, record)  # removes its tmp when the write fails (a full disk)
         final = self.path_of(generation)
         try:
             os.link(tmp, final)
@@ -363,16 +363,50 @@ class Lease:
 
 
 def _write_record(path: Path, record: dict) -> None:
-    with open(path, "w") as f:
-        f.write(json.dumps(record))
-        f.flush()
-        os.fsync(f.fileno())
+    """A lease record into the tmp file `path`; a failed write (a full disk, a quota) removes it and raises."""
+    try:
+        with open(path, "w") as f:
+            f.write(json.dumps(record))
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        _unlink_quietly(path)
+        raise
 
 
 def _replace_record(path: Path, record: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     _write_record(tmp, record)
-    os.replace(tmp, path)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+STALE_TMP_SECONDS = 60.0  # a lease record's tmp file lives milliseconds (write, link or rename): older is left over
+
+
+def remove_stale_tmp(folder: Path, older_than_seconds: float = STALE_TMP_SECONDS) -> list[Path]:
+    """Remove the lease records' tmp files (`.NAME....tmp`) in `folder` older than `older_than_seconds`: what a
+    process killed between writing one and linking or renaming it leaves (a failed write removes its own). Called
+    by a run that ends holding the output; -> the files removed."""
+    removed, now = [], time.time()
+    for p in Path(folder).glob(".*.tmp"):
+        try:
+            if now - p.stat().st_mtime > older_than_seconds:
+                p.unlink()
+                removed.append(p)
+        except OSError:  # gone meanwhile, or not ours to remove
+            continue
+    return removed
 
 
 def read_lease(path: Path) -> LeaseRecord | None:
@@ -413,6 +447,8 @@ class OutputLock:
 
     def release(self) -> None:
         self.lease.release()
+        if self.flock.fd is not None and self.flock.path.name == "run.lock":  # the run's end: tmp files left over
+            remove_stale_tmp(self.flock.path.parent)
         self.flock.release()
 
 
@@ -500,3 +536,10 @@ def running_holders(out_dir: Path) -> dict[str, str]:
     for name, record in _live_leases(out_dir).items():
         held.setdefault(name, f"pid {record.get('pid')} on {record.get('host')}")
     return held
+
+
+def held_by_a_run(out_dir: Path) -> bool:
+    """Whether a live lease of `out_dir` (its run's or a rank's) exists now. Reads the lease records only: no flock
+    probe, which would take the lock for an instant and could make a run starting beside it refuse as busy (a
+    follower asks this while runs come and go)."""
+    return bool(_live_leases(out_dir))
