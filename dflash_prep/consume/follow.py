@@ -34,11 +34,35 @@ from dflash_prep.consume.shard_format import TORCH_DTYPES, OutputLayout, ShardIn
 from dflash_prep.recipe.location import fresh_listing, read_whole
 from dflash_prep.store.lease import StoreError, store_call
 from dflash_prep.store.manifest import MANIFEST_NAME, STATE_NAME, read_manifest
-from dflash_prep.store.records import INDEX_DIR, ShardRecord
+from dflash_prep.store.records import INDEX_DIR, SUPERSEDED_NAME, ShardRecord
 
 DEFAULT_POLL_SECONDS = 5.0
+DEFAULT_UNHELD_TIMEOUT_SECONDS = 600.0  # a follower of an output no run holds gives up after this long
+HOLDER_CHECK_SECONDS = 30.0  # how often a follower without news looks at the output's run lease (< a minute)
+
+
+class OutputNotHeldError(TimeoutError):
+    """A followed output has no manifest and no run has held it for `unheld_timeout_seconds`: its extraction died
+    and was not resumed. One line."""
 
 log = logging.getLogger("dflash_prep")
+
+
+def _complete_records(index) -> list[ShardRecord]:
+    """The complete, readable lines of one index file, up to its first bad line ([] when absent)."""
+    try:
+        data = read_whole(index)
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in data[:data.rfind(b"\n") + 1].splitlines():
+        if not line.strip():
+            continue
+        try:
+            records.append(ShardRecord(**json.loads(line)))
+        except (ValueError, TypeError):
+            break
+    return records
 
 
 def committed_now(out_dir) -> list[ShardRecord]:
@@ -46,21 +70,58 @@ def committed_now(out_dir) -> list[ShardRecord]:
     `index/rank-*.jsonl`, in file and line order (reading stops at a file's first bad line, as `read_committed`)."""
     records, seen = [], set()
     for index in sorted((out_dir / INDEX_DIR).glob("rank-*.jsonl"), key=str):
-        try:
-            data = read_whole(index)
-        except FileNotFoundError:
-            continue
-        for line in data[:data.rfind(b"\n") + 1].splitlines():
-            if not line.strip():
-                continue
-            try:
-                record = ShardRecord(**json.loads(line))
-            except (ValueError, TypeError):
-                break
+        for record in _complete_records(index):
             if record.path not in seen:
                 seen.add(record.path)
                 records.append(record)
     return records
+
+
+def superseded_now(out_dir) -> list[ShardRecord]:
+    """The records a resume dropped (committed shards found damaged, then redone), in the order it dropped them
+    (`index/superseded.jsonl`, store/manifest.py `drop_records`)."""
+    return _complete_records(out_dir / INDEX_DIR / SUPERSEDED_NAME)
+
+
+def sample_owners(superseded: list[ShardRecord], num_consumers: int) -> dict[str, int]:
+    """Sample id -> the consumer that owned it first: a dropped record's samples stay with the consumer of the
+    dropped shard (which may have yielded them already), whichever shard the resume redid them into. The first
+    dropped record listing a sample decides; every consumer computes the same map from the same file."""
+    owners: dict[str, int] = {}
+    for record in superseded:
+        consumer = consumer_of(record.path, num_consumers)
+        for sample_id in record.sample_ids:
+            owners.setdefault(sample_id, consumer)
+    return owners
+
+
+def wanted_of(record_sample_ids: list[str], path: str, owners: dict[str, int], consumer: int,
+              num_consumers: int) -> frozenset[str] | None | bool:
+    """What `consumer` reads of a committed shard: None (all of it: the usual case, no sample of it was in a
+    dropped shard), the set of its sample ids this consumer owns, or False (none)."""
+    default = consumer_of(path, num_consumers)
+    if not owners or not any(s in owners for s in record_sample_ids):
+        return None if default == consumer else False
+    mine = frozenset(s for s in record_sample_ids if owners.get(s, default) == consumer)
+    if not mine:
+        return False
+    return None if len(mine) == len(record_sample_ids) else mine
+
+
+def output_held(out_dir) -> bool:
+    """Whether a live run holds the output now: a local folder's live lease (store/locks.py; its records are read,
+    its flocks never probed), an object-store output's run lease present and renewed (store/lease.py)."""
+    from dflash_prep.recipe.location import is_remote_path
+
+    if not is_remote_path(out_dir):
+        from dflash_prep.store.locks import held_by_a_run
+
+        return held_by_a_run(out_dir)
+    from dflash_prep.store.lease import Lease
+
+    lease = Lease(out_dir.fs, (out_dir / "locks" / "run.lease").path)
+    content, _ = lease.read()
+    return content is not None and not lease.stale(content)
 
 
 def layout_before_manifest(out_dir) -> OutputLayout | None:
@@ -87,41 +148,105 @@ def _manifest_or_none(out_dir) -> dict | None:
 
 
 @store_call
-def _poll(out_dir, layout: OutputLayout | None) -> tuple[dict | None, OutputLayout | None, list[ShardInfo]]:
-    """One look at the output: (its manifest or None, the layout, the committed shards in commit order)."""
+def _poll(out_dir, layout: OutputLayout | None
+          ) -> tuple[dict | None, OutputLayout | None, list[ShardInfo], list[ShardRecord], list[ShardRecord]]:
+    """One look at the output: (its manifest or None, the layout, the committed shards in commit order, their
+    records, the superseded records). The superseded records are read after the indexes: a record committed by a
+    redo is then always seen with the dropped record it replaces (written before the redo began)."""
     fresh_listing(out_dir)
     manifest = _manifest_or_none(out_dir)
     if manifest is not None:
-        return manifest, OutputLayout.from_manifest(manifest), shards_of(out_dir, manifest)
+        shards = shards_of(out_dir, manifest)
+        indexed = {r.path: r for r in committed_now(out_dir)}  # the manifest lists no sample ids; the indexes do
+        records = [indexed.get(s.rel_path) or ShardRecord(path=s.rel_path, num_samples=s.num_samples,
+                                                          num_tokens=s.num_tokens, num_bytes=s.num_bytes,
+                                                          sha256=s.sha256) for s in shards]
+        return manifest, OutputLayout.from_manifest(manifest), shards, records, superseded_now(out_dir)
     layout = layout or layout_before_manifest(out_dir)
-    return None, layout, [] if layout is None else [
-        ShardInfo(path=out_dir / r.path, rel_path=r.path, num_samples=r.num_samples, num_tokens=r.num_tokens,
-                  num_bytes=r.num_bytes, sha256=r.sha256) for r in committed_now(out_dir)]
+    if layout is None:
+        return None, None, [], [], []
+    records = committed_now(out_dir)
+    shards = [ShardInfo(path=out_dir / r.path, rel_path=r.path, num_samples=r.num_samples, num_tokens=r.num_tokens,
+                        num_bytes=r.num_bytes, sha256=r.sha256) for r in records]
+    return None, layout, shards, records, superseded_now(out_dir)
+
+
+class _Holder:
+    """The follower's watch on whether a run holds the output: looked at every HOLDER_CHECK_SECONDS while nothing
+    lands; says once (a warning) when no run holds it, and raises OutputNotHeldError after `timeout_seconds`."""
+
+    def __init__(self, out_dir, timeout_seconds: float | None, speaks: bool):
+        self.out_dir, self.timeout_seconds, self.speaks = out_dir, timeout_seconds, speaks
+        self.unheld_since: float | None = None
+        self.checked_at = -float("inf")
+
+    def news(self) -> None:
+        self.unheld_since = None
+
+    def check(self, now: float) -> None:
+        if now - self.checked_at < HOLDER_CHECK_SECONDS:
+            self._raise_if_past(now)
+            return
+        self.checked_at = now
+        try:
+            held = output_held(self.out_dir)
+        except Exception as e:  # noqa: BLE001 - a lease that cannot be read: look again next time
+            log.debug("%s: cannot read its run lease: %s", self.out_dir, e)
+            return
+        if held:
+            if self.unheld_since is not None and self.speaks:
+                log.warning("%s: a run holds the output again; following it", self.out_dir)
+            self.unheld_since = None
+        elif self.unheld_since is None:
+            self.unheld_since = now
+            if self.speaks:
+                ends = (f"stops in {self.timeout_seconds:g} s unless one resumes it (unheld_timeout_seconds)"
+                        if self.timeout_seconds is not None else "waits for one to resume it")
+                log.warning("%s: no extraction holds this output and it has no manifest (none started yet, or its "
+                            "run died): the follower %s", self.out_dir, ends)
+        self._raise_if_past(now)
+
+    def _raise_if_past(self, now: float) -> None:
+        if (self.unheld_since is not None and self.timeout_seconds is not None
+                and now - self.unheld_since > self.timeout_seconds):
+            raise OutputNotHeldError(
+                f"{self.out_dir}: no extraction has held this output for {now - self.unheld_since:.0f} s and it has "
+                f"no manifest (its run died and was not resumed): re-run the extraction's command to resume it, or "
+                f"follow with a larger unheld_timeout_seconds (None: wait forever)")
 
 
 def follow_shards(out_dir, consumer: int, num_consumers: int, poll_seconds: float = DEFAULT_POLL_SECONDS,
-                  timeout_seconds: float | None = None) -> Iterator[tuple[ShardInfo, OutputLayout]]:
-    """This consumer's committed shards, each once, as they land; ends at the manifest (module docstring)."""
+                  timeout_seconds: float | None = None,
+                  unheld_timeout_seconds: float | None = DEFAULT_UNHELD_TIMEOUT_SECONDS,
+                  ) -> Iterator[tuple[ShardInfo, OutputLayout, frozenset[str] | None]]:
+    """This consumer's committed shards, each once, as they land: (shard, layout, the sample ids to keep, None for
+    all); ends at the manifest (module docstring)."""
     done: set[tuple[str, str]] = set()
     layout = None
     last_news = time.monotonic()
+    holder = _Holder(out_dir, unheld_timeout_seconds, speaks=consumer == 0)
     while True:
         try:
-            manifest, layout, shards = _poll(out_dir, layout)
+            manifest, layout, shards, records, superseded = _poll(out_dir, layout)
         except (OSError, StoreError) as e:  # the store or the network failed this once: look again next time
             log.warning("%s: %s; looking again in %g s", out_dir, e, poll_seconds)
-            manifest, shards = None, []
-        news = [s for s in shards if (s.rel_path, s.sha256) not in done]
-        for shard in news:
+            manifest, shards, records, superseded = None, [], [], []
+        owners = sample_owners(superseded, num_consumers)
+        news = [(s, r) for s, r in zip(shards, records) if (s.rel_path, s.sha256) not in done]
+        for shard, record in news:
             done.add((shard.rel_path, shard.sha256))
-            if consumer_of(shard.rel_path, num_consumers) == consumer:
-                yield shard, layout
+            wanted = wanted_of(record.sample_ids, shard.rel_path, owners, consumer, num_consumers)
+            if wanted is not False:
+                yield shard, layout, wanted
         if manifest is not None:
             return
         now = time.monotonic()
         if news:
             last_news = now
-        elif timeout_seconds is not None and now - last_news > timeout_seconds:
-            raise TimeoutError(f"{out_dir}: no new committed shard and no manifest for {timeout_seconds:g} s (is the "
-                               f"extraction running?)")
+            holder.news()
+        else:
+            if timeout_seconds is not None and now - last_news > timeout_seconds:
+                raise TimeoutError(f"{out_dir}: no new committed shard and no manifest for {timeout_seconds:g} s "
+                                   f"(is the extraction running?)")
+            holder.check(now)
         time.sleep(poll_seconds)

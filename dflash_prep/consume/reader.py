@@ -83,7 +83,12 @@ import webdataset as wds
 from torch.utils.data import IterableDataset, get_worker_info
 
 from dflash_prep.consume.collator import SEQUENCE_KEYS, DFlashCollator, has_supervised_pair, truncate_sample
-from dflash_prep.consume.follow import DEFAULT_POLL_SECONDS, follow_shards
+from dflash_prep.consume.follow import (
+    DEFAULT_POLL_SECONDS,
+    DEFAULT_UNHELD_TIMEOUT_SECONDS,
+    OutputNotHeldError,
+    follow_shards,
+)
 from dflash_prep.consume.shard_format import (
     FP8_MODES,
     MEMBER_INPUT_IDS,
@@ -120,7 +125,7 @@ __all__ = ["MEMBER_INPUT_IDS", "MEMBER_LOSS_MASK", "MEMBER_STATES", "MEMBER_META
            "manifest_shard_problems", "shards_of", "sample_key", "HashingReader", "iter_tar_samples", "decode_sample",
            "iter_shard", "resolve_rank_world", "ConsumerPlan", "epoch_shard_order", "plan_consumer",
            "plan_from_order", "SplitByConsumer", "ShardDataset", "has_supervised_pair", "SEQUENCE_KEYS",
-           "truncate_sample", "DFlashCollator"]
+           "truncate_sample", "DFlashCollator", "OutputNotHeldError"]
 
 
 class ShardDataset(IterableDataset):
@@ -158,7 +163,9 @@ class ShardDataset(IterableDataset):
                  rank: int | None = None, world_size: int | None = None, split: str = "auto",
                  include_meta: bool = False, fp8: str = "bfloat16", verify_sha256: bool = True,
                  final: str = "as_stored", follow: bool = False, poll_seconds: float = DEFAULT_POLL_SECONDS,
-                 timeout_seconds: float | None = None, storage_options: dict | None = None):
+                 timeout_seconds: float | None = None,
+                 unheld_timeout_seconds: float | None = DEFAULT_UNHELD_TIMEOUT_SECONDS,
+                 storage_options: dict | None = None):
         super().__init__()
         if fp8 not in FP8_MODES:
             raise ValueError(f"fp8 must be one of {FP8_MODES}, got {fp8!r}")
@@ -170,6 +177,7 @@ class ShardDataset(IterableDataset):
             raise ValueError("pass both rank and world_size, or neither")
         self.out_dir = as_location(out_dir, storage_options)  # a folder, or an object-store URL (fsspec)
         self.follow, self.poll_seconds, self.timeout_seconds = follow, poll_seconds, timeout_seconds
+        self.unheld_timeout_seconds = unheld_timeout_seconds
         if follow and not (self.out_dir / "manifest.json").is_file():
             if final != "as_stored":
                 raise ValueError(f"final={final!r} needs the finished output's final norm: follow=True reads the final "
@@ -221,13 +229,36 @@ class ShardDataset(IterableDataset):
         return read_final_norm(self.out_dir)
 
     # -- facts ---------------------------------------------------------------------------------------------
+    def _manifest_now(self) -> dict | None:
+        """The manifest; a follower built before it existed reads it once it does (then it is kept)."""
+        if self.manifest is None and self.follow and (self.out_dir / "manifest.json").is_file():
+            self.manifest = read_manifest(self.out_dir)
+            self.layout = self.layout or OutputLayout.from_manifest(self.manifest)
+        return self.manifest
+
     @property
     def num_samples(self) -> int:
-        """Samples in the whole output (all ranks together) per epoch (ValueError while a followed output has no
-        manifest yet)."""
-        if self.manifest is None:
+        """Samples in the whole output (all ranks together) per epoch. A follower: once the manifest exists
+        (ValueError before)."""
+        if self._manifest_now() is None:
             raise ValueError(f"{self.out_dir}: the number of samples is known once the extraction wrote its manifest")
         return int(self.manifest["num_samples"])
+
+    def __bool__(self) -> bool:  # a dataset is truthy, also while len() cannot answer yet
+        return True
+
+    def __len__(self) -> int:
+        """Samples this reader yields per epoch, all its DataLoader workers together: `num_samples` for a reader of
+        one rank (every sample once, whatever the number of workers). Several ranks: a rank's count depends on its
+        number of workers, so len() raises TypeError naming `num_samples_for(rank, world_size, num_workers)`.
+        A follower: once the manifest exists (TypeError before)."""
+        if self._manifest_now() is None:
+            raise TypeError(f"{self.out_dir}: a follower's length is known once the extraction wrote its manifest")
+        _, world_size = resolve_rank_world(self.rank, self.world_size)
+        if world_size != 1:
+            raise TypeError(f"len() of a reader of rank {self.rank} of {world_size}: its count depends on the "
+                            f"DataLoader workers; use num_samples_for(rank, world_size, num_workers)")
+        return self.num_samples
 
     @property
     def layer_ids(self) -> list[int]:
@@ -272,10 +303,12 @@ class ShardDataset(IterableDataset):
     def _follow_samples(self, consumer: int, num_consumers: int) -> Iterator[dict[str, Any]]:
         """follow=True: this consumer's samples of each shard as it is committed, until the manifest (follow.py)."""
         yielded: set[str] = set()
-        for shard, layout in follow_shards(self.out_dir, consumer, num_consumers, self.poll_seconds,
-                                           self.timeout_seconds):
+        for shard, layout, wanted in follow_shards(self.out_dir, consumer, num_consumers, self.poll_seconds,
+                                                   self.timeout_seconds, self.unheld_timeout_seconds):
             for sample in iter_shard(shard, layout, None, self.include_meta, fp8=self.fp8,
                                      verify_sha256=self.verify_sha256):
+                if wanted is not None and sample["sample_id"] not in wanted:
+                    continue  # a redone sample another consumer owns (follow.py `sample_owners`)
                 if sample["sample_id"] not in yielded:
                     yielded.add(sample["sample_id"])
                     yield sample if self.final_norm is None else with_after_norm_final(sample, self.final_norm)

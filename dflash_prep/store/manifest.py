@@ -13,7 +13,7 @@ from pathlib import Path
 
 from dflash_prep.io import atomic_write_json, atomic_write_lines
 from dflash_prep.recipe.location import as_location, read_whole
-from dflash_prep.store.records import INDEX_DIR, SHARDS_DIR, ShardRecord
+from dflash_prep.store.records import INDEX_DIR, SHARDS_DIR, SUPERSEDED_NAME, ShardRecord
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -137,10 +137,19 @@ def damaged_shards(out_dir: str | Path, committed: list[ShardRecord]) -> dict[st
 
 def drop_records(out_dir: str | Path, paths: set[str]) -> None:
     """Remove the index lines of the shards `paths` (and those files): their batches are then not committed and
-    a run redoes them. Each rank index is rewritten atomically. Main process only, no rank writing."""
+    a run redoes them. Each rank index is rewritten atomically. The dropped lines are appended to
+    `index/superseded.jsonl` first (a follower's record of where their samples went). Main process only, no rank
+    writing."""
     out_dir = Path(out_dir)
-    for index in sorted((out_dir / INDEX_DIR).glob("rank-*.jsonl")):
-        lines = index.read_bytes().splitlines(keepends=True)
+    indexes = {index: index.read_bytes().splitlines(keepends=True)
+               for index in sorted((out_dir / INDEX_DIR).glob("rank-*.jsonl"))}
+    dropped = [line for lines in indexes.values() for line in lines
+               if line.strip() and json.loads(line).get("path") in paths]
+    if dropped:  # first, so a follower never sees the redone shard without the record it replaces
+        superseded = out_dir / INDEX_DIR / SUPERSEDED_NAME
+        before = superseded.read_bytes().splitlines(keepends=True) if superseded.exists() else []
+        atomic_write_lines(superseded, before + [line if line.endswith(b"\n") else line + b"\n" for line in dropped])
+    for index, lines in indexes.items():
         kept = [line for line in lines if not line.strip() or json.loads(line).get("path") not in paths]
         if len(kept) != len(lines):
             atomic_write_lines(index, kept)

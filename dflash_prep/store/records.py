@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 SHARDS_DIR = "shards"
 INDEX_DIR = "index"
 SUMMARY_NAME = "summary.json"
+# index/superseded.jsonl: the records of committed shards a resume dropped (found damaged, redone), kept so that a
+# follower that met them can send their redone samples to the consumer that had them (consume/follow.py)
+SUPERSEDED_NAME = "superseded.jsonl"
 FAILED_NAME = "failed.jsonl"
 
 

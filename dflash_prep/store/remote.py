@@ -44,7 +44,7 @@ from dflash_prep.recipe.location import check_store
 from dflash_prep.store.lease import Lease, LeaseLostError, StoreError, _is_s3, store_call
 from dflash_prep.store.locks import LOCKS_DIR, OutputBusyError
 from dflash_prep.store.manifest import MANIFEST_NAME, read_committed
-from dflash_prep.store.records import INDEX_DIR, SHARDS_DIR, ShardRecord, rank_name
+from dflash_prep.store.records import INDEX_DIR, SHARDS_DIR, SUPERSEDED_NAME, ShardRecord, rank_name
 
 log = logging.getLogger("dflash_prep")
 
@@ -224,7 +224,8 @@ class RemoteOutput:
 
     def drop(self, paths: set[str]) -> None:
         """After `manifest.drop_records` rewrote the staging indexes: push them, delete those shard objects."""
-        self.push(sorted(str(p.relative_to(self.staging)) for p in (self.staging / INDEX_DIR).glob("rank-*.jsonl")))
+        self.push([f"{INDEX_DIR}/{SUPERSEDED_NAME}"]  # first (when there): a follower needs it before the redo
+                  + sorted(str(p.relative_to(self.staging)) for p in (self.staging / INDEX_DIR).glob("rank-*.jsonl")))
         for rel in sorted(paths):
             self._rm(rel)
 

@@ -1,0 +1,131 @@
+"""A follow-mode reader under faults: DataLoader workers (3) beside a real extraction that is SIGKILLed, has
+committed shards damaged (shards the follower had already yielded), and is resumed, which redoes them into new
+shards; every sample is yielded exactly once across the workers, and `num_samples`/`len()` answer once the manifest
+exists. A follower on an output no run holds says so and ends after `unheld_timeout_seconds` with one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+NUM_SAMPLES = 40
+SETTINGS = ["--set", f"data.max_samples={NUM_SAMPLES}", "--set", "batching.num_workers=0",
+            "--set", "batching.max_tokens_per_batch=2048", "--set", "output.max_shard_bytes=50KB",
+            "--set", "output.num_writer_threads=1"]
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "HF_DATASETS_OFFLINE": "1",
+       "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+ENV.pop("DFLASH_PREP_FAULTS", None)
+
+FOLLOWER = """
+import json, sys
+from torch.utils.data import DataLoader
+from dflash_prep.consume.reader import ShardDataset
+ds = ShardDataset(sys.argv[1], follow=True, poll_seconds=0.2)
+loader = DataLoader(ds, batch_size=None, num_workers=3, multiprocessing_context="fork")
+with open(sys.argv[2], "w") as f:
+    for s in loader:
+        f.write(json.dumps(s["sample_id"]) + "\\n")
+        f.flush()
+print(json.dumps({"num_samples": ds.num_samples, "len": len(ds)}))
+"""
+
+
+def extract_cmd(out: Path) -> list[str]:
+    return [sys.executable, "extract.py", "--set", f"output.dir={out}", *SETTINGS]
+
+
+def committed(out: Path) -> list[dict]:
+    index = out / "index"
+    return [json.loads(line) for p in sorted(index.glob("rank-*.jsonl")) if index.is_dir()
+            for line in p.read_text().splitlines() if line.strip()] if index.is_dir() else []
+
+
+def seen(path: Path) -> list[str]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.slow
+def test_workers_yield_each_sample_once_while_a_resume_redoes_damaged_shards(tmp_path):
+    out, seen_file = tmp_path / "out", tmp_path / "seen.jsonl"
+    run = subprocess.Popen(extract_cmd(out), cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL,
+                           env={**ENV, "DFLASH_PREP_FAULTS": json.dumps({"forward_delay_seconds": 0.4})})
+    follower = subprocess.Popen([sys.executable, "-c", FOLLOWER, str(out), str(seen_file)], cwd=REPO, env=ENV,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and run.poll() is None:
+            yielded = set(seen(seen_file))
+            done = [r for r in committed(out) if set(r["sample_ids"]) <= yielded]
+            if len(done) >= 4:
+                break
+            time.sleep(0.1)
+        assert run.poll() is None, "the extraction ended before the kill"
+        os.killpg(run.pid, signal.SIGKILL)
+        run.wait(timeout=60)
+        time.sleep(2)  # the follower's workers finish the shards they were reading
+        yielded = set(seen(seen_file))
+        damaged = [r for r in committed(out) if set(r["sample_ids"]) <= yielded][:4]
+        assert len(damaged) == 4
+        for record in damaged:  # yielded already, now damaged on disk: the resume redoes them into new shards
+            path = out / record["path"]
+            path.write_bytes(path.read_bytes()[:-512])
+        resume = subprocess.run(extract_cmd(out), cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+        assert resume.returncode == 0, resume.stderr[-3000:]
+        assert "is damaged" in resume.stderr  # it did redo them
+        stdout, stderr = follower.communicate(timeout=300)
+    finally:
+        for proc in (run, follower):
+            if proc.poll() is None:
+                proc.kill()
+    ids = seen(seen_file)
+    manifest = json.loads((out / "manifest.json").read_text())
+    redone = {s for r in damaged for s in r["sample_ids"]}
+    twice = sorted({s for s in ids if ids.count(s) > 1})
+    assert not twice, f"yielded twice: {twice} (redone: {sorted(redone)})"
+    assert follower.returncode == 0, stderr[-3000:]
+    assert len(ids) == manifest["num_samples"] == NUM_SAMPLES
+    assert {r["path"] for r in damaged}.isdisjoint(s["path"] for s in manifest["shards"])  # new shards hold them
+    assert json.loads(stdout.strip().splitlines()[-1]) == {"num_samples": NUM_SAMPLES, "len": NUM_SAMPLES}
+
+
+def test_a_follower_of_an_output_no_run_holds_says_so_and_ends(tmp_path):
+    """An output whose run died (a folder with its run state, committed shards and a lease whose holder is gone,
+    never resumed): the follower yields what is committed, warns that no run holds it, and ends with
+    OutputNotHeldError after `unheld_timeout_seconds`, one line."""
+    out = tmp_path / "out"
+    run = subprocess.Popen(extract_cmd(out), cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL,
+                           env={**ENV, "DFLASH_PREP_FAULTS": json.dumps({"forward_delay_seconds": 0.4})})
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and run.poll() is None and len(committed(out)) < 2:
+            time.sleep(0.1)
+        assert run.poll() is None
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)
+        run.wait(timeout=60)
+    script = ("import logging, sys, time\nfrom dflash_prep.consume.reader import ShardDataset, OutputNotHeldError\n"
+              "logging.basicConfig(format='%(levelname)s %(message)s')\n"
+              "t = time.monotonic(); n = 0\n"
+              "try:\n"
+              "    for s in ShardDataset(sys.argv[1], follow=True, poll_seconds=0.2, unheld_timeout_seconds=5):\n"
+              "        n += 1\n"
+              "except OutputNotHeldError as e:\n"
+              "    print(n, round(time.monotonic() - t), str(e), sep='|')\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(out)], cwd=REPO, env=ENV, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    n, elapsed, message = proc.stdout.strip().split("|")
+    assert int(n) == sum(r["num_samples"] for r in committed(out))
+    assert int(elapsed) < 60 and "no extraction has held this output" in message and "\n" not in message
+    warnings = [line for line in proc.stderr.splitlines() if "no extraction holds this output" in line]
+    assert len(warnings) == 1, proc.stderr
