@@ -34,7 +34,8 @@ from dflash_prep.consume.shard_format import TORCH_DTYPES, OutputLayout, ShardIn
 from dflash_prep.recipe.location import fresh_listing, read_whole
 from dflash_prep.store.lease import StoreError, store_call
 from dflash_prep.store.manifest import MANIFEST_NAME, STATE_NAME, read_manifest
-from dflash_prep.store.records import INDEX_DIR, SUPERSEDED_NAME, ShardRecord
+from dflash_prep.store.record_store import SUPERSEDED_NAME
+from dflash_prep.store.records import INDEX_DIR, ShardRecord
 
 DEFAULT_POLL_SECONDS = 5.0
 DEFAULT_UNHELD_TIMEOUT_SECONDS = 600.0  # a follower of an output no run holds gives up after this long

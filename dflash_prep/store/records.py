@@ -6,12 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dflash_prep.store.record_store import INDEX_DIR  # noqa: F401 - one name of the index folder, for every stage
+
 SHARDS_DIR = "shards"
-INDEX_DIR = "index"
 SUMMARY_NAME = "summary.json"
-# index/superseded.jsonl: the records of committed shards a resume dropped (found damaged, redone), kept so that a
-# follower that met them can send their redone samples to the consumer that had them (consume/follow.py)
-SUPERSEDED_NAME = "superseded.jsonl"
 FAILED_NAME = "failed.jsonl"
 
 

@@ -44,7 +44,8 @@ from dflash_prep.recipe.location import check_store
 from dflash_prep.store.lease import Lease, LeaseLostError, StoreError, _is_s3, store_call
 from dflash_prep.store.locks import LOCKS_DIR, OutputBusyError
 from dflash_prep.store.manifest import MANIFEST_NAME, read_committed
-from dflash_prep.store.records import INDEX_DIR, SHARDS_DIR, SUPERSEDED_NAME, ShardRecord, rank_name
+from dflash_prep.store.record_store import SUPERSEDED_NAME
+from dflash_prep.store.records import INDEX_DIR, SHARDS_DIR, ShardRecord, rank_name
 
 log = logging.getLogger("dflash_prep")
 
