@@ -9,13 +9,17 @@ A follower polls the output (a local folder or an object-store URL) every `poll_
 - each committed shard is yielded once, keyed by what the index commits (its path and sha256): a resume after a
   kill keeps the committed shards as they are and redoes the rest into new shards, which the follower then reads;
   a shard number reused by a resume for other content (its earlier object was never committed) is another key. A
-  consumer also never yields one sample id twice (a committed shard found damaged and redone by a resume would
-  otherwise give its samples again);
+  consumer also never yields one sample id twice, and neither do the consumers of one reader together: a resume
+  that finds a committed shard damaged appends its index line to `index/superseded.jsonl` before it redoes it, and
+  every consumer sends the samples of a superseded shard to that shard's consumer (`sample_owners`), whichever new
+  shard holds them (the superseded file is read after the indexes, so a redone record is never seen without it);
 - before the manifest exists, the samples are decoded with the layout the run recorded when it claimed the output
   (`run_state.json`: layer ids, hidden size, storage dtype, final layer); the follower waits for that file;
 - it ends when `OUT/manifest.json` appears: the shards it lists and the follower has not read yet are read, then the
   iteration stops. `timeout_seconds` (default none): a TimeoutError when no new shard and no manifest came for that
-  long (an extraction that died and is not resumed);
+  long. `unheld_timeout_seconds` (default 600): while nothing lands the follower looks every HOLDER_CHECK_SECONDS
+  at whether a run holds the output (its lease records, never its flock); when none does, it says so once (a
+  warning) and raises OutputNotHeldError after that long (an extraction that died and is not resumed);
 - several consumers (ranks x DataLoader workers): shard i goes to consumer sha256(path) mod C, so each committed
   shard is read by exactly one of them whatever the order they poll in.
 

@@ -151,8 +151,11 @@ class ShardDataset(IterableDataset):
             checked).
         follow: read the output while its extraction runs (consume/follow.py): each committed shard's samples
             once as it lands, polling every `poll_seconds`, until the manifest appears; `timeout_seconds`: raise
-            TimeoutError after that long without a new shard or the manifest. The split is by shard (a stable hash
-            of its path); `shuffle` shuffles within the buffer only; `num_samples` needs the manifest.
+            TimeoutError after that long without a new shard or the manifest; `unheld_timeout_seconds` (600;
+            None: forever): raise OutputNotHeldError (one line) after that long with no run holding the output and
+            no manifest (said once, as a warning, when first seen). The split is by shard (a stable hash of its
+            path; a redone shard's samples stay with the consumer that had them); `shuffle` shuffles within the
+            buffer only; `num_samples` and `len()` need the manifest (read once it exists).
         storage_options: fsspec options of an object-store URL (non-secret: endpoint_url, ...).
 
     Raises `ShardFormatError` at construction when the manifest names a shard twice or its shards' sample
