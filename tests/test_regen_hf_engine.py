@@ -49,9 +49,10 @@ def llama_path(tmp_path_factory) -> str:
     return llama_config(tmp_path_factory.mktemp("llama") / "config.json")
 
 
-@pytest.fixture(scope="module")
-def llama(llama_path) -> TransformersEngine:
-    return TransformersEngine(section(llama_path), CPU, 8192)
+@pytest.fixture(scope="module", params=["static", "generate"])
+def llama(llama_path, request) -> TransformersEngine:
+    """The tiny Llama engine on each decoder: the static-cache loop (the default) and HF `generate`."""
+    return TransformersEngine(section(llama_path), CPU, 8192, decoder=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -93,24 +94,21 @@ def alone(engine: TransformersEngine, ids: list[int], new: int = NEW, eos=DEMO_E
 
 @contextlib.contextmanager
 def recorded_generate(engine: TransformersEngine):
-    """Record each `model.generate` call: {"rows": batch size, "width": prompt width, "new": max_new_tokens,
+    """Record each batch the engine's decoder runs (the static-cache loop or `model.generate`): {"rows": batch size, "width": prompt width, "new": max_new_tokens,
     "prompts": each row's attended prompt ids, "generated": each row's new ids}."""
-    calls, real = [], engine.model.generate
+    calls, real = [], engine._generate
 
-    def generate(**kwargs):
-        out = real(**kwargs)
-        ids = kwargs["input_ids"]
-        mask = kwargs.get("attention_mask", ids != engine.pad_token_id)
-        calls.append({"rows": ids.shape[0], "width": ids.shape[1], "new": kwargs["generation_config"].max_new_tokens,
-                      "prompts": [row[m.bool()].tolist() for row, m in zip(ids, mask)],
-                      "generated": out[:, ids.shape[1]:].tolist()})
+    def generate(ids, mask, new_tokens, processors):
+        out = real(ids, mask, new_tokens, processors)
+        calls.append({"rows": ids.shape[0], "width": ids.shape[1], "new": new_tokens,
+                      "prompts": [row[m.bool()].tolist() for row, m in zip(ids, mask)], "generated": out.tolist()})
         return out
 
-    engine.model.generate = generate
+    engine._generate = generate
     try:
         yield calls
     finally:
-        del engine.model.generate
+        del engine._generate
 
 
 @pytest.mark.parametrize("name", [pytest.param("demo", marks=pytest.mark.slow), "llama"])
