@@ -44,13 +44,18 @@ def padded(engine: TransformersEngine, prompts: list[list[int]]) -> tuple[torch.
     return ids, mask
 
 
-@pytest.mark.parametrize("name", ["llama", pytest.param("demo", marks=pytest.mark.slow)])
-def test_chunked_prefill_and_per_row_limits_equal_generate_alone(name, llama_path):
-    """Five prompts of 3 to ~400 tokens in one batch, the prefill cut into forwards of 2 columns (10 tokens), each
-    row with its own new-token limit (2 to 12): every row's ids equal `generate` on its prompt alone with that limit
-    (up to and including the first end-of-sequence id), then padding to the batch's end."""
+@pytest.mark.parametrize("name,order", [("llama", "longest-first"), ("llama", "as-given"),
+                                        pytest.param("demo", "longest-first", marks=pytest.mark.slow),
+                                        pytest.param("demo", "as-given", marks=pytest.mark.slow)])
+def test_chunked_prefill_and_per_row_limits_equal_generate_alone(name, order, llama_path):
+    """Five prompts of 3 to ~400 tokens in one batch, the prefill cut into forwards of 10 tokens at most (sorted
+    longest first, as the engine cuts batches: forwards of the rows that have begun; in the given order: whole
+    columns), each row with its own new-token limit (2 to 12): every row's ids equal `generate` on its prompt alone
+    with that limit (up to and including the first end-of-sequence id), then padding to the batch's end."""
     engine = engine_for(name, llama_path, decoder="generate")
     prompts = [prompt_ids(engine, m) for m in PROMPTS]
+    if order == "longest-first":
+        prompts.sort(key=len, reverse=True)
     limits = [12, 2, 7, 12, 5]
     decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, prefill_tokens=10)
     ids, mask = padded(engine, prompts)

@@ -18,8 +18,9 @@ The loop, on a left-padded batch `input_ids [B, W]` with its `attention_mask [B,
   what is not written yet). Attention never sees padding and the Gated DeltaNet layers zero padded positions before
   their convolution and recurrence (transformers' `create_recurrent_attention_mask`), so a row's tokens are the ones
   its prompt gets alone (tests: greedy equals `generate` on each prompt alone, token for token, in float32).
-- **Prefill, chunked** by columns: forwards of `B x chunk` tokens (chunk = `prefill_tokens // B`) fill the cache in
-  order; activation memory is bounded by `prefill_tokens`, not by the batch.
+- **Prefill, chunked** by columns: forwards of `prefill_tokens` tokens at most fill the cache in order (activation
+  memory is bounded by `prefill_tokens`, not by the batch); a forward runs only the rows that hold a real token in
+  its columns (a prefix of a batch sorted longest first), so left padding costs little prefill compute.
 - **Decode step**: the model's forward on one token a row over static buffers (token, position, mask, cache), then,
   outside the step, the logits (float32, as `generate` takes them) through the batch's logits processors (the
   engine's: repetition penalty, warpers, the per-row seeded draw, which reads the step from the sequence length as it
@@ -35,6 +36,7 @@ The loop, on a left-padded batch `input_ids [B, W]` with its `attention_mask [B,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -144,18 +146,45 @@ class StaticCacheDecoder:
         return out.logits[:, -1, :]
 
     def _prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
-        """The prompt columns through the model in chunks of `prefill_tokens // B` columns -> the last column's
-        logits [B, V]. The 2D mask given to each chunk ends at the chunk's end: the Gated DeltaNet layers read the
-        padding of the chunk's own columns from its last columns."""
+        """The prompt columns through the model in order, in forwards of `prefill_tokens` tokens at most -> the last
+        column's logits [B, V].
+
+        Padding is not computed where it can be skipped: rows sorted longest first (as the engine cuts batches) have
+        their first real column in ascending order, so the rows a run of columns needs are a prefix of the batch,
+        and the forward runs on that prefix over views of the cache's first rows (the other rows hold only padding
+        there: their attention never reads it, their Gated DeltaNet states stay the zeros that masked padding
+        leaves). The first forward is one column of the whole batch (it allocates the cache at its full size); rows
+        in another order run whole. The 2D mask given to a forward ends at its last column: the Gated DeltaNet
+        layers read the padding of the forward's own columns from its last columns."""
         batch, width = input_ids.shape
-        chunk = max(1, self.prefill_tokens // batch)
-        logits = None
-        for start in range(0, width, chunk):
-            end = min(width, start + chunk)
-            out = self.model(input_ids=input_ids[:, start:end], attention_mask=mask[:, :end],
-                             position_ids=positions[:, start:end], cache=cache, use_cache=True, logits_to_keep=1)
-            logits = out.logits[:, -1, :]
-        return logits
+        first_real = (width - mask[:, :width].sum(-1)).tolist()  # left padding: the row's first real column
+        prefix_ok = all(a <= b for a, b in zip(first_real, first_real[1:]))
+        logits, start = None, 0
+        while start < width:
+            if start == 0:
+                end, rows = 1, batch
+            else:
+                end, rows = self._prefill_span(first_real, start, width, prefix_ok)
+            with _row_views(cache, rows if rows < batch else None):
+                out = self.model(input_ids=input_ids[:rows, start:end], attention_mask=mask[:rows, :end],
+                                 position_ids=positions[:rows, start:end], cache=cache, use_cache=True,
+                                 logits_to_keep=1)
+            logits, start = out.logits[:, -1, :], end
+        return logits  # the last forward held every row: every prompt ends at column width - 1
+
+    def _prefill_span(self, first_real: list[int], start: int, width: int, prefix_ok: bool) -> tuple[int, int]:
+        """(end column, rows) of the prefill forward from column `start`: as many columns as keep rows x columns
+        <= prefill_tokens (one at least), rows = the prefix of rows with a real token before `end` (all rows when
+        the batch is not sorted)."""
+        batch = len(first_real)
+
+        def needed(end: int) -> int:
+            return sum(f < end for f in first_real) if prefix_ok else batch
+
+        end = min(width, start + max(1, self.prefill_tokens // max(1, needed(start + 1))))
+        while end > start + 1 and needed(end) * (end - start) > self.prefill_tokens:
+            end = start + max(1, (end - start) // 2)
+        return end, max(1, needed(end))
 
     def _capture(self, step_input: dict, mask: torch.Tensor, cache):
         """(replay function -> logits, graph) of the decode step captured as a CUDA graph, or an eager step function
@@ -178,6 +207,32 @@ class StaticCacheDecoder:
             return static_logits
 
         return replay, graph
+
+
+@contextlib.contextmanager
+def _row_views(cache, rows: int | None):
+    """The cache's tensors (keys and values of attention layers, conv and recurrent states of linear-attention
+    layers: transformers 5's cache layers) replaced by views of their first `rows` rows while the block runs, so a
+    forward on those rows writes into the whole cache's storage; None: nothing replaced."""
+    saved = []
+    if rows is not None:
+        for layer in cache.layers:
+            for name in ("keys", "values"):
+                tensor = getattr(layer, name, None)
+                if isinstance(tensor, torch.Tensor):
+                    saved.append((layer.__dict__, name, tensor))
+                    setattr(layer, name, tensor[:rows])
+            for name in ("conv_states", "recurrent_states"):
+                states = getattr(layer, name, None)
+                for index, tensor in (states.items() if isinstance(states, dict) else ()):
+                    if isinstance(tensor, torch.Tensor):
+                        saved.append((states, index, tensor))
+                        states[index] = tensor[:rows]
+    try:
+        yield
+    finally:
+        for holder, key, tensor in saved:
+            holder[key] = tensor
 
 
 def _now(device: torch.device) -> float:
