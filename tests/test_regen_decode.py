@@ -57,7 +57,8 @@ def test_chunked_prefill_and_per_row_limits_equal_generate_alone(name, order, ll
     if order == "longest-first":
         prompts.sort(key=len, reverse=True)
     limits = [12, 2, 7, 12, 5]
-    decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, prefill_tokens=10)
+    decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, prefill_tokens=10, column_multiple=1,
+                                 row_multiple=1)
     ids, mask = padded(engine, prompts)
     with torch.inference_mode():
         out = decoder.generate(ids, mask, 12, [DEMO_EOS], row_new_tokens=limits).tolist()

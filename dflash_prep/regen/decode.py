@@ -18,9 +18,10 @@ The loop, on a left-padded batch `input_ids [B, W]` with its `attention_mask [B,
   what is not written yet). Attention never sees padding and the Gated DeltaNet layers zero padded positions before
   their convolution and recurrence (transformers' `create_recurrent_attention_mask`), so a row's tokens are the ones
   its prompt gets alone (tests: greedy equals `generate` on each prompt alone, token for token, in float32).
-- **Prefill, chunked** by columns: forwards of `prefill_tokens` tokens at most fill the cache in order (activation
-  memory is bounded by `prefill_tokens`, not by the batch); a forward runs only the rows that hold a real token in
-  its columns (a prefix of a batch sorted longest first), so left padding costs little prefill compute.
+- **Prefill, chunked** by columns: forwards of about `prefill_tokens` tokens fill the cache in order (activation
+  memory is bounded by it, not by the batch); a forward runs only the rows that hold a real token in its columns
+  (a prefix of a batch sorted longest first), so left padding costs little prefill compute; columns and rows are
+  rounded to multiples (64, 16) so that few shapes reach the kernels.
 - **Decode step**: the model's forward on one token a row over static buffers (token, position, mask, cache), then,
   outside the step, the logits (float32, as `generate` takes them) through the batch's logits processors (the
   engine's: repetition penalty, warpers, the per-row seeded draw, which reads the step from the sequence length as it
@@ -61,17 +62,20 @@ class StaticCacheDecoder:
 
     model: a transformers causal LM (`forward(input_ids, attention_mask, position_ids, cache, use_cache,
         logits_to_keep)`), in eval mode, on its device. pad_token_id: what finished rows emit.
-    prefill_tokens: tokens per prefill forward at most (>= the batch size: one column a forward at least).
+    prefill_tokens: tokens per prefill forward at most (at least `column_multiple` columns of the rows it needs).
+    column_multiple / row_multiple: prefill forwards hold multiples of these columns / rows (few distinct shapes).
     cuda_graphs: capture the decode step on CUDA (ignored on other devices).
     check_every: decode steps between checks that every row has finished.
     """
 
     def __init__(self, model, pad_token_id: int, *, prefill_tokens: int = 16384, cuda_graphs: bool = True,
-                 check_every: int = 8):
-        if prefill_tokens < 1 or check_every < 1:
-            raise ValueError(f"prefill_tokens={prefill_tokens} and check_every={check_every} must be >= 1")
+                 check_every: int = 8, column_multiple: int = 64, row_multiple: int = 16):
+        if min(prefill_tokens, check_every, column_multiple, row_multiple) < 1:
+            raise ValueError(f"prefill_tokens={prefill_tokens}, check_every={check_every}, column_multiple="
+                             f"{column_multiple} and row_multiple={row_multiple} must be >= 1")
         self.model, self.pad_token_id = model, int(pad_token_id)
         self.prefill_tokens, self.check_every = prefill_tokens, check_every
+        self.column_multiple, self.row_multiple = column_multiple, row_multiple
         self.device = next(model.parameters()).device
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.stats = DecodeStats()
@@ -153,18 +157,15 @@ class StaticCacheDecoder:
         their first real column in ascending order, so the rows a run of columns needs are a prefix of the batch,
         and the forward runs on that prefix over views of the cache's first rows (the other rows hold only padding
         there: their attention never reads it, their Gated DeltaNet states stay the zeros that masked padding
-        leaves). The first forward is one column of the whole batch (it allocates the cache at its full size); rows
-        in another order run whole. The 2D mask given to a forward ends at its last column: the Gated DeltaNet
+        leaves). The first forward holds the whole batch (it allocates the cache at its full size); rows in another
+        order run whole. The 2D mask given to a forward ends at its last column: the Gated DeltaNet
         layers read the padding of the forward's own columns from its last columns."""
         batch, width = input_ids.shape
         first_real = (width - mask[:, :width].sum(-1)).tolist()  # left padding: the row's first real column
         prefix_ok = all(a <= b for a, b in zip(first_real, first_real[1:]))
         logits, start = None, 0
         while start < width:
-            if start == 0:
-                end, rows = 1, batch
-            else:
-                end, rows = self._prefill_span(first_real, start, width, prefix_ok)
+            end, rows = self._prefill_span(first_real, start, width, prefix_ok)
             with _row_views(cache, rows if rows < batch else None):
                 out = self.model(input_ids=input_ids[:rows, start:end], attention_mask=mask[:rows, :end],
                                  position_ids=positions[:rows, start:end], cache=cache, use_cache=True,
@@ -173,18 +174,24 @@ class StaticCacheDecoder:
         return logits  # the last forward held every row: every prompt ends at column width - 1
 
     def _prefill_span(self, first_real: list[int], start: int, width: int, prefix_ok: bool) -> tuple[int, int]:
-        """(end column, rows) of the prefill forward from column `start`: as many columns as keep rows x columns
-        <= prefill_tokens (one at least), rows = the prefix of rows with a real token before `end` (all rows when
-        the batch is not sorted)."""
-        batch = len(first_real)
+        """(end column, rows) of the prefill forward from column `start`: columns a multiple of `column_multiple`
+        (the last forward: what is left), as many as keep rows x columns <= prefill_tokens (one multiple at
+        least); rows = the prefix of rows with a real token before `end`, rounded up to `row_multiple` (all rows
+        for the first forward, which allocates the cache, and when the batch is not sorted). Few distinct shapes:
+        each new one costs a Triton compile / autotune in flash-linear-attention's kernels."""
+        batch, step = len(first_real), self.column_multiple
 
-        def needed(end: int) -> int:
-            return sum(f < end for f in first_real) if prefix_ok else batch
+        def rows_for(end: int) -> int:
+            if start == 0 or not prefix_ok:
+                return batch
+            needed = sum(f < end for f in first_real)
+            return min(batch, -(-needed // self.row_multiple) * self.row_multiple)
 
-        end = min(width, start + max(1, self.prefill_tokens // max(1, needed(start + 1))))
-        while end > start + 1 and needed(end) * (end - start) > self.prefill_tokens:
-            end = start + max(1, (end - start) // 2)
-        return end, max(1, needed(end))
+        columns = max(step, self.prefill_tokens // rows_for(start + step) // step * step)
+        end = min(width, start + columns)
+        while end - start > step and rows_for(end) * (end - start) > self.prefill_tokens:
+            end = start + max(step, (end - start) // 2 // step * step)
+        return end, rows_for(end)
 
     def _capture(self, step_input: dict, mask: torch.Tensor, cache):
         """(replay function -> logits, graph) of the decode step captured as a CUDA graph, or an eager step function
