@@ -43,6 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_prep.target.backoff import is_oom
+
 log = logging.getLogger("dflash_prep")
 
 
@@ -202,6 +204,8 @@ class StaticCacheDecoder:
             with torch.cuda.graph(graph):
                 static_logits = self._forward(step_input, mask, cache)
         except Exception as e:  # noqa: BLE001 - a host sync in some model's forward: decode eagerly, said once
+            if is_oom(e):
+                raise  # the engine halves the batch
             self.stats.graph_failures += 1
             self.cuda_graphs = False
             log.warning("regeneration: the decode step could not be captured as a CUDA graph (%s: %s); decoding "
