@@ -174,6 +174,7 @@ def build_engine(name: str, spec: RegenSpec, kernels: str, args, device, t0: flo
     from dflash_prep.recipe.schema import ModelSection
     from dflash_prep.regen.engine import Request
     from dflash_prep.regen.hf_engine import TransformersEngine
+    from dflash_prep.target.model import decoder_params_in
 
     section = ModelSection(config=str(CONFIG_DIR / spec.config), tokenizer=str(TOKENIZER_DIR), dtype=spec.dtype,
                            init_seed=0, kernels=kernels if kernels in ("auto", "eager") else kernels.split(","))
@@ -185,7 +186,9 @@ def build_engine(name: str, spec: RegenSpec, kernels: str, args, device, t0: flo
         engine = TransformersEngine(section, device, args.static_tokens_per_batch or spec.static_tokens_per_batch,
                                     ignore_eos=True, cuda_graphs=args.cuda_graphs)
         sync(device)
+        text = engine.config.get_text_config() if hasattr(engine.config, "get_text_config") else engine.config
         result.update(build_seconds=time.perf_counter() - t, kernels=engine.kernels, decode_path=engine.decode_path,
+                      model_type=getattr(text, "model_type", None), decoder_params=decoder_params_in(engine.model),
                       max_batch_size=engine.max_batch_size, params=sum(p.numel() for p in engine.model.parameters()),
                       weights_memory_bytes=peak_memory(device))
         log(f"{name}: built in {result['build_seconds']:.1f} s ({result['params'] / 1e9:.2f}B parameters, kernels "

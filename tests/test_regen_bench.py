@@ -29,3 +29,17 @@ def test_the_dry_run_measures_both_decoders_on_both_tiny_models(tmp_path):
         # float32 on the CPU: generate alone, generate batches and the static decoder write the same tokens
         assert result["check"]["agreement"] == 1.0 and result["check"]["prompts"] == 4
         assert result["same_text_static_vs_generate"] == 12
+    # `plan` reads the benchmark's own report (a GPU run's: the dry run's device named a GPU here)
+    from dflash_prep.commands.regen_rate import regen_bench_references
+
+    written = json.loads((tmp_path / "regen-bench.json").read_text())
+    written["environment"]["gpu"] = "NVIDIA H200"
+    (tmp_path / "gpu").mkdir()
+    (tmp_path / "gpu" / "regen-bench.json").write_text(json.dumps(written))
+    refs = {r["model"]: r for r in regen_bench_references(tmp_path / "gpu")}
+    assert refs.keys() == {"tiny-llama", "tiny-qwen3.5"}
+    assert refs["tiny-llama"]["model_type"] == "llama" and refs["tiny-qwen3.5"]["model_type"] == "qwen3_5_text"
+    for name, ref in refs.items():
+        warm = report["models"][name]["static"]["warm"]
+        assert ref["pass"] == "warm" and ref["generated_tokens_per_second"] == warm["generated_tokens_per_second"]
+        assert ref["decoder_params"] == report["models"][name]["decoder_params"] > 0
