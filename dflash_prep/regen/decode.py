@@ -25,11 +25,11 @@ The loop, on a left-padded batch `input_ids [B, W]` with its `attention_mask [B,
 - **Decode step**: the model's forward on one token a row over static buffers (token, position, mask, cache), then,
   outside the step, the logits (float32, as `generate` takes them) through the batch's logits processors (the
   engine's: repetition penalty, warpers, the per-row seeded draw, which reads the step from the sequence length as it
-  does under `generate`) and the argmax. On CUDA with `cuda_graphs`, the step runs eagerly once (kernels are chosen
-  and autotuned for its shapes), is captured as a `torch.cuda.CUDAGraph` and replayed for every later step; a
-  capture that fails (an operation that syncs with the host) is logged once and the engine decodes eagerly. On the
-  CPU the same loop runs with the step called directly: the code the tests check is the code the GPU runs, less the
-  capture.
+  does under `generate`) and the argmax. On CUDA with `cuda_graphs`, the first step runs eagerly on a side stream
+  (kernels chosen and autotuned for its shapes), is captured there as a `torch.cuda.CUDAGraph` and replayed for
+  every later step; a capture that fails (an operation that syncs with the host) is logged once and the engine
+  decodes eagerly. On the CPU the same loop runs with the step called directly: the code the tests check is the
+  code the GPU runs, less the capture.
 - **Stop**: per row at a stop id or after its own new-token limit; a finished row is masked, not removed (its later
   tokens are the padding id, as `generate` fills them; rows never read each other, so the others' answers do not
   change); the loop ends when every row has finished (checked every `check_every` steps: a check syncs with the GPU).
@@ -122,10 +122,10 @@ class StaticCacheDecoder:
             if step > 0:  # the previous token goes in: one forward of one token a row
                 step_input["position"].add_(1)
                 if step_fn is None:
-                    logits = self._forward(step_input, mask, cache)
                     if self.cuda_graphs:
-                        step_fn, graph = self._capture(step_input, mask, cache)
+                        logits, step_fn, graph = self._first_step_and_capture(step_input, mask, cache)
                     else:
+                        logits = self._forward(step_input, mask, cache)
                         step_fn = lambda: self._forward(step_input, mask, cache)  # noqa: E731
                 else:
                     logits = step_fn()
@@ -195,13 +195,22 @@ class StaticCacheDecoder:
             end = start + max(step, (end - start) // 2 // step * step)
         return end, rows_for(end)
 
-    def _capture(self, step_input: dict, mask: torch.Tensor, cache):
-        """(replay function -> logits, graph) of the decode step captured as a CUDA graph, or an eager step function
-        (graph None) when the capture fails (logged once; later batches decode eagerly)."""
+    def _first_step_and_capture(self, step_input: dict, mask: torch.Tensor, cache):
+        """(logits of this step, replay function -> logits, graph): the step run eagerly on a side stream (the
+        warm-up CUDA graphs need: kernels chosen, autotuned, their workspaces allocated on that stream; it is a real
+        step, its logits used), then captured as a CUDA graph on the same stream (capturing runs nothing: the cache
+        stays one step ahead). A capture that fails gives an eager step function and graph None (logged once; later
+        batches decode eagerly)."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            logits = self._forward(step_input, mask, cache)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        logits.record_stream(torch.cuda.current_stream(self.device))  # read on the default stream next
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, stream=stream):
                 static_logits = self._forward(step_input, mask, cache)
         except Exception as e:  # noqa: BLE001 - a host sync in some model's forward: decode eagerly, said once
             if is_oom(e):
@@ -210,14 +219,14 @@ class StaticCacheDecoder:
             self.cuda_graphs = False
             log.warning("regeneration: the decode step could not be captured as a CUDA graph (%s: %s); decoding "
                         "with eager steps", type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
-            return (lambda: self._forward(step_input, mask, cache)), None
+            return logits, (lambda: self._forward(step_input, mask, cache)), None
         self.stats.graph_captures += 1
 
         def replay() -> torch.Tensor:
             graph.replay()
             return static_logits
 
-        return replay, graph
+        return logits, replay, graph
 
 
 @contextlib.contextmanager
