@@ -275,6 +275,8 @@ def run_model(name: str, args, device, t0: float, deadline: float, reserve: floa
                              prompt_tokens_max=max(lengths), prompt_tokens_median=float(np.median(lengths)))
     static = static_passes(name, engine, requests, args, device, t0, deadline, reserve + spec.min_seconds / 2,
                            result)
+    result["decode_path"] = engine.decode_path  # a capture that failed (in the smoke call too) shows here
+    result["graph_failures_total"] = engine.decoder.stats.graph_failures
     try:
         generate = generate_pass(name, engine, requests, spec, args, device, t0)
         result["generate"] = _public(generate)

@@ -1,5 +1,6 @@
 """The in-process regeneration engine (`engine: transformers`): the target's own copy on this process's device,
-HF `generate` over length-grouped, left-padded batches under a token budget.
+length-grouped, left-padded batches under a token budget, each decoded by the static-cache loop of regen/decode.py
+(its decode step a CUDA graph on CUDA; `decoder="generate"`: HF `generate`, the reference path), same processors.
 
 What it does with a `Request` (engine.py), step by step:
 
@@ -24,8 +25,8 @@ What it does with a `Request` (engine.py), step by step:
   cutting fills each batch to the budget: the benchmark's 256 prompts (bench/regen_bench.py, 8B settings: 432
   prompt tokens on average, 256 new tokens, a budget of 131,072) make 11 batches in the buckets of `batching`'s
   defaults (16 / 1.25) and 3 consecutive ones, 11 x 256 decode steps against 3 x 256.
-- **Padding.** Left padding with the attention mask, `use_cache=True`: transformers derives positions from the mask,
-  attention never sees padding, and the Gated DeltaNet layers of the Qwen3.5 hybrid zero padded positions before
+- **Padding.** Left padding with the attention mask; positions from the mask (`cumsum - 1`, as `generate` derives
+  them; regen/decode.py passes them explicitly), attention never sees padding, and the Gated DeltaNet layers of the Qwen3.5 hybrid zero padded positions before
   their convolution and recurrence, so padding changes no real token's state (tests: batched greedy answers equal
   `generate` on each prompt alone, token for token, in float32, on a Llama-style model and on the hybrid).
 - **Out of memory.** A batch that runs out of device memory is split in halves, each retried (recursively, down to
@@ -177,8 +178,12 @@ class TransformersEngine:
             raise ValueError(f"decoder={decoder!r}: one of {', '.join(DECODERS)}")
         self.decoder = None if decoder == "generate" else StaticCacheDecoder(
             self.model, self.pad_token_id, prefill_tokens=prefill_tokens, cuda_graphs=cuda_graphs)
-        self.decode_path = decode_path(self.config, self.decoder)
         log.info("regeneration engine: %s", self.decode_path)
+
+    @property
+    def decode_path(self) -> str:
+        """Which path decodes, in words (`decode_path`); after a failed CUDA graph capture: the eager steps."""
+        return decode_path(self.config, self.decoder)
 
     def _load_model(self, kernels) -> dict:
         from dflash_prep.target.kernels import apply_kernels, configure_triton_cache, select_kernels
