@@ -201,16 +201,22 @@ class StaticCacheDecoder:
         step, its logits used), then captured as a CUDA graph on the same stream (capturing runs nothing: the cache
         stays one step ahead). A capture that fails gives an eager step function and graph None (logged once; later
         batches decode eagerly)."""
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            logits = self._forward(step_input, mask, cache)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        logits.record_stream(torch.cuda.current_stream(self.device))  # read on the default stream next
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(self.device):  # a process whose current device is another GPU captures on this one
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                logits = self._forward(step_input, mask, cache)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            logits.record_stream(torch.cuda.current_stream(self.device))  # read on the default stream next
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            return (logits, *self._capture(graph, stream, step_input, mask, cache))
+
+    def _capture(self, graph, stream, step_input: dict, mask: torch.Tensor, cache):
+        """(replay function -> logits, graph), or (an eager step function, None) when the capture fails."""
         try:
-            with torch.cuda.graph(graph, stream=stream):
+            # thread_local: the engine runs in a worker thread; another thread's CUDA calls must not void the capture
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                 static_logits = self._forward(step_input, mask, cache)
         except Exception as e:  # noqa: BLE001 - a host sync in some model's forward: decode eagerly, said once
             if is_oom(e):
@@ -219,14 +225,14 @@ class StaticCacheDecoder:
             self.cuda_graphs = False
             log.warning("regeneration: the decode step could not be captured as a CUDA graph (%s: %s); decoding "
                         "with eager steps", type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
-            return logits, (lambda: self._forward(step_input, mask, cache)), None
+            return (lambda: self._forward(step_input, mask, cache)), None
         self.stats.graph_captures += 1
 
         def replay() -> torch.Tensor:
             graph.replay()
             return static_logits
 
-        return logits, replay, graph
+        return replay, graph
 
 
 @contextlib.contextmanager
