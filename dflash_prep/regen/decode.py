@@ -186,7 +186,7 @@ class StaticCacheDecoder:
         def rows_for(end: int) -> int:
             if start == 0 or not prefix_ok:
                 return batch
-            needed = sum(f < end for f in first_real)
+            needed = max(1, sum(f < end for f in first_real))  # 1: columns of padding only (a wider input)
             return min(batch, -(-needed // self.row_multiple) * self.row_multiple)
 
         columns = max(step, self.prefill_tokens // rows_for(start + step) // step * step)
