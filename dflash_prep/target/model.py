@@ -14,6 +14,7 @@ from dflash_prep.recipe.fingerprints import WEIGHT_SUFFIXES, weight_files
 from dflash_prep.recipe.schema import ModelSection, RecipeError
 from dflash_prep.target.fp8_weights import block_fp8_format, from_pretrained_kwargs, install_scaled_mm
 from dflash_prep.target.layers import decoder_layers, find_decoder
+from dflash_prep.target.moe import apply_moe_experts
 from dflash_prep.target.norms import randomize_norm_gains
 
 log = logging.getLogger(__name__)
@@ -182,7 +183,8 @@ def load_model(section: ModelSection, config, device: torch.device) -> nn.Module
     """The CausalLM in eval mode, frozen, on `device`, in the recipe's compute dtype.
 
     A block-FP8 checkpoint (fp8_weights.py) runs its linear layers as FP8 on torch scaled_mm on a GPU that has the
-    GEMM, dequantized elsewhere or with `model.fp8_weights: dequantize`; the log says which, once.
+    GEMM, dequantized elsewhere or with `model.fp8_weights: dequantize`; the log says which, once. The routed
+    experts of an MoE run as `model.moe_experts` picks (moe.py; said in the log).
 
     Random weights (`model.config`) are drawn on `device` with `init_seed`, so every rank of a run builds the
     same model; their norm gains are drawn too (norms.randomize_norm_gains), not left at unit gain.
@@ -203,6 +205,9 @@ def load_model(section: ModelSection, config, device: torch.device) -> nn.Module
         said = install_scaled_mm(model, config, section.fp8_weights, device)
         if said:
             log.info("%s", said)
+    said = apply_moe_experts(model, section.moe_experts, device.type, section.dtype)
+    if said:
+        log.info("%s", said)
     model.eval().requires_grad_(False)
     return model
 
