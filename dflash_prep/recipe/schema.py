@@ -32,7 +32,7 @@ COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 # Named fused kernels of `model.kernels` (dflash_prep/target/kernels.py says what each replaces, and for which models).
 KERNEL_NAMES = ("liger_rms_norm", "liger_swiglu", "liger_rope", "fla_conv", "fla_gated_norm")
 REPLICA_PARALLELISMS = ("auto", "tensor_parallel", "layer_split")  # model.replica_parallelism (replica.py)
-MOE_EXPERTS = ("auto", "transformers", "compiled")  # model.moe_experts (dflash_prep/target/moe.py)
+MOE_EXPERTS = ("auto", "transformers", "compiled", "liger")  # model.moe_experts (dflash_prep/target/moe.py)
 STORAGE_DTYPES = ("bfloat16", "float16", "float32", "fp8_e4m3")
 
 
@@ -120,7 +120,8 @@ class ModelSection:
     """How the routed experts of a mixture-of-experts target run (dflash_prep/target/moe.py): `auto` (on CUDA in
     bfloat16: `compiled`; else `transformers`), `transformers` (transformers' own experts forward, grouped_mm by
     default) or `compiled` (the experts' forward, routing excluded, through torch.compile: the gathers, gating and
-    combine around the grouped GEMMs fused). The router always runs eagerly. Not part of the job's identity."""
+    combine around the grouped GEMMs fused) or `liger` (liger-kernel's fused MoE, CUDA). The router always runs
+    eagerly. Not part of the job's identity."""
     triton_cache_dir: str | None = "~/.cache/dflash-prep/triton"
     """Where Triton keeps its compiled kernels and autotuning results (TRITON_CACHE_DIR, with
     TRITON_CACHE_AUTOTUNING=1), shared by the ranks of a node and by later runs, so each new (batch, length) shape is

@@ -112,11 +112,23 @@ def quantize_1x128(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(M, K), scale
 
 
-def dequantize_blocks(weight_NK: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """W = fp32(weight) x scale_inv per 128x128 block (partial blocks at the edges: the grid is ceil-divided)."""
-    N, K = weight_NK.shape
-    scale = scale_inv.float().repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)[:, :K]
-    return (weight_NK.float() * scale).to(dtype)
+_QUANTIZE = {"fn": None, "failed": False}
+
+
+def _quantize_fused(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_1x128` through torch.compile on CUDA (one fused pass over the activations instead of five
+    elementwise kernels and an fp32 copy); the eager function where compilation fails (said once)."""
+    if x_MK.device.type != "cuda" or _QUANTIZE["failed"]:
+        return quantize_1x128(x_MK)
+    if _QUANTIZE["fn"] is None:
+        _QUANTIZE["fn"] = torch.compile(quantize_1x128, dynamic=True)
+    try:
+        return _QUANTIZE["fn"](x_MK)
+    except Exception as e:  # noqa: BLE001 - the same values eagerly: slower, not different
+        _QUANTIZE["failed"] = True
+        log.warning("FP8 activation quantization: torch.compile failed (%s); quantizing eagerly",
+                    " ".join(str(e).split())[:200])
+        return quantize_1x128(x_MK)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -155,7 +167,7 @@ class BlockFP8Linear(nn.Module):
         Mp = _round_up(max(M, 1), 16)  # the scales' leading dimension must be 16-byte aligned
         if Mp != M or self._kp != self.in_features:
             x2 = nn.functional.pad(x2, (0, self._kp - self.in_features, 0, Mp - M))
-        q, scale = quantize_1x128(x2)
+        q, scale = _quantize_fused(x2)
         scale_a = scale.t().contiguous().t()  # [M, K/128], outer-dim-major: what BlockWise1x128 reads
         out = scaled_mm(q, self.weight.t(), scale_a, ScalingType.BlockWise1x128, self.scale_b.t(),
                         ScalingType.BlockWise128x128, output_dtype=x.dtype)

@@ -18,6 +18,10 @@ from a fused-MoE library because those that exist (liger-kernel has none for qwe
 `sonicmoe` load kernels from a hub) cannot run offline; bench/targets_check.py measures it against
 transformers' implementations on the GPU.
 
+`liger`: liger-kernel's fused MoE (`LigerExperts.forward`, Triton: routing metadata, gather + grouped GEMM + SwiGLU,
+down projection, weighted sum), CUDA only, on request (it is measured by bench/targets_check.py before `auto` may
+pick it).
+
 `auto`: `compiled` on CUDA in bfloat16, `transformers` elsewhere (on a CPU, and in fp32, where transformers' compiled
 path falls back from grouped_mm to a loop).
 """
@@ -31,7 +35,7 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-TRANSFORMERS, COMPILED = "transformers", "compiled"
+TRANSFORMERS, COMPILED, LIGER = "transformers", "compiled", "liger"
 _COMPILED_FORWARD = None
 
 
@@ -85,7 +89,22 @@ def apply_moe_experts(model: nn.Module, requested: str, device_type: str, dtype:
     if chosen == TRANSFORMERS:
         impl = getattr(getattr(experts[0][1], "config", None), "_experts_implementation", None)
         return f"model.moe_experts: transformers' experts forward ({impl}) on {len(experts)} layers ({why})"
-    bad = [n for n, m in experts if getattr(m, "is_transposed", False) or getattr(m, "_is_expert_parallel", False)]
+    bad = [n for n, m in experts if getattr(m, "is_transposed", False) or getattr(m, "_is_expert_parallel", False)
+           or getattr(m, "has_bias", False) or not getattr(m, "has_gate", True)]
+    if chosen == LIGER:
+        import types
+
+        from dflash_prep.recipe.schema import RecipeError
+
+        if device_type != "cuda":
+            raise RecipeError("recipe key `model.moe_experts` = 'liger': liger-kernel's fused MoE needs CUDA")
+        from liger_kernel.transformers.swiglu import LigerExperts
+
+        for name, module in experts:
+            if name not in bad:
+                module.forward = types.MethodType(LigerExperts.forward, module)
+        return (f"model.moe_experts: liger-kernel's fused MoE on {len(experts) - len(bad)} of {len(experts)} "
+                f"layers ({why})")
     for name, module in experts:
         if name not in bad:
             module.forward = _CompiledExperts(module)
