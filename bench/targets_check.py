@@ -200,11 +200,18 @@ def run_fp8(args) -> dict:
     result = {"device": str(dev), "checkpoint": build_fp8_checkpoint(Path(args.checkpoint), args.layers, args.tiny,
                                                                      dev)}
     print("checkpoint:", result["checkpoint"], flush=True)
+    _write(args.json, result)
     fp8_model, kernels = _load(Path(args.checkpoint), "auto", dev)
     ref_model, _ = _load(Path(args.checkpoint), "dequantize", dev)
     result["kernels"] = kernels
-    result["gemm"] = gemm_check(fp8_model, ref_model, dev, args.tiny)
+    try:
+        result["gemm"] = gemm_check(fp8_model, ref_model, dev, args.tiny)
+    except Exception as e:  # the error is the finding: kept in the JSON, then the step fails
+        result["gemm"] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:600]}"}
+        _write(args.json, result)
+        raise
     print("gemm:", json.dumps(result["gemm"]), flush=True)
+    _write(args.json, result)
     result["forward"] = forward_check(fp8_model, ref_model, dev, args.batch, args.length, args.repeats)
     f = result["forward"]
     print(f"fp8 forward: {f['fp8_tok_s']:.0f} tok/s, bf16 (dequantized) {f['bf16_tok_s']:.0f} tok/s, ratio "
@@ -298,6 +305,7 @@ def run_moe(args) -> dict:
         except Exception as e:  # noqa: BLE001 - a candidate that cannot run here is reported, the others go on
             entry["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
             print(f"{name}: error {entry['error']}", flush=True)
+            _write(args.json, result)
             continue
         if base_states is None:
             base_states, base_routes = states, routes
@@ -313,7 +321,13 @@ def run_moe(args) -> dict:
               f"error vs {args.candidates.split(',')[0]} {max(entry['relative_error_by_layer']):.4g}, same experts "
               f"{min(entry['same_experts_fraction_by_layer']):.5f} (worst layer); vs the fp32 reference: worst error {max(entry['relative_error_vs_fp32_by_layer']):.4g}, same "
               f"experts {min(entry['same_experts_vs_fp32_by_layer']):.5f}; {entry['applied']}", flush=True)
+        _write(args.json, result)  # a step stopped at its time limit keeps the candidates measured so far
     return result
+
+
+def _write(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=str))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -325,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--length", type=int, default=None)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--candidates", default="grouped_mm,compiled,compiled_block,liger,eager")
+    p.add_argument("--candidates", default="grouped_mm,compiled,liger,eager,compiled_block")
     p.add_argument("--tiny", action="store_true", help="CPU-sized configs")
     args = p.parse_args(argv)
     defaults = {"fp8": (6, 1, 64) if args.tiny else (16, 4, 4096), "moe": (2, 1, 64) if args.tiny else (8, 8, 4096)}
@@ -334,8 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny and args.what == "moe":
         args.candidates = ",".join(c for c in args.candidates.split(",") if c != "liger")  # CUDA only
     result = run_fp8(args) if args.what == "fp8" else run_moe(args)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1, default=str))
+    _write(args.json, result)
     print(f"[bench] targets {args.what}: ok, {args.json}", flush=True)
     return 0
 

@@ -106,10 +106,10 @@ def quantize_1x128(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations [M, K] (K a multiple of 128) -> (e4m3 [M, K], fp32 decoding scales [M, K/128]): per token and
     128-wide block, s = max(amax(|x|), 1e-12) / 448, q = e4m3(clamp(x / s, -448, 448)); x ~ q * s."""
     M, K = x_MK.shape
-    blocks = x_MK.float().view(M, K // BLOCK, BLOCK)
+    blocks = x_MK.float().reshape(M, K // BLOCK, BLOCK)
     scale = blocks.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
     q = (blocks / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.view(M, K), scale
+    return q.reshape(M, K), scale
 
 
 _QUANTIZE = {"fn": None, "failed": False}
