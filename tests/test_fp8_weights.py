@@ -170,3 +170,22 @@ def test_unknown_quantization_format_cli_exit_2(checkpoint, tmp_path):
     errors = [line for line in proc.stderr.splitlines() if "quantization_config" in line]
     assert len(errors) == 1 and "gptq" in errors[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_fp8_checkpoint_extracts_and_verifies_on_cpu(checkpoint, tmp_path):
+    """What a user runs: `extract` of the FP8 checkpoint (dequantized on the CPU, said once in the log), then
+    `verify` of the output."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "dflash_prep.commands.extract", "--set", "model.config=null",
+                           "--set", f"model.name_or_path={checkpoint}", "--set", f"model.tokenizer={TOKENIZER}",
+                           "--set", f"output.dir={out}", "--set", "data.max_samples=12", "--set",
+                           "layers.num_layers=1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if "FP8 checkpoint" in line]
+    assert len(said) == 1 and "DEQUANTIZED" in said[0], said
+    proc = subprocess.run([sys.executable, "-m", "dflash_prep.commands.cli", "verify", str(out), "--num-samples",
+                           "4", "--seed", "0"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "verify: OK" in proc.stdout + proc.stderr
