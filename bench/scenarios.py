@@ -314,7 +314,8 @@ def faults(r: Round) -> None:
 @scenario("targets", 1, "FP8 checkpoints and MoE experts (bench/targets_check.py): a random block-FP8 checkpoint of a "
           "Qwen3.6-27B-shaped slice built on the device, its FP8 linear layer vs emulation, its forward as FP8 vs "
           "dequantized (tok/s, per-layer error); the Qwen3-30B-A3B-shaped MoE slice with each experts "
-          "implementation; then extractions of the FP8 checkpoint both ways on the same rows and verify of the FP8 one",
+          "implementation; then extractions of the FP8 checkpoint both ways on the same rows and verify of the FP8 one; "
+          "liger's Qwen3 kernels vs eager in fp32 (kernels_check.py)",
           deadline_seconds=540, layers="16:decoder layers of the 27B slice", moe_layers="8:layers of the MoE slice",
           samples="1200:pre-tokenized rows of each extraction (0: no extractions)")
 def targets(r: Round) -> None:
@@ -330,6 +331,10 @@ def targets(r: Round) -> None:
     if built == 0 and samples:
         _fp8_extractions(r, ckpt, samples)
     shutil.rmtree(ckpt, ignore_errors=True)
+    # liger's kernels for Qwen3 (applied when listed; `auto` waits for this figure): fused vs eager in fp32
+    r.step("kernels-qwen3", 120, r.python("bench/kernels_check.py", "--models", "qwen3-8b", "--kernels",
+                                          "liger_rms_norm,liger_swiglu,liger_rope", "--json",
+                                          r.results / "kernels_check_qwen3.json"), gpu_only=True)
 
 
 def _fp8_extractions(r: Round, ckpt: Path, samples: int) -> None:
