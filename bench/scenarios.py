@@ -317,7 +317,7 @@ def faults(r: Round) -> None:
           "implementation; then extractions of the FP8 checkpoint both ways on the same rows and verify of the FP8 one; "
           "liger's Qwen3 kernels vs eager in fp32 (kernels_check.py)",
           deadline_seconds=540, layers="16:decoder layers of the 27B slice", moe_layers="8:layers of the MoE slice",
-          samples="1200:pre-tokenized rows of each extraction (0: no extractions)")
+          samples="1000:pre-tokenized rows of each extraction (0: no extractions)")
 def targets(r: Round) -> None:
     ckpt = r.work / "fp8-checkpoint"
     tiny = ["--tiny"] if r.dry else []
@@ -354,7 +354,7 @@ def _fp8_extractions(r: Round, ckpt: Path, samples: int) -> None:
               "model.dtype=" + ("float32" if r.dry else "bfloat16"), f"model.triton_cache_dir={r.work / 'triton'}"]
     # not measured: fills the Triton cache (flash-linear-attention's kernels) so that neither measured run pays it
     r.step("extract-warmup", 120, r.extract(where / "targets-warmup", *common, "model.fp8_weights=dequantize",
-                                            "data.max_samples=48"))
+                                            "data.max_samples=32"))
     shutil.rmtree(where / "targets-warmup", ignore_errors=True)
     for name, mode in (("extract-dequantized", "dequantize"), ("extract-fp8", "auto")):
         out = where / f"targets-{name}"

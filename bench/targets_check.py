@@ -19,7 +19,7 @@ The checkpoint stays in DIR for the scenario's extractions.
 `moe`: a Qwen3-30B-A3B-shaped slice (`--layers` layers of 128 experts, top-8, hidden 2048, expert width 768),
 random bf16 weights, one [batch, length] batch through the base model with each experts implementation:
 transformers' `grouped_mm` (its default; the baseline), `eager` (its loop over experts), `compiled`
-(`model.moe_experts: compiled`), `compiled_block` (torch.compile of the whole sparse block, router included:
+(`model.moe_experts: compiled`), `compiled_block` on request (torch.compile of the whole sparse block, router included:
 measured only), `liger` (`model.moe_experts: liger`). Per candidate: tok/s (warm), the first call's seconds
 (compilation), max |diff| / max |baseline| per layer, and the fraction of tokens routed to the same top-k experts
 as the baseline in every sparse layer; the same two against an fp32 copy of the model (eager experts): bf16 paths
@@ -339,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--length", type=int, default=None)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--candidates", default="grouped_mm,compiled,liger,eager,compiled_block")
+    p.add_argument("--candidates", default="grouped_mm,compiled,liger,eager",
+                   help="also: compiled_block (torch.compile of the whole sparse block, router included)")
     p.add_argument("--tiny", action="store_true", help="CPU-sized configs")
     args = p.parse_args(argv)
     defaults = {"fp8": (6, 1, 64) if args.tiny else (16, 4, 4096), "moe": (2, 1, 64) if args.tiny else (8, 8, 4096)}
