@@ -302,6 +302,10 @@ def run_moe(args) -> dict:
             _sync(dev)
             entry["first_call_seconds"] = round(time.perf_counter() - t0, 2)
             entry["tok_s"] = tokens / _timed(lambda: _states(model, ids), dev, args.repeats)
+            from dflash_prep.target import moe
+
+            if name == "compiled" and moe._COMPILE_FAILED:  # it ran transformers' forward instead: say so
+                entry["compile_failed"] = moe._COMPILE_FAILED[0]
         except Exception as e:  # noqa: BLE001 - a candidate that cannot run here is reported, the others go on
             entry["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
             print(f"{name}: error {entry['error']}", flush=True)

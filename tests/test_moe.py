@@ -112,3 +112,21 @@ def test_a_dense_model_has_nothing_to_choose():
 
     model = AutoModelForCausalLM.from_config(tiny_llama_config())
     assert apply_moe_experts(model, "auto", "cuda", "bfloat16") is None
+
+
+def test_a_failed_compilation_runs_transformers_forward_and_says_so(monkeypatch, caplog):
+    from dflash_prep.target import moe
+
+    def failing(*_args, **_kwargs):
+        raise RuntimeError("no lowering for this op")
+
+    monkeypatch.setattr(moe, "_COMPILED_FORWARD", failing)
+    monkeypatch.setattr(moe, "_COMPILE_FAILED", [])
+    eager, compiled = _build(), _build()
+    apply_moe_experts(compiled, "compiled", "cpu", "float32")
+    ids = torch.randint(1, 1000, (1, 20), generator=torch.Generator().manual_seed(3))
+    with caplog.at_level("WARNING", logger="dflash_prep"):
+        got = _run(compiled, ids)[0]
+    assert all(torch.equal(g, w) for g, w in zip(got, _run(eager, ids)[0], strict=True))
+    said = [r.getMessage() for r in caplog.records if "torch.compile failed" in r.getMessage()]
+    assert len(said) == 1 and "no lowering" in said[0], said

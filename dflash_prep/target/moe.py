@@ -68,14 +68,26 @@ def _compiled_forward():
     return _COMPILED_FORWARD
 
 
+_COMPILE_FAILED: list[str] = []
+
+
 class _CompiledExperts:
-    """A routed-experts module's forward replaced: its own weights through the compiled grouped_mm forward."""
+    """A routed-experts module's forward replaced: its own weights through the compiled grouped_mm forward. Where
+    compilation fails (an Inductor or a torch version without the grouped GEMM's lowering), every layer goes back to
+    transformers' own forward, said once: the same function, without the fusion."""
 
     def __init__(self, module: nn.Module):
         self.module = module
 
     def __call__(self, hidden_states, top_k_index, top_k_weights):
-        return _compiled_forward()(self.module, hidden_states, top_k_index, top_k_weights)
+        if not _COMPILE_FAILED:
+            try:
+                return _compiled_forward()(self.module, hidden_states, top_k_index, top_k_weights)
+            except Exception as e:  # noqa: BLE001 - torch.compile's errors have no common type
+                _COMPILE_FAILED.append(" ".join(str(e).split())[:300])
+                log.warning("model.moe_experts: compiled: torch.compile failed (%s); transformers' experts forward "
+                            "runs instead", _COMPILE_FAILED[0])
+        return type(self.module).forward(self.module, hidden_states, top_k_index, top_k_weights)
 
 
 def apply_moe_experts(model: nn.Module, requested: str, device_type: str, dtype: str) -> str | None:
