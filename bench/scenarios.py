@@ -300,7 +300,7 @@ def profile(r: Round) -> None:
 @scenario("storage", 1, "the shard writer against the disk (disk_vs_writer.py: buffered and O_DIRECT, 4 and 8 lanes), "
           "the Llama-3.1-8B shape with DFlash's 5 layers (40 KB/token, as Qwen3-8B's) into tmpfs, the local disk and "
           "moto's S3 server on loopback, the S3 output read back equal to the disk's (bench/store_bench.py)",
-          deadline_seconds=420, gb="4:GB of each disk_vs_writer step", samples="1000:samples of the runs' list",
+          deadline_seconds=480, gb="4:GB of each disk_vs_writer step", samples="800:samples of the runs' list",
           s3="1:the S3 run (0: skip it; needs moto[server] and s3fs, from the wheels of .whl/)")
 def storage(r: Round) -> None:
     disk = r.work  # the system's temp dir: ext4 on the H200 machine's disk
@@ -327,8 +327,8 @@ def storage(r: Round) -> None:
     out = disk / "out-disk"
     r.step("8b-disk", 120, r.extract(out, *sets))
     if r.flag("s3"):
-        r.step("8b-s3", 200, r.python("-m", "bench.store_bench", "s3", r.work / "s3", r.results, "--local", out,
-                                      *(["--probe-gb", "0.05"] if r.dry else []), "--",
+        r.step("8b-s3", 180, r.python("-m", "bench.store_bench", "s3", r.work / "s3", r.results, "--local", out,
+                                      "--probe-gb", "0.05" if r.dry else "0.5", "--",
                                       *(a for kv in sets for a in ("--set", kv))))
     r.keep(out, "8b-disk")
     shutil.rmtree(tmpfs, ignore_errors=True)

@@ -6,7 +6,8 @@ tmpfs and S3 runs.
     python3 -m bench.store_bench s3 WORK RESULTS --local LOCAL_OUT -- --set KEY=VALUE ...   (the extraction's sets)
     python3 -m bench.store_bench report RESULTS
 
-`s3` starts moto's server (moto.server.ThreadedMotoServer) on 127.0.0.1, times a 1 GB upload through s3fs alone
+`s3` starts moto's server (moto.server.ThreadedMotoServer) on 127.0.0.1 (its objects in `--store-tmp`, default
+/dev/shm: the store's disk is not the one under test), times a 1 GB upload through s3fs alone
 (what the server itself takes), runs `python -m dflash_prep.commands.extract` with the given sets into
 `s3://bench/out` (shards staged in WORK/staging), then reads the S3 output and LOCAL_OUT (the same recipe on the
 local disk) back through `ShardDataset` and compares them sample by sample (ids, tokens, the states' bytes):
@@ -22,6 +23,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -87,12 +89,14 @@ def compare(local: str, remote: str, storage_options: dict) -> dict:
             "equal": sorted(a) == sorted(b) and not differ}
 
 
-def s3(work: Path, results: Path, local: Path, sets: list[str], probe_bytes: int) -> int:
+def s3(work: Path, results: Path, local: Path, sets: list[str], probe_bytes: int, store_tmp: Path | None) -> int:
     import s3fs
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     os.environ.update(CREDENTIALS)
+    if store_tmp is not None:  # moto keeps objects over 5 MB in temporary files: on RAM, not on the disk under test
+        tempfile.tempdir = str(store_tmp)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
     server.start()
     try:
@@ -103,13 +107,13 @@ def s3(work: Path, results: Path, local: Path, sets: list[str], probe_bytes: int
         probe = _upload_rate(fs, work, probe_bytes)
         print(f"s3fs put_file into moto on loopback: {probe['bytes_per_second'] / 1e9:.2f} GB/s", flush=True)
         url = f"s3://{BUCKET}/out"
-        env = {**os.environ, "AWS_ENDPOINT_URL": endpoint, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "AWS_ENDPOINT_URL": endpoint, "PYTHONUNBUFFERED": "1"}  # staging: on `work`
         cmd = [sys.executable, "-m", "dflash_prep.commands.extract", "--set", f"output.dir={url}",
                "--set", f"output.staging_dir={work / 'staging'}", "--set", "output.overwrite=true", *sets]
         t0 = time.perf_counter()
         rc = subprocess.run(cmd, cwd=REPO, env=env).returncode
         wall = time.perf_counter() - t0
-        result = {"endpoint": endpoint, "upload_probe": probe, "extract_exit_code": rc, "extract_wall_seconds": wall,
+        result = {"endpoint": endpoint, "store_tmp": str(store_tmp), "upload_probe": probe, "extract_exit_code": rc, "extract_wall_seconds": wall,
                   "sets": sets}
         if rc == 0:
             summary = json.loads(fs.cat(f"{BUCKET}/out/summary.json"))
@@ -175,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("results", type=Path)
     s.add_argument("--local", type=Path, required=True, help="the same extraction's output on the local disk")
     s.add_argument("--probe-gb", type=float, default=1.0, help="bytes of the upload probe, GB")
+    s.add_argument("--store-tmp", type=Path, default=Path("/dev/shm") if Path("/dev/shm").is_dir() else None,
+                   help="where the server keeps its objects (moto: temporary files); default /dev/shm")
     r = sub.add_parser("report")
     r.add_argument("results", type=Path)
     args = p.parse_args(argv)
@@ -183,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "s3":
         args.work.mkdir(parents=True, exist_ok=True)
-        return s3(args.work, args.results, args.local, sets, int(args.probe_gb * 1e9))
+        return s3(args.work, args.results, args.local, sets, int(args.probe_gb * 1e9), args.store_tmp)
     return report(args.results)
 
 

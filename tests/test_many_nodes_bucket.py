@@ -109,6 +109,7 @@ def test_a_node_killed_mid_run_then_the_job_resumed_on_one_node_equals_a_local_r
     errors = [line for line in printed.splitlines() if line.startswith("error:")]
     assert node0.returncode == 1 and len(errors) == 1 and "Traceback" not in printed, printed[-3000:]
     assert "rank 1 was lost" in errors[0] and "The output is resumable" in errors[0]
+    assert f"(details in {tmp_path / 'staging-node0' / 'logs'})" in errors[0]  # a folder, not a mangled URL
     fs.invalidate_cache()
     assert not fs.exists(f"{bucket}/job/manifest.json")
     # the same job on one node (one process), its own staging folder
