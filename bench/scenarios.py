@@ -301,6 +301,7 @@ def profile(r: Round) -> None:
           "the Llama-3.1-8B shape with DFlash's 5 layers (40 KB/token, as Qwen3-8B's) into tmpfs, the local disk and "
           "moto's S3 server on loopback, the S3 output read back equal to the disk's (bench/store_bench.py)",
           deadline_seconds=480, gb="4:GB of each disk_vs_writer step", samples="800:samples of the runs' list",
+          model="llama3.1-8b:the runs' config, bench/configs/NAME.json (qwen3-8b: the issue's Qwen3-8B shape)",
           s3="1:the S3 run (0: skip it; needs moto[server] and s3fs, from the wheels of .whl/)")
 def storage(r: Round) -> None:
     disk = r.work  # the system's temp dir: ext4 on the H200 machine's disk
@@ -311,9 +312,9 @@ def storage(r: Round) -> None:
                                            r.results / "disk_vs_writer-disk.json",
                                            *(["--width", "2048", "--shard-gb", "0.01"] if r.dry else [])))
     data = r.work / "data.parquet"
-    num, vocab = ("40", "1024") if r.dry else (r.opt("samples"), "128256")
+    config = CONFIGS / ("tiny-llama.json" if r.dry else f"{r.opt('model')}.json")
+    num, vocab = ("40" if r.dry else r.opt("samples")), str(json.loads(config.read_text())["vocab_size"])
     r.step("data", 60, r.python("-m", "bench.store_bench", "data", data, "--num-samples", num, "--vocab", vocab))
-    config = CONFIGS / ("tiny-llama.json" if r.dry else "llama3.1-8b.json")
     sets = [f"data.path={data}", "data.max_length=4096", f"model.config={config}", f"model.tokenizer={TOKENIZER}",
             "model.dtype=bfloat16", "layers.preset=dflash",
             "layers.capture_final=none", "output.dtype=bfloat16", "batching.max_tokens_per_batch=auto",
