@@ -251,6 +251,7 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
         "decoder_params_run": params,
         "num_rows": data.num_rows, "num_samples": len(lengths),
         "num_skipped": sum(data.skipped_counts.values()), "skipped": data.skipped_counts,
+        "samples": data.samples,
         "num_tokens": stats["num_real_tokens"], "num_padded_tokens": stats["num_padded_tokens"],
         "num_batches": stats["num_batches"], "num_shapes": stats["num_shapes"],
         "padding_efficiency": stats["padding_efficiency"], "batch_size_min": stats["batch_size_min"],
@@ -489,6 +490,7 @@ def format_plan(p: dict) -> str:
         ("layers", f"{p['layer_ids']} after-layer 0-based; final layer: {p['capture_final']}"),
         ("rows", f"{p['num_rows']:,}: {p['num_samples']:,} kept, {p['num_skipped']:,} skipped"
                  + (" (" + ", ".join(f"{k}: {v:,}" for k, v in p["skipped"].items()) + ")" if p["skipped"] else "")),
+        *_samples_lines(p),
         ("tokens", f"{p['num_tokens']:,} (mean {p['num_tokens'] / max(p['num_samples'], 1):.1f} per sample)"),
         _batches_line(p),
         ("padding", f"efficiency {p['padding_efficiency'] or 0:.3f} ({p['num_padded_tokens']:,} padded tokens)"),
@@ -592,6 +594,15 @@ def build_parser(prog: str = "dflash-prep plan") -> argparse.ArgumentParser:
     return p
 
 
+def _samples_lines(p: dict) -> list[tuple[str, str]]:
+    """The `samples` line (data.samples, docs/ON_POLICY.md), when the data has conversation rows."""
+    from dflash_prep.data.samples import samples_line
+
+    disk = (p.get("disk") or {}).get(p.get("dtype") or "", {})
+    line = samples_line(p.get("samples") or {}, disk.get("bytes_per_token"))
+    return [("samples", line)] if line else []
+
+
 def show_sample(recipe: Recipe, row_index: int) -> str:
     """Row `row_index` of the data as the extraction tokenizes it: its text with the supervised (loss_mask 1) runs
     between `[[` and `]]`, then one line per token (position, id, text, `*` when supervised); or its skip
@@ -606,13 +617,18 @@ def show_sample(recipe: Recipe, row_index: int) -> str:
     fn = Tokenizer(tokenizer=tokenizer, max_length=recipe.data.max_length, overlong=recipe.data.overlong,
                    vocab_size=vocab_size_of(load_config(recipe.model)), id_column=recipe.data.id_column,
                    chat_template_kwargs=dict(recipe.data.chat_template_kwargs),
-                   chat_template=read_chat_template(recipe.data))
+                   chat_template=read_chat_template(recipe.data), samples=recipe.data.samples)
     out = fn(rows[row_index: row_index + 1], [row_index])
-    head = f"row {row_index} (sample {out['sample_id'][0]}, id {out['source_id'][0]!r})"
-    if out["skip_reason"][0]:
-        return f"{head}: skipped, {out['skip_reason'][0]}" + (f" ({out['skip_detail'][0]})" if out["skip_detail"][0]
+    return "\n\n".join(_show_one(tokenizer, out, k, row_index) for k in range(len(out["sample_id"])))
+
+
+def _show_one(tokenizer, out: dict, k: int, row_index: int) -> str:
+    """`show_sample`'s text of sample k of a row (a `per_turn` row has one per supervised turn)."""
+    head = f"row {row_index} (sample {out['sample_id'][k]}, id {out['source_id'][k]!r})"
+    if out["skip_reason"][k]:
+        return f"{head}: skipped, {out['skip_reason'][k]}" + (f" ({out['skip_detail'][k]})" if out["skip_detail"][k]
                                                               else "")
-    ids, mask = out["input_ids"][0], out["loss_mask"][0]
+    ids, mask = out["input_ids"][k], out["loss_mask"][k]
     pieces, start = [], 0  # text runs decoded whole (a token may hold part of a character)
     for t in range(1, len(ids) + 1):
         if t == len(ids) or mask[t] != mask[start]:

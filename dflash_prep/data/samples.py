@@ -203,3 +203,23 @@ class SampleBuilder:
             for c, d in after:
                 mask[c:d] = [0] * (d - c)
         return new, new_mask
+
+
+def samples_line(summary: dict, bytes_per_token: float | None = None) -> str | None:
+    """One line of a `rows.samples_summary` for `plan` and `inspect`: rows kept whole, rows cut per turn (their
+    samples, the tokens and, given the bytes of states per token, the bytes they add), and the generated turns by
+    source (ids, text), with those whose ids differ from the template's rendering and those cut by max_tokens.
+    None when there is nothing to say (no conversation row)."""
+    if not summary:
+        return None
+    line = f"{summary['conversation_rows']:,} row(s) as one sample, {summary['per_turn_rows']:,} per turn"
+    if summary["per_turn_rows"]:
+        extra = summary["per_turn_extra_tokens"]
+        line += f" ({summary['per_turn_samples']:,} samples, {extra:+,} tokens"
+        line += f", {extra * bytes_per_token / 1e9:+.3g} GB of states)" if bytes_per_token else ")"
+    turns = summary.get("generated_turns") or {}
+    if any(turns.values()):
+        line += (f"; generated turns: {turns['from_ids']:,} from the engine's ids ({turns['ids_differ']:,} differ "
+                 f"from the template's rendering: the ids are used), {turns['from_text']:,} from text, "
+                 f"{turns['cut']:,} cut by max_tokens")
+    return line

@@ -1,0 +1,231 @@
+"""On-policy samples are the target's own tokens (docs/ON_POLICY.md): the generated turns' ids are kept and the
+extraction builds the samples from them; `data.samples: per_turn` samples are the served prompt + the generated
+ids; the in-process engine renders with `data.chat_template`; an engine rejecting everything ends with exit code 2;
+`weight: 0` turns are never regenerated nor supervised.
+
+The model is the tiny demo config with random weights saved with the Qwen3 template (tests/regen_server.py), whose
+template drops earlier turns' reasoning and renders a last turn with an empty think block: a rendering of the whole
+conversation is not what the target saw. Every expected value comes from transformers directly: the prompt from
+`apply_chat_template(..., add_generation_prompt=True, tokenize=True)`, the answer from `generate` run alone on it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import chat_templates as T
+import pytest
+import torch
+from regen_server import STOP_IDS, save_tiny_model
+
+from dflash_prep.commands.regenerate import main as regenerate_main
+from dflash_prep.data import rows as D
+from dflash_prep.recipe.schema import DataSection
+
+MAX_TOKENS = 10
+ROWS = [
+    {"id": "single", "messages": [{"role": "user", "content": "Tell me about rivers."}]},
+    {"id": "multi", "messages": [{"role": "user", "content": "One?"}, {"role": "assistant", "content": "1"},
+                                 {"role": "user", "content": "Two?"}, {"role": "assistant", "content": "2"}]},
+    {"id": "weight0", "messages": [{"role": "user", "content": "Hi"},
+                                   {"role": "assistant", "content": "the data's answer", "weight": 0},
+                                   {"role": "user", "content": "More?"}, {"role": "assistant", "content": "x"}]},
+    {"id": "broken", "messages": "not a list"},
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("onpolicy") / "model")
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir), \
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def sets(model_dir: Path, data: Path, out: Path, **extra) -> list[str]:
+    keys = {"model.config": "null", "model.tokenizer": "null", "model.name_or_path": str(model_dir),
+            "model.dtype": "float32", "data.path": str(data), "output.dir": str(out.parent / f"{out.name}-states"),
+            "regenerate.output_dir": str(out), "regenerate.engine": "transformers",
+            "regenerate.max_tokens": MAX_TOKENS, "regenerate.rows_per_shard": 2,
+            "regenerate.max_tokens_per_batch": 512, "batching.num_workers": 0, **extra}
+    return [a for k, v in keys.items() for a in ("--set", f"{k}={v}")]
+
+
+def rows_of(out: Path) -> list[dict]:
+    import datasets
+
+    return list(datasets.load_from_disk(str(out)))
+
+
+def clean(messages: list[dict]) -> list[dict]:
+    return [{k: v for k, v in m.items() if v is not None and k != "weight"} for m in messages]
+
+
+def prompt_of(tokenizer, messages: list[dict], **kwargs) -> list[int]:
+    return list(tokenizer.apply_chat_template(clean(messages), add_generation_prompt=True, tokenize=True,
+                                              return_dict=True, **kwargs)["input_ids"])
+
+
+def generate_alone(model, prompt: list[int]) -> list[int]:
+    """HF generate on one prompt, greedy: the new ids up to and including the first stop id."""
+    with torch.inference_mode():
+        out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=int),
+                             max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=STOP_IDS, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def tokenized(out: Path, tokenizer, samples: str) -> dict[str, dict]:
+    section = DataSection(path=str(out), samples=samples)
+    data = D.tokenize_dataset(D.load_rows(section), tokenizer, section, 1024)
+    return {r["sample_id"]: r for r in data.kept}, data
+
+
+@pytest.fixture(scope="module", params=["all", "last"])
+def regenerated(request, model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(f"onpolicy-{request.param}")
+    data = tmp / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    out = tmp / "out"
+    assert regenerate_main(sets(model_dir, data, out, **{"regenerate.turns": request.param})) == 0
+    return request.param, out
+
+
+def test_the_generated_ids_are_kept_and_equal_generate_alone(regenerated, hf):
+    turns, out = regenerated
+    tokenizer, model = hf
+    rows = {r["id"]: r for r in rows_of(out)}
+    assert list(rows) == ["single", "multi", "weight0"]
+    for row in rows.values():
+        for turn in row["regen"]["turns"]:
+            i = turn["message_index"]
+            prompt = prompt_of(tokenizer, row["messages"][:i])
+            assert turn["prompt_token_ids"] == prompt, (row["id"], i)
+            assert turn["completion_token_ids"] == generate_alone(model, prompt), (row["id"], i)
+            stopped = turn["completion_token_ids"][-1] in STOP_IDS
+            assert turn["finish_reason"] == ("stop" if stopped else "length")
+    # weight 0: the data's text, its weight kept, never generated; the turn after it generated in its context
+    w0 = rows["weight0"]
+    assert w0["messages"][1]["content"] == "the data's answer" and w0["messages"][1]["weight"] == 0
+    assert [t["message_index"] for t in w0["regen"]["turns"]] == [3]
+    assert [t["message_index"] for t in rows["multi"]["regen"]["turns"]] == ([1, 3] if turns == "all" else [3])
+    # the skipped row's line carries the extraction's one-line detail
+    skipped = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
+    assert skipped == [{"sample_id": "0000000003", "source_row": 3, "source_id": "broken",
+                        "reason": "malformed_conversation", "detail": skipped[0]["detail"]}]
+    assert "not a list" in skipped[0]["detail"] or "str" in skipped[0]["detail"]
+    assert json.loads((out / "summary.json").read_text())["token_ids"] == {"source": "returned"}
+
+
+def test_per_turn_samples_are_the_served_prompt_and_the_generated_ids(regenerated, hf):
+    turns, out = regenerated
+    tokenizer, model = hf
+    samples, data = tokenized(out, tokenizer, "per_turn")
+    expected_ids = []
+    for row in rows_of(out):
+        for turn in row["regen"]["turns"]:
+            i = turn["message_index"]
+            prompt = prompt_of(tokenizer, row["messages"][:i])
+            generated = generate_alone(model, prompt)
+            sample = samples[f"{row['source_row']:010d}_t{i:04d}"]
+            assert sample["input_ids"] == prompt + generated, (row["id"], i)
+            assert sample["loss_mask"] == [0] * len(prompt) + [1] * len(generated)
+            expected_ids.append(sample["sample_id"])
+    assert sorted(samples) == sorted(expected_ids)  # the weight-0 turn and the data's turns are no sample
+    generated_turns = sum(len(r["regen"]["turns"]) for r in rows_of(out))
+    assert data.samples["generated_turns"]["from_ids"] == generated_turns
+    assert data.samples["per_turn_samples"] == generated_turns
+
+
+def test_auto_cuts_the_rows_qwen3_rewrites_and_keeps_the_others_whole_from_the_ids(regenerated, hf):
+    turns, out = regenerated
+    tokenizer, model = hf
+    samples, data = tokenized(out, tokenizer, "auto")
+    newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    whole = {"single": 0, "weight0": 2} | ({} if turns == "all" else {"multi": 1})
+    for row in rows_of(out):
+        if row["id"] not in whole:  # two generated turns: Qwen3 renders the first without its think block
+            assert sorted(s for s in samples if s.startswith(f"{row['source_row']:010d}")) == [
+                f"{row['source_row']:010d}_t0001", f"{row['source_row']:010d}_t0003"]
+            continue
+        (turn,) = row["regen"]["turns"]
+        i = turn["message_index"]
+        prompt = prompt_of(tokenizer, row["messages"][:i])
+        generated = generate_alone(model, prompt)
+        stopped = generated[-1] in STOP_IDS
+        # the stop token it generated replaces the template's <|im_end|>; cut by max_tokens: <|im_end|> is context
+        tail = newline if stopped else [im_end, *newline]
+        sample = samples[f"{row['source_row']:010d}"]
+        assert sample["input_ids"] == prompt + generated + tail, row["id"]
+        assert sample["loss_mask"] == [0] * len(prompt) + [1] * len(generated) + [0] * len(tail)
+    assert data.samples["per_turn_rows"] == (1 if turns == "all" else 0)
+    # Qwen3 renders every last turn with an empty think block the target did not generate: the ids win, counted
+    assert data.samples["generated_turns"]["ids_differ"] >= len(whole)
+
+
+def test_the_weight_0_turn_is_never_supervised_in_the_extraction(regenerated, hf):
+    _, out = regenerated
+    tokenizer, _ = hf
+    samples, _ = tokenized(out, tokenizer, "conversation")
+    sample = samples["0000000002"]
+    supervised = tokenizer.decode([t for t, m in zip(sample["input_ids"], sample["loss_mask"]) if m])
+    assert "the data's answer" not in supervised and "the data's answer" in tokenizer.decode(sample["input_ids"])
+
+
+def test_the_in_process_engine_renders_with_data_chat_template(model_dir, hf, tmp_path):
+    """The recipe's template (here Qwen3.6's: its generation prompt opens <think>) and keyword arguments, not the
+    tokenizer's own: the prompts are the ones apply_chat_template gives with that template."""
+    tokenizer, model = hf
+    template = tmp_path / "qwen36.jinja"
+    template.write_text(T.QWEN36)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS[:2]))
+    out = tmp_path / "out"
+    argv = sets(model_dir, data, out, **{"regenerate.turns": "all", "data.chat_template": str(template),
+                                         "data.chat_template_kwargs": "{enable_thinking: false}"})
+    assert regenerate_main(argv) == 0
+    n = 0
+    for row in rows_of(out):
+        for turn in row["regen"]["turns"]:
+            i = turn["message_index"]
+            prompt = prompt_of(tokenizer, row["messages"][:i], chat_template=T.QWEN36, enable_thinking=False)
+            assert prompt != prompt_of(tokenizer, row["messages"][:i])  # the templates differ
+            assert turn["prompt_token_ids"] == prompt and turn["completion_token_ids"] == generate_alone(model, prompt)
+            n += 1
+    assert n == 3
+    state = json.loads((out / "run_state.json").read_text())
+    assert state["identity"]["chat_template"] == T.QWEN36  # the regeneration's identity holds the template text
+
+
+def test_an_engine_rejecting_every_request_ends_with_exit_code_2_and_its_reasons(model_dir, tmp_path, capsys):
+    """A token budget no prompt fits: the in-process engine rejects every request. The regeneration, and the
+    one-recipe form, end with exit code 2 naming the reason with an example; a re-run says it again."""
+    from dflash_prep.commands.extract import main as extract_main
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS[:3]))
+    out = tmp_path / "out"
+    argv = sets(model_dir, data, out, **{"regenerate.max_tokens_per_batch": 12})
+    assert regenerate_main(argv) == 2
+    err = capsys.readouterr().err
+    assert "the regeneration answered no row of 3" in err and "rejected_by_engine: 3 (e.g. row 0000000000" in err
+    assert "exceeds the token budget" in err
+    assert regenerate_main(argv) == 2 and "answered no row" in capsys.readouterr().err
+    assert extract_main(argv + ["--set", "regenerate.max_tokens_per_batch=12"]) == 2
+    assert "the regeneration answered no row of 3" in capsys.readouterr().err
+
+
+def test_more_skipped_rows_than_max_skipped_fraction_end_with_exit_code_2(model_dir, tmp_path, capsys):
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in [ROWS[0], ROWS[3], ROWS[3]]))
+    out = tmp_path / "out"
+    assert regenerate_main(sets(model_dir, data, out, **{"data.max_skipped_fraction": 0.5})) == 2
+    err = capsys.readouterr().err
+    assert "skipped 2 of 3 rows, more than data.max_skipped_fraction=0.5" in err
+    assert "malformed_conversation: 2 (e.g. row 0000000001" in err
