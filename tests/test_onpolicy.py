@@ -229,3 +229,106 @@ def test_more_skipped_rows_than_max_skipped_fraction_end_with_exit_code_2(model_
     err = capsys.readouterr().err
     assert "skipped 2 of 3 rows, more than data.max_skipped_fraction=0.5" in err
     assert "malformed_conversation: 2 (e.g. row 0000000001" in err
+
+
+# ------------------------------------------------------------------------------------------ rows written by hand
+# A regenerated row as `regenerate` writes it, with a tool call and reasoning; the ids are what an engine
+# generated: the same text as the template renders, in other tokens (single characters), so that the test tells
+# ids from re-tokenized text.
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+TOOL_ROW_MESSAGES = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "reasoning_content": "Use the tool.", "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+    {"role": "assistant", "content": "It is 18 C.", "reasoning_content": "Read it."}]
+
+
+def qwen3_tokenizer():
+    from test_chat import family_tokenizer
+
+    tokenizer = family_tokenizer("qwen3")
+    tokenizer.chat_template = T.QWEN3
+    return tokenizer
+
+
+def char_ids(tokenizer, text: str) -> list[int]:
+    """`text` as one token per character (markers as their own token): ids no tokenizer call gives for it."""
+    out, i = [], 0
+    markers = sorted(T.SPECIAL_TOKENS["qwen3"], key=len, reverse=True)
+    while i < len(text):
+        m = next((m for m in markers if text.startswith(m, i)), None)
+        piece = m or text[i]
+        out += tokenizer(piece, add_special_tokens=False)["input_ids"]
+        i += len(piece)
+    return out
+
+
+def regen_row(tokenizer, finish: list[str], with_prompt_ids: bool = False) -> tuple[dict, dict]:
+    """The row, and message index -> the completion ids its `regen` holds."""
+    texts = {1: '<think>\nUse the tool.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": '
+                '{"city": "Paris"}}\n</tool_call>', 3: "<think>\nRead it.\n</think>\n\nIt is 18 C."}
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    completion = {i: char_ids(tokenizer, texts[i]) + ([im_end] if f != "length" else [])
+                  for i, f in zip((1, 3), finish)}
+    turns = []
+    for i, f in zip((1, 3), finish):
+        prompt = char_ids(tokenizer, tokenizer.apply_chat_template(clean(TOOL_ROW_MESSAGES[:i]), tools=None,
+                                                                   add_generation_prompt=True, tokenize=False))
+        turns.append({"message_index": i, "finish_reason": f, "prompt_tokens": 0, "completion_tokens": 0, "seed": 0,
+                      "prompt_token_ids": prompt if with_prompt_ids else None, "completion_token_ids": completion[i]})
+    row = {"id": "tool", "messages": TOOL_ROW_MESSAGES, "tools": None,
+           "regen": {"engine": "openai", "turns": turns}}
+    return row, completion
+
+
+def builder(tokenizer, mode: str):
+    return D.Tokenizer(tokenizer=tokenizer, max_length=4096, overlong="skip", vocab_size=len(tokenizer),
+                       samples=mode, stop_token_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>")])
+
+
+@pytest.mark.parametrize("with_prompt_ids", [False, True])
+def test_per_turn_samples_hold_the_ids_of_tool_calls_and_reasoning(with_prompt_ids):
+    tokenizer = qwen3_tokenizer()
+    row, completion = regen_row(tokenizer, ["tool_calls", "length"], with_prompt_ids)
+    samples = builder(tokenizer, "auto").process_row_samples(row)
+    assert [(s.suffix, s.sample_kind) for s in samples] == [("_t0001", "per_turn"), ("_t0003", "per_turn")]
+    for sample, turn in zip(samples, row["regen"]["turns"]):
+        i = turn["message_index"]
+        prompt = turn["prompt_token_ids"] if with_prompt_ids else prompt_of(tokenizer, TOOL_ROW_MESSAGES[:i])
+        assert sample.input_ids == prompt + completion[i]  # the engine's own ids, not a re-tokenization
+        assert sample.loss_mask == [0] * len(prompt) + [1] * len(completion[i])
+    assert samples[0].counts["turns_from_ids"] == 2 and samples[0].counts["turns_ids_differ"] == 2
+    assert samples[0].counts["turns_cut"] == 1
+
+
+@pytest.mark.parametrize("finish", ["tool_calls", "length"])
+def test_a_conversation_sample_takes_the_ids_and_supervises_only_the_stop_token_generated(finish):
+    """One generated turn with a tool call and reasoning, kept whole (`conversation`): the served prompt, the
+    generated ids, then what the template writes after them. Stopped on <|im_end|>: supervised; cut by
+    max_tokens: the template's <|im_end|> is context."""
+    tokenizer = qwen3_tokenizer()
+    row, completion = regen_row(tokenizer, [finish, "stop"])
+    row = {**row, "messages": TOOL_ROW_MESSAGES[:2], "regen": {"turns": row["regen"]["turns"][:1]}}
+    (sample,) = builder(tokenizer, "conversation").process_row_samples(row)
+    prompt = prompt_of(tokenizer, TOOL_ROW_MESSAGES[:1])
+    tail = ([] if finish != "length" else [tokenizer.convert_tokens_to_ids("<|im_end|>")]) \
+        + tokenizer("\n", add_special_tokens=False)["input_ids"]
+    assert sample.sample_kind == "conversation" and sample.suffix == ""
+    assert sample.input_ids == prompt + completion[1] + tail
+    assert sample.loss_mask == [0] * len(prompt) + [1] * len(completion[1]) + [0] * len(tail)
+
+
+def test_a_stop_token_other_than_the_templates_end_of_turn_is_the_one_supervised():
+    tokenizer = qwen3_tokenizer()
+    eos = tokenizer.convert_tokens_to_ids("<|im_start|>")  # stands for <|endoftext|>: a stop id, not <|im_end|>
+    row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+           "regen": {"turns": [{"message_index": 1, "finish_reason": "stop",
+                                "completion_token_ids": [*tokenizer("Hello", add_special_tokens=False)["input_ids"],
+                                                         eos]}]}}
+    fn = D.Tokenizer(tokenizer=tokenizer, max_length=4096, overlong="skip", vocab_size=len(tokenizer),
+                     samples="conversation", stop_token_ids=[eos, tokenizer.convert_tokens_to_ids("<|im_end|>")])
+    (sample,) = fn.process_row_samples(row)
+    supervised = [t for t, m in zip(sample.input_ids, sample.loss_mask) if m]
+    assert supervised == row["regen"]["turns"][0]["completion_token_ids"]
+    prompt = prompt_of(tokenizer, row["messages"][:1])
+    assert sample.input_ids == prompt + supervised + tokenizer("\n", add_special_tokens=False)["input_ids"]
