@@ -262,7 +262,8 @@ def test_on_length_keeps_or_drops_the_rows_cut_by_max_tokens(server, tmp_path):
     keep, drop = tmp_path / "keep", tmp_path / "drop"
     assert regenerate_main(regen_args(server, data, keep, **{"regenerate.max_tokens": 3})) == 0
     assert regenerate_main(regen_args(server, data, drop, **{"regenerate.max_tokens": 3,
-                                                             "regenerate.on_length": "drop"})) == 0
+                                                             "regenerate.on_length": "drop",
+                                                             "data.max_skipped_fraction": 1.0})) == 0
     assert {r["id"]: r["regen"]["turns"][0]["finish_reason"] for r in load(keep)} == expected
     assert [r["id"] for r in load(drop)] == [k for k, v in expected.items() if v == "stop"]
     summary = json.loads((drop / "summary.json").read_text())
