@@ -332,3 +332,46 @@ def test_a_stop_token_other_than_the_templates_end_of_turn_is_the_one_supervised
     assert supervised == row["regen"]["turns"][0]["completion_token_ids"]
     prompt = prompt_of(tokenizer, row["messages"][:1])
     assert sample.input_ids == prompt + supervised + tokenizer("\n", add_special_tokens=False)["input_ids"]
+
+
+def test_the_users_own_multi_turn_rows_become_one_sample_per_turn_on_a_template_that_drops_reasoning(tmp_path):
+    """Your own data, Qwen3's template: `auto` cuts the two-turn row with reasoning into its turns, each its served
+    prompt + the turn as the template renders it there (its reasoning shown), and keeps a one-turn row whole; the
+    summary counts the samples and the tokens they add."""
+    tokenizer = qwen3_tokenizer()
+    messages = [{"role": "user", "content": "One?"},
+                {"role": "assistant", "content": "1", "reasoning_content": "Count once."},
+                {"role": "user", "content": "Two?"},
+                {"role": "assistant", "content": "2", "reasoning_content": "Count twice."}]
+    rows = [{"id": "two", "messages": messages}, {"id": "one", "messages": messages[:2]}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    section = DataSection(path=str(path), chat_template=T.QWEN3)
+    data = D.tokenize_dataset(D.load_rows(section), tokenizer, section, len(tokenizer))
+    samples = {r["sample_id"]: r for r in data.kept}
+    assert sorted(samples) == ["0000000000_t0001", "0000000000_t0003", "0000000001"]
+    for i, reasoning, answer in ((1, "Count once.", "1"), (3, "Count twice.", "2")):
+        sample = samples[f"0000000000_t{i:04d}"]
+        prompt = prompt_of(tokenizer, messages[:i])
+        whole = tokenizer.apply_chat_template(messages[: i + 1], tokenize=True, return_dict=True)["input_ids"]
+        assert sample["input_ids"] == list(whole) and sample["input_ids"][: len(prompt)] == prompt
+        supervised = tokenizer.decode([t for t, m in zip(sample["input_ids"], sample["loss_mask"]) if m])
+        assert supervised == f"<think>\n{reasoning}\n</think>\n\n{answer}<|im_end|>"
+        assert not any(sample["loss_mask"][: len(prompt)])
+    one = tokenizer.apply_chat_template(messages[:2], tokenize=True, return_dict=True)["input_ids"]
+    assert samples["0000000001"]["input_ids"] == list(one)
+    conversation = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    assert data.samples["per_turn_rows"] == 1 and data.samples["conversation_rows"] == 1
+    assert data.samples["per_turn_extra_tokens"] == (len(samples["0000000000_t0001"]["input_ids"])
+                                                     + len(samples["0000000000_t0003"]["input_ids"])
+                                                     - len(conversation))
+    from dflash_prep.data.samples import samples_line
+
+    extra = data.samples["per_turn_extra_tokens"]
+    assert samples_line(data.samples, 1e6) == (f"1 row(s) as one sample, 1 per turn (2 samples, {extra:+,} tokens, "
+                                               f"{extra * 1e6 / 1e9:+.3g} GB of states)")
+    # `conversation`: one sample per row, as before
+    section = DataSection(path=str(path), chat_template=T.QWEN3, samples="conversation")
+    whole = D.tokenize_dataset(D.load_rows(section), tokenizer, section, len(tokenizer))
+    assert sorted(whole.kept["sample_id"]) == ["0000000000", "0000000001"]
+    assert whole.kept[0]["input_ids"] == list(conversation)

@@ -286,8 +286,11 @@ def test_one_recipe_regenerates_then_extracts_from_its_output(server, tmp_path):
     assert extract_main(["--recipe", str(recipe)]) == 0
     answers = load(tmp_path / "answers")
     manifest = json.loads((tmp_path / "states" / "manifest.json").read_text())
-    assert manifest["num_rows"] == len(answers) == 4
-    assert manifest["num_samples"] + manifest["num_skipped"] == 4
+    # Qwen3's template drops the earlier turn of the two-turn row as the target saw it: that row is two samples
+    # (data.samples: auto), the others one each
+    assert len(answers) == 4 and manifest["samples"]["per_turn_rows"] == 1
+    assert manifest["samples"]["per_turn_samples"] == 2 and manifest["num_rows"] == 5
+    assert manifest["num_samples"] + manifest["num_skipped"] == 5
     resolved = yaml.safe_load((tmp_path / "states" / "recipe.resolved.yaml").read_text())
     assert resolved["data"]["path"] == str(tmp_path / "answers")
     # the same command again: both finished, nothing redone
