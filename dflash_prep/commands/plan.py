@@ -697,6 +697,9 @@ def plan_regeneration(recipe: Recipe, generated_tokens_per_second: float | None 
 
     from dflash_prep.data.rows import load_rows
     from dflash_prep.regen.conversation import Conversation, RegenSettings
+    from dflash_prep.data.chat import ChatRenderer
+    from dflash_prep.data.conversation import prompt_conversation
+    from dflash_prep.data.rows import read_chat_template
     from dflash_prep.regen.loop import row_at
     from dflash_prep.target.model import load_tokenizer
 
@@ -707,6 +710,7 @@ def plan_regeneration(recipe: Recipe, generated_tokens_per_second: float | None 
                              chat_template_kwargs=kwargs, on_length=section.on_length, seed=section.seed)
     rows = load_rows(recipe.data)
     tokenizer = load_tokenizer(recipe.model)
+    renderer = ChatRenderer(tokenizer, read_chat_template(recipe.data), kwargs)
     positions = list(range(len(rows)))
     sampled = len(positions) > REGEN_PLAN_MAX_ROWS
     if sampled:
@@ -717,15 +721,13 @@ def plan_regeneration(recipe: Recipe, generated_tokens_per_second: float | None 
         row, reason = row_at(batch, list(batch), 0)  # a line read as raw JSON text is parsed as the run parses it
         conv = reason or Conversation.of_row(row, position, settings, recipe.data.id_column)
         if isinstance(conv, str):
-            skipped[conv] = skipped.get(conv, 0) + 1
+            skipped[str(conv)] = skipped.get(str(conv), 0) + 1
             continue
         for index in conv.targets:
             requests += 1
-            messages = [_template_message(m) for m in conv.data[:index]]
-            try:
-                prompt_tokens += len(tokenizer.apply_chat_template(
-                    messages, tools=conv.tools, tokenize=True, return_dict=True, add_generation_prompt=True,
-                    **kwargs)["input_ids"])
+            try:  # rendered as the in-process engine and the extraction render it (data.chat_template)
+                prompt = prompt_conversation(conv.data[:index], conv.tools)
+                prompt_tokens += len(renderer.served_prompt_ids(renderer.template_messages(prompt), prompt.tools))
             except Exception:  # noqa: BLE001 - a prompt the template refuses: the engine rejects it too
                 skipped["chat_template_error"] = skipped.get("chat_template_error", 0) + 1
     scale = len(rows) / len(positions) if positions else 0.0
@@ -737,22 +739,6 @@ def plan_regeneration(recipe: Recipe, generated_tokens_per_second: float | None 
            "generated_tokens_per_second": generated_tokens_per_second}
     out["seconds_at_most"] = (out["generated_tokens_at_most"] / generated_tokens_per_second
                               if generated_tokens_per_second else None)
-    return out
-
-
-def _template_message(message: dict) -> dict:
-    """An OpenAI message as chat templates take it: tool-call arguments as objects (as servers pass them)."""
-    calls = message.get("tool_calls")
-    if not calls:
-        return message
-    out = dict(message, tool_calls=[])
-    for call in calls:
-        args = call["function"]["arguments"]
-        try:
-            args = json.loads(args) if isinstance(args, str) else args
-        except ValueError:
-            pass
-        out["tool_calls"].append({**call, "function": {**call["function"], "arguments": args}})
     return out
 
 

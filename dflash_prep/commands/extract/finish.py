@@ -150,6 +150,7 @@ def _summary(run: Run, data, rank_plan: RankPlan, manifest: dict, reports: list[
         "num_tokens_committed_before": sum(r.num_tokens for r in rank_plan.committed),
         "num_skipped": manifest["num_skipped"],
         "skipped": data.skipped_counts,
+        "samples": data.samples,
         "num_failed": manifest["num_failed"],
         "failed": manifest["failed"],
         "num_failed_this_run": sum(r.get("num_failed", 0) for r in reports),
