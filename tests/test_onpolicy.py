@@ -375,3 +375,29 @@ def test_the_users_own_multi_turn_rows_become_one_sample_per_turn_on_a_template_
     whole = D.tokenize_dataset(D.load_rows(section), tokenizer, section, len(tokenizer))
     assert sorted(whole.kept["sample_id"]) == ["0000000000", "0000000001"]
     assert whole.kept[0]["input_ids"] == list(conversation)
+
+
+# ------------------------------------------------------------------------------------------ servers' token ids
+def test_the_ids_are_read_where_vllm_and_sglang_put_them():
+    """The response shapes of vLLM's and SGLang's OpenAI protocol definitions (vLLM: `prompt_token_ids` on the
+    response, `token_ids` on the choice; SGLang: both on the choice, and `matched_stop` naming a stop token the ids
+    may leave out), read by the `openai` client's own types; and a response without them (transformers serve)."""
+    from openai.types.chat import ChatCompletion
+
+    from dflash_prep.regen.openai_engine import answer_of
+
+    def response(choice_extra: dict, response_extra: dict, finish: str = "stop") -> ChatCompletion:
+        return ChatCompletion.model_validate({
+            "id": "x", "object": "chat.completion", "created": 0, "model": "m", **response_extra,
+            "choices": [{"index": 0, "finish_reason": finish, **choice_extra,
+                         "message": {"role": "assistant", "content": "Hi"}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
+
+    vllm = answer_of(response({"token_ids": [7, 8]}, {"prompt_token_ids": [1, 2, 3]}))
+    assert vllm.prompt_token_ids == [1, 2, 3] and vllm.completion_token_ids == [7, 8]
+    sglang = answer_of(response({"token_ids": [7], "prompt_token_ids": [1, 2, 3], "matched_stop": 8}, {}))
+    assert sglang.prompt_token_ids == [1, 2, 3] and sglang.completion_token_ids == [7, 8]
+    cut = answer_of(response({"token_ids": [7, 9], "matched_stop": None}, {}, finish="length"))
+    assert cut.completion_token_ids == [7, 9] and cut.prompt_token_ids is None
+    plain = answer_of(response({}, {}))
+    assert plain.completion_token_ids is None and plain.prompt_token_ids is None and plain.content == "Hi"
