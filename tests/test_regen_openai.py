@@ -270,7 +270,7 @@ def test_on_length_keeps_or_drops_the_rows_cut_by_max_tokens(server, tmp_path):
     assert summary["skipped"] == {"finish_reason_length": sum(v == "length" for v in expected.values())}
 
 
-def test_one_recipe_regenerates_then_extracts_from_its_output(server, tmp_path):
+def test_one_recipe_regenerates_then_extracts_from_its_output(server, tmp_path, capsys):
     from dflash_prep.commands.extract import main as extract_main
 
     data = write_rows(tmp_path / "rows.jsonl", ROWS)
@@ -291,6 +291,12 @@ def test_one_recipe_regenerates_then_extracts_from_its_output(server, tmp_path):
     assert len(answers) == 4 and manifest["samples"]["per_turn_rows"] == 1
     assert manifest["samples"]["per_turn_samples"] == 2 and manifest["num_rows"] == 5
     assert manifest["num_samples"] + manifest["num_skipped"] == 5
+    assert manifest["samples"]["generated_turns"]["from_text"] == 5  # transformers serve returns no ids
+    from dflash_prep.commands.inspect import main as inspect_main
+
+    capsys.readouterr()
+    assert inspect_main([str(tmp_path / "states")]) == 0
+    assert "3 row(s) as one sample, 1 per turn (2 samples" in capsys.readouterr().out
     resolved = yaml.safe_load((tmp_path / "states" / "recipe.resolved.yaml").read_text())
     assert resolved["data"]["path"] == str(tmp_path / "answers")
     # the same command again: both finished, nothing redone

@@ -112,7 +112,10 @@ class SampleBuilder:
             supervised = sorted(generated)
         else:
             supervised = assistant
-        mask = mask_from_spans(r.offsets, [(s, e) for i, s, e in r.spans if i in set(supervised)])
+        if self.renderer.generation_tagged:  # a hint only, compared and logged (chat.py)
+            self.renderer._compare_with_generation_blocks(r.messages, conv.tools, r.input_ids, r.offsets, r.spans)
+        wanted = set(supervised)
+        mask = mask_from_spans(r.offsets, [(s, e) for i, s, e in r.spans if i in wanted])
         ids, mask, info = self._splice(r, mask, generated or {})
         mode = self.mode
         if mode == "auto":
@@ -190,11 +193,12 @@ class SampleBuilder:
         stopped = not cut and bool(completion) and completion[-1] in self.stop_ids
         new = list(completion[:-1] if stopped else completion)
         new_mask = [1] * len(new)
-        following = [ids[c:d] for c, d in after]
-        if stopped and not (not closing and following and following[0] == [completion[-1]]):
+        # GLM-style: no end-of-turn marker, the template writes the stop token (the next role's) after the turn
+        stop_follows = stopped and not closing and bool(after) and ids[after[0][0]:after[0][1]] == [completion[-1]]
+        if stopped and not stop_follows:
             new.append(completion[-1])  # the stop token it generated, whichever: supervised
             new_mask.append(1)
-            for c, d in after:  # the template's own stop token after it is context
+            for c, d in after:  # a stop token the template writes after it is context
                 mask[c:d] = [0] * (d - c)
         elif not stopped and closing:
             new.append(old[-1])  # cut: the template's marker is context; a stop the server left out: the marker
