@@ -178,7 +178,7 @@ def test_the_weight_0_turn_is_never_supervised_in_the_extraction(regenerated, hf
     assert "the data's answer" not in supervised and "the data's answer" in tokenizer.decode(sample["input_ids"])
 
 
-def test_the_in_process_engine_renders_with_data_chat_template(model_dir, hf, tmp_path):
+def test_the_in_process_engine_renders_with_data_chat_template(model_dir, hf, tmp_path, capsys):
     """The recipe's template (here Qwen3.6's: its generation prompt opens <think>) and keyword arguments, not the
     tokenizer's own: the prompts are the ones apply_chat_template gives with that template."""
     tokenizer, model = hf
@@ -199,8 +199,20 @@ def test_the_in_process_engine_renders_with_data_chat_template(model_dir, hf, tm
             assert turn["prompt_token_ids"] == prompt and turn["completion_token_ids"] == generate_alone(model, prompt)
             n += 1
     assert n == 3
+    import hashlib
+
+    # the regeneration's identity holds the template (by its sha256; the manifest keeps the text): a changed
+    # template is another job
     state = json.loads((out / "run_state.json").read_text())
-    assert state["identity"]["chat_template"] == T.QWEN36  # the regeneration's identity holds the template text
+    assert state["identity"]["chat_template"] == {"source": "data.chat_template",
+                                                  "sha256": hashlib.sha256(T.QWEN36.encode()).hexdigest()}
+    assert json.loads((out / "manifest.json").read_text())["chat_template_text"] == T.QWEN36
+    template.write_text(T.QWEN36 + "{#- edited in place #}")
+    assert regenerate_main(argv) == 2
+    own = argv[:-4] + ["--set", "data.chat_template_kwargs={enable_thinking: false}"]
+    assert regenerate_main(own) == 2  # the tokenizer's own template: another job too
+    assert "chat_template.source: output has 'data.chat_template', this run has 'tokenizer'" in \
+        capsys.readouterr().err
 
 
 def test_an_engine_rejecting_every_request_ends_with_exit_code_2_and_its_reasons(model_dir, tmp_path, capsys):

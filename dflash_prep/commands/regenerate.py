@@ -135,9 +135,18 @@ def job_identity(recipe: Recipe, sampling: dict, settings: RegenSettings) -> dic
         "on_length": settings.on_length,
         "seed": settings.seed,
         "chat_template_kwargs": settings.chat_template_kwargs,
-        "chat_template": read_chat_template(recipe.data),  # the text the prompts are rendered with (None: the
-        "row_format": regen_output.FORMAT_VERSION,          # tokenizer's own, part of its fingerprint)
+        "chat_template": chat_template_identity(recipe),
+        "row_format": regen_output.FORMAT_VERSION,
     }
+
+
+def chat_template_identity(recipe: Recipe) -> dict:
+    """The template the prompts are rendered with: `data.chat_template`'s text by its sha256, or the tokenizer's
+    own (its text is part of the tokenizer's fingerprint in the engine's identity). Never null, so that a template
+    set or removed later is a change; the text itself is kept in the manifest (`chat_template_text`)."""
+    text = read_chat_template(recipe.data)
+    return {"source": "data.chat_template" if text is not None else "tokenizer",
+            "sha256": hashlib.sha256((text or "").encode()).hexdigest()}
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -387,6 +396,7 @@ def _finish(recipe: Recipe, out_dir: Path, rows, rows_per_shard: int, num_chunks
     manifest = {
         "format": regen_output.FORMAT, "format_version": regen_output.FORMAT_VERSION,
         "dflash_prep_version": __version__, "identity": {**identity, "engine": engine},
+        "chat_template_text": read_chat_template(recipe.data),
         "regenerate": {k: v for k, v in dataclasses.asdict(section_of(recipe)).items() if k in REGEN_IDENTITY_KEYS},
         "rows_per_shard": rows_per_shard, "num_rows": len(rows), "num_answered": answered,
         "num_skipped": len(skipped), "skipped": summary["skipped"], **totals,
