@@ -413,3 +413,16 @@ def test_the_ids_are_read_where_vllm_and_sglang_put_them():
     assert cut.completion_token_ids == [7, 9] and cut.prompt_token_ids is None
     plain = answer_of(response({}, {}))
     assert plain.completion_token_ids is None and plain.prompt_token_ids is None and plain.content == "Hi"
+
+
+def test_a_turn_without_ids_cut_by_max_tokens_leaves_the_templates_end_of_turn_unsupervised():
+    """A server that returns no ids: the turn is its text as the template renders it; cut by max_tokens, the
+    <|im_end|> after it is context, stopped, supervised."""
+    tokenizer = qwen3_tokenizer()
+    for finish, end in (("length", ""), ("stop", "<|im_end|>")):
+        row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}],
+               "regen": {"turns": [{"message_index": 1, "finish_reason": finish, "completion_token_ids": None}]}}
+        (sample,) = builder(tokenizer, "conversation").process_row_samples(row)
+        supervised = tokenizer.decode([t for t, m in zip(sample.input_ids, sample.loss_mask) if m])
+        assert supervised == "<think>\n\n</think>\n\nHello there" + end
+        assert sample.counts["turns_from_text"] == 1

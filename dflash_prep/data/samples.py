@@ -19,7 +19,8 @@ Regenerated rows (`dflash-prep regenerate`'s output, a `regen` column): only the
   whose ids differ from the rendering is counted). A turn that stopped on a stop token supervises that token,
   whichever it was (it replaces the template's end-of-turn marker); a turn cut by `max_tokens` has no end-of-turn
   supervised: the marker the template writes after it stays, as context.
-A generated turn without ids (a server that returns none) is rendered from its text, as any turn.
+A generated turn without ids (a server that returns none) is rendered from its text, as any turn; cut by
+`max_tokens`, the end-of-turn marker the template writes after it is context there too.
 """
 
 from __future__ import annotations
@@ -168,6 +169,11 @@ class SampleBuilder:
             info["turns_cut"] += g.finish_reason == FINISH_LENGTH
             if g.completion_ids is None or i not in spans:
                 info["turns_from_text"] += 1
+                if g.finish_reason == FINISH_LENGTH and i in spans:  # no end-of-turn was generated: context
+                    for s, e in spans[i]:
+                        a, b = _token_range(r.offsets, starts, ends, s, e)
+                        if b > a and r.input_ids[b - 1] in self.marker_ids:
+                            mask[b - 1] = 0
                 continue
             info["turns_from_ids"] += 1
             (s, e), *rest = spans[i]
