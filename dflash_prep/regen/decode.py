@@ -71,13 +71,14 @@ class StaticCacheDecoder:
     """
 
     def __init__(self, model, pad_token_id: int, *, prefill_tokens: int = 16384, cuda_graphs: bool = True,
-                 check_every: int = 8, column_multiple: int = 64, row_multiple: int = 16):
+                 check_every: int = 8, column_multiple: int = 64, row_multiple: int = 16, prefill_fill: float = 0.75):
         if min(prefill_tokens, check_every, column_multiple, row_multiple) < 1:
             raise ValueError(f"prefill_tokens={prefill_tokens}, check_every={check_every}, column_multiple="
                              f"{column_multiple} and row_multiple={row_multiple} must be >= 1")
         self.model, self.pad_token_id = model, int(pad_token_id)
         self.prefill_tokens, self.check_every = prefill_tokens, check_every
         self.column_multiple, self.row_multiple = column_multiple, row_multiple
+        self.prefill_fill = prefill_fill
         self.device = next(model.parameters()).device
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.stats = DecodeStats()
@@ -196,10 +197,15 @@ class StaticCacheDecoder:
                 rows *= 2
             return min(batch, rows)
 
+        def fill(end: int) -> float:  # real tokens / tokens computed by the forward [start, end)
+            rows = rows_for(end)
+            return sum(end - max(f, start) for f in first_real[:rows] if f < end) / (rows * (end - start))
+
         if start == 0:
             return (width % step or min(step, width)), batch
         columns = min(step, width - start)
-        while start + 2 * columns <= width and rows_for(start + 2 * columns) * 2 * columns <= self.prefill_tokens:
+        while (start + 2 * columns <= width and rows_for(start + 2 * columns) * 2 * columns <= self.prefill_tokens
+               and (not prefix_ok or fill(start + 2 * columns) >= self.prefill_fill)):
             columns *= 2
         return start + columns, rows_for(start + columns)
 
