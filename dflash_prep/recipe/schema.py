@@ -181,6 +181,11 @@ class DataSection:
     loss mask)."""
     chat_template_kwargs: dict = field(default_factory=dict)
     """Extra keyword arguments of `apply_chat_template`, e.g. {enable_thinking: false}."""
+    samples: Literal["auto", "conversation", "per_turn"] = "auto"
+    """What a conversation row becomes (docs/ON_POLICY.md): `conversation`, one sample (the whole rendering);
+    `per_turn`, one sample per supervised assistant turn (its served prompt, then the turn; only it supervised);
+    `auto`, `per_turn` for a row whose whole rendering does not show each supervised turn in the context the target
+    had (a template that drops earlier turns' reasoning, such as Qwen3's), else `conversation`."""
     max_skipped_fraction: float = 0.5
     """Stop before any model loads (exit code 2) when more than this fraction of the rows is skipped (1.0: never;
     no kept row always stops)."""
@@ -316,6 +321,12 @@ class OutputSection:
     writing and fsync release the GIL): an 8B target with 3 bf16 layers at ~34k tokens/s per GPU
     produces ~0.85 GB/s. Each lane holds up to 2 batches of states in (pinned) host memory. Not part of the job's
     identity: a resume may use another value."""
+    write_mode: Literal["auto", "direct", "buffered"] = "auto"
+    """How the lanes write shards to the disk: `direct` with O_DIRECT (no page cache; where the filesystem
+    refuses it, tmpfs or some network filesystems, buffered instead, said once in the log), `buffered` through the
+    page cache, `auto`: `direct` for a local output, `buffered` for an object store's staging folder (the upload
+    reads the shard back from the page cache). Same bytes and commits either way (docs/STORAGE.md, "Writers and
+    object stores"). Not part of the job's identity."""
     max_pending_bytes: int = 16_000_000_000
     """Host memory (bytes or '16GB') the states of batches captured but not yet written may hold, per rank
     (pinned on a GPU machine): the loop waits for the writer threads beyond it. A single larger batch still goes
