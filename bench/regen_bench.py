@@ -295,7 +295,8 @@ def run_model(name: str, args, device, t0: float, deadline: float, reserve: floa
 
     spec = SPECS[name]
     max_tokens = args.max_tokens or spec.max_tokens
-    result = {"config": spec.config, "dtype": spec.dtype, "max_tokens": max_tokens, "kernels_requested": args.kernels,
+    result = {"config": spec.config, "dtype": spec.dtype, "layers": spec.layers, "exactness_only": spec.exactness_only,
+              "max_tokens": max_tokens, "kernels_requested": args.kernels,
               "static_tokens_per_batch": args.static_tokens_per_batch or spec.static_tokens_per_batch,
               "max_tokens_per_batch": args.max_tokens_per_batch or spec.max_tokens_per_batch}
     if spec.dtype == "float32":
