@@ -20,8 +20,10 @@ The loop, on a left-padded batch `input_ids [B, W]` with its `attention_mask [B,
   its prompt gets alone (tests: greedy equals `generate` on each prompt alone, token for token, in float32).
 - **Prefill, chunked** by columns: forwards of about `prefill_tokens` tokens fill the cache in order (activation
   memory is bounded by it, not by the batch); a forward runs only the rows that hold a real token in its columns
-  (a prefix of a batch sorted longest first), so left padding costs little prefill compute; columns and rows are
-  rounded to multiples (64, 16) so that few shapes reach the kernels.
+  (a prefix of a batch sorted longest first), so left padding costs little prefill compute, and attends over the
+  cache's filled prefix only (keys, values and mask cut at its last column: `_row_views`); columns are 64 x a power
+  of two and rows 16 x a power of two (or the batch), a bounded set of shapes reused by every later batch, and a
+  forward widens only while `prefill_fill` of what it computes is real (`_prefill_span`).
 - **Decode step**: the model's forward on one token a row over static buffers (token, position, mask, cache), then,
   outside the step, the logits (float32, as `generate` takes them) through the batch's logits processors (the
   engine's: repetition penalty, warpers, the per-row seeded draw, which reads the step from the sequence length as it

@@ -26,7 +26,9 @@ What it does with a `Request` (engine.py), step by step:
   steps whatever its size, and buckets cut one call's requests into at least one batch per bucket, where consecutive
   cutting fills each batch to the budget: the benchmark's 256 prompts (bench/regen_bench.py, 8B settings: 432
   prompt tokens on average, 256 new tokens, a budget of 131,072) make 11 batches in the buckets of `batching`'s
-  defaults (16 / 1.25) and 3 consecutive ones, 11 x 256 decode steps against 3 x 256.
+  defaults (16 / 1.25) and 3 consecutive ones, 11 x 256 decode steps against 3 x 256. On CUDA the static decoder's
+  batches are cut where regen/batch_sizing.py's decode cost model says (the weights read once a batch step against
+  each row's padded cache), within the budget and the device memory free after the weights.
 - **Padding.** Left padding with the attention mask; positions from the mask (`cumsum - 1`, as `generate` derives
   them; regen/decode.py passes them explicitly), attention never sees padding, and the Gated DeltaNet layers of the Qwen3.5 hybrid zero padded positions before
   their convolution and recurrence, so padding changes no real token's state (tests: batched greedy answers equal
