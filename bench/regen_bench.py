@@ -371,7 +371,7 @@ def markdown(report: dict) -> str:
              "| model | prompts (mean / max tokens) x new tokens | static cold tok/s | static warm tok/s | "
              "ms / decode step | prefill s cold / warm | batches | generate tok/s | speedup | peak memory static / "
              "generate |", "|---|---|---|---|---|---|---|---|---|---|"]
-    checks, paths = [], []
+    checks, paths, flips = [], [], []
     for name, r in report["models"].items():
         paths.append(f"- {name}: {r.get('decode_path', '?')}")
         if r.get("check") is None:
@@ -380,6 +380,12 @@ def markdown(report: dict) -> str:
         if not SPECS[name].exactness_only:
             lines.append(_perf_row(name, r))
         checks.append(_check_row(name, r))
+        static = r["check"]["teacher_forced"]["static_batched"]
+        if static["argmax_flips"]:
+            flips.append(f"- {name}: the static path's argmax flips sit at reference top-2 gaps "
+                         f"{[round(m, 4) for m in static['flip_margins']]} where its logits are off by at most "
+                         f"{[round(m, 4) for m in static['flip_max_abs_errors']]} (a flip where the gap is below "
+                         "the error is a near tie)")
     lines += ["", "Exactness (bench/regen_exactness.py): greedy leading tokens equal to `generate` alone (of "
               "the first tokens of the first prompts), for the static decoder's batches and, as the control, for "
               "HF `generate`'s batches; teacher-forced logits of each path against a plain forward (no cache) of "
@@ -387,7 +393,7 @@ def markdown(report: dict) -> str:
               "reference). bf16 noise: ~1e-2 on every path; a bug: O(1) on the static path only.", "",
               "| model | dtype | greedy: static | greedy: generate batches | forced: static | forced: generate "
               "batched | forced: generate alone | forced rows x steps | verdict |",
-              "|---|---|---|---|---|---|---|---|---|", *checks,
+              "|---|---|---|---|---|---|---|---|---|", *checks, "", *flips,
               "", "Decode paths:", *paths, "",
               "tok/s: new tokens per wall second, prefill included. static: the engine's default decoder "
               "(regen/decode.py); generate: the same engine on HF `generate` batches (its budget "

@@ -107,7 +107,10 @@ def summarize(per_row: list[dict]) -> dict:
     rel = [e for row in per_row for e in row["relative"]]
     ordered = sorted(rel)
     worst_row = max(range(len(per_row)), key=lambda r: max(per_row[r]["relative"]))
+    steps = len(per_row[0]["relative"])
+    per_step = [max(row["relative"][i] for row in per_row) for i in range(steps)]
     return {"rows": len(per_row), "steps": len(rel), "max_relative_error": ordered[-1],
+            "per_step_max_relative_error": per_step,
             "median_relative_error": ordered[len(ordered) // 2],
             "worst_row": worst_row, "worst_step": max(range(len(per_row[worst_row]["relative"])),
                                                       key=lambda s: per_row[worst_row]["relative"][s]),
