@@ -75,15 +75,16 @@ class RegenSpec:
     max_prompt_tokens: int = 2048
     layers: int | None = None
     exactness_only: bool = False
+    profile_rows: int = 0  # an eager decode step of the first prompts profiled (regen_exactness.decode_step_profile)
 
 
 SPECS = {
     "llama3.1-8b": RegenSpec("llama3.1-8b.json", "bfloat16", num_prompts=256, max_tokens=256,
                              max_tokens_per_batch=131072, static_tokens_per_batch=1 << 20, min_seconds=150,
-                             generate_prompts=64),
+                             generate_prompts=64, profile_rows=128),
     "qwen3.6-27b": RegenSpec("qwen3.6-27b.json", "bfloat16", num_prompts=64, max_tokens=128,
                              max_tokens_per_batch=65536, static_tokens_per_batch=1 << 20, min_seconds=170,
-                             forced_prompts=24, generate_prompts=32),
+                             forced_prompts=24, generate_prompts=32, profile_rows=64),
     # float32 slices on the GPU (tf32 off, CUDA graph on): greedy must agree with `generate` alone exactly
     "llama3.1-8b-fp32": RegenSpec("llama3.1-8b.json", "float32", num_prompts=32, max_tokens=32,
                                   max_tokens_per_batch=131072, static_tokens_per_batch=131072, min_seconds=30,
@@ -93,7 +94,7 @@ SPECS = {
                                   check_prompts=8, forced_prompts=24, layers=4, exactness_only=True),
     "tiny-llama": RegenSpec("tiny-llama.json", "float32", num_prompts=12, max_tokens=8, max_tokens_per_batch=4096,
                             static_tokens_per_batch=4096, min_seconds=5, check_tokens=8, forced_prompts=8, mu=4.0,
-                            max_prompt_tokens=300, generate_prompts=8),
+                            max_prompt_tokens=300, generate_prompts=8, profile_rows=8),
     "tiny-qwen3.5": RegenSpec("tiny-qwen3.5.json", "float32", num_prompts=12, max_tokens=8,
                               max_tokens_per_batch=4096, static_tokens_per_batch=4096, min_seconds=5,
                               check_tokens=8, forced_prompts=8, mu=4.0, max_prompt_tokens=300),
@@ -270,6 +271,16 @@ def check_and_compare(name, engine, requests, static, generate, spec, device, t0
     """The exactness check (regen_exactness.py) and static vs generate texts into `result`, logged."""
     from bench.regen_exactness import exactness
 
+    from bench.regen_exactness import decode_step_profile
+
+    if spec.profile_rows:
+        try:
+            prof = result["decode_step_profile"] = decode_step_profile(engine, requests, spec.profile_rows, device)
+            log(f"{name}: an eager decode step of {prof['rows']} rows x width {prof['width']}: "
+                f"{prof['device_ms_per_step']} device ms; top: " + "; ".join(
+                    f"{k['name'][:60]} {k['ms_per_step']:.2f} ms" for k in prof["top"][:6]), t0)
+        except Exception as e:  # noqa: BLE001 - a profile is a diagnosis, never the benchmark's failure
+            result.setdefault("errors", []).append(f"decode step profile: {type(e).__name__}: {e}")
     n = min(spec.check_tokens, requests[0].max_tokens)
     check = result["check"] = exactness(engine, requests, static["_ids"], generate["_ids"], spec.check_prompts,
                                         max(spec.forced_prompts, spec.check_prompts), n, device, spec.dtype)

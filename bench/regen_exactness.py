@@ -181,3 +181,50 @@ def exactness(engine, requests, static_ids: dict, generate_ids: dict, check_prom
     figures = teacher_forced(engine, prompts[:max(forced_prompts, check_prompts)], forced, check_prompts, device)
     return {"greedy": greedy, "teacher_forced": figures, "verdict": verdict(figures, greedy, dtype),
             "seconds": time.perf_counter() - t}
+
+
+class _ProfileSteps(LogitsProcessor):
+    """Starts `profiler` after the logits of step `first` and stops it after those of step `last`: what it records
+    is the decode forwards of steps first+1..last (and the processing between them)."""
+
+    def __init__(self, profiler, prompt_width: int, first: int, last: int):
+        self.profiler, self.prompt_width, self.first, self.last = profiler, prompt_width, first, last
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = input_ids.shape[1] - self.prompt_width
+        if step == self.first:
+            self.profiler.start()
+        elif step == self.last:
+            self.profiler.stop()
+        return scores
+
+
+def decode_step_profile(engine, requests, rows: int, device, steps: int = 4, top: int = 12) -> dict:
+    """Where an eager decode step of the static decoder spends its device time: the first `rows` prompts (longest
+    first, padded as the engine pads) through a decoder like the engine's with eager steps, `steps` steps profiled
+    by torch.profiler -> the per-step total and the `top` kernels (or CPU ops on the CPU) by self time per step.
+    The captured graph replays these same kernels without the host launching them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dflash_prep.regen.decode import StaticCacheDecoder
+
+    prompts = sorted((engine.render(r) for r in requests[:rows]), key=len, reverse=True)
+    ids, mask = padded_batch(prompts, engine.pad_token_id, engine.length_multiple, device)
+    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    profiler = profile(activities=activities)
+    decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, prefill_tokens=engine.decoder.prefill_tokens,
+                                 cuda_graphs=False)
+    t = time.perf_counter()
+    with torch.inference_mode():
+        decoder.generate(ids, mask, steps + 3, [], LogitsProcessorList([_ProfileSteps(profiler, ids.shape[1], 1,
+                                                                                       steps + 1)]))
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    events = [e for e in profiler.key_averages()
+              if (e.device_type.name.lower() == kind if kind == "cuda" else True)]
+    self_us = (lambda e: e.self_device_time_total) if kind == "cuda" else (lambda e: e.self_cpu_time_total)
+    events.sort(key=self_us, reverse=True)
+    total = sum(self_us(e) for e in events) if kind == "cuda" else None
+    return {"rows": len(prompts), "width": ids.shape[1], "steps": steps, "device_ms_per_step":
+            None if total is None else total / 1e3 / steps,
+            "top": [{"name": e.key[:120], "ms_per_step": self_us(e) / 1e3 / steps, "calls_per_step": e.count / steps}
+                    for e in events[:top]], "seconds": time.perf_counter() - t}

@@ -38,6 +38,8 @@ def test_the_dry_run_measures_both_decoders_on_both_tiny_models(tmp_path):
             assert forced["max_relative_error"] < 1e-5 and forced["argmax_flips"] == 0
         assert check["teacher_forced"]["static_batched"]["rows"] == 8
         assert result["same_text_static_vs_generate"] == result["same_text_compared"] == generate["requests"]
+    profile = report["models"]["tiny-llama"]["decode_step_profile"]  # the eager step's ops, named
+    assert profile["rows"] == 8 and profile["steps"] == 4 and any("mm" in op["name"] for op in profile["top"])
     # `plan` reads the benchmark's own report (a GPU run's: the dry run's device named a GPU here)
     from dflash_prep.commands.regen_rate import regen_bench_references
 
