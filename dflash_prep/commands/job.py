@@ -26,6 +26,7 @@ from dflash_prep.recipe.fingerprints import (
     describe_files_change,
     describe_weights_change,
     input_files_sha256,
+    named_inputs,
     portable_files,
     portable_location,
     weights_fingerprint,
@@ -131,7 +132,7 @@ def _difference(key: str, previous: dict, current: dict, shown: dict | None = No
                     f"changed since the output was made")
         return f"data files differ: {describe_data_files_change(previous[key], current[key])}"
     if key == "input_files":
-        return f"input files differ: {describe_files_change(previous[key], current[key])}"
+        return f"input files differ: {describe_files_change(previous[key], current[key], shown)}"
     if key == "model_content":
         return "model fingerprint differs (its config, dtype or where its weights come from)"
     if key == "data_rows":
@@ -146,14 +147,16 @@ def _difference(key: str, previous: dict, current: dict, shown: dict | None = No
     return f"{key}: output has {value(previous, key)!r}, this run has {value(current, key)!r}"
 
 
-def check_identity(out_dir: Path, identity: dict) -> None:
+def check_identity(out_dir: Path, identity: dict, recipe: Recipe | None = None) -> None:
     """Refuse (OutputMismatchError, one line) when `out_dir` holds the output of another job. Keys this run has not
-    computed (None) and keys an older output did not record are not compared."""
+    computed (None) and keys an older output did not record are not compared. `recipe`: to name a changed input
+    file by its path."""
     path = out_dir / STATE_NAME
     if not path.exists():
         return
     files = (identity.get("data_files") or {}).get("files") or {}
     shown = dict(zip(portable_files(files), files))  # a data file's portable name -> its path in this run
+    shown.update({name: str(path) for name, path in (named_inputs(recipe) or {} if recipe is not None else {}).items()})
     previous, identity = portable_identity(read_state_json(path)["identity"]), portable_identity(identity)
     atomic_keys = ("data_files", "data_rows", "input_files")  # compared whole, described by _difference
     by_content = previous.get("model_content") is not None and identity.get("model_content") is not None
@@ -252,7 +255,7 @@ def open_output(out_dir: Path, recipe: Recipe, identity: dict, remote=None) -> N
                 continue  # the live log handlers of this run write there; this run holds its lock there
             shutil.rmtree(child) if child.is_dir() else child.unlink()
     out_dir.mkdir(parents=True, exist_ok=True)
-    check_identity(out_dir, identity)
+    check_identity(out_dir, identity, recipe)
 
 
 def prepare_output(out_dir: Path, recipe: Recipe, identity: dict, remote=None) -> bool:
@@ -263,7 +266,7 @@ def prepare_output(out_dir: Path, recipe: Recipe, identity: dict, remote=None) -
     then nothing is written, so re-running a finished job leaves the output as it was. An object-store output
     (`remote`): `out_dir` is the staging folder holding a copy of its indexes; the shards are checked, dropped and
     removed in the store, and what is repaired or written here is uploaded."""
-    check_identity(out_dir, identity)
+    check_identity(out_dir, identity, recipe)
     for index, records_cut in repair_indexes(out_dir):
         if remote is not None:
             remote.push([str(Path(index).relative_to(out_dir))])

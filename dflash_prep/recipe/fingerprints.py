@@ -354,7 +354,7 @@ def inputs_stamp(recipe) -> dict | None:
         files[name] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
     data = {k: portable_location(v) if k in ("path", "chat_template") else v
             for k, v in recipe.to_dict()["data"].items() if k != "num_proc"}
-    return {"recipe": recipe.fingerprint(), "data": data, "files": files}
+    return {"recipe": recipe.fingerprint(template_content=False), "data": data, "files": files}
 
 
 def describe_files_change(previous: dict, current: dict, shown: dict | None = None) -> str:

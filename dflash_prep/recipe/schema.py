@@ -491,16 +491,19 @@ class Recipe:
         package-relative (`portable_dict`)."""
         return yaml.safe_dump(self.portable_dict(), sort_keys=False)
 
-    def fingerprint(self) -> str:
+    def fingerprint(self, template_content: bool = True) -> str:
         """sha256 of what decides record content (model, data, layers, storage dtype); `model.kernels` is left out
         (fused kernels change the rounding only), as are `model.gpus_per_replica` and `model.replica_parallelism`
-        (where the model runs) and `model.triton_cache_dir` (where compiled kernels are cached)."""
+        (where the model runs) and `model.triton_cache_dir` (where compiled kernels are cached). A chat template
+        file counts by its content; `template_content=False`, by its name only (the inputs stamp, whose files part
+        covers the file itself)."""
         d = self.portable_dict()
         data = {k: v for k, v in d["data"].items()
                 if k not in ("num_proc", "max_skipped_fraction", "strict", "allow_beyond_context")
                 and not (k == "chat_template" and v is None)}
         template = self.data.chat_template
-        if template is not None and "{%" not in template and "{{" not in template and Path(template).is_file():
+        if template_content and template is not None and "{%" not in template and "{{" not in template \
+                and Path(template).is_file():
             data["chat_template"] = hashlib.sha256(Path(template).read_bytes()).hexdigest()  # the file's content
         content = {"model": {k: v for k, v in d["model"].items()
                              if k not in ("kernels", "gpus_per_replica", "replica_parallelism",
