@@ -64,6 +64,7 @@ from dflash_prep.store.sizes import check_free_space  # noqa: E402
 from dflash_prep.store.writer import AsyncShardWriter, DiscardingWriter, lanes  # noqa: E402
 from dflash_prep.target.model import hidden_size_of, padding_token_id, vocab_size_of  # noqa: E402
 from dflash_prep.target.packing import replay_stored_layout  # noqa: E402
+from dflash_prep.units import format_bytes  # noqa: E402
 
 log = logging.getLogger("dflash_prep")
 
@@ -148,7 +149,7 @@ def _claim_output(run: Run, held: list) -> None:
         run.inputs_stamp = inputs_stamp(run.recipe)  # before any input is read: written once the output is finished
         clear_progress(run.out_dir)  # the progress files of an earlier run (progress.py)
         attach_log_file(run.out_dir, run.state.process_index)  # the folder is this job's: its log from here on
-        log.info("run %s holds %s", run.run_id, run.out_dir)
+        log.info("run %s holds %s", run.run_id, run.remote.url if run.remote is not None else run.out_dir)
     shared = run.peers.wait("the main process claims the output", payload=int(run.run_id or "0", 16))
     if not run.is_main:
         run.run_id = f"{shared:08x}"
@@ -228,10 +229,10 @@ def _plan(run: Run, data) -> RankPlan:
             check_free_space(run.out_dir, lengths, todo, run.layer_ids, hidden_size_of(run.config), run.recipe)
         else:
             out = run.recipe.output
-            log.info("output: %s, shards staged in %s (at most %.0f MB per rank: (%d lanes + %d uploads) x %.0f MB)",
-                     run.remote.url, run.out_dir, (out.num_writer_threads + out.max_uploads_in_flight)
-                     * out.max_shard_bytes / 1e6, out.num_writer_threads, out.max_uploads_in_flight,
-                     out.max_shard_bytes / 1e6)
+            log.info("output: %s, shards staged in %s (at most %s per rank: (%d lanes + %d uploads) x %s)",
+                     run.remote.url, run.out_dir, format_bytes((out.num_writer_threads + out.max_uploads_in_flight)
+                                                               * out.max_shard_bytes),
+                     out.num_writer_threads, out.max_uploads_in_flight, format_bytes(out.max_shard_bytes))
     return rank_plan
 
 
