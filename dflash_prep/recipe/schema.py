@@ -391,10 +391,11 @@ class RegenerateSection:
     the server: `extra_body`, as top-level request fields (vLLM, SGLang); `generation_config`, as one
     `generation_config` JSON field with `do_sample` (`transformers serve`, which refuses unknown fields with HTTP
     422 and samples only when `do_sample` is set)."""
-    turns: Literal["last", "all"] = "last"
-    """Which assistant turns the target writes (identity): `last`, the final one (earlier ones kept from the data;
-    a conversation ending in a user or tool turn gets its answer appended); `all`, every one, turn k generated
-    from the regenerated turns before it (multi-turn on-policy)."""
+    turns: Literal["last", "all"] = "all"
+    """Which assistant turns the target writes (identity): `all` (the default), every one, turn k generated from the
+    regenerated turns before it (multi-turn on-policy: a DFlash-family drafter for Qwen3-8B reached 0.405 full-block
+    accuracy on such data against 0.374 on regenerated last turns, docs/ON_POLICY.md); `last`, the final one
+    (earlier ones kept from the data; a conversation ending in a user or tool turn gets its answer appended)."""
     sampling: dict = field(default_factory=dict)
     """Sampling parameters overriding the model's own generation_config.json (identity), by OpenAI / vLLM names:
     temperature (0: greedy), top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty."""
