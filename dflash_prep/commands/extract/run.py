@@ -183,7 +183,8 @@ def _plan(run: Run, data, plan: list) -> RankPlan:
             check_free_space(run.out_dir, lengths, todo, run.layer_ids, hidden_size_of(run.config), run.recipe)
         else:
             out = run.recipe.output
-            log.info("output: %s, shards staged in %s (at most %s per rank: (%d lanes + %d uploads) x %s)",
+            log.info("output: %s, shards staged in %s (at most %s per rank: (%d writer threads + %d uploads in "
+                     "flight) x %s)",
                      run.remote.url, run.out_dir, format_bytes((out.num_writer_threads + out.max_uploads_in_flight)
                                                                * out.max_shard_bytes),
                      out.num_writer_threads, out.max_uploads_in_flight, format_bytes(out.max_shard_bytes))
