@@ -246,6 +246,7 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
         "decoder_params_run": params,
         "num_rows": data.num_rows, "num_samples": len(lengths),
         "num_skipped": sum(data.skipped_counts.values()), "skipped": data.skipped_counts,
+        "samples": data.samples,
         **_batch_figures(stats),
         "packing": packing.record(), "shapes": _shape_counts(plan),
         "max_tokens_per_batch": recipe.batching.max_tokens_per_batch, "max_tokens_per_batch_auto": budget_how,
@@ -501,6 +502,7 @@ def format_plan(p: dict) -> str:
         ("layers", f"{p['layer_ids']} after-layer 0-based; final layer: {p['capture_final']}"),
         ("rows", f"{p['num_rows']:,}: {p['num_samples']:,} kept, {p['num_skipped']:,} skipped"
                  + (" (" + ", ".join(f"{k}: {v:,}" for k, v in p["skipped"].items()) + ")" if p["skipped"] else "")),
+        *_samples_lines(p),
         ("tokens", f"{p['num_tokens']:,} (mean {p['num_tokens'] / max(p['num_samples'], 1):.1f} per sample)"),
         _batches_line(p),
         ("padding", f"efficiency {p['padding_efficiency'] or 0:.3f} ({p['num_padded_tokens']:,} padded tokens)"),
@@ -613,6 +615,15 @@ def build_parser(prog: str = "dflash-prep plan") -> argparse.ArgumentParser:
     return p
 
 
+def _samples_lines(p: dict) -> list[tuple[str, str]]:
+    """The `samples` line (data.samples, docs/ON_POLICY.md), when the data has conversation rows."""
+    from dflash_prep.data.samples import samples_line
+
+    disk = (p.get("disk") or {}).get(p.get("dtype") or "", {})
+    line = samples_line(p.get("samples") or {}, disk.get("bytes_per_token"))
+    return [("samples", line)] if line else []
+
+
 def show_sample(recipe: Recipe, row_index: int) -> str:
     """Row `row_index` of the data as the extraction tokenizes it: its text with the supervised (loss_mask 1) runs
     between `[[` and `]]`, then one line per token (position, id, text, `*` when supervised); or its skip
@@ -627,13 +638,18 @@ def show_sample(recipe: Recipe, row_index: int) -> str:
     fn = Tokenizer(tokenizer=tokenizer, max_length=recipe.data.max_length, overlong=recipe.data.overlong,
                    vocab_size=vocab_size_of(load_config(recipe.model)), id_column=recipe.data.id_column,
                    chat_template_kwargs=dict(recipe.data.chat_template_kwargs),
-                   chat_template=read_chat_template(recipe.data))
+                   chat_template=read_chat_template(recipe.data), samples=recipe.data.samples)
     out = fn(rows[row_index: row_index + 1], [row_index])
-    head = f"row {row_index} (sample {out['sample_id'][0]}, id {out['source_id'][0]!r})"
-    if out["skip_reason"][0]:
-        return f"{head}: skipped, {out['skip_reason'][0]}" + (f" ({out['skip_detail'][0]})" if out["skip_detail"][0]
+    return "\n\n".join(_show_one(tokenizer, out, k, row_index) for k in range(len(out["sample_id"])))
+
+
+def _show_one(tokenizer, out: dict, k: int, row_index: int) -> str:
+    """`show_sample`'s text of sample k of a row (a `per_turn` row has one per supervised turn)."""
+    head = f"row {row_index} (sample {out['sample_id'][k]}, id {out['source_id'][k]!r})"
+    if out["skip_reason"][k]:
+        return f"{head}: skipped, {out['skip_reason'][k]}" + (f" ({out['skip_detail'][k]})" if out["skip_detail"][k]
                                                               else "")
-    ids, mask = out["input_ids"][0], out["loss_mask"][0]
+    ids, mask = out["input_ids"][k], out["loss_mask"][k]
     pieces, start = [], 0  # text runs decoded whole (a token may hold part of a character)
     for t in range(1, len(ids) + 1):
         if t == len(ids) or mask[t] != mask[start]:
@@ -707,6 +723,9 @@ def plan_regeneration(recipe: Recipe, generated_tokens_per_second: float | None 
 
     from dflash_prep.data.rows import load_rows
     from dflash_prep.regen.conversation import Conversation, RegenSettings
+    from dflash_prep.data.chat import ChatRenderer
+    from dflash_prep.data.conversation import prompt_conversation
+    from dflash_prep.data.rows import read_chat_template
     from dflash_prep.regen.loop import row_at
     from dflash_prep.target.model import load_tokenizer
 
@@ -717,6 +736,7 @@ def plan_regeneration(recipe: Recipe, generated_tokens_per_second: float | None 
                              chat_template_kwargs=kwargs, on_length=section.on_length, seed=section.seed)
     rows = load_rows(recipe.data)
     tokenizer = load_tokenizer(recipe.model)
+    renderer = ChatRenderer(tokenizer, read_chat_template(recipe.data), kwargs)
     positions = list(range(len(rows)))
     sampled = len(positions) > REGEN_PLAN_MAX_ROWS
     if sampled:
@@ -727,15 +747,13 @@ def plan_regeneration(recipe: Recipe, generated_tokens_per_second: float | None 
         row, reason = row_at(batch, list(batch), 0)  # a line read as raw JSON text is parsed as the run parses it
         conv = reason or Conversation.of_row(row, position, settings, recipe.data.id_column)
         if isinstance(conv, str):
-            skipped[conv] = skipped.get(conv, 0) + 1
+            skipped[str(conv)] = skipped.get(str(conv), 0) + 1
             continue
         for index in conv.targets:
             requests += 1
-            messages = [_template_message(m) for m in conv.data[:index]]
-            try:
-                prompt_tokens += len(tokenizer.apply_chat_template(
-                    messages, tools=conv.tools, tokenize=True, return_dict=True, add_generation_prompt=True,
-                    **kwargs)["input_ids"])
+            try:  # rendered as the in-process engine and the extraction render it (data.chat_template)
+                prompt = prompt_conversation(conv.data[:index], conv.tools)
+                prompt_tokens += len(renderer.served_prompt_ids(renderer.template_messages(prompt), prompt.tools))
             except Exception:  # noqa: BLE001 - a prompt the template refuses: the engine rejects it too
                 skipped["chat_template_error"] = skipped.get("chat_template_error", 0) + 1
     scale = len(rows) / len(positions) if positions else 0.0
@@ -766,22 +784,6 @@ def _regen_rate(recipe: Recipe, given: float | None, num_gpus: int, bench_dir: P
     rate = regen_rate(recipe.regenerate.engine, given, model_type, params, num_gpus, bench_dir)
     return {"generated_tokens_per_second": rate["generated_tokens_per_second"], "rate_source": rate["source"],
             "rate_reference": rate["reference"]}
-
-
-def _template_message(message: dict) -> dict:
-    """An OpenAI message as chat templates take it: tool-call arguments as objects (as servers pass them)."""
-    calls = message.get("tool_calls")
-    if not calls:
-        return message
-    out = dict(message, tool_calls=[])
-    for call in calls:
-        args = call["function"]["arguments"]
-        try:
-            args = json.loads(args) if isinstance(args, str) else args
-        except ValueError:
-            pass
-        out["tool_calls"].append({**call, "function": {**call["function"], "arguments": args}})
-    return out
 
 
 def format_regeneration(r: dict) -> str:

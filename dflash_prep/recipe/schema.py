@@ -181,6 +181,11 @@ class DataSection:
     loss mask)."""
     chat_template_kwargs: dict = field(default_factory=dict)
     """Extra keyword arguments of `apply_chat_template`, e.g. {enable_thinking: false}."""
+    samples: Literal["auto", "conversation", "per_turn"] = "auto"
+    """What a conversation row becomes (docs/ON_POLICY.md): `conversation`, one sample (the whole rendering);
+    `per_turn`, one sample per supervised assistant turn (its served prompt, then the turn; only it supervised);
+    `auto`, `per_turn` for a row whose whole rendering does not show each supervised turn in the context the target
+    had (a template that drops earlier turns' reasoning, such as Qwen3's), else `conversation`."""
     max_skipped_fraction: float = 0.5
     """Stop before any model loads (exit code 2) when more than this fraction of the rows is skipped (1.0: never;
     no kept row always stops)."""

@@ -148,6 +148,10 @@ def _tokenize(run: Run):
     if run.is_main:
         log.info("data: %d rows, %d kept, %d skipped%s", data.num_rows, len(data.kept),
                  sum(data.skipped_counts.values()), f" {data.skipped_counts}" if data.skipped_counts else "")
+        if data.samples:
+            from dflash_prep.data.samples import samples_line
+
+            log.info("data: samples (data.samples: %s): %s", run.recipe.data.samples, samples_line(data.samples))
         beyond = samples_beyond_context(run, [int(n) for n in data.kept["num_tokens"]])
         if beyond:  # only with data.allow_beyond_context (start-up refuses it otherwise)
             log.warning("data: %d kept row(s) are longer than the model's context of %d positions; extracted as "
