@@ -421,8 +421,12 @@ class RegenerateSection:
     """Start the regeneration afresh instead of resuming (refused on a folder that is not a regeneration output).
     Independent of `output.overwrite`: the regenerated rows are the costly part."""
     rows_per_shard: int = 1000
-    """Rows per output shard: a shard is committed when all its rows are answered (a kill costs the rows of the
-    shards in flight). Frozen by the first run (a resume keeps its shards)."""
+    """Rows per chunk (an output shard): a chunk is committed when all its rows are answered, or in parts (see
+    `commit_seconds`). Frozen by the first run (a resume keeps its chunks)."""
+    commit_seconds: float = 60.0
+    """Every this many seconds, each chunk still open commits the rows answered since its last commit as a part of
+    its own (a shard `shard-CCCCCC-PPP.arrow`): a kill loses at most this span of answers, at any request rate; a
+    resume asks exactly the rows no part lists."""
     max_rows_in_flight: int | None = None
     """Rows being answered at once per process; default: 4 x the servers' total `max_concurrency` (openai), 1024
     (transformers). More keeps servers busier at the ends of multi-turn rows; each holds its conversation in memory."""
@@ -448,6 +452,8 @@ class RegenerateSection:
             _fail(f"{p}.max_rows_in_flight", self.max_rows_in_flight, "must be >= 1 (or null)")
         if self.max_retries < 0:
             _fail(f"{p}.max_retries", self.max_retries, "must be >= 0")
+        if not self.commit_seconds > 0:
+            _fail(f"{p}.commit_seconds", self.commit_seconds, "must be > 0 seconds")
         if not self.timeout_seconds > 0:
             _fail(f"{p}.timeout_seconds", self.timeout_seconds, "must be > 0")
         if self.retry_backoff_seconds < 0:
