@@ -221,7 +221,7 @@ def _committed_rows(committed: dict, chunks: list[int]) -> dict[int, tuple[set[i
             for c in chunks if c in parts}
 
 
-def _build_engine(recipe: Recipe, device):
+def _build_engine(recipe: Recipe, device, servers=None):
     section = section_of(recipe)
     if section.engine == "openai":
         from dflash_prep.regen.openai_engine import OpenAIEngine
@@ -231,6 +231,9 @@ def _build_engine(recipe: Recipe, device):
         except ImportError:
             raise RecipeError("recipe key `regenerate.engine` = 'openai' needs the `openai` client: "
                               "pip install 'dflash-prep[regenerate]' (or openai)") from None
+        if servers is not None:
+            return OpenAIEngine(section, served_model_name(recipe), base_urls=servers.base_urls,
+                                on_server_down=servers.on_server_down)
         return OpenAIEngine(section, served_model_name(recipe))
     try:
         from dflash_prep.regen.hf_engine import TransformersEngine
@@ -247,10 +250,56 @@ def _build_engine(recipe: Recipe, device):
 
 def _run_rank(recipe: Recipe, state, out_dir: Path, rows, mine: list[int], rows_per_shard: int,
               settings: RegenSettings, identity: dict, committed: dict) -> dict:
-    """This process's chunks through the engine; its report."""
+    """This process's chunks through the engine (its managed servers started first and stopped last, whatever
+    ends the run); its report."""
+    stop = StopRequest(REGEN_STOP_MESSAGE)
+    try:
+        with _managed_servers(recipe, state, out_dir, stop) as servers:
+            if stop.requested:
+                raise LoopStopped(f"stopped on {stop.signal_name}")
+            return _drive(recipe, state, out_dir, rows, mine, rows_per_shard, settings, identity, committed, stop,
+                          servers)
+    finally:
+        stop.restore()
+
+
+def _managed_servers(recipe: Recipe, state, out_dir: Path, stop):
+    """regen/servers.ManagedServers for `regenerate.servers` (a context manager), else a null one."""
+    import contextlib
+    import os
+
+    section = section_of(recipe)
+    if section.servers is None:
+        return contextlib.nullcontext(None)
+    from dflash_prep.regen.servers import ManagedServers
+
+    if not recipe.model.name_or_path:
+        raise RecipeError("recipe key `regenerate.servers`: the servers need `model.name_or_path` (a model folder "
+                          "or hub id); `model.config` builds random weights in this process only")
+    template = recipe.data.chat_template
+    if template is not None and section.servers.preset == "transformers":
+        raise RecipeError("recipe key `regenerate.servers.preset` = 'transformers': `transformers serve` renders "
+                          "with the model folder's own chat template and takes no other; `data.chat_template` is "
+                          "set: put the template in the model folder, or use vllm / sglang / a command")
+    if template is not None and ("{%" in template or "{{" in template):  # inline: the servers read a file
+        path = out_dir / "logs" / f"chat_template-{state.process_index:05d}.jinja"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(template)
+        template = str(path)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    try:
+        return ManagedServers(section.servers, recipe.model.name_or_path, served_model_name(recipe), template,
+                              out_dir / "logs", state.process_index, state.local_process_index, local_world,
+                              stop=stop)
+    except ValueError as e:
+        raise RecipeError(f"recipe key `regenerate.servers`: {e}") from None
+
+
+def _drive(recipe: Recipe, state, out_dir: Path, rows, mine: list[int], rows_per_shard: int,
+           settings: RegenSettings, identity: dict, committed: dict, stop, servers) -> dict:
     section = section_of(recipe)
     t0 = time.perf_counter()
-    engine = _build_engine(recipe, state.device)
+    engine = _build_engine(recipe, state.device, servers)
     try:
         engine_identity = engine.identity()
         regen_output.check_identity(out_dir, {"engine": engine_identity})
@@ -273,7 +322,6 @@ def _run_rank(recipe: Recipe, state, out_dir: Path, rows, mine: list[int], rows_
                     - (len(committed[c][0]) if c in committed else 0)
                     for c in mine)
         progress = _Progress(total, state.num_processes) if state.is_main_process else None
-        stop = StopRequest(REGEN_STOP_MESSAGE)
         loop = RegenLoop(engine, rows, mine, rows_per_shard, settings,
                          regen_output.ChunkCommitter(out_dir, state.process_index), provenance,
                          recipe.data.id_column, window, batch_size, parallel, stop=stop,
@@ -285,7 +333,6 @@ def _run_rank(recipe: Recipe, state, out_dir: Path, rows, mine: list[int], rows_
         try:
             stats = loop.run()
         finally:
-            stop.restore()
             if progress is not None:
                 progress.close()
     finally:
