@@ -239,12 +239,12 @@ def test_two_processes_start_a_server_each(model_dir, data, reference, tmp_path)
 
 # ---------------------------------------------------------------------------------------------- failing servers
 def _set_template(model: Path, template: str | None) -> None:
-    config_path = model / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    if "good_template" not in config:
-        config["good_template"] = config["chat_template"]
-    config["chat_template"] = template if template is not None else config["good_template"]
-    config_path.write_text(json.dumps(config))
+    """The model folder's chat template (chat_template.jinja: what `transformers serve` renders with) made `template`,
+    or the saved good one again (None)."""
+    path, good = model / "chat_template.jinja", model / "good_template.jinja"
+    if not good.exists():
+        shutil.copy(path, good)
+    path.write_text(template if template is not None else good.read_text())
 
 
 @pytest.mark.slow
@@ -290,12 +290,11 @@ def test_a_managed_server_failing_every_request_is_restarted_and_no_row_is_lost(
     answered once (the rejections of the failing phase were held, never committed)."""
     model = tmp_path / "model"
     shutil.copytree(model_dir, model)
-    good = json.loads((model / "tokenizer_config.json").read_text())
-    (tmp_path / "good.json").write_text(json.dumps(good))
-    (tmp_path / "broken.json").write_text(json.dumps({**good, "chat_template": BROKEN_TEMPLATE}))
-    marker = tmp_path / "started-once"
-    script = (f"if [ -e {marker} ]; then cp {tmp_path / 'good.json'} {model / 'tokenizer_config.json'}; "
-              f"else touch {marker}; cp {tmp_path / 'broken.json'} {model / 'tokenizer_config.json'}; fi; "
+    shutil.copy(model / "chat_template.jinja", tmp_path / "good.jinja")
+    (tmp_path / "broken.jinja").write_text(BROKEN_TEMPLATE)
+    marker, template = tmp_path / "started-once", model / "chat_template.jinja"
+    script = (f"if [ -e {marker} ]; then cp {tmp_path / 'good.jinja'} {template}; "
+              f"else touch {marker}; cp {tmp_path / 'broken.jinja'} {template}; fi; "
               f"exec {TRANSFORMERS} serve {model} --host $0 --port $1 --device cpu --dtype float32")
     out = tmp_path / "out"
     argv = managed(model, data, out, **{"regenerate.servers.preset": "null", "regenerate.servers.extra_args": "[]",
@@ -338,14 +337,19 @@ def test_rows_an_older_version_skipped_for_a_server_error_are_asked_again(model_
 
 # ---------------------------------------------------------------------------------------------- commits by time
 @pytest.mark.slow
-def test_commits_by_time_keep_the_answers_a_kill_would_lose(model_dir, data, reference, tmp_path):
-    """One chunk of every row, committed in parts every second: a SIGKILL keeps the parts, and the resume asks
-    exactly the rows no part lists."""
+def test_commits_by_time_keep_the_answers_a_kill_would_lose(model_dir, tmp_path):
+    """One chunk of every row, committed in parts every half second: a SIGKILL keeps the parts, and the resume
+    asks exactly the rows no part lists (the rows equal an uninterrupted run's that committed the chunk whole)."""
+    rows = [{"id": f"t{i}", "messages": [{"role": "user", "content": f"Count to {i}."}]} for i in range(60)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     server = Server(model_dir, log_path=tmp_path / "serve.log").start()
-    out = tmp_path / "out"
-    argv = unmanaged(model_dir, data, out, server.base_url, **{"regenerate.rows_per_shard": 1000,
-                                                                "regenerate.commit_seconds": 1.0})
+    out, whole = tmp_path / "out", tmp_path / "whole"
+    sets = {"regenerate.rows_per_shard": 1000, "regenerate.max_tokens": 8}
+    argv = unmanaged(model_dir, data, out, server.base_url, **sets, **{"regenerate.commit_seconds": 0.5})
     try:
+        assert regenerate_main(unmanaged(model_dir, data, whole, server.base_url, **sets)) == 0
+        assert len(read_committed(whole)) == 1  # the default: one minute, longer than this run
         proc = start(regenerate_cmd(argv))
         wait_for_commits(proc, out, 2)
         proc.kill()
@@ -353,13 +357,15 @@ def test_commits_by_time_keep_the_answers_a_kill_would_lose(model_dir, data, ref
         committed = read_committed(out)
         assert len(committed) >= 2 and {chunk for chunk, _ in committed} == {0}  # parts of the one chunk
         positions = [p for r in committed.values() for p in r.rows]
-        assert 0 < len(positions) < NUM_ROWS and len(positions) == len(set(positions))
+        assert 0 < len(positions) < len(rows) and len(positions) == len(set(positions)), "make the run longer"
         assert (out / "data" / "shard-000000-001.arrow").is_file()
         assert regenerate_main(argv) == 0
     finally:
         server.stop()
-    exactly_once(out, reference)
-    assert len(read_committed(out)) > 2
+    positions = [p for r in read_committed(out).values() for p in r.rows]
+    assert sorted(positions) == list(range(len(rows)))
+    assert sorted(rows_of(out), key=lambda r: r["source_row"]) == rows_of(whole)
+    assert json.loads((out / "summary.json").read_text())["num_requests"] == len(rows)  # none counted twice
 
 
 # ---------------------------------------------------------------------------------------------- which servers
