@@ -182,8 +182,8 @@ def test_a_pad_token_past_the_embedding_table_does_not_reach_the_model(tmp_path)
 
 
 def test_readme_own_data_row_shows_as_the_readme_says(tmp_path, capsys):
-    """The README's row, as written, through `plan --show-sample 0` with a Qwen3.6-style template."""
-    section = (REPO / "README.md").read_text().split("## Your own data")[1].split("\n## ")[0]
+    """docs/DATA.md's row, as written, through `plan --show-sample 0` with a Qwen3.6-style template."""
+    section = (REPO / "docs" / "DATA.md").read_text()
     blocks = section.split("```")[1::2]  # the fenced blocks, each from its language tag on
     (row_text,) = [b[len("json\n"):] for b in blocks if b.startswith("json\n")]
     (excerpt,) = [b[1:] for b in blocks if b.startswith("\n")]

@@ -1,4 +1,5 @@
-"""The reading examples of the README and docs/TRAINING.md run as written, on a real (small) output."""
+"""The reading examples of the README, docs/STORAGE.md and docs/TRAINING.md run as written, on a real (small)
+output."""
 
 from __future__ import annotations
 
@@ -45,14 +46,14 @@ def test_readme_reading_example(output, monkeypatch):
     assert len(scope["seen"]) + scope["dropped"] == manifest["num_samples"] > 100
 
 
-def test_readme_webdataset_example_reads_every_shard_of_the_manifest(output):
+def test_storage_page_webdataset_example_reads_every_shard_of_the_manifest(output):
     """The example that reads the shards with webdataset alone takes their paths from the manifest (shard names
     carry the id of the run that wrote them)."""
-    (block,) = [b for b in python_blocks(REPO / "README.md") if "wds.WebDataset" in b]
+    (block,) = [b for b in python_blocks(REPO / "docs" / "STORAGE.md") if "wds.WebDataset" in b]
     code = block.replace("out/tiny-demo", str(output)).replace(
         "    hs = load(", "    seen.append(len(ids)); hs = load(")
     scope = {"seen": []}
-    exec(compile(code, "README.md", "exec"), scope)
+    exec(compile(code, "docs/STORAGE.md", "exec"), scope)
     manifest = json.loads((output / "manifest.json").read_text())
     assert len(scope["seen"]) == manifest["num_samples"] and sum(scope["seen"]) == manifest["num_tokens"]
 

@@ -269,7 +269,7 @@ class OutputSection:
 
     dir: str = "out"
     """Output folder: shards, manifest, logs, summary. A local path, or an object-store URL (`s3://bucket/prefix`,
-    `gs://...`, `az://...`, through fsspec; README "Where the output goes"): shards are then staged locally
+    `gs://...`, `az://...`, through fsspec; docs/STORAGE.md, "Where the output goes"): shards are then staged locally
     (`staging_dir`) and uploaded as they close. A URL whose protocol is unknown or not installed is refused."""
     storage_options: dict = field(default_factory=dict)
     """Non-secret fsspec options of an object-store `dir` (e.g. {endpoint_url: ..., region_name: ...}); credentials

@@ -1,7 +1,7 @@
 """An extraction output in an object store (`output.dir: s3://bucket/prefix`, or any protocol of
 recipe/location.py's WRITABLE_PROTOCOLS), through fsspec.
 
-The output's layout in the store is the local one (README "Output layout"): the same relative names under the
+The output's layout in the store is the local one (docs/STORAGE.md, "Output layout"): the same relative names under the
 prefix. A run works in a local staging folder (`output.staging_dir`), which holds the shards being written and
 uploaded and a copy of the output's small files (plan, run state, indexes), and this module moves things between the
 two:
