@@ -43,6 +43,7 @@ from pathlib import Path
 
 from dflash_prep.regen.engine import EngineUnavailable
 from dflash_prep.regen.watchdog import _alive
+from dflash_prep.signals import LAUNCHER_ENV  # the launcher is the parent of a launched rank
 
 log = logging.getLogger("dflash_prep")
 
@@ -142,8 +143,6 @@ class ManagedServers:
         self.servers = [_Managed(j, gpus, free_port(section.host), logs_dir / f"server-{rank:05d}-{j}.log",
                                  _host=section.host) for j, gpus in groups]
         self._watched = [os.getpid()]
-        from dflash_prep.commands.launch import LAUNCHER_ENV  # the launcher is the parent of a launched rank
-
         if os.environ.get(LAUNCHER_ENV) and os.getppid() > 1:
             self._watched.append(os.getppid())
         self._closing = threading.Event()
