@@ -382,3 +382,42 @@ def test_servers_are_cut_per_gpu_group_and_shared_out_over_a_nodes_processes():
         server_groups(gpus, 2, None, 5, 8)
     with pytest.raises(ValueError, match="too few"):
         server_groups(gpus[:3], 4, None, 0, 1)
+
+
+def test_the_presets_fill_in_the_engines_own_flags(tmp_path):
+    """The command lines the presets give, written out by hand from the engines' CLI references."""
+    from dflash_prep.recipe.schema import ServersSection
+    from dflash_prep.regen.servers import ManagedServers, _Managed
+
+    def command(preset, gpus, template="/t/chat.jinja", **kw):
+        servers = ManagedServers.__new__(ManagedServers)  # the command alone: no process started
+        servers.section = ServersSection(preset=preset, **kw)
+        servers.model, servers.served_model_name, servers.chat_template = "/m/Qwen3-8B", "qwen3", template
+        return servers.command(_Managed(0, gpus, 8123, tmp_path / "log"))
+
+    assert command("vllm", ["4", "5"], extra_args=["--max-model-len", "8192"]) == [
+        "vllm", "serve", "/m/Qwen3-8B", "--host", "127.0.0.1", "--port", "8123", "--served-model-name", "qwen3",
+        "--tensor-parallel-size", "2", "--chat-template", "/t/chat.jinja", "--max-model-len", "8192"]
+    assert command("sglang", ["0"], template=None) == [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", "/m/Qwen3-8B", "--host", "127.0.0.1", "--port",
+        "8123", "--served-model-name", "qwen3", "--tp-size", "1"]
+    assert command("transformers", [], template=None) == [
+        TRANSFORMERS, "serve", "/m/Qwen3-8B", "--host", "127.0.0.1", "--port", "8123", "--device", "cpu"]
+    assert command(None, ["1", "2"], command="my-server --gpus {gpus} --tp {gpus_per_server} -p {port}") == [
+        "my-server", "--gpus", "1,2", "--tp", "2", "-p", "8123"]
+
+
+@pytest.mark.parametrize("sets,message", [
+    ({"regenerate.servers.preset": "vllm", "regenerate.base_urls": "[http://127.0.0.1:8000/v1]"}, "not both"),
+    ({"regenerate.servers.command": "[my-server, '{port}']", "regenerate.servers.preset": "vllm"}, "exactly one"),
+    ({"regenerate.servers.command": "[my-server, '{port}', '{gpu}']"}, "unknown placeholder"),
+    ({"regenerate.servers.command": "[my-server]"}, "{port}"),
+    ({"regenerate.servers.preset": "vllm", "regenerate.engine": "transformers"}, "engine: openai"),
+])
+def test_a_bad_servers_section_is_one_line_naming_the_key(sets, message):
+    from dflash_prep.recipe.schema import RecipeError, load_recipe
+
+    overrides = {"regenerate.engine": "openai", **sets}
+    with pytest.raises(RecipeError, match="regenerate") as e:
+        load_recipe(None, [f"{k}={v}" for k, v in overrides.items()])
+    assert message in str(e.value) and "\n" not in str(e.value)
