@@ -41,7 +41,7 @@ def test_predicted_write_bytes_are_the_bytes_a_run_writes(tmp_path):
     import functools
 
     from dflash_prep.commands.extract import run_extraction
-    from dflash_prep.commands.job import load_or_make_plan
+    from dflash_prep.commands.extract.claim import load_or_make_plan
     from dflash_prep.target.model import load_config
 
     recipe = load_recipe(REPO / "dflash_prep" / "demo" / "tiny-demo.yaml", [f"output.dir={tmp_path / 'out'}",

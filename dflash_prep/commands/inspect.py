@@ -347,6 +347,73 @@ def _load_npy(f) -> np.ndarray:
     return np.load(io.BytesIO(f.read()), allow_pickle=False)
 
 
+class _SampleCheck:
+    """The members of one sample as a shard's tar lists them, checked when the next sample starts (`close`)."""
+
+    def __init__(self, key: str, layout: OutputLayout, result: "ShardCheck"):
+        self.key, self.layout, self.result = key, layout, result
+        self.lengths: dict[str, int] = {}  # member suffix -> T of this sample's npy members
+        self.states = None  # (header, data_start, member_size) of this sample's safetensors member
+        self.has_meta, self.meta = False, None  # whether it has a meta.json, and its parsed content
+
+    def member(self, tar: tarfile.TarFile, info: tarfile.TarInfo, suffix: str) -> None:
+        problems = self.result.problems
+        if suffix in (MEMBER_INPUT_IDS, MEMBER_LOSS_MASK):
+            array = _load_npy(tar.extractfile(info))
+            want = np.dtype(np.int32 if suffix == MEMBER_INPUT_IDS else np.uint8)
+            if array.dtype != want or array.ndim != 1:
+                problems.append(f"sample {self.key!r}: {suffix} is {array.dtype} {list(array.shape)}, "
+                                f"expected {want} [T]")
+            self.lengths[suffix] = int(array.shape[0]) if array.ndim else -1
+        elif suffix == MEMBER_STATES:
+            self.states = (*_safetensors_header(tar.extractfile(info), info.size), info.size)
+        elif suffix == MEMBER_META:
+            self.has_meta, self.meta = True, _read_meta(tar.extractfile(info))
+
+    def close(self) -> None:
+        problems, key = self.result.problems, self.key
+        missing = [m for m in REQUIRED_MEMBERS if m not in self.lengths and m != MEMBER_STATES]
+        if self.states is None:
+            missing.append(MEMBER_STATES)
+        if not self.has_meta:
+            missing.append(MEMBER_META)
+        if missing:
+            problems.append(f"sample {key!r} lacks {sorted(missing)}")
+            return
+        if len(set(self.lengths.values())) != 1:
+            problems.append(f"sample {key!r}: token counts differ between members {self.lengths}")
+            return
+        T = self.lengths[MEMBER_INPUT_IDS]
+        self.result.num_tokens += T
+        why = _check_states(*self.states, T, self.layout)
+        if why:
+            problems.append(f"sample {key!r}: {why}")
+        problems.extend(f"sample {key!r}: {p}" for p in _check_meta(self.meta, key, T, self.states[0], self.layout))
+
+
+def _check_members(tar: tarfile.TarFile, layout: OutputLayout, result: "ShardCheck") -> None:
+    """Each sample's members, in tar order: a sample id seen twice, and each sample's own checks."""
+    seen: set[str] = set()
+    sample: _SampleCheck | None = None
+    while (info := tar.next()) is not None:
+        tar.members.clear()
+        if not info.isfile():
+            continue
+        key, suffix = sample_key(info.name)
+        if sample is None or key != sample.key:
+            if sample is not None:
+                sample.close()
+            if key in seen:
+                result.problems.append(f"sample id {key!r} appears twice")
+            seen.add(key)
+            result.sample_ids.append(key)
+            sample = _SampleCheck(key, layout, result)
+            result.num_samples += 1
+        sample.member(tar, info, suffix)
+    if sample is not None:
+        sample.close()
+
+
 def check_shard(shard: ShardInfo, layout: OutputLayout, hash_bytes: bool = True) -> ShardCheck:
     """Verify one shard against its manifest entry and the format (see the module docstring)."""
     result = ShardCheck(shard.rel_path)
@@ -354,69 +421,16 @@ def check_shard(shard: ShardInfo, layout: OutputLayout, hash_bytes: bool = True)
     if not shard.path.is_file():
         problems.append("file is missing")
         return result
-    remote = is_remote_path(shard.path)
     if hash_bytes:
         digest, size = sha256_file(shard.path)
         if size != shard.num_bytes:
             problems.append(f"size {size} bytes, the manifest says {shard.num_bytes}")
         if digest != shard.sha256:
             problems.append(f"sha256 {digest[:16]}... differs from the manifest's {shard.sha256[:16]}...")
-    seen: set[str] = set()
     try:
-        with tarfile.open(fileobj=open_for_reading(shard.path, 1 << 20), mode="r:") if remote \
+        with tarfile.open(fileobj=open_for_reading(shard.path, 1 << 20), mode="r:") if is_remote_path(shard.path) \
                 else tarfile.open(shard.path, mode="r:") as tar:
-            current: str | None = None
-            lengths: dict[str, int] = {}  # member suffix -> T of this sample's npy members
-            states = None  # (header, data_start, member_size) of this sample's safetensors member
-            has_meta = False
-            meta = None  # this sample's parsed meta.json
-
-            def close_sample() -> None:
-                missing = [m for m in REQUIRED_MEMBERS if m not in lengths and m != MEMBER_STATES]
-                if states is None:
-                    missing.append(MEMBER_STATES)
-                if not has_meta:
-                    missing.append(MEMBER_META)
-                if missing:
-                    problems.append(f"sample {current!r} lacks {sorted(missing)}")
-                    return
-                if len(set(lengths.values())) != 1:
-                    problems.append(f"sample {current!r}: token counts differ between members {lengths}")
-                    return
-                T = lengths[MEMBER_INPUT_IDS]
-                result.num_tokens += T
-                why = _check_states(*states, T, layout)
-                if why:
-                    problems.append(f"sample {current!r}: {why}")
-                problems.extend(f"sample {current!r}: {p}" for p in _check_meta(meta, current, T, states[0], layout))
-
-            while (info := tar.next()) is not None:
-                tar.members.clear()
-                if not info.isfile():
-                    continue
-                key, suffix = sample_key(info.name)
-                if key != current:
-                    if current is not None:
-                        close_sample()
-                    if key in seen:
-                        problems.append(f"sample id {key!r} appears twice")
-                    seen.add(key)
-                    result.sample_ids.append(key)
-                    current, lengths, states, has_meta, meta = key, {}, None, False, None
-                    result.num_samples += 1
-                if suffix in (MEMBER_INPUT_IDS, MEMBER_LOSS_MASK):
-                    array = _load_npy(tar.extractfile(info))
-                    want = np.dtype(np.int32 if suffix == MEMBER_INPUT_IDS else np.uint8)
-                    if array.dtype != want or array.ndim != 1:
-                        problems.append(f"sample {key!r}: {suffix} is {array.dtype} {list(array.shape)}, "
-                                        f"expected {want} [T]")
-                    lengths[suffix] = int(array.shape[0]) if array.ndim else -1
-                elif suffix == MEMBER_STATES:
-                    states = (*_safetensors_header(tar.extractfile(info), info.size), info.size)
-                elif suffix == MEMBER_META:
-                    has_meta, meta = True, _read_meta(tar.extractfile(info))
-            if current is not None:
-                close_sample()
+            _check_members(tar, layout, result)
     except (tarfile.TarError, ValueError, OSError, struct.error) as e:
         problems.append(f"unreadable ({type(e).__name__}: {e})")
         return result

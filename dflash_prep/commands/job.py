@@ -4,24 +4,20 @@ A run resumes into an output only when the output is this job's: the recipe keys
 tokenizer, data keys, layers, storage dtype) and the content itself (identity.py: the tokenized rows, the
 weights) must match; anything else is refused (`OutputMismatchError`, exit 2) naming what changed. Before
 anything is created, an `output.overwrite` on a folder that is not an output of this tool, and an output inside
-the data, are refused (RecipeError). `prepare_output` then repairs what a crash left (torn index lines,
-uncommitted files, committed shards whose file is missing or damaged) and records the run.
+the data, are refused (RecipeError). The claim itself, the repair and the plan's loading run in order in
+commands/extract/claim.py.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_prep import __version__
 from dflash_prep.data.rows import data_files_fingerprint, describe_data_files_change
-from dflash_prep.io import atomic_write_json
-from dflash_prep.plan.planner import PlannedBatch, make_plan, plan_settings
+from dflash_prep.plan.planner import PlannedBatch
 from dflash_prep.recipe.fingerprints import describe_weights_change, weights_fingerprint
 from dflash_prep.recipe.location import is_remote
 from dflash_prep.recipe.schema import Recipe, RecipeError
@@ -30,14 +26,10 @@ from dflash_prep.store.manifest import (
     MANIFEST_NAME,
     STATE_NAME,
     OutputStateError,
-    damaged_shards,
     damaged_state,
-    drop_records,
     read_committed,
     read_manifest,
     read_state_json,
-    remove_uncommitted,
-    repair_indexes,
 )
 from dflash_prep.store.records import FAILED_NAME, SUMMARY_NAME
 from dflash_prep.target.model import describe_source, hidden_size_of, model_fingerprint, tokenizer_fingerprint
@@ -186,78 +178,6 @@ def _written_path_matching_data(data_path: str, out_dir: Path) -> Path | None:
     return next((w for w in written if matches(list(w.parts), list(pattern))), None)
 
 
-def refuse_unsafe_remote_output(remote, recipe: Recipe) -> None:
-    """`output.overwrite` on a store prefix that holds objects but no dflash-prep output (RecipeError): the user's
-    objects are never deleted."""
-    names = remote.names() - {LOCKS_DIR}
-    if recipe.output.overwrite and names and "logs" not in names and not names & set(_OUTPUT_MARKERS):
-        raise RecipeError(f"recipe key `output.overwrite` = True: {remote.url} is not a dflash-prep output (no "
-                          f"{', '.join(_OUTPUT_MARKERS)}; it holds {', '.join(sorted(names)[:5])}...): refusing to "
-                          f"delete its objects; set output.dir to a new or empty prefix")
-
-
-def open_output(out_dir: Path, recipe: Recipe, identity: dict, remote=None) -> None:
-    """Main process, holding the run lock, before the data is read: start afresh (`output.overwrite`) or check
-    that the output is this job's (all but the data rows, which are not tokenized yet). An object-store output
-    (`remote`): its small files are first copied into the staging folder `out_dir` (remote.py)."""
-    if remote is not None:
-        refuse_unsafe_remote_output(remote, recipe)
-        if recipe.output.overwrite:
-            remote.clear()
-        remote.pull_state()
-    if recipe.output.overwrite and out_dir.exists():
-        for child in out_dir.iterdir():
-            if child.name in ("logs", LOCKS_DIR):
-                continue  # the live log handlers of this run write there; this run holds its lock there
-            shutil.rmtree(child) if child.is_dir() else child.unlink()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    check_identity(out_dir, identity)
-
-
-def prepare_output(out_dir: Path, recipe: Recipe, identity: dict, remote=None) -> bool:
-    """Main process, once the rows are tokenized: check the data rows, clean up a crashed run, drop committed
-    shards whose file is missing or damaged (their batches are redone), save the recipe and the run state.
-
-    Returns True for a finished output found intact (a readable manifest, nothing repaired, dropped or removed):
-    then nothing is written, so re-running a finished job leaves the output as it was. An object-store output
-    (`remote`): `out_dir` is the staging folder holding a copy of its indexes; the shards are checked, dropped and
-    removed in the store, and what is repaired or written here is uploaded."""
-    check_identity(out_dir, identity)
-    for index, records_cut in repair_indexes(out_dir):
-        if remote is not None:
-            remote.push([str(Path(index).relative_to(out_dir))])
-        if records_cut:
-            log.warning("%s holds an unreadable line before %d readable record(s) (an edit, or damage): cut at that "
-                        "line; the shards of those records are redone", index, records_cut)
-        else:
-            log.warning("%s ended in a torn line (a crash while appending): cut back to its last complete line", index)
-    committed = read_committed(out_dir)
-    damaged = damaged_shards(out_dir, committed) if remote is None else remote.damaged_shards(committed)
-    for path, why in damaged.items():
-        log.warning("committed shard %s is damaged (%s): its batches are redone", path, why)
-    if damaged:
-        drop_records(out_dir, set(damaged))
-        if remote is not None:
-            remote.drop(set(damaged))
-        committed = read_committed(out_dir)
-    removed = remove_uncommitted(out_dir, committed)
-    if remote is not None:
-        removed += remote.remove_uncommitted(committed)
-    if removed:
-        log.info("removed %d uncommitted file(s) left by an interrupted run", len(removed))
-    if not damaged and not removed and manifest_readable(out_dir):
-        return True
-    (out_dir / RECIPE_NAME).write_text(_with_stored_batching(recipe, out_dir).to_yaml())
-    state_path = out_dir / STATE_NAME
-    runs = read_state_json(state_path).get("runs", []) if state_path.exists() else []
-    runs.append({"started_at": time.time(), "dflash_prep_version": __version__,
-                 "attn_implementation": recipe.model.attn_implementation})
-    atomic_write_json(state_path, {"identity": identity, "dflash_prep_version": __version__, "runs": runs})
-    if remote is not None:
-        remote.push([RECIPE_NAME, STATE_NAME])
-    return False
-
-
 def manifest_readable(out_dir: Path) -> bool:
     """A manifest that reads back (an output finished by some run, unless damaged since)."""
     try:
@@ -265,50 +185,6 @@ def manifest_readable(out_dir: Path) -> bool:
         return True
     except (OSError, ValueError):
         return False
-
-
-def load_or_make_plan(out_dir: Path, lengths: list[int], recipe: Recipe, is_main: bool, state,
-                      packed: bool = False, remote=None) -> list[PlannedBatch]:
-    """The global plan: made once by the main process (packed rows when `packed`) and frozen in OUT/plan.json (so
-    resumes run the same batches whatever the number of ranks); every rank reads it back. A stored plan keeps its
-    layout (`PlannedBatch.packed`, false for a plan.json written before packing existed). An object-store output
-    (`remote`): the main process uploads the plan, the others read the store's (their node may be another)."""
-    path = out_dir / PLAN_NAME
-    if is_main and not path.exists():
-        plan = make_plan(lengths, recipe, packed=packed)
-        atomic_write_json(path, {"batching": plan_settings(recipe), "num_samples": len(lengths), "packed": packed,
-                                 "batches": [[p.padded_length, list(p.sample_indices)] for p in plan]})
-        if remote is not None:
-            remote.push([PLAN_NAME])
-    state.wait_for_everyone()
-    if remote is not None and not is_main:
-        remote.pull_file(PLAN_NAME)
-    stored = read_stored_plan(path, lengths)
-    if is_main and {k: v for k, v in stored["batching"].items() if k != "packing"} != \
-            {k: v for k, v in plan_settings(recipe).items() if k != "packing"}:
-        log.warning("batching settings differ from the stored plan; resuming with the stored plan %s",
-                    stored["batching"])
-    stored_packed = bool(stored.get("packed", False))
-    return [PlannedBatch(batch_id=i, sample_indices=tuple(idx), padded_length=T,
-                        num_real_tokens=sum(lengths[j] for j in idx), packed=stored_packed)
-            for i, (T, idx) in enumerate(stored["batches"])]
-
-
-def _with_stored_batching(recipe: Recipe, out_dir: Path) -> Recipe:
-    """`recipe` with the batching settings of the output's stored plan, when there is one: a resume runs those
-    batches whatever its own `batching` says, so the recipe saved beside the output says what ran. (A plan.json
-    that cannot be read is left to load_or_make_plan, which names it.)"""
-    import dataclasses
-
-    try:
-        stored = read_state_json(out_dir / PLAN_NAME)["batching"] if (out_dir / PLAN_NAME).is_file() else None
-    except (OutputStateError, KeyError, TypeError):
-        return recipe
-    if not isinstance(stored, dict):
-        return recipe
-    names = {f.name for f in dataclasses.fields(recipe.batching)}
-    batching = dataclasses.replace(recipe.batching, **{k: v for k, v in stored.items() if k in names})
-    return dataclasses.replace(recipe, batching=batching)
 
 
 def read_stored_plan(path: Path, lengths: list[int]) -> dict:

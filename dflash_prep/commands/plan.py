@@ -190,20 +190,10 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
     from dflash_prep.plan.planner import make_plan, packed_row_budget, plan_stats, split_across_ranks
     from dflash_prep.target.budget import local_gpu_memory_bytes, resolve_token_budget
     from dflash_prep.target.layers import num_decoder_layers, resolve_layer_ids
-    from dflash_prep.target.model import (
-        check_context,
-        decoder_params_run,
-        describe_source,
-        hidden_size_of,
-        load_config,
-        load_tokenizer,
-        vocab_size_of,
-    )
+    from dflash_prep.target.model import check_context, decoder_params_run, describe_source, hidden_size_of
+    from dflash_prep.target.model import load_config, load_tokenizer, vocab_size_of
 
-    if num_gpus < 1:
-        raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
-    if tokens_per_second is not None and not tokens_per_second > 0:
-        raise ValueError(f"tokens_per_second must be > 0, got {tokens_per_second}")
+    _check_arguments(num_gpus, tokens_per_second)
     t0 = time.perf_counter()
     config = load_config(recipe.model)
     check_context(recipe, config)  # the extraction's own refusal of rows past the model's context
@@ -244,31 +234,45 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
         "device": device,
         "recipe_fingerprint": recipe.fingerprint(),
         "model": describe_source(recipe.model),
-        "model_type": getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
-                              "model_type", None),
+        "model_type": _model_type(config),
         "num_hidden_layers": num_layers, "hidden_size": hidden_size, "layer_ids": layer_ids,
         "capture_final": recipe.layers.capture_final, "layers_run": last_needed + 1,
         "decoder_params_run": params,
         "num_rows": data.num_rows, "num_samples": len(lengths),
         "num_skipped": sum(data.skipped_counts.values()), "skipped": data.skipped_counts,
-        "num_tokens": stats["num_real_tokens"], "num_padded_tokens": stats["num_padded_tokens"],
-        "num_batches": stats["num_batches"], "num_shapes": stats["num_shapes"],
-        "padding_efficiency": stats["padding_efficiency"], "batch_size_min": stats["batch_size_min"],
-        "batch_size_max": stats["batch_size_max"], "batch_size_mean": stats["batch_size_mean"],
-        "padded_length_min": stats["padded_length_min"], "padded_length_max": stats["padded_length_max"],
+        **_batch_figures(stats),
         "packing": packing.record(), "shapes": _shape_counts(plan),
         "max_tokens_per_batch": recipe.batching.max_tokens_per_batch, "max_tokens_per_batch_auto": budget_how,
         "max_tokens_per_row": packed_row_budget(recipe.batching) if packing.packed else None,
         "stored_plan": _stored_plan(Path(recipe.output.dir), lengths),
         "dtype": recipe.output.dtype, "max_shard_bytes": recipe.output.max_shard_bytes, "disk": disk,
         "num_bytes": disk[recipe.output.dtype]["num_bytes"],
-        "ranks": [{"rank": i, "num_batches": r["num_batches"], "num_samples": r["num_samples"],
-                   "num_real_tokens": r["num_real_tokens"], "num_shapes": r["num_shapes"]} for i, r in enumerate(ranks)],
+        "ranks": [{"rank": i, **{k: r[k] for k in ("num_batches", "num_samples", "num_real_tokens", "num_shapes")}}
+                  for i, r in enumerate(ranks)],
         "throughput": throughput, "replicas": replicas, "wall": wall,
         "storage": storage_bill(recipe.output.dir, disk[recipe.output.dtype]["num_bytes"], wall, storage_rate),
         "lengths_histogram": length_histogram(lengths, recipe.data.max_length),
         "tokenize_seconds": tokenize_seconds, "plan_seconds": time.perf_counter() - t0,
     }
+
+
+def _check_arguments(num_gpus: int, tokens_per_second: float | None) -> None:
+    if num_gpus < 1:
+        raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
+    if tokens_per_second is not None and not tokens_per_second > 0:
+        raise ValueError(f"tokens_per_second must be > 0, got {tokens_per_second}")
+
+
+def _model_type(config) -> str | None:
+    return getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "model_type", None)
+
+
+def _batch_figures(stats: dict) -> dict:
+    """The plan's batch figures of planner.plan_stats, under the names `plan` reports them with."""
+    return {"num_tokens": stats["num_real_tokens"],
+            **{k: stats[k] for k in ("num_padded_tokens", "num_batches", "num_shapes", "padding_efficiency",
+                                     "batch_size_min", "batch_size_max", "batch_size_mean", "padded_length_min",
+                                     "padded_length_max")}}
 
 
 # The benchmark's figures are of GPUs: a plan of a CPU run has none, unless given.

@@ -20,9 +20,11 @@ shards its `state.json` lists. So the finished folder is both `data.path` of an 
 no `state.json` and is refused as data.
 
 Guarantees:
-- a shard is written to `NAME.tmp`, fsynced and renamed, and only then committed by its index line (appended,
-  fsynced); a shard no index line lists, a `.tmp` and a torn last index line are what a kill leaves, and the next
-  run removes them (`prepare`), so each chunk is committed once or redone whole;
+- a shard is committed by the record store every stage shares (store/record_store.py): written to `NAME.tmp`,
+  fsynced, renamed, and only then committed by its index line (appended, fsynced); a shard no index line lists, a
+  `.tmp` and a torn last index line are what a kill leaves, and the next run removes them (`prepare`), so each
+  chunk is committed once or redone whole; what is regeneration's own here is the Arrow bytes, their features and
+  the files that make the folder a dataset;
 - the chunks are fixed by the data and `rows_per_shard` (frozen by the first run), not by the number of processes:
   a resume on any number of processes runs exactly the chunks whose rows the index lines do not all list, and of
   those only the rows no line lists (a part lists its rows and its skipped rows by source position; the next part of
@@ -38,22 +40,30 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dflash_prep import __version__
-from dflash_prep.io import atomic_write_json, atomic_write_jsonl, atomic_write_lines, fsync_dir
+from dflash_prep.io import atomic_write_json, atomic_write_jsonl
 from dflash_prep.store.locks import LOCKS_DIR
-from dflash_prep.store.manifest import OutputStateError, damaged_state, read_state_json
+from dflash_prep.store.manifest import read_state_json
+from dflash_prep.store.record_store import (
+    INDEX_DIR,  # noqa: F401 - the regeneration command names the index folder through this module
+    TMP_SUFFIX,
+    OutputStateError,
+    RecordKind,
+    RecordStore,
+    fsync_file,
+    write_manifest,
+)
 
 log = logging.getLogger("dflash_prep")
 
 FORMAT = "dflash-prep regenerated rows"
 FORMAT_VERSION = 1
-DATA_DIR, INDEX_DIR = "data", "index"
+DATA_DIR = "data"
 STATE_NAME, MANIFEST_NAME, SUMMARY_NAME, SKIPPED_NAME = "run_state.json", "manifest.json", "summary.json", \
     "skipped.jsonl"
 RECIPE_NAME = "recipe.resolved.yaml"
@@ -212,101 +222,59 @@ def record_run(out_dir: Path, identity: dict, rows_per_shard: int, recipe_yaml: 
 
 
 # ------------------------------------------------------------------------------------------------ index, repair
+CHUNK_KIND = RecordKind(record_type=ChunkRecord, key=lambda r: (r.chunk, r.part), files_glob=f"{DATA_DIR}/*",
+                        noun="chunk part")
+
+
+def chunk_store(out_dir: Path) -> RecordStore:
+    """The record store (store/record_store.py: the commit, the index, the repair) of the regenerated chunks."""
+    return RecordStore(Path(out_dir), CHUNK_KIND)
+
+
 def read_committed(out_dir: Path) -> dict[tuple[int, int], ChunkRecord]:
-    """(chunk, part) -> its record, over every rank's index. A torn last line is ignored (its part is redone); the
-    same line twice counts once; two different records of one part raise OutputStateError."""
-    records: dict[int, ChunkRecord] = {}
-    for index in sorted((Path(out_dir) / INDEX_DIR).glob("rank-*.jsonl")):
-        with open(index, "rb") as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                try:
-                    record = ChunkRecord(**json.loads(line))
-                except (ValueError, TypeError, UnicodeDecodeError):
-                    break
-                if records.setdefault((record.chunk, record.part), record) != record:
-                    raise damaged_state(Path(out_dir) / INDEX_DIR,
-                                        f"chunk {record.chunk} part {record.part} is committed twice")
-    return records
+    """(chunk, part) -> its record, over every rank's index (`RecordStore.read_committed`: a torn last line
+    ignored, its part redone; the same line twice counted once; two different records of one part:
+    OutputStateError)."""
+    return {(r.chunk, r.part): r for r in chunk_store(out_dir).read_committed()}
+
+
+UNCONFIRMED = "holds rows skipped for a server error (HTTP 5xx) that no healthy answer confirmed"
 
 
 def prepare(out_dir: Path) -> dict[tuple[int, int], ChunkRecord]:
-    """Main process, no rank writing: cut torn index tails, drop committed parts whose shard is missing or has
-    another size and parts holding unconfirmed server-error skips (their rows are redone), remove shards and `.tmp`
-    files no index lists. -> the committed parts, (chunk, part) -> record."""
-    out_dir = Path(out_dir)
-    for index in sorted((out_dir / INDEX_DIR).glob("rank-*.jsonl")):
-        _cut_after_last_good_line(index)
-    committed = read_committed(out_dir)
-    bad = {k for k, r in committed.items() if _size(out_dir / r.path) != r.num_bytes}
-    if bad:
-        log.warning("regenerate: %d committed shard(s) missing or of another size (e.g. %s): redone", len(bad),
-                    committed[min(bad)].path)
-    retry = {k for k, r in committed.items() if k not in bad and _unconfirmed_server_error(r)}
-    if retry:
-        log.warning("regenerate: %d committed part(s) hold rows skipped for a server error (HTTP 5xx) that no "
-                    "healthy answer confirmed: their rows are asked again", len(retry))
-    if bad | retry:
-        _drop_records(out_dir, bad | retry)
-        committed = {k: r for k, r in committed.items() if k not in bad | retry}
-    keep = {out_dir / r.path for r in committed.values()}
-    removed = [p for p in sorted((out_dir / DATA_DIR).glob("*")) if p not in keep] \
-        if (out_dir / DATA_DIR).is_dir() else []
-    for path in removed:
-        path.unlink()
-    if removed:
-        log.info("regenerate: removed %d uncommitted file(s) left by an interrupted run", len(removed))
-    return committed
+    """Main process, no rank writing (`RecordStore.prepare`): cut torn index tails, drop committed parts whose
+    shard is missing or has another size and parts holding unconfirmed server-error skips (their rows are redone),
+    remove shards and `.tmp` files no index lists. -> the committed parts, (chunk, part) -> record."""
+    store = chunk_store(out_dir)
 
+    def check(committed: list) -> dict[str, str]:
+        return {**{r.path: UNCONFIRMED for r in committed if _unconfirmed_server_error(r)},
+                **store.size_mismatches(committed)}
 
-def _size(path: Path) -> int | None:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return None
-
-
-def _cut_after_last_good_line(index: Path) -> None:
-    data = index.read_bytes()
-    good = 0
-    for line in data.splitlines(keepends=True):
-        try:
-            ChunkRecord(**json.loads(line))
-        except (ValueError, TypeError, UnicodeDecodeError):
-            break
-        if not line.endswith(b"\n"):
-            break
-        good += len(line)
-    if good != len(data):
+    found = store.prepare(check=check)
+    for index, _ in found.repaired:
         log.warning("regenerate: %s ended in a torn or unreadable line: cut back to its last complete one", index)
-        with open(index, "r+b") as f:
-            f.truncate(good)
-            f.flush()
-            os.fsync(f.fileno())
-
-
-def _drop_records(out_dir: Path, parts: set[tuple[int, int]]) -> None:
-    def key(line: bytes) -> tuple[int, int]:
-        record = json.loads(line)
-        return record["chunk"], record.get("part", 0)
-
-    for index in sorted((out_dir / INDEX_DIR).glob("rank-*.jsonl")):
-        lines = index.read_bytes().splitlines(keepends=True)
-        kept = [line for line in lines if line.strip() and key(line) not in parts]
-        if len(kept) != len(lines):
-            atomic_write_lines(index, kept)
+    damaged = {p: why for p, why in found.damaged.items() if why != UNCONFIRMED}
+    if damaged:
+        log.warning("regenerate: %d committed shard(s) missing or of another size (e.g. %s): redone",
+                    len(damaged), min(damaged))
+    if len(damaged) < len(found.damaged):
+        log.warning("regenerate: %d committed part(s) %s: their rows are asked again",
+                    len(found.damaged) - len(damaged), UNCONFIRMED)
+    if found.removed:
+        log.info("regenerate: removed %d uncommitted file(s) left by an interrupted run", len(found.removed))
+    return {(r.chunk, r.part): r for r in found.committed}
 
 
 class ChunkCommitter:
-    """One rank's writer: `commit(chunk, rows, skipped, counts, part)` writes the part's shard atomically, then
-    appends its index line (fsynced): the part is committed at that line."""
+    """One rank's writer: `commit(chunk, rows, skipped, counts, part)` writes the part's Arrow shard to `.tmp` and
+    fsyncs it; the record store renames it and appends its index line (fsynced): the part is committed there."""
 
     def __init__(self, out_dir: Path, rank: int, faults=None):
         self.out_dir, self.rank, self.faults = Path(out_dir), rank, faults
         (self.out_dir / DATA_DIR).mkdir(parents=True, exist_ok=True)
-        (self.out_dir / INDEX_DIR).mkdir(parents=True, exist_ok=True)
-        self.index = self.out_dir / INDEX_DIR / f"rank-{rank:05d}.jsonl"
+        self.appender = chunk_store(self.out_dir).appender(rank)
+        self.index = self.appender.index_path
         self.schema = features().arrow_schema
         self.num_committed = 0
 
@@ -316,22 +284,21 @@ class ChunkCommitter:
         ended_early; part: 0, 1, ... for the parts of a chunk committed by time."""
         rows = sorted(rows, key=lambda r: r["source_row"])
         path = shard_path(chunk, part)  # written even without rows: datasets loads a folder of empty shards
-        size, digest = self._write_shard(self.out_dir / path, rows)
+        final = self.out_dir / path
+        tmp = final.with_name(final.name + TMP_SUFFIX)
+        size, digest = self._write_shard(tmp, rows)
         record = ChunkRecord(chunk=chunk, path=path, num_rows=len(rows), rows=[r["source_row"] for r in rows],
                              skipped=sorted(skipped, key=lambda s: s["source_row"]), num_bytes=size, sha256=digest,
                              rank=self.rank, part=part, rejections_confirmed=True, **counts)
-        with open(self.index, "ab") as f:
-            f.write((json.dumps(asdict(record)) + "\n").encode())
-            f.flush()
-            os.fsync(f.fileno())
+        self.appender.commit(tmp, final, record)
         self.num_committed += 1
         return record
 
-    def _write_shard(self, path: Path, rows: list[dict]) -> tuple[int, str]:
+    def _write_shard(self, tmp: Path, rows: list[dict]) -> tuple[int, str]:
+        """The rows as an Arrow IPC stream file at `tmp`, fsynced. -> (its size in bytes, its sha256)."""
         import pyarrow as pa
 
         table = pa.Table.from_pylist(rows, schema=self.schema)
-        tmp = path.with_name(path.name + ".tmp")
         with pa.OSFile(str(tmp), "wb") as sink:
             with pa.ipc.new_stream(sink, self.schema) as writer:
                 writer.write_table(table)
@@ -339,10 +306,8 @@ class ChunkCommitter:
         with open(tmp, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-        return path.stat().st_size, digest.hexdigest()
+        fsync_file(tmp)
+        return tmp.stat().st_size, digest.hexdigest()
 
 
 # ------------------------------------------------------------------------------------------------ the end
@@ -365,7 +330,7 @@ def write_dataset_files(out_dir: Path, records: list[ChunkRecord], manifest: dic
     out_dir = Path(out_dir)
     atomic_write_jsonl(out_dir / SKIPPED_NAME, skipped)
     atomic_write_json(out_dir / SUMMARY_NAME, summary)
-    atomic_write_json(out_dir / MANIFEST_NAME, manifest)
+    write_manifest(out_dir, MANIFEST_NAME, manifest)
     info = asdict(datasets.DatasetInfo(description="dflash-prep regenerated rows", features=features()))
     atomic_write_json(out_dir / DATASET_FILES[0], {k: info[k] for k in sorted(info)})
     shards = [r.path for r in sorted(records, key=lambda r: (r.chunk, r.part))]

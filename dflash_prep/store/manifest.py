@@ -7,13 +7,18 @@ only committed shards (those with an index line), so a reader that trusts it nev
 from __future__ import annotations
 
 import json
-import os
 import tarfile
 from pathlib import Path
 
-from dflash_prep.io import atomic_write_json, atomic_write_lines
-from dflash_prep.recipe.location import as_location, read_whole
-from dflash_prep.store.records import INDEX_DIR, SHARDS_DIR, ShardRecord
+from dflash_prep.recipe.location import as_location
+from dflash_prep.store.record_store import (  # noqa: F401 - OutputStateError, damaged_state: their home was here
+    OutputStateError,
+    RecordKind,
+    RecordStore,
+    damaged_state,
+    write_manifest as _write_manifest,
+)
+from dflash_prep.store.records import SHARDS_DIR, ShardRecord
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -21,80 +26,25 @@ STATE_NAME = "run_state.json"
 FINISHED_INPUTS = "finished_inputs"  # run_state.json's key: the inputs as the run that finished the output found them
 
 
+SHARD_KIND = RecordKind(record_type=ShardRecord, key=lambda r: r.path, files_glob=f"{SHARDS_DIR}/rank-*/*",
+                        noun="shard", items=lambda r: r.sample_ids, to_json=ShardRecord.to_json)
+
+
+def shard_store(out_dir) -> RecordStore:
+    """The record store (store/record_store.py) of an extraction output's shards."""
+    return RecordStore(out_dir, SHARD_KIND)
+
+
 def read_committed(out_dir: str | Path) -> list[ShardRecord]:
-    """Every committed shard of every rank index, in (index file, line) order.
-
-    A torn last line (a crash while appending) is ignored: its shard is then not committed and is redone. The
-    same record listed twice (a line copied) counts once. Raises OutputStateError when two records claim the same
-    shard file or the same sample (an index edited or merged by hand): a resume would write those samples twice.
-    """
-    records: dict[str, ShardRecord] = {}
-    index_dir = as_location(out_dir) / INDEX_DIR  # a local folder, or an output in an object store (read-only)
-    for index in sorted(index_dir.glob("rank-*.jsonl"), key=str):
-        for line in read_whole(index).decode().splitlines():  # an object being rewritten: one version of it
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                record = ShardRecord(**json.loads(line))
-            except (json.JSONDecodeError, TypeError):
-                break  # torn tail
-            if records.setdefault(record.path, record) != record:
-                raise _damaged_index(out_dir, f"{record.path} is listed twice, differently")
-    sample_ids = [s for r in records.values() for s in r.sample_ids]
-    if len(sample_ids) != len(set(sample_ids)):
-        twice = sorted({s for s in sample_ids if sample_ids.count(s) > 1})[:5]
-        raise _damaged_index(out_dir, f"samples {twice} are listed in two shards")
-    return list(records.values())
-
-
-def _damaged_index(out_dir, why: str) -> "OutputStateError":
-    return damaged_state(Path(out_dir) / INDEX_DIR, why)
-
-
-def damaged_state(path: Path, why: str) -> "OutputStateError":
-    """The one-line error (exit code 2) for a state file or folder of the output that cannot be resumed from."""
-    return OutputStateError(f"{path} is damaged ({why}); the output cannot be resumed from it: start afresh with "
-                            f"--set output.overwrite=true, or use another output.dir")
+    """Every committed shard of every rank index, in (index file, line) order (`RecordStore.read_committed`:
+    a torn tail ignored, a line copied counted once; OutputStateError when two records claim one shard file or one
+    sample). `out_dir`: a local folder or an object-store location (read-only)."""
+    return shard_store(as_location(out_dir)).read_committed()
 
 
 def repair_indexes(out_dir: str | Path) -> list[tuple[str, int]]:
-    """Cut each rank index back to its last complete line before the first unreadable one (a crash or a full disk
-    can leave a torn tail; an edit can leave a bad line anywhere).
-
-    Without this a resumed run would append after the torn bytes, and every line it commits would be unreadable
-    (read_committed stops at the first bad line). Main process only, before any rank writes. Returns (file, number
-    of readable records cut after the bad line: their shards are redone; 0 for a torn tail) per file repaired.
-    """
-    repaired = []
-    for index in sorted((Path(out_dir) / INDEX_DIR).glob("rank-*.jsonl")):
-        data = index.read_bytes()
-        lines = data.splitlines(keepends=True)
-        good, cut_at = 0, len(lines)
-        for i, line in enumerate(lines):
-            if not line.endswith(b"\n") or (line.strip() and not _is_record(line)):
-                cut_at = i
-                break
-            good += len(line)
-        if good != len(data):
-            with open(index, "r+b") as f:
-                f.truncate(good)
-                f.flush()
-                os.fsync(f.fileno())
-            repaired.append((str(index), sum(1 for line in lines[cut_at + 1:] if _is_record(line))))
-    return repaired
-
-
-def _is_record(line: bytes) -> bool:
-    try:
-        ShardRecord(**json.loads(line))
-        return True
-    except (json.JSONDecodeError, TypeError, UnicodeDecodeError):
-        return False
-
-
-class OutputStateError(RuntimeError):
-    """A state file of the output (plan.json, run_state.json) cannot be read: damaged or truncated."""
+    """`RecordStore.repair_indexes` of the shard indexes (main process, before any rank writes)."""
+    return shard_store(Path(out_dir)).repair_indexes()
 
 
 def read_state_json(path: Path) -> dict:
@@ -109,58 +59,37 @@ def read_state_json(path: Path) -> dict:
 
 def damaged_shards(out_dir: str | Path, committed: list[ShardRecord]) -> dict[str, str]:
     """Committed shards whose file is not what its index record says -> why: missing, another size than the
-    record's `num_bytes`, or a first member that is not the record's first sample (a file swapped in). Costs one
-    stat and one 512-byte read per shard (no hashing: `inspect --check` re-hashes)."""
+    record's `num_bytes` (`RecordStore.size_mismatches`), or a first member that is not the record's first sample
+    (a file swapped in). Costs one stat and one 512-byte read per shard (no hashing: `inspect --check` re-hashes)."""
     out_dir = Path(out_dir)
-    bad = {}
+    bad = shard_store(out_dir).size_mismatches(committed)
     for record in committed:
-        path = out_dir / record.path
+        if record.path in bad or not record.sample_ids:
+            continue
         try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            bad[record.path] = "missing"
-            continue
-        if size != record.num_bytes:
-            bad[record.path] = f"{size} bytes, its index record says {record.num_bytes}"
-            continue
-        if record.sample_ids:
-            try:
-                with tarfile.open(path, "r:") as tar:
-                    first = tar.next()
-                name = first.name if first is not None else ""
-            except (tarfile.TarError, OSError):
-                name = ""
-            if name.split(".", 1)[0] != record.sample_ids[0]:
-                bad[record.path] = f"starts with {name!r}, not with sample {record.sample_ids[0]}"
+            with tarfile.open(out_dir / record.path, "r:") as tar:
+                first = tar.next()
+            name = first.name if first is not None else ""
+        except (tarfile.TarError, OSError):
+            name = ""
+        if name.split(".", 1)[0] != record.sample_ids[0]:
+            bad[record.path] = f"starts with {name!r}, not with sample {record.sample_ids[0]}"
     return bad
 
 
 def drop_records(out_dir: str | Path, paths: set[str]) -> None:
-    """Remove the index lines of the shards `paths` (and those files): their batches are then not committed and
-    a run redoes them. Each rank index is rewritten atomically. Main process only, no rank writing."""
-    out_dir = Path(out_dir)
-    for index in sorted((out_dir / INDEX_DIR).glob("rank-*.jsonl")):
-        lines = index.read_bytes().splitlines(keepends=True)
-        kept = [line for line in lines if not line.strip() or json.loads(line).get("path") not in paths]
-        if len(kept) != len(lines):
-            atomic_write_lines(index, kept)
-    for rel in paths:
-        (out_dir / rel).unlink(missing_ok=True)
+    """Remove the index lines of the shards `paths` (and those files): their batches are then redone."""
+    shard_store(Path(out_dir)).drop(paths)
 
 
 def uncommitted_files(out_dir: str | Path, committed: list[ShardRecord]) -> list[Path]:
     """`.tmp` files and shard files no index lists (left by a crash)."""
-    out_dir = Path(out_dir)
-    keep = {out_dir / r.path for r in committed}
-    return [path for path in sorted((out_dir / SHARDS_DIR).glob("rank-*/*")) if path not in keep]
+    return shard_store(Path(out_dir)).uncommitted_files(committed)
 
 
 def remove_uncommitted(out_dir: str | Path, committed: list[ShardRecord]) -> list[Path]:
     """Delete `uncommitted_files`. Returns what was removed."""
-    removed = uncommitted_files(out_dir, committed)
-    for path in removed:
-        path.unlink()
-    return removed
+    return shard_store(Path(out_dir)).remove_uncommitted(committed)
 
 
 def next_shard_number(committed: list[ShardRecord], rank_dir_name: str) -> int:
@@ -191,9 +120,7 @@ def build_manifest(records: list[ShardRecord], info: dict) -> dict:
 
 
 def write_manifest(out_dir: str | Path, manifest: dict) -> Path:
-    path = Path(out_dir) / MANIFEST_NAME
-    atomic_write_json(path, manifest)
-    return path
+    return _write_manifest(Path(out_dir), MANIFEST_NAME, manifest)
 
 
 def read_manifest(out_dir: str | Path) -> dict:

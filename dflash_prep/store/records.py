@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dflash_prep.store.record_store import INDEX_DIR  # noqa: F401 - one name of the index folder, for every stage
+
 SHARDS_DIR = "shards"
-INDEX_DIR = "index"
 SUMMARY_NAME = "summary.json"
 FAILED_NAME = "failed.jsonl"
 

@@ -48,8 +48,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_prep.io import fsync_dir
 from dflash_prep.plan.batches import SampleInfo
+from dflash_prep.store.manifest import shard_store
 from dflash_prep.store.records import INDEX_DIR, SHARDS_DIR, ShardRecord, rank_name
 from dflash_prep.target.backoff import FAIL_NON_FINITE
 from dflash_prep.target.fp8 import unpack_rows as unpack_fp8_rows
@@ -276,10 +276,9 @@ class ShardWriter:
         self.shard_dir = self.out_dir / SHARDS_DIR / rank_name(rank)
         self.index_path = self.out_dir / INDEX_DIR / f"{rank_name(rank)}.jsonl"
         self.shard_dir.mkdir(parents=True, exist_ok=True)
-        self.index_path.parent.mkdir(parents=True, exist_ok=True)
+        self.appender = shard_store(self.out_dir).appender(rank, index_lock)  # the commit (store/record_store.py)
         self.next_number = first_shard_number
         self.shard_number_step = shard_number_step
-        self.index_lock = index_lock if index_lock is not None else threading.Lock()
         self.committed: list[ShardRecord] = []
         self.bytes_written = 0
         self.write_seconds = 0.0
@@ -337,34 +336,23 @@ class ShardWriter:
         record.sha256 = hashing.hexdigest()
         hashing.close()
         record.committed_at = time.time()
-        os.replace(final.with_name(final.name + ".tmp"), final)
-        self._open = None
-        fsync_dir(final.parent)
-        if self.faults is not None:
-            self.faults.after_rename(_shard_number(final))
+        tmp = final.with_name(final.name + ".tmp")
         if self.publisher is not None:  # uploaded, then committed by the index in the store; not listed locally
+            self.appender.place(tmp, final)
+            self._open = None
+            self._after_rename(final)
             self.publisher.publish(final, record)
             return
-        with self.index_lock:  # the rank's lanes append to one index file
-            created = not self.index_path.exists()
-            index_size = 0 if created else self.index_path.stat().st_size
-            try:
-                with open(self.index_path, "a") as idx:
-                    idx.write(json.dumps(record.to_json()) + "\n")
-                    idx.flush()
-                    os.fsync(idx.fileno())
-                if created:  # the new file's directory entry must be durable too
-                    fsync_dir(self.index_path.parent)
-            except BaseException:
-                # Not committed: take back a partly appended line and the renamed shard (best effort; a resume
-                # would remove the unlisted shard and ignore a torn line anyway).
-                try:
-                    os.truncate(self.index_path, index_size)
-                    final.unlink(missing_ok=True)
-                except OSError:
-                    pass
-                raise
+        with self.appender.lock:  # the rank's lanes append to one index file
+            self.appender.place(tmp, final)
+            self._open = None
+            self._after_rename(final)
+            self.appender.append(record, undo=final)
         self.committed.append(record)
+
+    def _after_rename(self, final: Path) -> None:
+        if self.faults is not None:
+            self.faults.after_rename(_shard_number(final))
 
     def close(self) -> None:
         """Commit the open shard (if it holds anything)."""

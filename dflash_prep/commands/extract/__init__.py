@@ -28,6 +28,7 @@ Modules, one concern each (the run's stages in run.py read top to bottom as the 
     preflight.py    what is answered before torch is imported: a recipe that does not read, a finished output
     run.py          run_extraction: the stages in order, each a short function or a module below
     start.py        the rank, logging, every check of the job before any weights load
+    claim.py        the output's bookkeeping in order: claim, identity, repair, the run's record, the plan
     target_load.py  the model loading on a thread of its own, then kernels and packed attention
     loop.py         the forward loop: batches -> forward -> host copy -> writer lanes
     host_copy.py    the device-to-host copy on a stream of its own, the forwards' GPU time

@@ -1,10 +1,10 @@
 """One rank's run of a job, stage after stage in data-flow order (`_run_extraction` reads top to bottom):
 
     start               recipe checks, config, layer ids, kernels, replica, token budget, tokenizer     (start.py)
-    _claim_output       run/rank locks, an output of another job refused                                (locks, job)
-    TargetLoad          the model loads on a thread of its own during the next two stages              (target_load.py)
-    _tokenize           rows -> token ids + loss masks, skips counted, the data verdict                 (data)
-    _plan               the frozen global plan minus what is committed, this replica's share            (planner, job)
+    take_output         the output's bookkeeping in order: claim (locks, identity), the rows (_tokenize),
+                        the repair of what a crash left, the run recorded, the frozen plan               (claim.py)
+    TargetLoad          the model loads on a thread of its own while the rows are tokenized             (target_load.py)
+    _plan               the global plan minus what is committed, this replica's share                  (planner)
     _run_rank           load_target -> DataLoader -> forward_loop -> writer lanes                       (loop.py)
     finish_run          main process: token frequencies, failed.jsonl, summary, manifest last           (finish.py)
 """
@@ -23,7 +23,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
 
-from dflash_prep.commands.extract.console import attach_log_file  # noqa: E402
+from dflash_prep.commands.extract.claim import take_output  # noqa: E402
 from dflash_prep.commands.extract.finish import finish_run, samples_beyond_context  # noqa: E402
 from dflash_prep.commands.extract.loop import forward_loop  # noqa: E402
 from dflash_prep.commands.extract.peers import PeerLostError  # noqa: E402
@@ -32,34 +32,16 @@ from dflash_prep.commands.extract.report import idle_rank_report, prediction_not
 from dflash_prep.commands.extract.start import start  # noqa: E402
 from dflash_prep.commands.extract.stop import init_worker  # noqa: E402
 from dflash_prep.commands.extract.target_load import TargetLoad, load_target  # noqa: E402
-from dflash_prep.commands.job import (  # noqa: E402
-    REFUSALS,
-    SKIPPED_NAME,
-    RankPlan,
-    Run,
-    committed_records,
-    load_or_make_plan,
-    manifest_readable,
-    open_output,
-    prepare_output,
-)
+from dflash_prep.commands.job import REFUSALS, RankPlan, Run, committed_records, manifest_readable  # noqa: E402
 from dflash_prep.data.rows import check_data_verdict, load_rows, tokenize_dataset  # noqa: E402
 from dflash_prep.errors import EXIT_BAD_RECIPE, EXIT_STOPPED  # noqa: E402
-from dflash_prep.io import atomic_write_json, atomic_write_jsonl  # noqa: E402
+from dflash_prep.io import atomic_write_json  # noqa: E402
 from dflash_prep.plan.batches import PlannedBatches  # noqa: E402
 from dflash_prep.plan.planner import plan_stats, rank_finish_seconds, split_across_ranks  # noqa: E402
-from dflash_prep.recipe.fingerprints import inputs_stamp, rows_fingerprint  # noqa: E402
 from dflash_prep.recipe.schema import Recipe  # noqa: E402
-from dflash_prep.store.locks import (  # noqa: E402
-    OutputLock,
-    check_no_rank_writing,
-    lock_rank,
-    lock_run,
-    new_run_id,
-)
 from dflash_prep.store.manifest import next_shard_number  # noqa: E402
 from dflash_prep.store.records import SHARDS_DIR, rank_name  # noqa: E402
-from dflash_prep.store.remote import ShardUploader, claim_rank, claim_run  # noqa: E402
+from dflash_prep.store.remote import ShardUploader  # noqa: E402
 from dflash_prep.store.sizes import check_free_space  # noqa: E402
 from dflash_prep.store.writer import AsyncShardWriter, DiscardingWriter, lanes  # noqa: E402
 from dflash_prep.target.model import hidden_size_of, padding_token_id, vocab_size_of  # noqa: E402
@@ -106,15 +88,23 @@ def _run_extraction(recipe: Recipe, held: list, own_process: bool = False) -> di
 
 def _run_share(run: Run, held: list, own_process: bool):
     """From the claim of the output to the end of every rank's share: -> (data, rank plan)."""
-    _claim_output(run, held)                   # locks; an output of another job refused
-    run.startup_seconds["start"] = time.perf_counter() - run.t_start
-    load = TargetLoad.start_if_safe(run)       # the weights load while this thread tokenizes and plans
-    try:
-        t0 = time.perf_counter()
+    load, times = None, {}
+
+    def tokenize(run: Run):  # called by take_output once the output is claimed
+        nonlocal load
+        times["claimed"] = time.perf_counter()
+        run.startup_seconds["start"] = times["claimed"] - run.t_start
+        load = TargetLoad.start_if_safe(run)   # the weights load while this thread tokenizes and plans
         data = _tokenize(run)                  # rows -> token ids + loss masks (datasets cache), skips counted
-        t1 = time.perf_counter()
-        rank_plan = _plan(run, data)           # the frozen global plan minus what is committed, this rank's share
-        run.startup_seconds.update(tokenize=t1 - t0, plan=time.perf_counter() - t1)
+        times["tokenized"] = time.perf_counter()
+        return data
+
+    try:
+        # the claim (locks, identity), the rows, the repair of what a crash left, the frozen plan (claim.py)
+        data, plan = take_output(run, held, tokenize)
+        rank_plan = _plan(run, data, plan)     # the global plan minus what is committed, this rank's share
+        run.startup_seconds.update(tokenize=times["tokenized"] - times["claimed"],
+                                   plan=time.perf_counter() - times["tokenized"])
     except BaseException:
         if load is not None and not own_process:
             load.wait()  # in-process callers get no thread left behind; a process of its own exits at once (main)
@@ -131,34 +121,6 @@ def _run_share(run: Run, held: list, own_process: bool):
              ", ".join(f"{k} {v:.1f}s" for k, v in run.startup_seconds.items() if not isinstance(v, bool)))
     run.peers.wait("every rank finishes its share of the plan")
     return data, rank_plan
-
-
-def _claim_output(run: Run, held: list) -> None:
-    """The main process locks the folder (locks.py: a flock and a lease, for runs on any host) and checks it is this
-    job's before anything in it is touched; its run id reaches every process; then every writing rank holds its
-    own lock (both released when its process dies: the flock by the kernel, the lease once it lapses)."""
-    output = run.recipe.output
-    if run.is_main:
-        held.append(lock_run(run.out_dir, new_run_id(), output.lease_seconds))  # object store: its staging folder
-        run.run_id = held[-1].run_id
-        check_no_rank_writing(run.out_dir, run.run_id)  # no orphaned worker of an earlier run still writes
-        if run.remote is not None:
-            held.append(claim_run(run.remote))  # the store's lease (store/lease.py), no live rank lease
-        open_output(run.out_dir, run.recipe, run.identity, run.remote)
-        run.inputs_stamp = inputs_stamp(run.recipe)  # before any input is read: written once the output is finished
-        clear_progress(run.out_dir)  # the progress files of an earlier run (progress.py)
-        attach_log_file(run.out_dir, run.state.process_index)  # the folder is this job's: its log from here on
-        log.info("run %s holds %s", run.run_id, run.out_dir)
-    shared = run.peers.wait("the main process claims the output", payload=int(run.run_id or "0", 16))
-    if not run.is_main:
-        run.run_id = f"{shared:08x}"
-        attach_log_file(run.out_dir, run.state.process_index)
-    if run.is_writer:  # the other processes of a replica write nothing
-        held.append(lock_rank(run.out_dir, run.rank, run.run_id, output.lease_seconds))
-        if run.remote is not None:
-            run.remote.rank_lease = claim_rank(run.remote, run.rank)
-            held.append(run.remote.rank_lease)
-    run.locks = [lock for lock in held if isinstance(lock, OutputLock)]  # an object store's leases: store/lease.py
 
 
 def _uploader(run: Run):
@@ -183,12 +145,6 @@ def _tokenize(run: Run):
         run.peers.wait("every process waits for the tokenized rows")
     check_data_verdict(data, run.recipe.data)
     if run.is_main:
-        run.identity["data_rows"] = rows_fingerprint(data.kept)
-        finished = prepare_output(run.out_dir, run.recipe, run.identity, run.remote)  # refuses rows that differ
-        if not finished:
-            atomic_write_jsonl(run.out_dir / SKIPPED_NAME, data.skipped_rows)
-            if run.remote is not None:
-                run.remote.push([SKIPPED_NAME])
         log.info("data: %d rows, %d kept, %d skipped%s", data.num_rows, len(data.kept),
                  sum(data.skipped_counts.values()), f" {data.skipped_counts}" if data.skipped_counts else "")
         beyond = samples_beyond_context(run, [int(n) for n in data.kept["num_tokens"]])
@@ -198,12 +154,10 @@ def _tokenize(run: Run):
     return data
 
 
-def _plan(run: Run, data) -> RankPlan:
+def _plan(run: Run, data, plan: list) -> RankPlan:
     """The global plan (frozen in OUT/plan.json by the first run), minus the committed batches, split over this
     run's ranks by predicted time (cost.py: the forward's FLOPs and the write's bytes of each batch)."""
     lengths = [int(n) for n in data.kept["num_tokens"]]
-    plan = load_or_make_plan(run.out_dir, lengths, run.recipe, run.is_main, run.peers, packed=run.packing.packed,
-                             remote=run.remote)
     run.packing = replay_stored_layout(run.packing, bool(plan) and plan[0].packed, run.config, run.device.type,
                                        run.kernels.names)
     committed = committed_records(run)
