@@ -8,8 +8,8 @@ itself). An answered row moves on to its next turn or is done; a chunk whose row
 once (output.ChunkCommitter), and every `commit_seconds` each open chunk commits the rows done since its last
 commit as a part of its own (so a kill loses at most that span of answers, at any request rate): a part lists its
 rows by source position, and a resume asks exactly the rows of a chunk no part lists. A row's request counts go
-with the row (into the part that commits it), so rows redone after a kill are not counted twice. The engine is never called from two threads unless `parallel_calls` > 1 (the
-`openai` engine is thread-safe).
+with the row (into the part that commits it), so rows redone after a kill are not counted twice. The engine is
+never called from two threads unless `parallel_calls` > 1 (the `openai` engine is thread-safe).
 
 Stops: a stop request (SIGTERM, Ctrl-C: StopRequest) or an engine that is gone (EngineUnavailable) ends the loop:
 every chunk completed so far is already committed, the rows of the other chunks in flight are dropped (the next
