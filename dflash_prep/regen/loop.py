@@ -211,7 +211,6 @@ class RegenLoop:
                 if self.finish_calls_on_stop:
                     for _ in range(self._calls_in_flight):  # their answers are dropped: asked again on resume
                         self._results.get()
-                self._commit_done_rows()
                 raise LoopStopped(f"stopped on {self.stop.signal_name}")
             try:
                 members, answers, error, seconds = self._results.get(timeout=0.5)
@@ -222,7 +221,6 @@ class RegenLoop:
         self.stats.engine_seconds += seconds
         if error is not None:
             if isinstance(error, EngineUnavailable):
-                self._commit_done_rows()
                 raise error
             log.error("the engine failed", exc_info=error, extra={"console": False})
             raise EngineFailed(f"the engine failed: {type(error).__name__}: {error}") from error
@@ -295,8 +293,9 @@ class RegenLoop:
         self._next_cut = time.monotonic() + self.commit_seconds
 
     def _commit_done_rows(self) -> None:
-        """Each open chunk's rows done since its last commit, as a part (at a time cut, and when the loop stops:
-        the rows still in flight are asked again on resume)."""
+        """Each open chunk's rows done since its last commit, as a part. Only at a time cut: a stop commits no
+        part, so a chunk of a run that is stopped and resumed within `commit_seconds` keeps its rows in source
+        order."""
         for state in list(self._open.values()):
             if state.rows or state.skipped:
                 self._commit_part(state)
