@@ -297,8 +297,9 @@ def profile(r: Round) -> None:
                                                                 r.results / "profile-alt.json"), gpu_only=True)
 
 
-@scenario("regen", 1, "the in-process regeneration engine against one prompt at a time through `generate` on the 8B "
-          "and 27B shapes (regen_bench.py; the arguments after `--` go to it)")
+@scenario("regen", 1, "the in-process regeneration engine: its static-cache / CUDA-graph decoder against its HF "
+          "`generate` batches, and a greedy check against `generate` alone, on the 8B and 27B shapes "
+          "(regen_bench.py; the arguments after `--` go to it)")
 def regen(r: Round) -> None:
     args = ["--dry-run"] if r.dry else r.extra_args
     r.step("regen-bench", r.deadline, r.python("bench/regen_bench.py", r.results, *args))
