@@ -51,6 +51,7 @@ from dflash_prep.consume.shard_format import (
     shards_of,
 )
 from dflash_prep.consume.shard_read import open_for_reading, sample_key
+from dflash_prep.data.samples import samples_line
 from dflash_prep.recipe.location import as_location, is_remote_path
 from dflash_prep.store.manifest import OutputStateError, read_manifest, read_state_json
 from dflash_prep.store.writer import ST_CODE, ST_ITEMSIZE, ST_TORCH_CODE
@@ -88,6 +89,7 @@ def describe(out_dir: str | Path) -> dict:
         "num_tokens": int(m["num_tokens"]),
         "num_skipped": m.get("num_skipped", 0),
         "skipped": m.get("skipped", {}),
+        "samples": m.get("samples", {}),
         "num_failed": m.get("num_failed", 0),
         "failed": m.get("failed", {}),
         "num_shards": len(m["shards"]),
@@ -144,6 +146,8 @@ def format_description(f: dict) -> str:
     ]
     if f["skipped"]:
         lines.append(("skipped", ", ".join(f"{k}: {v:,}" for k, v in sorted(f["skipped"].items()))))
+    if (line := samples_line(f.get("samples") or {}, f["bytes_per_token"])) is not None:
+        lines.append(("from rows", line))
     if f["failed"]:
         lines.append(("failed", ", ".join(f"{k}: {v:,}" for k, v in sorted(f["failed"].items()))))
     x = f.get("extraction")

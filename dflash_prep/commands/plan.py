@@ -28,6 +28,9 @@ Guarantees (tests/test_plan.py checks them against real extractions):
 - the storage bill: the output's bytes in its storage dtype against the time `output.dir`'s disk or object store
   needs at a measured rate (`--storage-bytes-per-second`, or `--storage-bench` with a result file of
   bench/disk_vs_writer.py), beside the GPUs' wall time, and which of the two sets the pace; no rate, no time;
+  for every storage dtype: bytes, objects (shards + the ranks' index, done marker and log + the output's small
+  files), the time to write or upload them at that rate, and with `--storage-price-per-gb-month` what storing them
+  costs a month (decimal GB, the price a store lists);
 - the device planned for is the run's, not necessarily this machine's (`plan_device`): GPUs with `--gpu`,
   `--gpu-memory-gb` or a GPU here (batches and `batching.packing` as on CUDA with the gpu extra, the GPU
   benchmark's rates), else the CPU (a CPU run's batches; no default rate: the benchmark's are GPU figures);
@@ -181,7 +184,8 @@ def length_histogram(lengths: list[int], max_length: int, width: int = 40) -> st
 # ------------------------------------------------------------------------------------------------- plan
 def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | None = None,
                   bench_dir: Path | None = BENCH_RESULTS_DIR, gpu_memory_bytes: int | None = None,
-                  gpu: bool = False, storage_rate: dict | None = None) -> dict:
+                  gpu: bool = False, storage_rate: dict | None = None,
+                  price_per_gb_month: float | None = None) -> dict:
     """Every figure of `dflash-prep plan` as a dict (see the module docstring). It plans the run of the device the
     recipe will run on (`plan_device`): GPUs with `gpu`, `gpu_memory_bytes` (which also sizes
     `max_tokens_per_batch: auto`) or a GPU on this machine, else the CPU."""
@@ -222,6 +226,7 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
     shares = split_across_ranks(plan, replicas["num_replicas"],  # a rank of the output is a replica
                                 functools.partial(cost_model.cost_of, lengths=lengths))
     disk = _disk_figures(recipe, plan, shares, cols, lengths, layer_ids, hidden_size, stats["num_real_tokens"])
+    _bill_each_dtype(disk, storage_rate, price_per_gb_month)
     throughput = _throughput(recipe, config, params, tokens_per_second, bench_dir, packing.packed) \
         if device["type"] == "cuda" or tokens_per_second else NO_CPU_FIGURE
     if throughput["tokens_per_second"]:
@@ -240,6 +245,7 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
         "decoder_params_run": params,
         "num_rows": data.num_rows, "num_samples": len(lengths),
         "num_skipped": sum(data.skipped_counts.values()), "skipped": data.skipped_counts,
+        "samples": data.samples,
         **_batch_figures(stats),
         "packing": packing.record(), "shapes": _shape_counts(plan),
         "max_tokens_per_batch": recipe.batching.max_tokens_per_batch, "max_tokens_per_batch_auto": budget_how,
@@ -332,9 +338,29 @@ def _disk_figures(recipe: Recipe, plan: list, shares: list, cols: dict, lengths:
             shards += shard_sizes([[sizer.record_bytes(lengths[i], meta_len[i], dtype) for i in p.sample_indices]
                                    for p in share], recipe.output.max_shard_bytes, recipe.output.num_writer_threads)
         disk[dtype] = {"num_bytes": sum(shards), "num_shards": len(shards),
+                       "num_objects": len(shards) + OBJECTS_PER_RANK * len(shares) + OBJECTS_PER_OUTPUT,
                        "states_bytes_per_token": sizer.states_bytes_per_token(dtype),
                        "bytes_per_token": sum(shards) / max(num_real_tokens, 1)}
     return disk
+
+
+# The output's files besides its shards, as a local output holds them (an object store's, without lock files,
+# holds one fewer per rank and one fewer per output): per rank its index, done marker, log, lock and lease; per
+# output manifest.json, plan.json, summary.json, run_state.json, recipe.resolved.yaml, failed.jsonl, skipped.jsonl,
+# kernels.jsonl, token_freq.safetensors and the run's lock and lease.
+OBJECTS_PER_RANK = 5
+OBJECTS_PER_OUTPUT = 11
+
+
+def _bill_each_dtype(disk: dict, rate: dict | None, price_per_gb_month: float | None) -> None:
+    """Adds to each dtype's figures its time at `rate` (storage_rate_from; None without one) and its monthly cost
+    at `price_per_gb_month` (per 1e9 bytes; None without one). Raises ValueError on a negative price."""
+    if price_per_gb_month is not None and not price_per_gb_month >= 0:
+        raise ValueError(f"--storage-price-per-gb-month must be >= 0, got {price_per_gb_month}")
+    for d in disk.values():
+        d["seconds_at_rate"] = d["num_bytes"] / rate["bytes_per_second"] if rate else None
+        d["cost_per_month"] = d["num_bytes"] / 1e9 * price_per_gb_month if price_per_gb_month is not None else None
+        d["price_per_gb_month"] = price_per_gb_month
 
 
 def _throughput(recipe: Recipe, config, params: int | None, tokens_per_second: float | None,
@@ -493,6 +519,7 @@ def format_plan(p: dict) -> str:
         ("layers", f"{p['layer_ids']} after-layer 0-based; final layer: {p['capture_final']}"),
         ("rows", f"{p['num_rows']:,}: {p['num_samples']:,} kept, {p['num_skipped']:,} skipped"
                  + (" (" + ", ".join(f"{k}: {v:,}" for k, v in p["skipped"].items()) + ")" if p["skipped"] else "")),
+        *_samples_lines(p),
         ("tokens", f"{p['num_tokens']:,} (mean {p['num_tokens'] / max(p['num_samples'], 1):.1f} per sample)"),
         _batches_line(p),
         ("padding", f"efficiency {p['padding_efficiency'] or 0:.3f} ({p['num_padded_tokens']:,} padded tokens)"),
@@ -504,9 +531,14 @@ def format_plan(p: dict) -> str:
     bf16 = p["disk"]["bfloat16"]["num_bytes"]
     for i, (dtype, d) in enumerate(p["disk"].items()):
         mark = "  <- output.dtype" if dtype == p["dtype"] else ""
+        bill = "".join([f", {d['num_objects']:,} objects" if "num_objects" in d else "",
+                        f", {_duration(d['seconds_at_rate'])} at {d['num_bytes'] / d['seconds_at_rate'] / 1e9:.2f} GB/s"
+                        if d.get("seconds_at_rate") else "",
+                        f", {d['cost_per_month']:,.2f}/month at {d['price_per_gb_month']:g}/GB"
+                        if d.get("cost_per_month") is not None else ""])
         lines.append(("disk" if i == 0 else "", f"{dtype:<9} {_size(d['num_bytes']):>10} in {d['num_shards']:,} "
                       f"shard(s), {d['bytes_per_token']:,.0f} B/token ({d['states_bytes_per_token']:,.0f} of states), "
-                      f"{d['num_bytes'] / max(bf16, 1):.2f}x bf16{mark}"))
+                      f"{d['num_bytes'] / max(bf16, 1):.2f}x bf16{bill}{mark}"))
     t = p["throughput"]
     if t["tokens_per_second"]:
         ref = t.get("reference")
@@ -587,6 +619,9 @@ def build_parser(prog: str = "dflash-prep plan") -> argparse.ArgumentParser:
                         "measure it: bench/disk_vs_writer.py), to time the writes beside the GPUs")
     p.add_argument("--storage-bench", default=None, metavar="FILE",
                    help="a result file of bench/disk_vs_writer.py: its shard-writer rate as the storage rate")
+    p.add_argument("--storage-price-per-gb-month", type=float, default=None, metavar="PRICE",
+                   help="what the store charges per GB (1e9 bytes) a month, e.g. 0.023: each storage dtype's "
+                        "monthly cost (in the price's currency)")
     p.add_argument("--json", action="store_true", help="print every figure as JSON")
     p.add_argument("--show-sample", type=int, default=None, metavar="N",
                    help="first print input row N (0-based) as the extraction tokenizes it, supervised tokens marked")
@@ -595,6 +630,15 @@ def build_parser(prog: str = "dflash-prep plan") -> argparse.ArgumentParser:
                         "together, measured on yours, to time the regeneration (default: engine transformers, the "
                         "in-process engine's benchmark report in --bench-results; engine openai, none)")
     return p
+
+
+def _samples_lines(p: dict) -> list[tuple[str, str]]:
+    """The `samples` line (data.samples, docs/ON_POLICY.md), when the data has conversation rows."""
+    from dflash_prep.data.samples import samples_line
+
+    disk = (p.get("disk") or {}).get(p.get("dtype") or "", {})
+    line = samples_line(p.get("samples") or {}, disk.get("bytes_per_token"))
+    return [("samples", line)] if line else []
 
 
 def show_sample(recipe: Recipe, row_index: int) -> str:
@@ -611,13 +655,18 @@ def show_sample(recipe: Recipe, row_index: int) -> str:
     fn = Tokenizer(tokenizer=tokenizer, max_length=recipe.data.max_length, overlong=recipe.data.overlong,
                    vocab_size=vocab_size_of(load_config(recipe.model)), id_column=recipe.data.id_column,
                    chat_template_kwargs=dict(recipe.data.chat_template_kwargs),
-                   chat_template=read_chat_template(recipe.data))
+                   chat_template=read_chat_template(recipe.data), samples=recipe.data.samples)
     out = fn(rows[row_index: row_index + 1], [row_index])
-    head = f"row {row_index} (sample {out['sample_id'][0]}, id {out['source_id'][0]!r})"
-    if out["skip_reason"][0]:
-        return f"{head}: skipped, {out['skip_reason'][0]}" + (f" ({out['skip_detail'][0]})" if out["skip_detail"][0]
+    return "\n\n".join(_show_one(tokenizer, out, k, row_index) for k in range(len(out["sample_id"])))
+
+
+def _show_one(tokenizer, out: dict, k: int, row_index: int) -> str:
+    """`show_sample`'s text of sample k of a row (a `per_turn` row has one per supervised turn)."""
+    head = f"row {row_index} (sample {out['sample_id'][k]}, id {out['source_id'][k]!r})"
+    if out["skip_reason"][k]:
+        return f"{head}: skipped, {out['skip_reason'][k]}" + (f" ({out['skip_detail'][k]})" if out["skip_detail"][k]
                                                               else "")
-    ids, mask = out["input_ids"][0], out["loss_mask"][0]
+    ids, mask = out["input_ids"][k], out["loss_mask"][k]
     pieces, start = [], 0  # text runs decoded whole (a token may hold part of a character)
     for t in range(1, len(ids) + 1):
         if t == len(ids) or mask[t] != mask[start]:
@@ -652,7 +701,8 @@ def main(argv: list[str] | None = None) -> int:
                              bench_dir=Path(args.bench_results) if args.bench_results else None,
                              gpu_memory_bytes=int(args.gpu_memory_gb * 1e9) if args.gpu_memory_gb else None,
                              gpu=args.gpu,
-                             storage_rate=storage_rate_from(args.storage_bytes_per_second, args.storage_bench))
+                             storage_rate=storage_rate_from(args.storage_bytes_per_second, args.storage_bench),
+                             price_per_gb_month=args.storage_price_per_gb_month)
         if recipe.regenerate is not None:  # on-policy data: the regeneration first (plan_regeneration, below)
             plan["regenerate"] = plan_regeneration(
                 recipe, args.generated_tokens_per_second, num_gpus=args.num_gpus,
@@ -690,6 +740,9 @@ def plan_regeneration(recipe: Recipe, generated_tokens_per_second: float | None 
 
     from dflash_prep.data.rows import load_rows
     from dflash_prep.regen.conversation import Conversation, RegenSettings
+    from dflash_prep.data.chat import ChatRenderer
+    from dflash_prep.data.conversation import prompt_conversation
+    from dflash_prep.data.rows import read_chat_template
     from dflash_prep.regen.loop import row_at
     from dflash_prep.target.model import load_tokenizer
 
@@ -700,6 +753,7 @@ def plan_regeneration(recipe: Recipe, generated_tokens_per_second: float | None 
                              chat_template_kwargs=kwargs, on_length=section.on_length, seed=section.seed)
     rows = load_rows(recipe.data)
     tokenizer = load_tokenizer(recipe.model)
+    renderer = ChatRenderer(tokenizer, read_chat_template(recipe.data), kwargs)
     positions = list(range(len(rows)))
     sampled = len(positions) > REGEN_PLAN_MAX_ROWS
     if sampled:
@@ -710,15 +764,13 @@ def plan_regeneration(recipe: Recipe, generated_tokens_per_second: float | None 
         row, reason = row_at(batch, list(batch), 0)  # a line read as raw JSON text is parsed as the run parses it
         conv = reason or Conversation.of_row(row, position, settings, recipe.data.id_column)
         if isinstance(conv, str):
-            skipped[conv] = skipped.get(conv, 0) + 1
+            skipped[str(conv)] = skipped.get(str(conv), 0) + 1
             continue
         for index in conv.targets:
             requests += 1
-            messages = [_template_message(m) for m in conv.data[:index]]
-            try:
-                prompt_tokens += len(tokenizer.apply_chat_template(
-                    messages, tools=conv.tools, tokenize=True, return_dict=True, add_generation_prompt=True,
-                    **kwargs)["input_ids"])
+            try:  # rendered as the in-process engine and the extraction render it (data.chat_template)
+                prompt = prompt_conversation(conv.data[:index], conv.tools)
+                prompt_tokens += len(renderer.served_prompt_ids(renderer.template_messages(prompt), prompt.tools))
             except Exception:  # noqa: BLE001 - a prompt the template refuses: the engine rejects it too
                 skipped["chat_template_error"] = skipped.get("chat_template_error", 0) + 1
     scale = len(rows) / len(positions) if positions else 0.0
@@ -749,22 +801,6 @@ def _regen_rate(recipe: Recipe, given: float | None, num_gpus: int, bench_dir: P
     rate = regen_rate(recipe.regenerate.engine, given, model_type, params, num_gpus, bench_dir)
     return {"generated_tokens_per_second": rate["generated_tokens_per_second"], "rate_source": rate["source"],
             "rate_reference": rate["reference"]}
-
-
-def _template_message(message: dict) -> dict:
-    """An OpenAI message as chat templates take it: tool-call arguments as objects (as servers pass them)."""
-    calls = message.get("tool_calls")
-    if not calls:
-        return message
-    out = dict(message, tool_calls=[])
-    for call in calls:
-        args = call["function"]["arguments"]
-        try:
-            args = json.loads(args) if isinstance(args, str) else args
-        except ValueError:
-            pass
-        out["tool_calls"].append({**call, "function": {**call["function"], "arguments": args}})
-    return out
 
 
 def format_regeneration(r: dict) -> str:

@@ -32,6 +32,7 @@ COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 # Named fused kernels of `model.kernels` (dflash_prep/target/kernels.py says what each replaces, and for which models).
 KERNEL_NAMES = ("liger_rms_norm", "liger_swiglu", "liger_rope", "fla_conv", "fla_gated_norm")
 REPLICA_PARALLELISMS = ("auto", "tensor_parallel", "layer_split")  # model.replica_parallelism (replica.py)
+MOE_EXPERTS = ("auto", "transformers", "compiled", "liger")  # model.moe_experts (dflash_prep/target/moe.py)
 STORAGE_DTYPES = ("bfloat16", "float16", "float32", "fp8_e4m3")
 
 
@@ -108,6 +109,19 @@ class ModelSection:
     (one replica per run; refused for an architecture without a plan) or `layer_split` (one process per replica,
     one GPU computing at a time). Not part of the job's identity:
     both hold the same weights (random weights too: drawn per module, model.draw_random_weights)."""
+    fp8_weights: str = "auto"
+    """A block-scaled FP8 checkpoint (`quantization_config` quant_method fp8, weight_block_size [128, 128]:
+    dflash_prep/target/fp8_weights.py): `auto` runs its linear layers as FP8 on a GPU of compute capability 9.0
+    (torch scaled_mm, activations quantized per token and 128 block: the states are the FP8 model's) and
+    dequantized elsewhere (said in the log); `dequantize` loads it dequantized to `dtype` everywhere (the reference
+    `verify` compares an FP8 run with, or the bf16 side of an A/B). No effect on an unquantized checkpoint; any
+    other quantization format is refused."""
+    moe_experts: str = "auto"
+    """How the routed experts of a mixture-of-experts target run (dflash_prep/target/moe.py): `auto` (on CUDA in
+    bfloat16: `compiled`; else `transformers`), `transformers` (transformers' own experts forward, grouped_mm by
+    default) or `compiled` (the experts' forward, routing excluded, through torch.compile: the gathers, gating and
+    combine around the grouped GEMMs fused) or `liger` (liger-kernel's fused MoE, CUDA). The router always runs
+    eagerly. Not part of the job's identity."""
     triton_cache_dir: str | None = "~/.cache/dflash-prep/triton"
     """Where Triton keeps its compiled kernels and autotuning results (TRITON_CACHE_DIR, with
     TRITON_CACHE_AUTOTUNING=1), shared by the ranks of a node and by later runs, so each new (batch, length) shape is
@@ -132,6 +146,10 @@ class ModelSection:
             _fail(f"{p}.kernels", kernels, f"expected `auto`, `eager` or a list of names from {list(KERNEL_NAMES)}")
         if self.gpus_per_replica < 1:
             _fail(f"{p}.gpus_per_replica", self.gpus_per_replica, "expected a whole number of GPUs, at least 1")
+        if self.fp8_weights not in ("auto", "dequantize"):
+            _fail(f"{p}.fp8_weights", self.fp8_weights, "expected `auto` or `dequantize`")
+        if self.moe_experts not in MOE_EXPERTS:
+            _fail(f"{p}.moe_experts", self.moe_experts, f"expected one of {MOE_EXPERTS}")
         if self.replica_parallelism not in REPLICA_PARALLELISMS:
             _fail(f"{p}.replica_parallelism", self.replica_parallelism, f"expected one of {REPLICA_PARALLELISMS}")
 
@@ -163,6 +181,11 @@ class DataSection:
     loss mask)."""
     chat_template_kwargs: dict = field(default_factory=dict)
     """Extra keyword arguments of `apply_chat_template`, e.g. {enable_thinking: false}."""
+    samples: Literal["auto", "conversation", "per_turn"] = "auto"
+    """What a conversation row becomes (docs/ON_POLICY.md): `conversation`, one sample (the whole rendering);
+    `per_turn`, one sample per supervised assistant turn (its served prompt, then the turn; only it supervised);
+    `auto`, `per_turn` for a row whose whole rendering does not show each supervised turn in the context the target
+    had (a template that drops earlier turns' reasoning, such as Qwen3's), else `conversation`."""
     max_skipped_fraction: float = 0.5
     """Stop before any model loads (exit code 2) when more than this fraction of the rows is skipped (1.0: never;
     no kept row always stops)."""
@@ -298,6 +321,12 @@ class OutputSection:
     writing and fsync release the GIL): an 8B target with 3 bf16 layers at ~34k tokens/s per GPU
     produces ~0.85 GB/s. Each lane holds up to 2 batches of states in (pinned) host memory. Not part of the job's
     identity: a resume may use another value."""
+    write_mode: Literal["auto", "direct", "buffered"] = "auto"
+    """How the lanes write shards to the disk: `direct` with O_DIRECT (no page cache; where the filesystem
+    refuses it, tmpfs or some network filesystems, buffered instead, said once in the log), `buffered` through the
+    page cache, `auto`: `direct` for a local output, `buffered` for an object store's staging folder (the upload
+    reads the shard back from the page cache). Same bytes and commits either way (docs/STORAGE.md, "Writers and
+    object stores"). Not part of the job's identity."""
     max_pending_bytes: int = 16_000_000_000
     """Host memory (bytes or '16GB') the states of batches captured but not yet written may hold, per rank
     (pinned on a GPU machine): the loop waits for the writer threads beyond it. A single larger batch still goes
@@ -560,7 +589,8 @@ class Recipe:
     def fingerprint(self) -> str:
         """sha256 of what decides record content (model, data, layers, storage dtype); `model.kernels` is left out
         (fused kernels change the rounding only), as are `model.gpus_per_replica` and `model.replica_parallelism`
-        (where the model runs) and `model.triton_cache_dir` (where compiled kernels are cached)."""
+        (where the model runs), `model.triton_cache_dir` (where compiled kernels are cached), `model.moe_experts`
+        (the same experts, fused glue) and `model.fp8_weights` at its default (a dequantized run is another job)."""
         d = self.to_dict()
         data = {k: v for k, v in d["data"].items()
                 if k not in ("num_proc", "max_skipped_fraction", "strict", "allow_beyond_context")
@@ -570,7 +600,8 @@ class Recipe:
             data["chat_template"] = hashlib.sha256(Path(template).read_bytes()).hexdigest()  # the file's content
         content = {"model": {k: v for k, v in d["model"].items()
                              if k not in ("kernels", "gpus_per_replica", "replica_parallelism",
-                                                   "triton_cache_dir")},
+                                          "triton_cache_dir", "moe_experts")
+                             and not (k == "fp8_weights" and v == "auto")},
                    "data": data,
                    "layers": d["layers"], "dtype": d["output"]["dtype"]}
         if self.regenerate is not None:  # the answers are the target's own: what decides their text

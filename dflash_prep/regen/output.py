@@ -62,7 +62,7 @@ from dflash_prep.store.record_store import (
 log = logging.getLogger("dflash_prep")
 
 FORMAT = "dflash-prep regenerated rows"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: messages keep their `weight`, generated turns their token ids
 DATA_DIR = "data"
 STATE_NAME, MANIFEST_NAME, SUMMARY_NAME, SKIPPED_NAME = "run_state.json", "manifest.json", "summary.json", \
     "skipped.jsonl"
@@ -83,9 +83,11 @@ def features():
     call = {"id": Value("string"), "type": Value("string"),
             "function": {"name": Value("string"), "arguments": Value("string")}}
     message = {"role": Value("string"), "content": Value("string"), "reasoning_content": Value("string"),
-               "tool_calls": List(call), "tool_call_id": Value("string"), "name": Value("string")}
+               "tool_calls": List(call), "tool_call_id": Value("string"), "name": Value("string"),
+               "weight": Value("int64")}
     turn = {"message_index": Value("int64"), "finish_reason": Value("string"), "prompt_tokens": Value("int64"),
-            "completion_tokens": Value("int64"), "seed": Value("int64")}
+            "completion_tokens": Value("int64"), "seed": Value("int64"),
+            "prompt_token_ids": List(Value("int64")), "completion_token_ids": List(Value("int64"))}
     regen = {"engine": Value("string"), "model": Value("string"), "sampling": Value("string"),
              "max_tokens": Value("int64"), "turns": List(turn), "ended_early": Value("string")}
     return Features({"id": Value("string"), "source_row": Value("int64"), "messages": List(message),

@@ -124,6 +124,7 @@ def _manifest_info(run: Run, data, failed_rows: list[dict]) -> dict:
         "num_rows": data.num_rows,
         "num_skipped": sum(data.skipped_counts.values()),
         "skipped": data.skipped_counts,
+        "samples": data.samples,  # data.samples: rows whole / per turn, generated turns by source (ON_POLICY.md)
         "num_failed": len(failed_rows),
         "failed": dict(sorted(Counter(f["reason"] for f in failed_rows).items())),
         "kernels": last_kernels_record(run.out_dir),
@@ -149,6 +150,7 @@ def _summary(run: Run, data, rank_plan: RankPlan, manifest: dict, reports: list[
         "num_tokens_committed_before": sum(r.num_tokens for r in rank_plan.committed),
         "num_skipped": manifest["num_skipped"],
         "skipped": data.skipped_counts,
+        "samples": data.samples,
         "num_failed": manifest["num_failed"],
         "failed": manifest["failed"],
         "num_failed_this_run": sum(r.get("num_failed", 0) for r in reports),

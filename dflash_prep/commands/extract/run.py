@@ -147,6 +147,10 @@ def _tokenize(run: Run):
     if run.is_main:
         log.info("data: %d rows, %d kept, %d skipped%s", data.num_rows, len(data.kept),
                  sum(data.skipped_counts.values()), f" {data.skipped_counts}" if data.skipped_counts else "")
+        if data.samples:
+            from dflash_prep.data.samples import samples_line
+
+            log.info("data: samples (data.samples: %s): %s", run.recipe.data.samples, samples_line(data.samples))
         beyond = samples_beyond_context(run, [int(n) for n in data.kept["num_tokens"]])
         if beyond:  # only with data.allow_beyond_context (start-up refuses it otherwise)
             log.warning("data: %d kept row(s) are longer than the model's context of %d positions; extracted as "
@@ -202,7 +206,8 @@ def _run_rank(run: Run, data, rank_plan: RankPlan, lock_fds: tuple, load: Target
     writer = DiscardingWriter() if not run.is_writer else AsyncShardWriter(
         lanes(run.out_dir, run.rank, run.recipe.output.max_shard_bytes,
               next_shard_number(rank_plan.committed, rank_name(run.rank)), run.recipe.output.num_writer_threads,
-              run.faults, publisher=_uploader(run), run_id=run.run_id), nan_policy=run.recipe.output.nan_policy,
+              run.faults, publisher=_uploader(run), run_id=run.run_id, write_mode=run.recipe.output.write_mode),
+        nan_policy=run.recipe.output.nan_policy,
         max_pending_bytes=run.recipe.output.max_pending_bytes)
     loader = torch.utils.data.DataLoader(
         PlannedBatches(data.kept, rank_plan.mine, padding_token_id(run.tokenizer, vocab_size_of(run.config))),
