@@ -66,7 +66,7 @@ def regen_args(server: Server, data: Path, out: Path, **sets) -> list[str]:
             "regenerate.output_dir": str(out),
             "regenerate.engine": "openai", "regenerate.base_urls": f"[{server.base_url}]",
             "regenerate.max_tokens": MAX_TOKENS, "regenerate.max_retries": 1, "regenerate.retry_backoff_seconds": 0.05,
-            "regenerate.max_concurrency": 2, **sets}
+            "regenerate.max_concurrency": 2, "regenerate.turns": "last", **sets}
     return [a for k, v in keys.items() for a in ("--set", f"{k}={v}")]
 
 

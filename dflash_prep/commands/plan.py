@@ -57,6 +57,7 @@ import numpy as np
 from dflash_prep.commands.regen_rate import BENCH_MAX_PARAM_RATIO  # one bound for both rates
 from dflash_prep.recipe.schema import STORAGE_DTYPES, Recipe, RecipeError
 from dflash_prep.store.sizes import RecordSizer
+from dflash_prep.units import format_bytes, format_count, format_duration, format_rate
 
 BENCH_RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
 BENCH_MODE = "dflash_prep_warm"
@@ -140,8 +141,8 @@ def choose_reference(refs: list[dict], config, params: int | None, compute_dtype
     ref = pool[0]
     ratio = ref["decoder_params_needed"] / max(params or 1, 1)
     if not same and not 1 / BENCH_MAX_PARAM_RATIO <= ratio <= BENCH_MAX_PARAM_RATIO:
-        return None, (f"no benchmark within {BENCH_MAX_PARAM_RATIO:g}x of this model's {params / 1e9:.3g}B decoder "
-                      f"parameters (nearest: {ref['model']}, {ref['decoder_params_needed'] / 1e9:.3g}B)")
+        return None, (f"no benchmark within {BENCH_MAX_PARAM_RATIO:g}x of this model's {format_count(params)} decoder "
+                      f"parameters (nearest: {ref['model']}, {format_count(ref['decoder_params_needed'])})")
     return ref, "same model" if same else "nearest benchmarked model"
 
 
@@ -436,7 +437,7 @@ def storage_rate_from(bytes_per_second: str | float | None = None, bench_file: s
         raise ValueError(f"--storage-bench {bench_file}: not a result of bench/disk_vs_writer.py ({e})") from None
     return {"bytes_per_second": rate, "raw_bytes_per_second": raw,
             "source": f"{Path(bench_file).name}: the shard writer on {result.get('filesystem', '?')} "
-                      f"({result.get('path', '?')}), raw sequential {raw / 1e9:.2f} GB/s"}
+                      f"({result.get('path', '?')}), raw sequential {format_rate(raw)}"}
 
 
 def storage_bill(target: str, num_bytes: int, wall: dict | None, rate: dict | None) -> dict:
@@ -455,34 +456,16 @@ def storage_bill(target: str, num_bytes: int, wall: dict | None, rate: dict | No
 
 
 def _storage_line(b: dict, compute: str = "GPUs") -> str:
-    head = f"{b['target']}: {_size(b['num_bytes'])}"
+    head = f"{b['target']}: {format_bytes(b['num_bytes'])}"
     if b["bytes_per_second"] is None:
         return (head + "; its time is unknown: pass --storage-bytes-per-second (what that disk or store takes, all "
                        "writers together) or --storage-bench (a result of bench/disk_vs_writer.py)")
-    line = f"{head} at {b['bytes_per_second'] / 1e9:.2f} GB/s ({b['source']}) = {_duration(b['seconds'])}"
+    line = f"{head} at {format_rate(b['bytes_per_second'])} ({b['source']}) = {format_duration(b['seconds'])}"
     if b["pace"] is None:
         return line + f"; no {compute} time to set beside it (pass --tokens-per-second)"
     verdict = "the storage sets the pace" if b["pace"] == "storage" else f"the {compute} set the pace"
-    return (line + f", the {compute} {_duration(b['gpu_seconds'])} (writing "
-            f"{b['needed_bytes_per_second'] / 1e9:.2f} GB/s): " + verdict)
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
-        if abs(n) < 1000 or unit == "PB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n} B"
-
-
-def _duration(s: float) -> str:
-    if s < 120:
-        return f"{s:.1f} s"
-    if s < 7200:
-        return f"{s / 60:.1f} min"
-    if s < 3 * 86400:
-        return f"{s / 3600:.1f} h"
-    return f"{s / 86400:.1f} days"
+    return (line + f", the {compute} {format_duration(b['gpu_seconds'])} (writing "
+            f"{format_rate(b['needed_bytes_per_second'])}): " + verdict)
 
 
 def _stored_plan(out_dir: Path, lengths: list[int]) -> dict | None:
@@ -514,7 +497,7 @@ def format_plan(p: dict) -> str:
                    f"rates as a run there makes them"),
         ("model", f"{p['model']}  [{p['model_type']}, {p['num_hidden_layers']} layers, hidden {p['hidden_size']}]; "
                   f"{p['layers_run']} decoder layers run"
-                  + (f" ({p['decoder_params_run'] / 1e9:.3g}B parameters per token)"
+                  + (f" ({format_count(p['decoder_params_run'])} parameters per token)"
                      if p["decoder_params_run"] else "")),
         ("layers", f"{p['layer_ids']} after-layer 0-based; final layer: {p['capture_final']}"),
         ("rows", f"{p['num_rows']:,}: {p['num_samples']:,} kept, {p['num_skipped']:,} skipped"
@@ -532,11 +515,11 @@ def format_plan(p: dict) -> str:
     for i, (dtype, d) in enumerate(p["disk"].items()):
         mark = "  <- output.dtype" if dtype == p["dtype"] else ""
         bill = "".join([f", {d['num_objects']:,} objects" if "num_objects" in d else "",
-                        f", {_duration(d['seconds_at_rate'])} at {d['num_bytes'] / d['seconds_at_rate'] / 1e9:.2f} GB/s"
-                        if d.get("seconds_at_rate") else "",
+                        f", {format_duration(d['seconds_at_rate'])} at "
+                        f"{format_rate(d['num_bytes'] / d['seconds_at_rate'])}" if d.get("seconds_at_rate") else "",
                         f", {d['cost_per_month']:,.2f}/month at {d['price_per_gb_month']:g}/GB"
                         if d.get("cost_per_month") is not None else ""])
-        lines.append(("disk" if i == 0 else "", f"{dtype:<9} {_size(d['num_bytes']):>10} in {d['num_shards']:,} "
+        lines.append(("disk" if i == 0 else "", f"{dtype:<9} {format_bytes(d['num_bytes']):>10} in {d['num_shards']:,} "
                       f"shard(s), {d['bytes_per_token']:,.0f} B/token ({d['states_bytes_per_token']:,.0f} of states), "
                       f"{d['num_bytes'] / max(bf16, 1):.2f}x bf16{bill}{mark}"))
     t = p["throughput"]
@@ -550,13 +533,13 @@ def format_plan(p: dict) -> str:
                               ("CPU process", "CPU process(es)", "process-hours"))
         lines.append(("throughput", f"{t['tokens_per_second']:,.0f} real tok/s per {unit}: {src}"))
         w = p["wall"]
-        warm = (f" + {_duration(w['warmup_seconds'])} first-seen-shape warm-up" if w["warmup_seconds"] else "")
-        lines.append(("wall time", f"{_duration(w['seconds'])} on {w['num_gpus']} {units}"
-                                   f"{_replicas_note(p['replicas'])} ({_duration(w['compute_seconds'])} compute{warm}; "
+        warm = (f" + {format_duration(w['warmup_seconds'])} first-seen-shape warm-up" if w["warmup_seconds"] else "")
+        lines.append(("wall time", f"{format_duration(w['seconds'])} on {w['num_gpus']} {units}"
+                                   f"{_replicas_note(p['replicas'])} ({format_duration(w['compute_seconds'])} compute{warm}; "
                                    f"{w['gpu_hours']:.2f} {hours})"))
         per = (f"per {unit}" if p["replicas"]["gpus_per_replica"] == 1 else
-               f"per replica ({w['write_bytes_per_second_per_gpu'] / 1e9:.2f} GB/s per GPU)")
-        lines.append(("writes", f"{w['write_bytes_per_second_per_replica'] / 1e9:.2f} GB/s {per} at that rate "
+               f"per replica ({format_rate(w['write_bytes_per_second_per_gpu'])} per GPU)")
+        lines.append(("writes", f"{format_rate(w['write_bytes_per_second_per_replica'])} {per} at that rate "
                                 f"(bench/writer_bench.py measures what a disk and output.num_writer_threads give)"))
     else:
         lines.append(("throughput", f"unknown ({t['source']}): pass --tokens-per-second"))
@@ -805,8 +788,8 @@ def _regen_rate(recipe: Recipe, given: float | None, num_gpus: int, bench_dir: P
 
 def format_regeneration(r: dict) -> str:
     where = (f" (counted on {r['counted_rows']:,} sampled rows, scaled)" if r["sampled"] else "")
-    time_line = (f"at most {_duration(r['seconds_at_most'])} at {r['generated_tokens_per_second']:,.0f} generated "
-                 f"tok/s: {r['rate_source']}" if r["seconds_at_most"] is not None else r["rate_source"])
+    time_line = (f"at most {format_duration(r['seconds_at_most'])} at {r['generated_tokens_per_second']:,.0f} "
+                 f"generated tok/s: {r['rate_source']}" if r["seconds_at_most"] is not None else r["rate_source"])
     lines = [
         ("regenerate", f"engine {r['engine']}, turns {r['turns']}, max_tokens {r['max_tokens']:,}"),
         ("rows", f"{r['num_rows']:,}" + (": skipped " + ", ".join(f"{k}: {v:,}" for k, v in r["skipped"].items())

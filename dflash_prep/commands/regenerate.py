@@ -30,6 +30,7 @@ from pathlib import Path
 from dflash_prep import __version__
 from dflash_prep.errors import EXIT_BAD_RECIPE, EXIT_STOPPED
 from dflash_prep.io import atomic_write_json
+from dflash_prep.recipe.fingerprints import input_files_sha256, weights_fingerprint
 from dflash_prep.recipe.schema import REGEN_IDENTITY_KEYS, Recipe, RecipeError, RegenerateSection, add_recipe_args
 from dflash_prep.regen import output as regen_output
 from dflash_prep.regen.conversation import RegenSettings
@@ -137,6 +138,10 @@ def job_identity(recipe: Recipe, sampling: dict, settings: RegenSettings) -> dic
         "chat_template_kwargs": settings.chat_template_kwargs,
         "chat_template": chat_template_identity(recipe),
         "row_format": regen_output.FORMAT_VERSION,
+        # the in-process engine's inputs by content, read without loading anything (under a second), so weights,
+        # a tokenizer or a template replaced in place are refused on a finished output too
+        "weights": weights_fingerprint(recipe.model) if section.engine == "transformers" else None,
+        "input_files": input_files_sha256(recipe) if section.engine == "transformers" else None,
     }
 
 

@@ -119,6 +119,7 @@ def _detect_format(path: str | list[str], fmt: str) -> tuple[str, Any]:
             raise RecipeError(f"recipe key `data.path` = {path!r}: `data.format: disk` needs a save_to_disk folder")
         return "disk", path
     if p.is_dir():
+        _refuse_unfinished_regeneration(p, path)
         files = sorted(f for f in glob.glob(str(p / "**" / "*"), recursive=True) if os.path.isfile(f))
     elif any(c in path for c in "*?["):
         files = sorted(glob.glob(path, recursive=True))
@@ -140,6 +141,20 @@ def _detect_format(path: str | list[str], fmt: str) -> tuple[str, Any]:
                           f"kind (or set `data.format`)")
     files = [f for f in files if fmt != "auto" or Path(f).suffix in by_suffix]
     return kinds.pop(), files
+
+
+def _refuse_unfinished_regeneration(folder: Path, path: str) -> None:
+    """A `dflash-prep regenerate` output whose run has not finished (its dataset files, written last, are not there
+    yet) is refused as what it is, not as a folder of mixed files (RecipeError, exit code 2)."""
+    try:
+        state = json.loads((folder / "run_state.json").read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(state, dict) and "regenerated rows" in str(state.get("format", "")):
+        raise RecipeError(f"recipe key `data.path` = {path!r}: an unfinished regeneration output (its run has not "
+                          f"written the dataset files yet): finish it first (re-run the `dflash-prep regenerate` "
+                          f"command that made it: it resumes), or run a recipe with a `regenerate:` section, which "
+                          f"completes its regeneration before it extracts")
 
 
 def _detect_formats(paths: list[str], fmt: str) -> tuple[str, list[str]]:

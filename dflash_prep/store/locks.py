@@ -429,9 +429,11 @@ def _take(out_dir: Path, name: str, run_id: str, lease_seconds: float, busy: str
         raise OutputBusyError(f"{busy}: {e}; or use another output.dir") from None
     if lock.lease.took_over is not None:
         record = lock.lease.took_over
-        log.warning("took over the lease of %s from %s: its last heartbeat was %.0f s ago, past its lease of %.0f s "
-                    "(a host that is gone, or a process stopped)", name, record.describe(), record.age_seconds(),
-                    float(record.get("lease_seconds", DEFAULT_LEASE_SECONDS)))
+        age, lease = record.age_seconds(), float(record.get("lease_seconds", DEFAULT_LEASE_SECONDS))
+        why = (f"its last heartbeat was {age:.0f} s ago, past its lease of {lease:.0f} s (a host that is gone, or a "
+               f"process stopped)" if age > lease else
+               f"its process no longer runs on this host (its last heartbeat {age:.0f} s ago)")
+        log.warning("took over the lease of %s from %s: %s", name, record.describe(), why)
     return lock
 
 
@@ -484,8 +486,9 @@ def check_no_rank_writing(out_dir: Path, run_id: str | None = None) -> None:
                 f"({record.how_it_ends()})")
     for name in _lease_names(folder):
         if name.startswith("rank-") and Lease(folder, name, run_id or new_run_id()).fence():
-            log.warning("%s: the lease of a rank of an earlier run had lapsed (a host gone, or a process stopped); "
-                        "fenced it, so that rank stops should it run again", name)
+            log.warning("%s: a rank of an earlier run had stopped renewing its lease (a host gone, or a process "
+                        "stopped); the lease now names this run, so that rank stops before writing should it run "
+                        "again", name)
 
 
 def running_holders(out_dir: Path) -> dict[str, str]:
