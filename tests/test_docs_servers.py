@@ -72,7 +72,7 @@ def test_the_demo_server_flow_runs_as_written(tmp_path):
     managed = json.loads((tmp_path / "out" / "tiny-demo-served" / "summary.json").read_text())
     assert managed["num_answered"] == served["num_answered"]
     manifest = json.loads((tmp_path / "out" / "tiny-demo" / "manifest.json").read_text())
-    assert 0 < manifest["num_samples"] <= managed["num_answered"]  # extracted from the regenerated rows
+    assert manifest["num_samples"] > 0  # extracted from the regenerated rows (one sample a row, or a turn)
     servers = json.loads((tmp_path / "out" / "tiny-demo-served" / "logs" / "servers-00000.json").read_text())
     for record in servers["servers"]:  # the server the run started is gone
         stat = Path(f"/proc/{record['pid']}/stat")
