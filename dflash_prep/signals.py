@@ -11,6 +11,10 @@ import time
 
 log = logging.getLogger("dflash_prep")
 
+# Set by `dflash-prep launch` for the script it runs (commands/launch.py): exit codes are kept, and the launcher is
+# the script's parent process (the managed servers' watchdog watches it: regen/servers.py).
+LAUNCHER_ENV = "DFLASH_PREP_LAUNCHER"
+
 
 class StopRequest:
     """The first SIGTERM or SIGINT asks the run to stop at its next commit boundary (the caller polls `requested`:

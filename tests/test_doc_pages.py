@@ -16,7 +16,7 @@ from conftest import REPO
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SOURCE = "\n".join(p.read_text() for p in (REPO / "dflash_prep").rglob("*.py"))
-COMMANDS = {"extract", "launch", "export", "inspect", "plan", "verify", "vocab", "regenerate"}
+COMMANDS = {"extract", "launch", "export", "inspect", "plan", "verify", "vocab", "regenerate", "demo-server"}
 
 
 def bash_lines(path: Path) -> list[str]:

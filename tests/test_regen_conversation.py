@@ -219,12 +219,12 @@ def test_commits_survive_a_torn_index_and_leftovers_and_the_folder_loads_as_data
     with open(out / "index" / "rank-00000.jsonl", "ab") as f:
         f.write(b'{"chunk": 3, "path": "data/sha')
     committed = output.prepare(out)
-    assert sorted(committed) == [0, 1]
+    assert sorted(committed) == [(0, 0), (1, 0)]  # (chunk, part)
     assert sorted(p.name for p in (out / "data").iterdir()) == ["shard-000000.arrow", "shard-000001.arrow"]
     assert (out / "index" / "rank-00000.jsonl").read_bytes().endswith(b"}\n")
     # a committed shard gone missing is redone
     (out / "data" / "shard-000001.arrow").unlink()
-    assert sorted(output.prepare(out)) == [0]
+    assert sorted(output.prepare(out)) == [(0, 0)]
     committer = output.ChunkCommitter(out, rank=1)
     committer.commit(1, [_out_row(2)], [{"source_row": 3, "source_id": None, "reason": "x", "detail": None}], COUNTS)
     records = list(output.read_committed(out).values())

@@ -432,3 +432,13 @@ def test_unsupported_sampling_parameters_are_refused_before_any_batch(llama):
     with pytest.raises(ValueError, match="'presence_penalty' = 0.5 is not supported"):
         llama.answer([make_request(user("Hi"), sampling={"temperature": 0.7, "presence_penalty": 0.5})])
     assert llama.answer([make_request(user("Hi"), sampling={"temperature": 0, "presence_penalty": 0.0})])[0].content
+
+
+def test_the_progress_hears_of_each_batch_as_it_ends(llama_path):
+    """on_answered(n) after each `generate` batch: a max_batch_size of 2 over 7 requests reports 2, 2, 2, 1 (the
+    progress bar moves per answered request, not once per call)."""
+    engine = TransformersEngine(section(llama_path), CPU, 10_000, 2, length_multiple=1)
+    heard = []
+    answers = engine.answer([make_request(user("How far is the moon?"), seed=i) for i in range(7)],
+                            on_answered=heard.append)
+    assert heard == [2, 2, 2, 1] and len(answers) == 7

@@ -7,6 +7,7 @@
     dflash-prep plan [--recipe PATH] [--set key=value ...] [--num-gpus N] [--tokens-per-second X]
     dflash-prep verify OUT [--num-samples N] [--seed S]
     dflash-prep vocab OUT --size N [--layout speculators|specforge|all] [--dest DIR]
+    dflash-prep demo-server [--dir DIR] [--port 8000]       the demo's model served by `transformers serve` (CPU)
     dflash-prep --version
 """
 
@@ -41,7 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     p_regenerate = sub.add_parser("regenerate", help="the target writes the data's assistant turns itself (a server "
                                   "or in-process generate) into a dataset extraction reads")
     add_recipe_args(p_regenerate)
+    sub.add_parser("demo-server", help="serve the demo's tiny model with `transformers serve` (CPU, offline)",
+                   add_help=False)
     args, rest = parser.parse_known_args(argv)
+    if args.command == "demo-server":
+        from dflash_prep.commands.demo_server import main as demo_server_main
+
+        return demo_server_main(rest)
     if args.command == "regenerate":
         from dflash_prep.commands.regenerate import main as regenerate_main
 

@@ -37,8 +37,9 @@ import signal
 import subprocess
 import sys
 
+from dflash_prep.signals import LAUNCHER_ENV  # noqa: F401 - set for the script: it runs under this launcher
+
 EXIT_STOPPED, EXIT_REFUSED, EXIT_FAILED_SAMPLES = 1, 2, 3
-LAUNCHER_ENV = "DFLASH_PREP_LAUNCHER"  # set for the script: it runs under this launcher (codes are kept)
 
 
 def rank_exit_code(codes: list[int]) -> int:

@@ -207,7 +207,8 @@ def _run(recipe: Recipe, held: list) -> dict | None:
         rows_per_shard = regen_output.stored_rows_per_shard(out_dir, section.rows_per_shard)
         committed = regen_output.prepare(out_dir)
         num_chunks = math.ceil(len(rows) / rows_per_shard)
-        if len(committed) < num_chunks or not regen_output.is_finished(out_dir):
+        done = regen_output.done_chunks(committed, rows_per_shard, len(rows))
+        if len(done) < num_chunks or not regen_output.is_finished(out_dir):
             regen_output.remove_dataset_files(out_dir)
             previous = read_state_json(out_dir / regen_output.STATE_NAME).get("identity", {}) \
                 if (out_dir / regen_output.STATE_NAME).exists() else {}
@@ -218,15 +219,17 @@ def _run(recipe: Recipe, held: list) -> dict | None:
     rows_per_shard = regen_output.stored_rows_per_shard(out_dir, section.rows_per_shard)
     committed = regen_output.read_committed(out_dir)
     num_chunks = math.ceil(len(rows) / rows_per_shard)
-    todo = [c for c in range(num_chunks) if c not in committed]
+    done = regen_output.done_chunks(committed, rows_per_shard, len(rows))
+    todo = [c for c in range(num_chunks) if c not in done]
     mine = todo[state.process_index::state.num_processes]
     if state.is_main_process:
         log.info("data: %d rows in %d chunk(s) of %d; %d committed, %d left over %d process(es)", len(rows),
-                 num_chunks, rows_per_shard, len(committed), len(todo), state.num_processes)
+                 num_chunks, rows_per_shard, len(done), len(todo), state.num_processes)
     report = {"rank": state.process_index, "rows_done": 0, "requests": 0, "completion_tokens": 0,
               "prompt_tokens": 0, "loop_seconds": 0.0}
     if mine:
-        report = _run_rank(recipe, state, out_dir, rows, mine, rows_per_shard, settings, identity)
+        report = _run_rank(recipe, state, out_dir, rows, mine, rows_per_shard, settings, identity,
+                           _committed_rows(committed, mine))
     if todo:  # this run's figures, one file per rank (an idle rank's zeros included)
         (out_dir / regen_output.INDEX_DIR).mkdir(exist_ok=True)
         atomic_write_json(out_dir / regen_output.INDEX_DIR / f"rank-{state.process_index:05d}.done.json", report)
@@ -237,7 +240,14 @@ def _run(recipe: Recipe, held: list) -> dict | None:
                    state.num_processes, ran=bool(todo))
 
 
-def _build_engine(recipe: Recipe, device):
+def _committed_rows(committed: dict, chunks: list[int]) -> dict[int, tuple[set[int], int]]:
+    """chunk -> (its source positions the index already lists, the number of its next part), for `chunks`."""
+    parts = regen_output.parts_by_chunk(committed)
+    return {c: (set().union(*map(regen_output.positions_of, parts[c])), parts[c][-1].part + 1)
+            for c in chunks if c in parts}
+
+
+def _build_engine(recipe: Recipe, device, servers=None):
     section = section_of(recipe)
     if section.engine == "openai":
         from dflash_prep.regen.openai_engine import OpenAIEngine
@@ -247,6 +257,9 @@ def _build_engine(recipe: Recipe, device):
         except ImportError:
             raise RecipeError("recipe key `regenerate.engine` = 'openai' needs the `openai` client: "
                               "pip install 'dflash-prep[regenerate]' (or openai)") from None
+        if servers is not None:
+            return OpenAIEngine(section, served_model_name(recipe), base_urls=servers.base_urls,
+                                on_server_down=servers.on_server_down)
         return OpenAIEngine(section, served_model_name(recipe))
     try:
         from dflash_prep.regen.hf_engine import TransformersEngine
@@ -263,11 +276,57 @@ def _build_engine(recipe: Recipe, device):
 
 
 def _run_rank(recipe: Recipe, state, out_dir: Path, rows, mine: list[int], rows_per_shard: int,
-              settings: RegenSettings, identity: dict) -> dict:
-    """This process's chunks through the engine; its report."""
+              settings: RegenSettings, identity: dict, committed: dict) -> dict:
+    """This process's chunks through the engine (its managed servers started first and stopped last, whatever
+    ends the run); its report."""
+    stop = StopRequest(REGEN_STOP_MESSAGE)
+    try:
+        with _managed_servers(recipe, state, out_dir, stop) as servers:
+            if stop.requested:
+                raise LoopStopped(f"stopped on {stop.signal_name}")
+            return _drive(recipe, state, out_dir, rows, mine, rows_per_shard, settings, identity, committed, stop,
+                          servers)
+    finally:
+        stop.restore()
+
+
+def _managed_servers(recipe: Recipe, state, out_dir: Path, stop):
+    """regen/servers.ManagedServers for `regenerate.servers` (a context manager), else a null one."""
+    import contextlib
+    import os
+
+    section = section_of(recipe)
+    if section.servers is None:
+        return contextlib.nullcontext(None)
+    from dflash_prep.regen.servers import ManagedServers
+
+    if not recipe.model.name_or_path:
+        raise RecipeError("recipe key `regenerate.servers`: the servers need `model.name_or_path` (a model folder "
+                          "or hub id); `model.config` builds random weights in this process only")
+    template = recipe.data.chat_template
+    if template is not None and section.servers.preset == "transformers":
+        raise RecipeError("recipe key `regenerate.servers.preset` = 'transformers': `transformers serve` renders "
+                          "with the model folder's own chat template and takes no other; `data.chat_template` is "
+                          "set: put the template in the model folder, or use vllm / sglang / a command")
+    if template is not None and ("{%" in template or "{{" in template):  # inline: the servers read a file
+        path = out_dir / "logs" / f"chat_template-{state.process_index:05d}.jinja"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(template)
+        template = str(path)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    try:
+        return ManagedServers(section.servers, recipe.model.name_or_path, served_model_name(recipe), template,
+                              out_dir / "logs", state.process_index, state.local_process_index, local_world,
+                              stop=stop)
+    except ValueError as e:
+        raise RecipeError(f"recipe key `regenerate.servers`: {e}") from None
+
+
+def _drive(recipe: Recipe, state, out_dir: Path, rows, mine: list[int], rows_per_shard: int,
+           settings: RegenSettings, identity: dict, committed: dict, stop, servers) -> dict:
     section = section_of(recipe)
     t0 = time.perf_counter()
-    engine = _build_engine(recipe, state.device)
+    engine = _build_engine(recipe, state.device, servers)
     try:
         engine_identity = engine.identity()
         regen_output.check_identity(out_dir, {"engine": engine_identity})
@@ -290,19 +349,21 @@ def _run_rank(recipe: Recipe, state, out_dir: Path, rows, mine: list[int], rows_
         provenance = {"engine": section.engine, "model": engine_identity.get("served_model_name")
                       or str(recipe.model.name_or_path or recipe.model.config),
                       "sampling": json.dumps(settings.sampling, sort_keys=True), "max_tokens": settings.max_tokens}
-        total = sum(len(regen_output.chunk_rows(c, rows_per_shard, len(rows))) for c in mine)
+        total = sum(len(regen_output.chunk_rows(c, rows_per_shard, len(rows)))
+                    - (len(committed[c][0]) if c in committed else 0)
+                    for c in mine)
         progress = _Progress(total, state.num_processes) if state.is_main_process else None
-        stop = StopRequest(REGEN_STOP_MESSAGE)
         loop = RegenLoop(engine, rows, mine, rows_per_shard, settings,
                          regen_output.ChunkCommitter(out_dir, state.process_index), provenance,
                          recipe.data.id_column, window, batch_size, parallel, stop=stop,
                          on_progress=progress.update if progress else None,
                          finish_calls_on_stop=section.engine == "transformers",
-                         thread_init=_cuda_device_setter(state.device))
+                         thread_init=_cuda_device_setter(state.device), committed=committed,
+                         commit_seconds=section.commit_seconds,
+                         on_answered=progress.answered if progress else None)
         try:
             stats = loop.run()
         finally:
-            stop.restore()
             if progress is not None:
                 progress.close()
     finally:
@@ -325,22 +386,37 @@ def _cuda_device_setter(device):
 
 
 class _Progress:
-    """tqdm over this rank's rows: requests/s, generated tokens/s (all processes: x the number of processes) and
-    tqdm's own ETA."""
+    """tqdm over this rank's rows (rows done), with the requests answered so far counted as they come in from the
+    engines' threads (`answered`: per request for both engines, so a long batch or a slow multi-turn row still moves
+    the line), requests/s, generated tokens/s (all processes: x the number of processes) and tqdm's ETA."""
 
     def __init__(self, total_rows: int, world: int):
+        import threading
+
         from tqdm.auto import tqdm
 
         self.bar = tqdm(total=total_rows, desc=f"regenerate (rank 0 of {world})", unit="row", dynamic_ncols=True,
                         file=sys.stderr, mininterval=1.0)
-        self.world, self.t0, self.done = world, time.perf_counter(), 0
+        self.world, self.t0, self.done, self.requests_answered = world, time.perf_counter(), 0, 0
+        self._lock = threading.Lock()
+
+    def answered(self, n: int) -> None:
+        """n more requests answered (any thread)."""
+        with self._lock:
+            self.requests_answered += n
+            elapsed = max(time.perf_counter() - self.t0, 1e-9)
+            self.bar.set_postfix(refresh=False, answered=self.requests_answered,
+                                 req_s=f"{self.requests_answered * self.world / elapsed:,.1f}")
+            self.bar.update(0)  # redraws at most every `mininterval`
 
     def update(self, stats) -> None:
-        self.bar.update(stats.rows_done - self.done)
-        self.done = stats.rows_done
-        elapsed = max(time.perf_counter() - self.t0, 1e-9)
-        self.bar.set_postfix(refresh=False, req_s=f"{stats.requests * self.world / elapsed:,.1f}",
-                             gen_tok_s=f"{stats.completion_tokens * self.world / elapsed:,.0f}")
+        with self._lock:
+            self.bar.update(stats.rows_done - self.done)
+            self.done = stats.rows_done
+            elapsed = max(time.perf_counter() - self.t0, 1e-9)
+            self.bar.set_postfix(refresh=False, answered=self.requests_answered,
+                                 req_s=f"{self.requests_answered * self.world / elapsed:,.1f}",
+                                 gen_tok_s=f"{stats.completion_tokens * self.world / elapsed:,.0f}")
 
     def close(self) -> None:
         self.bar.close()
@@ -357,12 +433,13 @@ def _finish(recipe: Recipe, out_dir: Path, rows, rows_per_shard: int, num_chunks
         log.info("the regeneration was already finished: %s left as it is", out_dir)
         check_verdict(summary, recipe.data.max_skipped_fraction)
         return summary
-    records = regen_output.read_committed(out_dir)
-    missing = [c for c in range(num_chunks) if c not in records]
+    committed = regen_output.read_committed(out_dir)
+    done = regen_output.done_chunks(committed, rows_per_shard, len(rows))
+    missing = [c for c in range(num_chunks) if c not in done]
     if missing:
         raise RegenStopped(f"{len(missing)} of {num_chunks} chunk(s) are not committed (e.g. chunk {missing[0]}); "
                            f"re-run the same command to finish")
-    records = [records[c] for c in range(num_chunks)]
+    records = [committed[k] for k in sorted(committed)]
     skipped = [s for r in records for s in r.skipped]
     answered = sum(r.num_rows for r in records)
     if answered + len(skipped) != len(rows):
@@ -405,7 +482,7 @@ def _finish(recipe: Recipe, out_dir: Path, rows, rows_per_shard: int, num_chunks
         "regenerate": {k: v for k, v in dataclasses.asdict(section_of(recipe)).items() if k in REGEN_IDENTITY_KEYS},
         "rows_per_shard": rows_per_shard, "num_rows": len(rows), "num_answered": answered,
         "num_skipped": len(skipped), "skipped": summary["skipped"], **totals,
-        "shards": [{"path": r.path, "chunk": r.chunk, "num_rows": r.num_rows, "num_bytes": r.num_bytes,
+        "shards": [{"path": r.path, "chunk": r.chunk, "part": r.part, "num_rows": r.num_rows, "num_bytes": r.num_bytes,
                     "sha256": r.sha256} for r in records],
     }
     regen_output.write_dataset_files(out_dir, records, manifest, skipped, summary)

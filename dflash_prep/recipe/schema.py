@@ -20,7 +20,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -382,6 +382,70 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                  "frequency_penalty")
 
 
+SERVER_PRESETS = ("vllm", "sglang", "transformers")
+SERVER_PLACEHOLDERS = ("model", "host", "port", "served_model_name", "gpus_per_server", "gpus", "chat_template",
+                       "python", "transformers", "device")
+
+
+@dataclass(frozen=True)
+class ServersSection:
+    """`regenerate.servers`: the run starts the serving engine itself, one server per `gpus_per_server` GPUs of
+    each node, waits for them, restarts one that dies and stops them all when it ends (regen/servers.py;
+    docs/SERVERS.md). Not part of the identity."""
+
+    preset: Literal["vllm", "sglang", "transformers"] | None = None
+    """The engine: `vllm` (`vllm serve`), `sglang` (`python -m sglang.launch_server`), `transformers`
+    (`transformers serve`, needs `pip install 'transformers[serving]'`); or null with `command`."""
+    command: str | list[str] | None = None
+    """A command template instead of a preset, with {model}, {host}, {port}, {served_model_name},
+    {gpus_per_server}, {gpus}, {chat_template}, {python}, {transformers}, {device} filled in."""
+    gpus_per_server: int = 1
+    """GPUs of one server (its tensor parallelism: `--tensor-parallel-size`, `--tp-size`)."""
+    num_servers: int | None = None
+    """Servers per node; default: the node's GPUs // gpus_per_server (without GPUs: one per process)."""
+    extra_args: list[str] = field(default_factory=list)
+    """Appended to the command, e.g. [--max-model-len, "8192", --gpu-memory-utilization, "0.9"]."""
+    env: dict = field(default_factory=dict)
+    """Environment variables of the servers (beyond the run's own; CUDA_VISIBLE_DEVICES is set per server)."""
+    host: str = "127.0.0.1"
+    """The address the servers listen on (the run's processes reach their own node's servers)."""
+    startup_timeout_seconds: float = 1800.0
+    """How long a server may take to answer `GET /models` after its start (weights loading, compilation)."""
+    max_restarts: int = 3
+    """Restarts of one server (its process exited, or every request failing) before it counts as down."""
+    stop_timeout_seconds: float = 30.0
+    """After SIGTERM, how long a server may take to exit before SIGKILL."""
+
+    def validate(self, p: str) -> None:
+        if (self.preset is None) == (self.command is None):
+            _fail(f"{p}.preset", self.preset, f"set exactly one of `{p}.preset` {list(SERVER_PRESETS)} and "
+                                              f"`{p}.command` (a command template)")
+        if self.command is not None:
+            import string
+
+            parts = [self.command] if isinstance(self.command, str) else self.command
+            for part in parts:
+                try:
+                    names = {name for _, name, _, _ in string.Formatter().parse(part) if name is not None}
+                except ValueError as e:
+                    _fail(f"{p}.command", self.command, f"not a template: {e} (write a literal brace as {{{{ }}}})")
+                unknown = names - set(SERVER_PLACEHOLDERS)
+                if unknown:
+                    _fail(f"{p}.command", self.command, f"unknown placeholder(s) {sorted(unknown)}; known: "
+                                                        f"{list(SERVER_PLACEHOLDERS)}")
+            if "{port}" not in "".join(parts):
+                _fail(f"{p}.command", self.command, "the template must pass {port} (the run picks a free port)")
+        if self.gpus_per_server < 1:
+            _fail(f"{p}.gpus_per_server", self.gpus_per_server, "must be >= 1")
+        if self.num_servers is not None and self.num_servers < 1:
+            _fail(f"{p}.num_servers", self.num_servers, "must be >= 1 (or null)")
+        if self.max_restarts < 0:
+            _fail(f"{p}.max_restarts", self.max_restarts, "must be >= 0")
+        for name in ("startup_timeout_seconds", "stop_timeout_seconds"):
+            if not getattr(self, name) > 0:
+                _fail(f"{p}.{name}", getattr(self, name), "must be > 0 seconds")
+
+
 @dataclass(frozen=True)
 class RegenerateSection:
     """On-policy data (dflash_prep/regen/): the target answers the rows' prompts itself before extraction.
@@ -399,6 +463,8 @@ class RegenerateSection:
     base_urls: list[str] = field(default_factory=list)
     """engine `openai`: the servers' OpenAI base URLs, e.g. [http://10.0.0.5:8000/v1, http://10.0.0.6:8000/v1];
     requests go to whichever server has a free slot. Not part of the identity (servers may move)."""
+    servers: ServersSection | None = None
+    """engine `openai`: servers the run starts and stops itself, instead of `base_urls` (ServersSection)."""
     served_model_name: str | None = None
     """engine `openai`: the model name the servers serve (identity); default `model.name_or_path` (what
     `vllm serve PATH` and `transformers serve PATH` call it)."""
@@ -451,8 +517,12 @@ class RegenerateSection:
     """Start the regeneration afresh instead of resuming (refused on a folder that is not a regeneration output).
     Independent of `output.overwrite`: the regenerated rows are the costly part."""
     rows_per_shard: int = 1000
-    """Rows per output shard: a shard is committed when all its rows are answered (a kill costs the rows of the
-    shards in flight). Frozen by the first run (a resume keeps its shards)."""
+    """Rows per chunk (an output shard): a chunk is committed when all its rows are answered, or in parts (see
+    `commit_seconds`). Frozen by the first run (a resume keeps its chunks)."""
+    commit_seconds: float = 60.0
+    """Every this many seconds, each chunk still open commits the rows answered since its last commit as a part of
+    its own (a shard `shard-CCCCCC-PPP.arrow`): a kill loses at most this span of answers, at any request rate; a
+    resume asks exactly the rows no part lists."""
     max_rows_in_flight: int | None = None
     """Rows being answered at once per process; default: 4 x the servers' total `max_concurrency` (openai), 1024
     (transformers). More keeps servers busier at the ends of multi-turn rows; each holds its conversation in memory."""
@@ -462,12 +532,18 @@ class RegenerateSection:
     """engine `transformers`: requests per `generate` batch at most."""
 
     def validate(self, p: str) -> None:
-        if self.engine == "openai" and not self.base_urls:
+        if self.engine == "openai" and not self.base_urls and self.servers is None:
             _fail(f"{p}.base_urls", self.base_urls, "engine `openai` needs the servers' base URLs, e.g. "
-                                                    "[http://127.0.0.1:8000/v1]")
-        if self.engine != "openai" and self.base_urls:
-            _fail(f"{p}.engine", self.engine, f"`{p}.base_urls` is set: use `engine: openai` to send the requests "
+                                                    f"[http://127.0.0.1:8000/v1], or `{p}.servers` to start them")
+        if self.engine != "openai" and (self.base_urls or self.servers is not None):
+            key = "base_urls" if self.base_urls else "servers"
+            _fail(f"{p}.engine", self.engine, f"`{p}.{key}` is set: use `engine: openai` to send the requests "
                                               f"to those servers")
+        if self.base_urls and self.servers is not None:
+            _fail(f"{p}.servers", "(set)", f"`{p}.base_urls` is set too: either the run starts its servers "
+                                           f"(`servers`) or it uses those you run (`base_urls`), not both")
+        if self.servers is not None:
+            self.servers.validate(f"{p}.servers")
         for i, url in enumerate(self.base_urls):
             if not re.match(r"^https?://[^/\s]+", url):
                 _fail(f"{p}.base_urls[{i}]", url, "expected an http(s) URL such as http://127.0.0.1:8000/v1")
@@ -478,6 +554,8 @@ class RegenerateSection:
             _fail(f"{p}.max_rows_in_flight", self.max_rows_in_flight, "must be >= 1 (or null)")
         if self.max_retries < 0:
             _fail(f"{p}.max_retries", self.max_retries, "must be >= 0")
+        if not self.commit_seconds > 0:
+            _fail(f"{p}.commit_seconds", self.commit_seconds, "must be > 0 seconds")
         if not self.timeout_seconds > 0:
             _fail(f"{p}.timeout_seconds", self.timeout_seconds, "must be > 0")
         if self.retry_backoff_seconds < 0:
@@ -569,7 +647,7 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
         if value is None:
             return None
         rest = [a for a in args if a is not type(None)]
-        return _coerce(key, rest[0], value)
+        return _coerce(key, rest[0] if len(rest) == 1 else Union[tuple(rest)], value)
     if origin is not None and str in args and any(get_origin(a) is list for a in args):  # str | list[str]
         return _coerce(key, str if isinstance(value, str) else next(a for a in args if get_origin(a) is list), value)
     if hint is bool:

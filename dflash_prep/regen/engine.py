@@ -73,8 +73,9 @@ class Engine(Protocol):
     def identity(self) -> dict:
         """JSON-able facts that decide the generated text: model identity, engine name, served model name."""
 
-    def answer(self, requests: list[Request]) -> list[Answer]:
-        """One answer per request, in the requests' order. Raises EngineUnavailable when the engine is gone."""
+    def answer(self, requests: list[Request], on_answered=None) -> list[Answer]:
+        """One answer per request, in the requests' order; on_answered(n), if given, as n more are answered (from
+        any thread: the progress bar). Raises EngineUnavailable when the engine is gone."""
 
     def close(self) -> None:
         """Release servers' connections, threads, or the model."""

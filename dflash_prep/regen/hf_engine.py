@@ -229,9 +229,10 @@ class TransformersEngine:
                 self._identity["random_weights_device"] = self.device.type
         return dict(self._identity)
 
-    def answer(self, requests: list[Request]) -> list[Answer]:
-        """One Answer per request, in the requests' order. Raises ValueError for unsupported sampling parameters;
-        a device error other than out-of-memory propagates."""
+    def answer(self, requests: list[Request], on_answered=None) -> list[Answer]:
+        """One Answer per request, in the requests' order; on_answered(n), if given, after each `generate` batch
+        (n: its requests). Raises ValueError for unsupported sampling parameters; a device error other than
+        out-of-memory propagates."""
         answers: list[Answer | None] = [None] * len(requests)
         groups: dict[tuple, list[_Prompt]] = {}
         for index, request in enumerate(requests):
@@ -246,6 +247,8 @@ class TransformersEngine:
             for members, width in self._batches(prompts, new_tokens):
                 for prompt, ids in zip(members, self._run(members, width, new_tokens)):
                     answers[prompt.index] = self._answer_of(prompt, ids)
+                if on_answered is not None:
+                    on_answered(len(members))
         return answers
 
     def _sizes(self):

@@ -5,8 +5,11 @@ is waiting goes to the engine in calls of at most `batch_size` requests, `parall
 daemon thread of its own (a call blocks until all its answers are in; several calls keep a server's slots busy
 while one waits for its slowest answer; the in-process engine takes one large call and groups it by length
 itself). An answered row moves on to its next turn or is done; a chunk whose rows are all done is committed at
-once (output.ChunkCommitter). The engine is never called from two threads unless `parallel_calls` > 1 (the
-`openai` engine is thread-safe).
+once (output.ChunkCommitter), and every `commit_seconds` each open chunk commits the rows done since its last
+commit as a part of its own (so a kill loses at most that span of answers, at any request rate): a part lists its
+rows by source position, and a resume asks exactly the rows of a chunk no part lists. A row's request counts go
+with the row (into the part that commits it), so rows redone after a kill are not counted twice. The engine is
+never called from two threads unless `parallel_calls` > 1 (the `openai` engine is thread-safe).
 
 Stops: a stop request (SIGTERM, Ctrl-C: StopRequest) or an engine that is gone (EngineUnavailable) ends the loop:
 every chunk completed so far is already committed, the rows of the other chunks in flight are dropped (the next
@@ -58,14 +61,29 @@ class LoopStats:
     skipped: Counter = field(default_factory=Counter)
 
 
+def _new_counts() -> dict:
+    return {"num_requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "finish_reasons": {}, "tool_calls": {},
+            "ended_early": {}}
+
+
 @dataclass
 class _Chunk:
     chunk: int
     remaining: int
+    part: int = 0  # the number of the next part committed
+    committed_parts: int = 0  # parts this run committed
     rows: list = field(default_factory=list)
     skipped: list = field(default_factory=list)
-    counts: dict = field(default_factory=lambda: {"num_requests": 0, "prompt_tokens": 0, "completion_tokens": 0,
-                                                  "finish_reasons": {}, "tool_calls": {}, "ended_early": {}})
+    counts: dict = field(default_factory=_new_counts)
+
+
+def _add_counts(into: dict, counts: dict) -> None:
+    for key, value in counts.items():
+        if isinstance(value, dict):
+            for k, n in value.items():
+                into[key][k] = into[key].get(k, 0) + n
+        else:
+            into[key] += value
 
 
 def row_at(batch: dict, columns: list[str], j: int) -> tuple[dict, str]:
@@ -80,13 +98,17 @@ class RegenLoop:
 
     rows: the `datasets.Dataset` of data/rows.load_rows; chunks: this rank's chunk ids; provenance: the `regen`
     fields every row shares (engine, model, sampling JSON, max_tokens); on_progress(rows, requests, completion
-    tokens): called after every engine call with this rank's totals; thread_init: called first in each call's thread
-    (e.g. `torch.cuda.set_device`: the current CUDA device is per thread, and kernels such as Triton's use it)."""
+    tokens): called after every engine call with this rank's totals; on_answered(n): called from the engines' threads
+    as answers come in (the progress bar's per-request count); thread_init: called first in each call's thread
+    (e.g. `torch.cuda.set_device`: the current CUDA device is per thread, and kernels such as Triton's use it);
+    committed: chunk -> (its source positions already committed, its next part number), from the index;
+    commit_seconds: the span after which an open chunk commits its done rows as a part (None: whole chunks only)."""
 
     def __init__(self, engine, rows, chunks: list[int], rows_per_shard: int, settings: RegenSettings,
                  committer: ChunkCommitter, provenance: dict, id_column: str | None, max_rows_in_flight: int,
                  batch_size: int, parallel_calls: int, stop: StopRequest | None = None, on_progress=None,
-                 finish_calls_on_stop: bool = False, thread_init=None):
+                 finish_calls_on_stop: bool = False, thread_init=None, committed: dict | None = None,
+                 commit_seconds: float | None = None, on_answered=None):
         self.engine, self.rows, self.rows_per_shard, self.settings = engine, rows, rows_per_shard, settings
         self.committer, self.provenance, self.id_column = committer, provenance, id_column
         self.max_rows_in_flight, self.batch_size, self.parallel_calls = max_rows_in_flight, batch_size, parallel_calls
@@ -99,6 +121,10 @@ class RegenLoop:
         self._active = 0
         self._results: queue.Queue = queue.Queue()
         self._calls_in_flight = 0
+        self._committed = committed or {}
+        self.commit_seconds, self.on_answered = commit_seconds, on_answered
+        self._next_cut = time.monotonic() + commit_seconds if commit_seconds else None
+        self._row_counts: dict[int, dict] = {}  # source position -> its requests' counts until the row is done
         self.stats = LoopStats()
 
     def run(self) -> LoopStats:
@@ -137,13 +163,15 @@ class RegenLoop:
 
     def _open_chunk(self, chunk: int) -> None:
         positions = chunk_rows(chunk, self.rows_per_shard, len(self.rows))
+        done, next_part = self._committed.get(chunk, (set(), 0))
         batch = self.rows[positions.start: positions.stop]
         columns = list(batch)
-        self._open[chunk] = _Chunk(chunk, remaining=len(positions))
-        for j, position in enumerate(positions):
+        todo = [j for j, position in enumerate(positions) if position not in done]
+        self._open[chunk] = _Chunk(chunk, remaining=len(todo), part=next_part)
+        for j in todo:
             row, reason = row_at(batch, columns, j)
-            self._pending_rows.append((chunk, position, row, reason))
-        if not len(positions):
+            self._pending_rows.append((chunk, positions[j], row, reason))
+        if not todo:
             self._commit(chunk)
 
     # -------------------------------------------------------------------------------------------- engine calls
@@ -160,7 +188,8 @@ class RegenLoop:
         try:
             if self.thread_init is not None:
                 self.thread_init()
-            answers = self.engine.answer(requests)
+            answers = self.engine.answer(requests, on_answered=self.on_answered) if self.on_answered \
+                else self.engine.answer(requests)
             self._results.put((members, answers, None, time.perf_counter() - t0))
         except BaseException as e:  # noqa: BLE001 - raised in the loop's thread (_collect)
             self._results.put((members, None, e, time.perf_counter() - t0))
@@ -168,6 +197,7 @@ class RegenLoop:
     def _collect(self) -> None:
         """Wait for one call's answers (checking for a stop request twice a second) and apply them."""
         while True:
+            self._cut_by_time()
             if self.stop is not None and self.stop.requested:
                 if self.finish_calls_on_stop:
                     for _ in range(self._calls_in_flight):  # their answers are dropped: asked again on resume
@@ -188,7 +218,7 @@ class RegenLoop:
         if len(answers) != len(members):
             raise EngineFailed(f"the engine returned {len(answers)} answers to {len(members)} requests")
         for (chunk, conv), answer in zip(members, answers):
-            self._count_answer(chunk, answer)
+            self._count_answer(chunk, conv, answer)
             conv.accept(answer)
             if conv.done:
                 self._finish(chunk, conv)
@@ -197,8 +227,8 @@ class RegenLoop:
         if self.on_progress is not None:
             self.on_progress(self.stats)
 
-    def _count_answer(self, chunk: int, answer) -> None:
-        counts, stats = self._open[chunk].counts, self.stats
+    def _count_answer(self, chunk: int, conv: Conversation, answer) -> None:
+        counts, stats = self._row_counts.setdefault(conv.position, _new_counts()), self.stats
         counts["num_requests"] += 1
         stats.requests += 1
         if answer.rejected is None:
@@ -212,6 +242,7 @@ class RegenLoop:
     def _finish(self, chunk: int, conv: Conversation) -> None:
         state = self._open[chunk]
         self._active -= 1
+        _add_counts(state.counts, self._row_counts.pop(conv.position, _new_counts()))
         for outcome, n in conv.tool_calls.items():
             state.counts["tool_calls"][outcome] = state.counts["tool_calls"].get(outcome, 0) + n
         if conv.ended_early is not None:
@@ -232,8 +263,31 @@ class RegenLoop:
             self._commit(chunk)
 
     def _commit(self, chunk: int) -> None:
+        """The chunk's last part (its rows are all done); none when an earlier part of this run holds them all."""
         state = self._open.pop(chunk)
-        self.committer.commit(chunk, state.rows, state.skipped, state.counts)
+        if state.rows or state.skipped or not state.committed_parts:
+            self._commit_part(state)
         self.stats.chunks_committed += 1
+
+    def _commit_part(self, state: _Chunk) -> None:
+        self.committer.commit(state.chunk, state.rows, state.skipped, state.counts, part=state.part)
         self.stats.rows_written += len(state.rows)
         self.stats.skipped.update(s["reason"] for s in state.skipped)
+        state.part += 1
+        state.committed_parts += 1
+        state.rows, state.skipped, state.counts = [], [], _new_counts()
+
+    def _cut_by_time(self) -> None:
+        """Every `commit_seconds`: each open chunk with rows done since its last commit commits them as a part."""
+        if self._next_cut is None or time.monotonic() < self._next_cut:
+            return
+        self._commit_done_rows()
+        self._next_cut = time.monotonic() + self.commit_seconds
+
+    def _commit_done_rows(self) -> None:
+        """Each open chunk's rows done since its last commit, as a part. Only at a time cut: a stop commits no
+        part, so a chunk of a run that is stopped and resumed within `commit_seconds` keeps its rows in source
+        order."""
+        for state in list(self._open.values()):
+            if state.rows or state.skipped:
+                self._commit_part(state)

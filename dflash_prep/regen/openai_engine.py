@@ -30,8 +30,17 @@ Errors, per request:
   with none left `answer()` raises EngineUnavailable (the run stops, exit code 1, resumable);
 - HTTP 500 (an exception inside the server: `transformers serve` answers a template error so; a server whose
   engine died answers everything so): retried the same way; then, if the server still answers `GET /models`, the
-  request is rejected with the server's message, else the server is down. `SERVER_ERROR_BREAKER` such rejections
-  in a row (no answer in between) mean the server is broken, not the rows: EngineUnavailable.
+  request is held back, not answered: a rejection counts against a row only when the server answered other requests
+  around it. A held request is asked again once its server has answered another one after it; rejected again, it
+  is held again, and the next answer of that server confirms it (`Answer.rejected`, a counted skip). A server whose
+  `SERVER_ERROR_BREAKER` requests (at least 2 x its concurrency) failed in a row with no answer in between is
+  broken, not its rows: it counts as down, and its held requests go back to the queue unanswered (to another
+  server; with none left the run stops, exit code 1, and a resume asks them again). With no other work to send, an
+  idle worker probes a server holding requests with its last answered request (1 new token) to tell the two apart.
+
+Servers the run manages (regen/servers.py) are restarted instead of counted down: `on_server_down(base_url, why)`
+is called from the worker that found it down and returns once the server is back (True: its requests are sent again)
+or its restarts are spent (False: it is down).
 
 Why our own retry loop rather than the client's (`max_retries` of `openai.OpenAI`): its waits are fixed (0.5 s
 doubling to 8 s), too short to ride out a server restart, and it cannot tell us when a server is spent so that its
@@ -40,6 +49,7 @@ requests move to another one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -57,6 +67,7 @@ TRANSIENT_STATUS = (408, 429, 500, 502, 503, 504)
 STANDARD_SAMPLING = ("temperature", "top_p", "presence_penalty", "frequency_penalty")  # OpenAI's own fields
 MAX_BACKOFF_SECONDS = 60.0
 SERVER_ERROR_BREAKER = 8  # at least this many HTTP 500 rejections in a row (and 2 x the concurrency): broken server
+PROBE_IDLE_SECONDS = 1.0  # a worker idle this long probes its server when it holds rejected requests
 
 
 class _Server:
@@ -68,6 +79,10 @@ class _Server:
         self.base_url = base_url
         self.client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout_seconds, max_retries=0)
         self.down: str | None = None  # why, once down
+        self.held: list[_Job] = []  # requests rejected with HTTP 5xx, waiting for another answer of this server
+        self.errors_in_a_row = 0  # HTTP 5xx rejections since its last answer
+        self.last_answered: Request | None = None  # the probe's request
+        self.probing = False
 
     def served_models(self, tries: int = 3) -> list[str] | None:
         """The model names `GET /models` lists now (10 s a try), or None when the server does not answer. A few
@@ -87,8 +102,15 @@ class _Server:
 class _Job:
     """A request waiting for a server, with the future its caller waits on."""
 
-    def __init__(self, request: Request):
-        self.request, self.future = request, Future()
+    def __init__(self, request: Request, on_answered=None):
+        self.request, self.future, self.on_answered = request, Future(), on_answered
+        self.server_rejections = 0  # times a server answered it HTTP 5xx while it answered others
+        self.rejection: Answer | None = None
+
+    def resolve(self, answer: Answer) -> None:
+        self.future.set_result(answer)
+        if self.on_answered is not None:
+            self.on_answered(1)
 
 
 class OpenAIEngine:
@@ -96,19 +118,21 @@ class OpenAIEngine:
 
     section: the recipe's `regenerate` section (base_urls, max_concurrency, timeout_seconds, max_retries,
     retry_backoff_seconds, extra_sampling, api_key_env). served_model_name: the `model` of every request.
-    Raises EngineUnavailable when no server answers `GET /models` at the start, RecipeError when one lists models
-    but not `served_model_name`."""
+    base_urls: the servers (default `section.base_urls`; the managed servers' own). on_server_down(base_url, why):
+    see the module docstring. Raises EngineUnavailable when no server answers `GET /models` at the start,
+    RecipeError when one lists models but not `served_model_name`."""
 
-    def __init__(self, section: RegenerateSection, served_model_name: str):
+    def __init__(self, section: RegenerateSection, served_model_name: str, base_urls: list[str] | None = None,
+                 on_server_down=None):
         self.section, self.model = section, served_model_name
         api_key = os.environ.get(section.api_key_env) or "EMPTY"
-        self.servers = [_Server(url, api_key, section.timeout_seconds) for url in section.base_urls]
+        urls = section.base_urls if base_urls is None else base_urls
+        self.servers = [_Server(url, api_key, section.timeout_seconds) for url in urls]
         self.total_concurrency = section.max_concurrency * len(self.servers)
-        self._breaker_limit = max(SERVER_ERROR_BREAKER, 2 * self.total_concurrency)
+        self._breaker_limit = max(SERVER_ERROR_BREAKER, 2 * section.max_concurrency)
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._lock = threading.Lock()
-        self._server_errors_in_a_row = 0
-        self._broken: str | None = None
+        self.on_server_down = on_server_down
         self._closed = False
         self.num_requests = self.num_retries = 0
         self._check_servers()
@@ -173,10 +197,10 @@ class OpenAIEngine:
                     answer.rejected or "the fields are ignored")
         return "none"
 
-    def answer(self, requests: list[Request]) -> list[Answer]:
-        """One Answer per request, in order. Raises EngineUnavailable when every server is down (or broken); then
-        none of these answers is returned."""
-        jobs = [_Job(r) for r in requests]
+    def answer(self, requests: list[Request], on_answered=None) -> list[Answer]:
+        """One Answer per request, in order; on_answered(1) from a worker thread as each one is settled. Raises
+        EngineUnavailable when every server is down (or broken); then none of these answers is returned."""
+        jobs = [_Job(r, on_answered) for r in requests]
         for job in jobs:
             self._queue.put(job)
         self._fail_if_no_server()
@@ -184,8 +208,6 @@ class OpenAIEngine:
         errors = [j.future.exception() for j in jobs if j.future.exception() is not None]
         if errors:
             raise errors[0]
-        if self._broken is not None:
-            raise EngineUnavailable(self._broken)
         return [j.future.result() for j in jobs]
 
     def close(self) -> None:
@@ -197,7 +219,11 @@ class OpenAIEngine:
     # ------------------------------------------------------------------------------------------ workers
     def _work(self, server: _Server) -> None:
         while not self._closed and server.down is None:
-            job = self._queue.get()
+            try:
+                job = self._queue.get(timeout=PROBE_IDLE_SECONDS)
+            except queue.Empty:
+                self._probe(server)
+                continue
             if job is None:
                 return
             if server.down is not None:  # marked down by another of its workers meanwhile
@@ -207,15 +233,77 @@ class OpenAIEngine:
             try:
                 answer = self._call(server, job.request)
             except _ServerDown as e:
-                self._mark_down(server, str(e))
-                self._queue.put(job)  # another server takes it (or _fail_if_no_server ends it)
-                self._fail_if_no_server()
-                return
+                self._queue.put(job)  # sent again: to this server once it is back, else to another one
+                if not self._server_lost(server, str(e)):
+                    return
+                continue
             except Exception as e:  # noqa: BLE001 - a bug or an unexpected reply: the caller sees it
                 job.future.set_exception(e)
                 continue
-            self._count_server_errors(answer)
-            job.future.set_result(answer)
+            if not self._settle(server, job, answer):
+                return
+
+    def _settle(self, server: _Server, job: _Job | None, answer: Answer) -> bool:
+        """Apply one reply of `server` (job None: a probe's). False when the server turned out broken and is down."""
+        if answer.rejected is not None and answer.rejected.startswith("HTTP 5"):
+            with self._lock:
+                server.errors_in_a_row += 1
+                if job is not None:
+                    job.server_rejections += 1
+                    job.rejection = answer
+                    server.held.append(job)
+                broken = server.errors_in_a_row >= self._breaker_limit
+            if broken:
+                return self._server_lost(server, f"{server.errors_in_a_row} requests in a row failed with HTTP 5xx "
+                                                 f"(the last: {answer.rejected}): the server is broken, not the rows")
+            return True
+        with self._lock:
+            server.errors_in_a_row = 0
+            released, server.held = server.held, []
+            if job is not None:
+                server.last_answered = job.request
+        if job is not None:
+            job.resolve(answer)
+        for held in released:  # the server answered after them: a first rejection is asked again, a second stands
+            if held.server_rejections >= 2:
+                held.resolve(held.rejection)
+            else:
+                self._queue.put(held)
+        return True
+
+    def _probe(self, server: _Server) -> None:
+        """An idle worker of a server holding rejected requests: its last answered request again (1 new token),
+        so a server answering others confirms them and a broken one trips the breaker."""
+        with self._lock:
+            if not server.held or server.probing or server.down is not None:
+                return
+            server.probing = True
+            request = server.last_answered or Request(messages=[{"role": "user", "content": "Hello"}], tools=None,
+                                                      sampling={}, seed=0, max_tokens=1)
+        try:
+            answer = self._call(server, dataclasses.replace(request, max_tokens=1))
+            self._settle(server, None, answer)
+        except _ServerDown as e:
+            self._server_lost(server, str(e))
+        except Exception:  # noqa: BLE001 - a probe's own failure decides nothing
+            log.debug("probe of %s failed", server.base_url, exc_info=True)
+        finally:
+            server.probing = False
+
+    def _server_lost(self, server: _Server, why: str) -> bool:
+        """`server` is down or broken: its held requests go back to the queue unanswered (their rejections void).
+        A managed server is restarted (True: its workers go on); else, or with its restarts spent, it is down."""
+        with self._lock:
+            held, server.held = server.held, []
+            server.errors_in_a_row = 0
+        for job in held:
+            job.server_rejections, job.rejection = 0, None
+            self._queue.put(job)
+        if self.on_server_down is not None and server.down is None and self.on_server_down(server.base_url, why):
+            return True
+        self._mark_down(server, why)
+        self._fail_if_no_server()
+        return False
 
     def _mark_down(self, server: _Server, why: str) -> None:
         with self._lock:
@@ -236,16 +324,6 @@ class OpenAIEngine:
                 return
             if job is not None and not job.future.done():
                 job.future.set_exception(error)
-
-    def _count_server_errors(self, answer: Answer) -> None:
-        with self._lock:
-            if answer.rejected is not None and answer.rejected.startswith("HTTP 500"):
-                self._server_errors_in_a_row += 1
-                if self._server_errors_in_a_row >= self._breaker_limit and self._broken is None:
-                    self._broken = (f"{self._server_errors_in_a_row} requests in a row failed with HTTP 500 (the "
-                                    f"last: {answer.rejected}): the server is broken, not the rows")
-            else:
-                self._server_errors_in_a_row = 0
 
     # ------------------------------------------------------------------------------------------ one request
     def _backoff(self, attempt: int) -> float:

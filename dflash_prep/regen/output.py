@@ -5,7 +5,9 @@ Layout (`regenerate.output_dir`):
 
     data/shard-000000.arrow   the rows of chunk 0 (source rows 0..rows_per_shard-1) that were answered, in source
                               order; Arrow IPC stream files, as `datasets.save_to_disk` writes them
-    index/rank-00000.jsonl    one line per committed chunk (its shard, its rows, its skipped rows, its counts)
+    data/shard-000000-001.arrow  part 1 of chunk 0: a chunk still open after `commit_seconds` is committed in parts
+                              (part 0 keeps the plain name), each holding the rows answered since the part before
+    index/rank-00000.jsonl    one line per committed part (its shard, its rows, its skipped rows, its counts)
     run_state.json            the job's identity and its runs; skipped.jsonl, summary.json, recipe.resolved.yaml
     manifest.json             the shards, counts and provenance (written at the end)
     dataset_info.json, state.json   the `datasets.load_from_disk` files, written last
@@ -24,7 +26,11 @@ Guarantees:
   chunk is committed once or redone whole; what is regeneration's own here is the Arrow bytes, their features and
   the files that make the folder a dataset;
 - the chunks are fixed by the data and `rows_per_shard` (frozen by the first run), not by the number of processes:
-  a resume on any number of processes runs exactly the chunks no index lists;
+  a resume on any number of processes runs exactly the chunks whose rows the index lines do not all list, and of
+  those only the rows no line lists (a part lists its rows and its skipped rows by source position; the next part of
+  a chunk is numbered after its last committed one). A chunk is done when its parts list every row of it once;
+- rows skipped for a server error by a version that did not confirm such rejections (`rejections_confirmed` false,
+  a detail starting "HTTP 5") make their part uncommitted again at `prepare`: a resume asks those rows again;
 - an output made with another identity (model, served model name, sampling parameters, template keyword arguments,
   turns, ...) is refused with what changed (RegenMismatchError), unless `regenerate.overwrite`.
 """
@@ -89,8 +95,8 @@ def features():
                      "tools": Value("string"), "regen": regen})
 
 
-def shard_path(chunk: int) -> str:
-    return f"{DATA_DIR}/shard-{chunk:06d}.arrow"
+def shard_path(chunk: int, part: int = 0) -> str:
+    return f"{DATA_DIR}/shard-{chunk:06d}.arrow" if part == 0 else f"{DATA_DIR}/shard-{chunk:06d}-{part:03d}.arrow"
 
 
 def chunk_rows(chunk: int, rows_per_shard: int, num_rows: int) -> range:
@@ -100,8 +106,8 @@ def chunk_rows(chunk: int, rows_per_shard: int, num_rows: int) -> range:
 
 @dataclass
 class ChunkRecord:
-    """One committed chunk (an index line): its shard (written even when none of its rows was answered) and its
-    counts."""
+    """One committed part of a chunk (an index line): its shard (written even when none of its rows was answered),
+    the source positions it accounts for (`rows` + `skipped`) and its counts (of those rows' requests)."""
 
     chunk: int
     path: str
@@ -117,6 +123,34 @@ class ChunkRecord:
     tool_calls: dict = field(default_factory=dict)
     ended_early: dict = field(default_factory=dict)
     rank: int = 0
+    part: int = 0  # 0 for a chunk committed whole (lines written before parts existed have none)
+    rejections_confirmed: bool = False  # its HTTP 5xx rejections were confirmed by the server's other answers
+
+
+def positions_of(record: ChunkRecord) -> set[int]:
+    """The source positions a part accounts for: its written rows and its skipped rows."""
+    return set(record.rows) | {s["source_row"] for s in record.skipped}
+
+
+def parts_by_chunk(records: dict) -> dict[int, list[ChunkRecord]]:
+    """(chunk, part) -> record  =>  chunk -> its parts in part order."""
+    out: dict[int, list[ChunkRecord]] = {}
+    for key in sorted(records):
+        out.setdefault(key[0], []).append(records[key])
+    return out
+
+
+def done_chunks(records: dict, rows_per_shard: int, num_rows: int) -> set[int]:
+    """The chunks whose parts account for every one of their rows."""
+    return {c for c, parts in parts_by_chunk(records).items()
+            if set().union(*map(positions_of, parts)) >= set(chunk_rows(c, rows_per_shard, num_rows))}
+
+
+def _unconfirmed_server_error(record: ChunkRecord) -> bool:
+    """A part written before server-error rejections were confirmed, with a row skipped for one (its server may
+    have been failing every request then: the row is asked again)."""
+    return not record.rejections_confirmed and any(
+        str(s.get("detail") or "").startswith("HTTP 5") for s in record.skipped)
 
 
 # ------------------------------------------------------------------------------------------------ identity, claim
@@ -219,7 +253,8 @@ def record_run(out_dir: Path, identity: dict, rows_per_shard: int, recipe_yaml: 
 
 
 # ------------------------------------------------------------------------------------------------ index, repair
-CHUNK_KIND = RecordKind(record_type=ChunkRecord, key=lambda r: r.chunk, files_glob=f"{DATA_DIR}/*", noun="chunk")
+CHUNK_KIND = RecordKind(record_type=ChunkRecord, key=lambda r: (r.chunk, r.part), files_glob=f"{DATA_DIR}/*",
+                        noun="chunk part")
 
 
 def chunk_store(out_dir: Path) -> RecordStore:
@@ -227,30 +262,44 @@ def chunk_store(out_dir: Path) -> RecordStore:
     return RecordStore(Path(out_dir), CHUNK_KIND)
 
 
-def read_committed(out_dir: Path) -> dict[int, ChunkRecord]:
-    """Chunk -> its record, over every rank's index (`RecordStore.read_committed`: a torn last line ignored, its
-    chunk redone; the same line twice counted once; two different records of one chunk: OutputStateError)."""
-    return {r.chunk: r for r in chunk_store(out_dir).read_committed()}
+def read_committed(out_dir: Path) -> dict[tuple[int, int], ChunkRecord]:
+    """(chunk, part) -> its record, over every rank's index (`RecordStore.read_committed`: a torn last line
+    ignored, its part redone; the same line twice counted once; two different records of one part:
+    OutputStateError)."""
+    return {(r.chunk, r.part): r for r in chunk_store(out_dir).read_committed()}
 
 
-def prepare(out_dir: Path) -> dict[int, ChunkRecord]:
-    """Main process, no rank writing (`RecordStore.prepare`): cut torn index tails, drop committed chunks whose
-    shard is missing or has another size (they are redone), remove shards and `.tmp` files no index lists. -> the
-    committed chunks."""
-    found = chunk_store(out_dir).prepare()
+UNCONFIRMED = "holds rows skipped for a server error (HTTP 5xx) that no healthy answer confirmed"
+
+
+def prepare(out_dir: Path) -> dict[tuple[int, int], ChunkRecord]:
+    """Main process, no rank writing (`RecordStore.prepare`): cut torn index tails, drop committed parts whose
+    shard is missing or has another size and parts holding unconfirmed server-error skips (their rows are redone),
+    remove shards and `.tmp` files no index lists. -> the committed parts, (chunk, part) -> record."""
+    store = chunk_store(out_dir)
+
+    def check(committed: list) -> dict[str, str]:
+        return {**{r.path: UNCONFIRMED for r in committed if _unconfirmed_server_error(r)},
+                **store.size_mismatches(committed)}
+
+    found = store.prepare(check=check)
     for index, _ in found.repaired:
         log.warning("regenerate: %s ended in a torn or unreadable line: cut back to its last complete one", index)
-    if found.damaged:
+    damaged = {p: why for p, why in found.damaged.items() if why != UNCONFIRMED}
+    if damaged:
         log.warning("regenerate: %d committed shard(s) missing or of another size (e.g. %s): redone",
-                    len(found.damaged), min(found.damaged))
+                    len(damaged), min(damaged))
+    if len(damaged) < len(found.damaged):
+        log.warning("regenerate: %d committed part(s) %s: their rows are asked again",
+                    len(found.damaged) - len(damaged), UNCONFIRMED)
     if found.removed:
         log.info("regenerate: removed %d uncommitted file(s) left by an interrupted run", len(found.removed))
-    return {r.chunk: r for r in found.committed}
+    return {(r.chunk, r.part): r for r in found.committed}
 
 
 class ChunkCommitter:
-    """One rank's writer: `commit(chunk, rows, skipped, counts)` writes the chunk's Arrow shard to `.tmp` and
-    fsyncs it; the record store renames it and appends its index line (fsynced): the chunk is committed there."""
+    """One rank's writer: `commit(chunk, rows, skipped, counts, part)` writes the part's Arrow shard to `.tmp` and
+    fsyncs it; the record store renames it and appends its index line (fsynced): the part is committed there."""
 
     def __init__(self, out_dir: Path, rank: int, faults=None):
         self.out_dir, self.rank, self.faults = Path(out_dir), rank, faults
@@ -260,18 +309,18 @@ class ChunkCommitter:
         self.schema = features().arrow_schema
         self.num_committed = 0
 
-    def commit(self, chunk: int, rows: list[dict], skipped: list[dict], counts: dict) -> ChunkRecord:
+    def commit(self, chunk: int, rows: list[dict], skipped: list[dict], counts: dict, part: int = 0) -> ChunkRecord:
         """rows: output rows (conversation.Conversation.result), any order; skipped: {source_row, source_id,
         reason, detail}; counts: num_requests, prompt_tokens, completion_tokens, finish_reasons, tool_calls,
-        ended_early."""
+        ended_early; part: 0, 1, ... for the parts of a chunk committed by time."""
         rows = sorted(rows, key=lambda r: r["source_row"])
-        path = shard_path(chunk)  # written even without rows: datasets loads a folder of empty shards, not of none
+        path = shard_path(chunk, part)  # written even without rows: datasets loads a folder of empty shards
         final = self.out_dir / path
         tmp = final.with_name(final.name + TMP_SUFFIX)
         size, digest = self._write_shard(tmp, rows)
         record = ChunkRecord(chunk=chunk, path=path, num_rows=len(rows), rows=[r["source_row"] for r in rows],
                              skipped=sorted(skipped, key=lambda s: s["source_row"]), num_bytes=size, sha256=digest,
-                             rank=self.rank, **counts)
+                             rank=self.rank, part=part, rejections_confirmed=True, **counts)
         self.appender.commit(tmp, final, record)
         self.num_committed += 1
         return record
@@ -305,7 +354,8 @@ def is_finished(out_dir: Path) -> bool:
 def write_dataset_files(out_dir: Path, records: list[ChunkRecord], manifest: dict, skipped: list[dict],
                         summary: dict) -> None:
     """skipped.jsonl, summary.json, manifest.json, then datasets' dataset_info.json and, last, state.json (listing
-    the shards in chunk order: the rows in source order). Main process, every chunk committed."""
+    the shards in chunk and part order: the rows in source order, except that the parts of a chunk committed by
+    time each hold the rows answered in their span). Main process, every chunk committed."""
     import datasets
 
     out_dir = Path(out_dir)
@@ -314,7 +364,7 @@ def write_dataset_files(out_dir: Path, records: list[ChunkRecord], manifest: dic
     write_manifest(out_dir, MANIFEST_NAME, manifest)
     info = asdict(datasets.DatasetInfo(description="dflash-prep regenerated rows", features=features()))
     atomic_write_json(out_dir / DATASET_FILES[0], {k: info[k] for k in sorted(info)})
-    shards = [r.path for r in sorted(records, key=lambda r: r.chunk)]
+    shards = [r.path for r in sorted(records, key=lambda r: (r.chunk, r.part))]
     fingerprint = hashlib.sha256(json.dumps([r.sha256 for r in records]).encode()).hexdigest()[:16]
     atomic_write_json(out_dir / DATASET_FILES[1], {
         "_data_files": [{"filename": s} for s in shards], "_fingerprint": fingerprint, "_format_columns": None,
