@@ -128,3 +128,18 @@ def test_two_processes_record_their_startup_and_predicted_seconds_and_the_balanc
                             capture_output=True, text=True, timeout=300)
     assert report.returncode == 0, report.stderr[-3000:]
     assert "rank 1: loop" in report.stdout and "split by padded tokens (before)" in report.stdout
+
+
+@pytest.mark.slow
+def test_a_token_budget_smaller_than_a_sample_is_a_refusal_in_one_line(tmp_path):
+    """`batching.max_tokens_per_batch` below one sample's padded length: the plan cannot be made, which the recipe
+    must change (exit code 2, one `error:` line naming the key), not a ValueError traceback with exit code 1."""
+    data = _data(tmp_path / "rows.jsonl")
+    proc = subprocess.run([sys.executable, "-m", "dflash_prep.commands.cli", "extract", "--set",
+                           f"output.dir={tmp_path / 'out'}", "--set", f"data.path={data}", "--set",
+                           "batching.max_tokens_per_batch=16", "--set", "batching.packing=false"],
+                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "batching.max_tokens_per_batch" in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr

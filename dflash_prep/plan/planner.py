@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from dflash_prep.recipe.schema import RecipeError
+
 if TYPE_CHECKING:
     from dflash_prep.recipe.schema import Recipe
 
@@ -520,14 +522,18 @@ def packed_row_budget(batching) -> int:
 def make_plan(lengths: list[int], recipe: Recipe, packed: bool = False) -> list[PlannedBatch]:
     """The global batch plan of `recipe` for the kept samples' `lengths` (what OUT/plan.json freezes; also what
     `dflash-prep plan` reports, so its figures are the run's): packed rows (`packed`, plan_packed_rows) or
-    right-padded batches of a few lengths (plan_batches)."""
+    right-padded batches of a few lengths (plan_batches). Raises RecipeError (exit code 2, one line) when the
+    recipe's budget cannot hold a sample: the recipe is what must change."""
     b = recipe.batching
-    if packed:
-        return plan_packed_rows(lengths, max_tokens_per_batch=packed_row_budget(b),
-                                length_multiple=b.length_multiple)
-    buckets = ShapeBuckets(b.length_multiple, b.length_growth, recipe.data.max_length)
-    return plan_batches(lengths, max_tokens_per_batch=b.max_tokens_per_batch, max_batch_size=b.max_batch_size,
-                        buckets=buckets)
+    try:
+        if packed:
+            return plan_packed_rows(lengths, max_tokens_per_batch=packed_row_budget(b),
+                                    length_multiple=b.length_multiple)
+        buckets = ShapeBuckets(b.length_multiple, b.length_growth, recipe.data.max_length)
+        return plan_batches(lengths, max_tokens_per_batch=b.max_tokens_per_batch, max_batch_size=b.max_batch_size,
+                            buckets=buckets)
+    except ValueError as e:
+        raise RecipeError(f"the batch plan: {e}") from None
 
 
 def plan_settings(recipe: Recipe) -> dict:
