@@ -66,10 +66,10 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
 
-def check_model(model: str, num_layers: int, device: torch.device, tmp: Path) -> dict:
+def check_model(model: str, num_layers: int, device: torch.device, tmp: Path, kernels: str = "auto") -> dict:
     section = slice_section(model, num_layers, tmp)
     config = load_config(section)
-    choice = select_kernels("auto", config, device.type)
+    choice = select_kernels(kernels if kernels == "auto" else kernels.split(","), config, device.type)
     if not choice.names:
         raise SystemExit(f"{model}: `auto` chose no kernels here ({choice.reason}): nothing to check")
     # Both layer kinds of the hybrid (full attention every 4th: 3, 7). Not the last layer: HF's last hidden state,
@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="qwen3.6-27b,llama3.1-8b")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--kernels", default="auto", help="auto, or a comma-separated list (model.kernels) to check")
     p.add_argument("--device", default="cuda", help="cuda (a CPU has no fused kernels: `auto` is eager there)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models.split(","):
-            res = check_model(model, args.layers, device, Path(tmp))
+            res = check_model(model, args.layers, device, Path(tmp), args.kernels)
             results["models"][model] = res
             print(f"{model}: kernels {res['kernels']} {res['libraries']}, fp32 forward eager "
                   f"{res['fp32_forward_seconds']['eager']:.3f}s, fused {res['fp32_forward_seconds']['fused']:.3f}s")

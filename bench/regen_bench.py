@@ -1,26 +1,31 @@
 #!/usr/bin/env python
-"""Regeneration benchmark: the in-process engine against one-prompt-at-a-time `generate`, same process, same model.
+"""Regeneration benchmark: the in-process engine's static-cache / CUDA-graph decoder against its HF `generate`
+batches, same process, same model, same prompts.
 
     python bench/regen_bench.py OUT_DIR [--models llama3.1-8b,qwen3.6-27b] [--deadline-seconds 450] ...
     python bench/regen_bench.py OUT_DIR --dry-run      # tiny-llama + tiny-qwen3.5 on the CPU, in seconds
 
 For each model (random bf16 weights from bench/configs/, drawn on the device by `load_model` inside the engine; the
 demo tokenizer renders the prompts) it draws a fixed list of chat prompts (one user message each; lengths
-lognormal, seeded), then measures in one process:
+lognormal, seeded), then measures in one process, greedy, `max_tokens` new tokens each, EOS ignored
+(`ignore_eos=True`):
 
-  engine     `TransformersEngine.answer(all prompts)` (greedy, `max_tokens` new tokens each, EOS ignored:
-             `ignore_eos=True`): batches cut under the token budget, left padded. Cold pass (first-seen shapes:
-             Triton autotuning of flash-linear-attention's kernels included), then, time permitting, a warm pass on
-             the same prompts.
-  baseline   the naive way: the same model, one prompt at a time through `model.generate` (greedy, the same
-             `max_tokens`, no EOS), on the first prompts of the list until `--baseline-seconds` is spent.
+  static     `TransformersEngine.answer(all prompts)` on its default decoder (regen/decode.py: static cache, the
+             decode step replayed as a CUDA graph, chunked prefill), the token budget `static_tokens_per_batch`.
+             Cold pass (first-seen shapes: Triton autotuning included), then, time permitting, a warm pass.
+  generate   the same engine and prompts on `decoder=generate` (HF `generate` over the same length-sorted
+             batches, the budget `max_tokens_per_batch`: the engine as it was before the static decoder), cold.
+  check      the first `check_prompts` prompts one at a time through `model.generate` (no padding, no batch),
+             `check_tokens` new tokens: how many leading tokens equal the static pass's (exact in float32 on the
+             CPU; in bf16 a batch's other rounding can flip an argmax where two logits nearly tie, and the rest of
+             that answer then differs).
 
-Reported per method: generated tokens/s (new tokens / wall seconds, including the prompts' prefill), requests/s,
-generate calls; the engine's peak GPU memory; the baseline's agreement with the engine (same text for how many of
-its prompts: exact in float32 on the CPU, bf16 batched rounding may change some on the GPU); and the batches that
-extraction's length buckets (`plan_batches`, `batching` defaults) would have cut the same requests into (each batch
-costs `max_tokens` decode steps). Writes OUT_DIR/regen-bench.json and OUT_DIR/regen-bench.md, and prints timings as
-it goes. Random weights: the figures measure the generation machinery, not a checkpoint's answers.
+Reported per model: generated tokens/s (new tokens / wall seconds, prefill included), ms per decode step (the
+static decoder's own timing of its decode loop; `generate`: wall seconds per batch step, prefill included), prefill
+seconds, batches, peak GPU memory, the decode path in words (which loop, and for the Gated DeltaNet hybrid which
+recurrence kernel), CUDA graph captures / failures, the greedy agreement and whether the two decoders wrote the same
+texts. Writes OUT_DIR/regen-bench.json and OUT_DIR/regen-bench.md, and prints timings as it goes. Random weights:
+the figures measure the generation machinery, not a checkpoint's answers.
 """
 
 from __future__ import annotations
@@ -50,15 +55,17 @@ from bench.timing import free_memory, peak_memory, sync  # noqa: E402
 
 @dataclass(frozen=True)
 class RegenSpec:
-    """One benchmark model and its sizes (one H200 for the big ones: about 2 and 4 minutes)."""
+    """One benchmark model and its sizes (one H200 for the big ones: about 2.5 minutes each)."""
 
     config: str
     dtype: str
     num_prompts: int
     max_tokens: int
-    max_tokens_per_batch: int
-    baseline_seconds: float
-    min_seconds: float  # what the model needs at least (build + cold pass): kept free by the models before it
+    max_tokens_per_batch: int  # the generate decoder's budget (the engine's before the static decoder)
+    static_tokens_per_batch: int  # the static decoder's: KV cache and states of a batch at its end
+    min_seconds: float  # what the model needs at least (build + both cold passes): kept free by the models before it
+    check_prompts: int = 4
+    check_tokens: int = 32
     mu: float = 5.5  # prompt lengths ~ lognormal(mu, sigma) tokens, clipped: median ~245, mean ~340
     sigma: float = 0.8
     max_prompt_tokens: int = 2048
@@ -66,14 +73,15 @@ class RegenSpec:
 
 SPECS = {
     "llama3.1-8b": RegenSpec("llama3.1-8b.json", "bfloat16", num_prompts=256, max_tokens=256,
-                             max_tokens_per_batch=131072, baseline_seconds=40, min_seconds=90),
-    "qwen3.6-27b": RegenSpec("qwen3.6-27b.json", "bfloat16", num_prompts=128, max_tokens=128,
-                             max_tokens_per_batch=65536, baseline_seconds=40, min_seconds=180),
+                             max_tokens_per_batch=131072, static_tokens_per_batch=262144, min_seconds=150),
+    "qwen3.6-27b": RegenSpec("qwen3.6-27b.json", "bfloat16", num_prompts=64, max_tokens=128,
+                             max_tokens_per_batch=65536, static_tokens_per_batch=131072, min_seconds=150),
     "tiny-llama": RegenSpec("tiny-llama.json", "float32", num_prompts=12, max_tokens=8, max_tokens_per_batch=4096,
-                            baseline_seconds=30, min_seconds=5, mu=4.0, sigma=0.8, max_prompt_tokens=300),
+                            static_tokens_per_batch=4096, min_seconds=5, check_tokens=8, mu=4.0,
+                            max_prompt_tokens=300),
     "tiny-qwen3.5": RegenSpec("tiny-qwen3.5.json", "float32", num_prompts=12, max_tokens=8,
-                              max_tokens_per_batch=4096, baseline_seconds=30, min_seconds=5, mu=4.0, sigma=0.8,
-                              max_prompt_tokens=300),
+                              max_tokens_per_batch=4096, static_tokens_per_batch=4096, min_seconds=5,
+                              check_tokens=8, mu=4.0, max_prompt_tokens=300),
 }
 GPU_MODELS, DRY_RUN_MODELS = ("llama3.1-8b", "qwen3.6-27b"), ("tiny-llama", "tiny-qwen3.5")
 
@@ -94,73 +102,79 @@ def make_prompts(tokenizer, spec: RegenSpec, seed: int) -> tuple[list[list[dict]
 
 
 def engine_pass(engine, requests, device) -> dict:
-    """One `answer` call over all requests, timed to its last token."""
+    """One `answer` call over all requests on the engine's current decoder, timed to its last token; the generated
+    ids of each prompt recorded (`_ids`: prompt ids tuple -> new ids) from the batches the decoder ran."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    calls_before = engine.num_generate_calls
-    sync(device)
-    t = time.perf_counter()
-    answers = engine.answer(requests)
-    sync(device)
-    seconds = time.perf_counter() - t
-    generated = sum(a.completion_tokens for a in answers)
-    return {"seconds": seconds, "requests": len(requests), "rejected": sum(a.rejected is not None for a in answers),
-            "generated_tokens": generated, "prompt_tokens": sum(a.prompt_tokens for a in answers),
-            "generated_tokens_per_second": generated / seconds, "requests_per_second": len(requests) / seconds,
-            "generate_calls": engine.num_generate_calls - calls_before, "out_of_memory_splits": engine.num_ooms,
-            "peak_memory_bytes": peak_memory(device), "_answers": answers}
+    decoder = engine.decoder
+    before = None if decoder is None else dict(vars(decoder.stats))
+    calls_before, ids, real = engine.num_generate_calls, {}, engine._generate
 
+    def recording(input_ids, attention_mask, new_tokens, processors):
+        out = real(input_ids, attention_mask, new_tokens, processors)
+        for row, mask, new in zip(input_ids.tolist(), attention_mask.bool().tolist(), out.tolist()):
+            ids[tuple(t for t, m in zip(row, mask) if m)] = new
+        return out
 
-def baseline(engine, requests, answers, device, seconds_budget: float) -> dict:
-    """One prompt at a time through `model.generate` (greedy, `max_tokens` new tokens, no EOS: the engine's model
-    has none in its generation config), after one untimed warm-up call, until the time budget would be passed; its
-    texts against the engine's."""
-    done, generated, agree, per_prompt = 0, 0, 0, []
-    # Untimed warm-up at batch size 1 (the engine's passes never ran that shape): first-call costs (kernel compiles,
-    # autotuning, allocator growth) would otherwise be charged to the first timed prompt.
-    warm_ids = torch.tensor([engine.render(requests[0])], device=device)
-    with torch.inference_mode():
-        engine.model.generate(input_ids=warm_ids, attention_mask=torch.ones_like(warm_ids),
-                              max_new_tokens=min(16, requests[0].max_tokens), do_sample=False)
-    sync(device)
-    start = time.perf_counter()
-    for request, answer in zip(requests, answers):
-        if per_prompt and time.perf_counter() - start + max(per_prompt) > seconds_budget:
-            break
-        ids = torch.tensor([engine.render(request)], device=device)
-        t = time.perf_counter()
-        with torch.inference_mode():
-            out = engine.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                        max_new_tokens=request.max_tokens, do_sample=False)
+    engine._generate = recording
+    try:
         sync(device)
-        per_prompt.append(time.perf_counter() - t)
-        new = out[0, ids.shape[1]:].tolist()
-        generated += len(new)
-        agree += engine.tokenizer.decode(new, skip_special_tokens=True) == answer.content
-        done += 1
-    seconds = time.perf_counter() - start
-    return {"seconds": seconds, "requests": done, "generated_tokens": generated,
-            "generated_tokens_per_second": generated / seconds, "requests_per_second": done / seconds,
-            "seconds_per_request": per_prompt, "same_text_as_engine": agree}
+        t = time.perf_counter()
+        answers = engine.answer(requests)
+        sync(device)
+        seconds = time.perf_counter() - t
+    finally:
+        del engine._generate
+    generated = sum(a.completion_tokens for a in answers)
+    calls = engine.num_generate_calls - calls_before
+    out = {"seconds": seconds, "requests": len(requests), "rejected": sum(a.rejected is not None for a in answers),
+           "generated_tokens": generated, "prompt_tokens": sum(a.prompt_tokens for a in answers),
+           "generated_tokens_per_second": generated / seconds, "requests_per_second": len(requests) / seconds,
+           "batches": calls, "out_of_memory_splits": engine.num_ooms, "peak_memory_bytes": peak_memory(device),
+           "_answers": answers, "_ids": ids}
+    if decoder is None:
+        steps = calls * requests[0].max_tokens
+        out["ms_per_batch_step_prefill_included"] = 1e3 * seconds / steps if steps else None
+    else:
+        delta = {k: v - before[k] for k, v in vars(decoder.stats).items()}
+        out.update(prefill_seconds=delta["prefill_seconds"], decode_seconds=delta["decode_seconds"],
+                   decode_steps=delta["decode_steps"], graph_captures=delta["graph_captures"],
+                   graph_failures=delta["graph_failures"],
+                   ms_per_decode_step=1e3 * delta["decode_seconds"] / max(delta["decode_steps"], 1))
+    return out
 
 
-def bucketed_batches(engine, requests, new_tokens: int) -> int:
-    """How many batches extraction's planner (length buckets of `batching`'s defaults, 16 / 1.25) cuts the same
-    requests into under the same budget: each batch costs `max_tokens` decode steps."""
-    from dflash_prep.plan.planner import ShapeBuckets, plan_batches
-
-    lengths = [len(engine.render(r)) + new_tokens for r in requests]
-    buckets = ShapeBuckets(16, 1.25, max(lengths))
-    return len(plan_batches(lengths, max_tokens_per_batch=engine.max_tokens_per_batch,
-                            max_batch_size=engine.max_batch_size, buckets=buckets))
+def greedy_check(engine, requests, static_ids: dict, spec: RegenSpec, device) -> dict:
+    """The first `check_prompts` prompts alone through `model.generate` (greedy, `check_tokens` new tokens, no EOS:
+    the engine's model has none in its generation config) against the static pass's ids: the leading tokens that
+    agree, per prompt."""
+    agree, per_prompt = 0, []
+    n = min(spec.check_tokens, requests[0].max_tokens)
+    t = time.perf_counter()
+    for request in requests[:spec.check_prompts]:
+        prompt = engine.render(request)
+        ids = torch.tensor([prompt], device=device)
+        with torch.inference_mode():
+            out = engine.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                        do_sample=False)
+        alone = out[0, len(prompt):].tolist()
+        batched = static_ids.get(tuple(prompt), [])[:n]
+        same = next((i for i, (a, b) in enumerate(zip(alone, batched)) if a != b), min(len(alone), len(batched)))
+        per_prompt.append(same)
+        agree += same
+    total = n * len(per_prompt)
+    return {"prompts": len(per_prompt), "tokens_each": n, "leading_tokens_equal": per_prompt,
+            "agreement": agree / total if total else None, "all_equal": sum(x == n for x in per_prompt),
+            "seconds": time.perf_counter() - t}
 
 
 def build_engine(name: str, spec: RegenSpec, kernels: str, args, device, t0: float, result: dict):
-    """The engine on `device` (EOS ignored) after a smoke call (2 prompts, 4 new tokens), or None (the error in
-    `result["errors"]`, memory freed)."""
+    """The engine on `device` (EOS ignored, the static decoder) after a smoke call (2 prompts, 4 new tokens), or
+    None (the error in `result["errors"]`, memory freed)."""
     from dflash_prep.recipe.schema import ModelSection
     from dflash_prep.regen.engine import Request
     from dflash_prep.regen.hf_engine import TransformersEngine
+    from dflash_prep.target.model import decoder_params_in
 
     section = ModelSection(config=str(CONFIG_DIR / spec.config), tokenizer=str(TOKENIZER_DIR), dtype=spec.dtype,
                            init_seed=0, kernels=kernels if kernels in ("auto", "eager") else kernels.split(","))
@@ -169,15 +183,16 @@ def build_engine(name: str, spec: RegenSpec, kernels: str, args, device, t0: flo
         t = time.perf_counter()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        engine = TransformersEngine(section, device, args.max_tokens_per_batch or spec.max_tokens_per_batch,
-                                    ignore_eos=True)
+        engine = TransformersEngine(section, device, args.static_tokens_per_batch or spec.static_tokens_per_batch,
+                                    ignore_eos=True, cuda_graphs=args.cuda_graphs)
         sync(device)
-        result.update(build_seconds=time.perf_counter() - t, kernels=engine.kernels,
-                      max_tokens_per_batch=engine.max_tokens_per_batch, max_batch_size=engine.max_batch_size,
-                      params=sum(p.numel() for p in engine.model.parameters()),
+        text = engine.config.get_text_config() if hasattr(engine.config, "get_text_config") else engine.config
+        result.update(build_seconds=time.perf_counter() - t, kernels=engine.kernels, decode_path=engine.decode_path,
+                      model_type=getattr(text, "model_type", None), decoder_params=decoder_params_in(engine.model),
+                      max_batch_size=engine.max_batch_size, params=sum(p.numel() for p in engine.model.parameters()),
                       weights_memory_bytes=peak_memory(device))
         log(f"{name}: built in {result['build_seconds']:.1f} s ({result['params'] / 1e9:.2f}B parameters, kernels "
-            f"{engine.kernels['applied'] or 'eager'})", t0)
+            f"{engine.kernels['applied'] or 'eager'}); {engine.decode_path}", t0)
         smoke = [Request(messages=[{"role": "user", "content": text}], tools=None, sampling={}, seed=0, max_tokens=4)
                  for text in ("Hello there.", "A somewhat longer question about the weather in spring?")]
         counts = [a.completion_tokens for a in engine.answer(smoke)]
@@ -194,12 +209,58 @@ def build_engine(name: str, spec: RegenSpec, kernels: str, args, device, t0: flo
         return None
 
 
+def _public(figures: dict) -> dict:
+    return {k: v for k, v in figures.items() if not k.startswith("_")}
+
+
+def _rate(figures: dict) -> str:
+    return (f"{figures['generated_tokens_per_second']:.0f} generated tok/s ({figures['seconds']:.1f} s, "
+            f"{figures['batches']} batches)")
+
+
+def static_passes(name, engine, requests, args, device, t0, deadline, reserve, result) -> dict | None:
+    """The static decoder's cold pass (then warm, time permitting) -> the cold pass's figures (with `_ids`), or
+    None when it failed (the error in `result["errors"]`)."""
+    try:
+        cold = engine_pass(engine, requests, device)
+        log(f"{name}: static cold pass {_rate(cold)}, {cold['ms_per_decode_step']:.1f} ms per decode step, prefill "
+            f"{cold['prefill_seconds']:.1f} s, graph captures {cold['graph_captures']} (failed "
+            f"{cold['graph_failures']})", t0)
+        result["static"] = {"cold": _public(cold), "warm": None}
+        if args.warm and time.perf_counter() + cold["seconds"] < deadline - reserve:
+            warm = engine_pass(engine, requests, device)
+            result["static"]["warm"] = _public(warm)
+            log(f"{name}: static warm pass {_rate(warm)}, {warm['ms_per_decode_step']:.1f} ms per decode step", t0)
+        return cold
+    except Exception as e:  # noqa: BLE001 - reported; the generate decoder is still measured
+        result.setdefault("errors", []).append(f"static decoder: {type(e).__name__}: {e}")
+        log(f"{name}: static decoder FAILED {type(e).__name__}: {e}", t0)
+        free_memory(device)
+        return None
+
+
+def generate_pass(name, engine, requests, spec, args, device, t0) -> dict:
+    """The same engine on HF `generate` batches under the generate budget, cold; the engine restored after."""
+    decoder, budget = engine.decoder, engine.max_tokens_per_batch
+    engine.decoder, engine.token_cap = None, None
+    engine.max_tokens_per_batch = args.max_tokens_per_batch or spec.max_tokens_per_batch
+    try:
+        figures = engine_pass(engine, requests, device)
+    finally:
+        engine.decoder, engine.max_tokens_per_batch, engine.token_cap = decoder, budget, None
+    log(f"{name}: generate pass {_rate(figures)}, "
+        f"{figures['ms_per_batch_step_prefill_included']:.1f} ms per batch step (prefill included)", t0)
+    return figures
+
+
 def run_model(name: str, args, device, t0: float, deadline: float, reserve: float) -> dict:
     from dflash_prep.regen.engine import Request
 
     spec = SPECS[name]
     max_tokens = args.max_tokens or spec.max_tokens
-    result = {"config": spec.config, "dtype": spec.dtype, "max_tokens": max_tokens, "kernels_requested": args.kernels}
+    result = {"config": spec.config, "dtype": spec.dtype, "max_tokens": max_tokens, "kernels_requested": args.kernels,
+              "static_tokens_per_batch": args.static_tokens_per_batch or spec.static_tokens_per_batch,
+              "max_tokens_per_batch": args.max_tokens_per_batch or spec.max_tokens_per_batch}
     engine = build_engine(name, spec, args.kernels, args, device, t0, result)
     if engine is None and args.kernels != "eager":  # fused kernels that fail in generation: measure eager
         engine = build_engine(name, spec, "eager", args, device, t0, result)
@@ -209,30 +270,28 @@ def run_model(name: str, args, device, t0: float, deadline: float, reserve: floa
     prompts, result["prompts"] = make_prompts(engine.tokenizer, spec, args.seed)
     requests = [Request(messages=m, tools=None, sampling={}, seed=i, max_tokens=max_tokens)
                 for i, m in enumerate(prompts)]
+    lengths = [len(engine.render(r)) for r in requests]
+    result["prompts"].update(prompt_tokens_mean=float(np.mean(lengths)), prompt_tokens_min=min(lengths),
+                             prompt_tokens_max=max(lengths), prompt_tokens_median=float(np.median(lengths)))
+    static = static_passes(name, engine, requests, args, device, t0, deadline, reserve + spec.min_seconds / 2,
+                           result)
+    result["decode_path"] = engine.decode_path  # a capture that failed (in the smoke call too) shows here
+    result["graph_failures_total"] = engine.decoder.stats.graph_failures
     try:
-        passes = [engine_pass(engine, requests, device)]
-        log(f"{name}: engine cold pass {passes[0]['generated_tokens_per_second']:.0f} generated tok/s "
-            f"({passes[0]['seconds']:.1f} s, {passes[0]['generate_calls']} generate calls)", t0)
-        answers = passes[0].pop("_answers")
-        lengths = [a.prompt_tokens for a in answers]
-        result["prompts"].update(prompt_tokens_mean=float(np.mean(lengths)), prompt_tokens_min=min(lengths),
-                                 prompt_tokens_max=max(lengths), prompt_tokens_median=float(np.median(lengths)))
-        result["bucketed_batches"] = bucketed_batches(engine, requests, max_tokens)
-        if args.warm and time.perf_counter() + passes[0]["seconds"] < deadline - reserve - 30:
-            passes.append(engine_pass(engine, requests, device))
-            passes[1].pop("_answers")
-            log(f"{name}: engine warm pass {passes[1]['generated_tokens_per_second']:.0f} generated tok/s "
-                f"({passes[1]['seconds']:.1f} s)", t0)
-        result["engine"] = {"cold": passes[0], "warm": passes[1] if len(passes) > 1 else None}
-        budget = min(args.baseline_seconds or spec.baseline_seconds, deadline - reserve - time.perf_counter())
-        base = baseline(engine, requests, answers, device, max(budget, 0.0))
-        result["baseline"] = base
-        log(f"{name}: baseline {base['generated_tokens_per_second']:.1f} generated tok/s ({base['requests']} "
-            f"prompts one at a time, {base['seconds']:.1f} s, same text as the engine: {base['same_text_as_engine']})",
-            t0)
-        best = max(p["generated_tokens_per_second"] for p in passes)
-        result["speedup_vs_baseline"] = best / base["generated_tokens_per_second"]
-        result["status"] = "ok"
+        generate = generate_pass(name, engine, requests, spec, args, device, t0)
+        result["generate"] = _public(generate)
+        if static is not None:
+            result["check"] = greedy_check(engine, requests, static["_ids"], spec, device)
+            texts = [a.content for a in static["_answers"]], [a.content for a in generate["_answers"]]
+            result["same_text_static_vs_generate"] = sum(a == b for a, b in zip(*texts))
+            result["speedup_vs_generate"] = (static["generated_tokens_per_second"]
+                                             / generate["generated_tokens_per_second"])
+            check = result["check"]
+            log(f"{name}: greedy check, generate alone vs the static pass: {check['agreement']:.3f} of the first "
+                f"{check['tokens_each']} tokens of {check['prompts']} prompts agree ({check['all_equal']} all "
+                f"equal); same text static vs generate batches: {result['same_text_static_vs_generate']} of "
+                f"{len(requests)}", t0)
+        result["status"] = "ok" if static is not None else "failed"
     except Exception as e:  # noqa: BLE001 - one model's failure is reported, the next model still runs
         result.update(status="failed")
         result.setdefault("errors", []).append(f"{type(e).__name__}: {e}")
@@ -243,31 +302,44 @@ def run_model(name: str, args, device, t0: float, deadline: float, reserve: floa
     return result
 
 
+def _gb(value) -> str:
+    return "-" if value is None else f"{value / 1e9:.1f} GB"
+
+
 def markdown(report: dict) -> str:
     env = report["environment"]
     lines = [f"# Regeneration benchmark ({report['started']})", "",
              f"{env.get('gpu') or env['device']}; torch {env['torch']}, transformers {env['transformers']}, "
              f"flash-linear-attention {env.get('fla')}, liger-kernel {env.get('liger_kernel')}. Random weights, "
              "greedy, EOS ignored.", "",
-             "| model | prompts (mean / max tokens) | new tokens each | engine cold tok/s | engine warm tok/s | "
-             "baseline tok/s (prompts) | speedup | generate calls (bucketed) | peak GPU memory | build |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | prompts (mean / max tokens) x new tokens | static cold tok/s | static warm tok/s | "
+             "ms / decode step | prefill s | batches | generate tok/s (batches) | speedup | peak memory static / "
+             "generate | greedy agreement | same texts |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    paths = []
     for name, r in report["models"].items():
-        if r.get("status") != "ok":
-            lines.append(f"| {name} | failed: {'; '.join(r.get('errors', []))} |||||||||")
+        paths.append(f"- {name}: {r.get('decode_path', '?')}")
+        cold, warm, gen = (r.get("static") or {}).get("cold"), (r.get("static") or {}).get("warm"), r.get("generate")
+        if cold is None or gen is None:
+            lines.append(f"| {name} | failed: {'; '.join(r.get('errors', []))} |||||||||||")
             continue
-        cold, warm, base = r["engine"]["cold"], r["engine"]["warm"], r["baseline"]
-        memory = cold["peak_memory_bytes"]
+        check = r["check"]
+        p = r["prompts"]
         lines.append(
-            f"| {name} | {r['prompts']['num_prompts']} ({r['prompts']['prompt_tokens_mean']:.0f} / "
-            f"{r['prompts']['prompt_tokens_max']}) | {r['max_tokens']} | {cold['generated_tokens_per_second']:,.0f} | "
+            f"| {name} | {p['num_prompts']} ({p['prompt_tokens_mean']:.0f} / {p['prompt_tokens_max']}) x "
+            f"{r['max_tokens']} | {cold['generated_tokens_per_second']:,.0f} | "
             f"{'-' if warm is None else format(warm['generated_tokens_per_second'], ',.0f')} | "
-            f"{base['generated_tokens_per_second']:,.1f} ({base['requests']}) | {r['speedup_vs_baseline']:.1f}x | "
-            f"{cold['generate_calls']} ({r['bucketed_batches']}) | "
-            f"{'-' if memory is None else f'{memory / 1e9:.1f} GB'} | {r['build_seconds']:.0f} s |")
-    lines += ["", "tok/s: new tokens per wall second (prefill included). Baseline: one prompt at a time through "
-              "`model.generate`, the first prompts of the list for a bounded time. Bucketed: the batches extraction's "
-              "length buckets would cut the same requests into under the same budget (each runs every decode step)."]
+            f"{cold['ms_per_decode_step']:.1f} | {cold['prefill_seconds']:.1f} | {cold['batches']} | "
+            f"{gen['generated_tokens_per_second']:,.0f} ({gen['batches']}) | {r['speedup_vs_generate']:.1f}x | "
+            f"{_gb(cold['peak_memory_bytes'])} / {_gb(gen['peak_memory_bytes'])} | "
+            f"{check['agreement']:.3f} of {check['tokens_each']} x {check['prompts']} ({check['all_equal']} all "
+            f"equal) | {r['same_text_static_vs_generate']} / {p['num_prompts']} |")
+    lines += ["", "Decode paths:", *paths, "",
+              "tok/s: new tokens per wall second, prefill included. static: the engine's default decoder "
+              "(regen/decode.py); generate: the same engine on HF `generate` batches (its budget "
+              "`max_tokens_per_batch`). ms / decode step: the static decoder's decode loop per step. Greedy "
+              "agreement: the leading tokens of the first prompts alone through `generate` that equal the static "
+              "pass's. Same texts: static vs generate batches, all prompts."]
     return "\n".join(lines) + "\n"
 
 
@@ -278,16 +350,18 @@ def parse_args(argv):
     p.add_argument("--models", help=f"comma-separated, of {sorted(SPECS)} (default: {', '.join(GPU_MODELS)})")
     p.add_argument("--device", default=None, help="default: cuda:0 (cpu with --dry-run)")
     p.add_argument("--max-tokens", type=int, default=None, help="new tokens per prompt (default: per model)")
-    p.add_argument("--max-tokens-per-batch", type=int, default=None, help="engine token budget (default: per model)")
-    p.add_argument("--baseline-seconds", type=float, default=None, help="baseline time budget (default: per model)")
-    p.add_argument("--deadline-seconds", type=float, default=450, help="skip warm passes / cut baselines to end by it")
+    p.add_argument("--max-tokens-per-batch", type=int, default=None,
+                   help="the generate decoder's token budget (default: per model)")
+    p.add_argument("--static-tokens-per-batch", type=int, default=None,
+                   help="the static decoder's token budget (default: per model)")
+    p.add_argument("--deadline-seconds", type=float, default=450, help="skip warm passes to end by it")
     p.add_argument("--kernels", default="auto",
                    help="model.kernels of the engine: auto, eager or a comma-separated list (eager if they fail)")
-    p.add_argument("--no-warm", dest="warm", action="store_false", help="no warm engine pass")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="the static decoder's steps eager (no CUDA graph)")
+    p.add_argument("--no-warm", dest="warm", action="store_false", help="no warm pass of the static decoder")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
-
-
 def main(argv=None) -> dict:
     import datetime
 
@@ -300,13 +374,14 @@ def main(argv=None) -> dict:
     deadline = t0 + args.deadline_seconds
     report = {"started": datetime.datetime.now().isoformat(timespec="seconds"), "argv": list(argv or sys.argv[1:]),
               "environment": environment(device), "models": {}}
+    args.out_dir.mkdir(parents=True, exist_ok=True)
     for i, name in enumerate(names):
         reserve = sum(SPECS[later].min_seconds for later in names[i + 1:])
         report["models"][name] = run_model(name, args, device, t0, deadline, reserve)
-    report["total_seconds"] = time.perf_counter() - t0
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "regen-bench.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    (args.out_dir / "regen-bench.md").write_text(markdown(report))
+        report["total_seconds"] = time.perf_counter() - t0
+        # After every model: a round's timeout that stops a later model keeps the earlier ones' figures.
+        (args.out_dir / "regen-bench.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+        (args.out_dir / "regen-bench.md").write_text(markdown(report))
     log(f"wrote {args.out_dir / 'regen-bench.json'} and regen-bench.md", t0)
     print(markdown(report), flush=True)
     return report

@@ -297,8 +297,9 @@ def profile(r: Round) -> None:
                                                                 r.results / "profile-alt.json"), gpu_only=True)
 
 
-@scenario("regen", 1, "the in-process regeneration engine against one prompt at a time through `generate` on the 8B "
-          "and 27B shapes (regen_bench.py; the arguments after `--` go to it)")
+@scenario("regen", 1, "the in-process regeneration engine: its static-cache / CUDA-graph decoder against its HF "
+          "`generate` batches, and a greedy check against `generate` alone, on the 8B and 27B shapes "
+          "(regen_bench.py; the arguments after `--` go to it)")
 def regen(r: Round) -> None:
     args = ["--dry-run"] if r.dry else r.extra_args
     r.step("regen-bench", r.deadline, r.python("bench/regen_bench.py", r.results, *args))
@@ -309,6 +310,59 @@ def regen(r: Round) -> None:
 def faults(r: Round) -> None:
     r.step("gpu-faults", 540, r.python("bench/gpu_faults.py", "--out", r.work / "gpu_faults", "--fractions",
                                        r.opt("fractions")), gpu_only=True, grep=r'"stage"|FAILED|"ok"')
+
+
+@scenario("targets", 1, "FP8 checkpoints and MoE experts (bench/targets_check.py): a random block-FP8 checkpoint of a "
+          "Qwen3.6-27B-shaped slice built on the device, its FP8 linear layer vs emulation, its forward as FP8 vs "
+          "dequantized (tok/s, per-layer error); the Qwen3-30B-A3B-shaped MoE slice with each experts "
+          "implementation; then extractions of the FP8 checkpoint both ways on the same rows and verify of the FP8 one; "
+          "liger's Qwen3 kernels vs eager in fp32 (kernels_check.py)",
+          deadline_seconds=540, layers="16:decoder layers of the 27B slice", moe_layers="8:layers of the MoE slice",
+          samples="1000:pre-tokenized rows of each extraction (0: no extractions)")
+def targets(r: Round) -> None:
+    ckpt = r.work / "fp8-checkpoint"
+    tiny = ["--tiny"] if r.dry else []
+    layers = [] if r.dry else ["--layers", r.opt("layers")]
+    built = r.step("fp8-check", 230, r.python("bench/targets_check.py", "fp8", "--checkpoint", ckpt, "--json",
+                                               r.results / "targets_fp8.json", *tiny, *layers))
+    moe_layers = [] if r.dry else ["--layers", r.opt("moe_layers")]
+    r.step("moe-check", 210, r.python("bench/targets_check.py", "moe", "--json", r.results / "targets_moe.json",
+                                      *tiny, *moe_layers))
+    samples = 40 if r.dry else int(r.opt("samples"))
+    if built == 0 and samples:
+        _fp8_extractions(r, ckpt, samples)
+    shutil.rmtree(ckpt, ignore_errors=True)
+    # liger's kernels for Qwen3 (applied when listed; `auto` waits for this figure): fused vs eager in fp32
+    r.step("kernels-qwen3", 120, r.python("bench/kernels_check.py", "--models", "qwen3-8b", "--kernels",
+                                          "liger_rms_norm,liger_swiglu,liger_rope", "--json",
+                                          r.results / "kernels_check_qwen3.json"), gpu_only=True)
+
+
+def _fp8_extractions(r: Round, ckpt: Path, samples: int) -> None:
+    """The FP8 checkpoint extracted dequantized (bf16 GEMMs) then as FP8, on the same pre-tokenized rows (DFlash
+    k=3, fp8 storage, outputs in memory where it fits), then `verify` of the FP8 output against the dequantized
+    checkpoint."""
+    data = r.work / "fp8-rows.parquet"
+    vocab = 1024 if r.dry else 248320
+    r.step("fp8-rows", 60, r.python("-c", "import sys; from pathlib import Path; from bench.samples import "
+                                          "make_samples, write_pretokenized; n, v = int(sys.argv[2]), int(sys.argv[3]); "
+                                          "s = make_samples(n, 5.41, 0.9, 16, 4096, v, seed=0); "
+                                          "write_pretokenized(Path(sys.argv[1]), s, n); print(s.params)",
+                                    data, samples, vocab))
+    where = r.work if r.dry else shm_or_tmp(30)
+    common = ["model.config=null", f"model.name_or_path={ckpt}", f"model.tokenizer={TOKENIZER}",
+              f"data.path={data}", "data.max_length=4096", "layers.num_layers=3", "output.dtype=fp8_e4m3",
+              "model.dtype=" + ("float32" if r.dry else "bfloat16"), f"model.triton_cache_dir={r.work / 'triton'}"]
+    # not measured: fills the Triton cache (flash-linear-attention's kernels) so that neither measured run pays it
+    r.step("extract-warmup", 120, r.extract(where / "targets-warmup", *common, "model.fp8_weights=dequantize",
+                                            "data.max_samples=32"))
+    shutil.rmtree(where / "targets-warmup", ignore_errors=True)
+    for name, mode in (("extract-dequantized", "dequantize"), ("extract-fp8", "auto")):
+        out = where / f"targets-{name}"
+        rc = r.step(name, 150, r.extract(out, *common, f"model.fp8_weights={mode}"))
+        if rc == 0 and mode == "auto":
+            r.step("verify-fp8", 120, r.verify(out, "--num-samples", "8", "--seed", "0"))
+        r.keep(out, name)
 
 
 # ----------------------------------------------------------------------------------------------------- main

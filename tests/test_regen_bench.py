@@ -11,19 +11,35 @@ from conftest import REPO
 
 
 @pytest.mark.slow
-def test_the_dry_run_measures_both_methods_on_both_tiny_models(tmp_path):
+def test_the_dry_run_measures_both_decoders_on_both_tiny_models(tmp_path):
     spec = importlib.util.spec_from_file_location("regen_bench", REPO / "bench" / "regen_bench.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["regen_bench"] = module
     spec.loader.exec_module(module)
     report = module.main([str(tmp_path), "--dry-run"])
     assert json.loads((tmp_path / "regen-bench.json").read_text())["models"].keys() == {"tiny-llama", "tiny-qwen3.5"}
-    assert "| tiny-qwen3.5 |" in (tmp_path / "regen-bench.md").read_text()
+    text = (tmp_path / "regen-bench.md").read_text()
+    assert "| tiny-qwen3.5 |" in text and "static cache, eager steps" in text
     for name, result in report["models"].items():
         assert result["status"] == "ok", result
-        cold, base = result["engine"]["cold"], result["baseline"]
-        assert cold["generated_tokens"] == 12 * 8 and cold["rejected"] == 0  # EOS ignored: every token generated
-        assert base["requests"] >= 1 and base["generated_tokens"] == 8 * base["requests"]
-        # float32 on the CPU: one prompt at a time gives the engine's texts (the two did the same work)
-        assert base["same_text_as_engine"] == base["requests"]
-        assert cold["generate_calls"] <= result["bucketed_batches"]
+        cold, generate = result["static"]["cold"], result["generate"]
+        for figures in (cold, generate):  # EOS ignored: every token generated
+            assert figures["generated_tokens"] == 12 * 8 and figures["rejected"] == 0
+        assert cold["decode_steps"] == 7 * cold["batches"] and cold["graph_captures"] == 0  # CPU: no capture
+        # float32 on the CPU: generate alone, generate batches and the static decoder write the same tokens
+        assert result["check"]["agreement"] == 1.0 and result["check"]["prompts"] == 4
+        assert result["same_text_static_vs_generate"] == 12
+    # `plan` reads the benchmark's own report (a GPU run's: the dry run's device named a GPU here)
+    from dflash_prep.commands.regen_rate import regen_bench_references
+
+    written = json.loads((tmp_path / "regen-bench.json").read_text())
+    written["environment"]["gpu"] = "NVIDIA H200"
+    (tmp_path / "gpu").mkdir()
+    (tmp_path / "gpu" / "regen-bench.json").write_text(json.dumps(written))
+    refs = {r["model"]: r for r in regen_bench_references(tmp_path / "gpu")}
+    assert refs.keys() == {"tiny-llama", "tiny-qwen3.5"}
+    assert refs["tiny-llama"]["model_type"] == "llama" and refs["tiny-qwen3.5"]["model_type"] == "qwen3_5_text"
+    for name, ref in refs.items():
+        warm = report["models"][name]["static"]["warm"]
+        assert ref["pass"] == "warm" and ref["generated_tokens_per_second"] == warm["generated_tokens_per_second"]
+        assert ref["decoder_params"] == report["models"][name]["decoder_params"] > 0

@@ -51,7 +51,14 @@ def llama_path(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def llama(llama_path) -> TransformersEngine:
+    """The tiny Llama engine on its default decoder, the static-cache loop (regen/decode.py)."""
     return TransformersEngine(section(llama_path), CPU, 8192)
+
+
+@pytest.fixture(scope="module")
+def llama_generate(llama_path) -> TransformersEngine:
+    """The same on HF `generate` (`decoder="generate"`)."""
+    return TransformersEngine(section(llama_path), CPU, 8192, decoder="generate")
 
 
 @pytest.fixture(scope="module")
@@ -93,27 +100,24 @@ def alone(engine: TransformersEngine, ids: list[int], new: int = NEW, eos=DEMO_E
 
 @contextlib.contextmanager
 def recorded_generate(engine: TransformersEngine):
-    """Record each `model.generate` call: {"rows": batch size, "width": prompt width, "new": max_new_tokens,
+    """Record each batch the engine's decoder runs (the static-cache loop or `model.generate`): {"rows": batch size, "width": prompt width, "new": max_new_tokens,
     "prompts": each row's attended prompt ids, "generated": each row's new ids}."""
-    calls, real = [], engine.model.generate
+    calls, real = [], engine._generate
 
-    def generate(**kwargs):
-        out = real(**kwargs)
-        ids = kwargs["input_ids"]
-        mask = kwargs.get("attention_mask", ids != engine.pad_token_id)
-        calls.append({"rows": ids.shape[0], "width": ids.shape[1], "new": kwargs["generation_config"].max_new_tokens,
-                      "prompts": [row[m.bool()].tolist() for row, m in zip(ids, mask)],
-                      "generated": out[:, ids.shape[1]:].tolist()})
+    def generate(ids, mask, new_tokens, processors):
+        out = real(ids, mask, new_tokens, processors)
+        calls.append({"rows": ids.shape[0], "width": ids.shape[1], "new": new_tokens,
+                      "prompts": [row[m.bool()].tolist() for row, m in zip(ids, mask)], "generated": out.tolist()})
         return out
 
-    engine.model.generate = generate
+    engine._generate = generate
     try:
         yield calls
     finally:
-        del engine.model.generate
+        del engine._generate
 
 
-@pytest.mark.parametrize("name", [pytest.param("demo", marks=pytest.mark.slow), "llama"])
+@pytest.mark.parametrize("name", [pytest.param("demo", marks=pytest.mark.slow), "llama", "llama_generate"])
 def test_batched_greedy_equals_generate_alone(name, request):
     engine = request.getfixturevalue(name)
     with recorded_generate(engine) as calls:
@@ -175,7 +179,7 @@ def test_every_batch_of_mixed_lengths_stays_under_the_budget(llama):
 SAMPLING = {"temperature": 1.0, "top_p": 0.95, "top_k": 50}
 
 
-@pytest.mark.parametrize("name", [pytest.param("demo", marks=pytest.mark.slow), "llama"])
+@pytest.mark.parametrize("name", [pytest.param("demo", marks=pytest.mark.slow), "llama", "llama_generate"])
 def test_a_sampled_answer_depends_on_its_seed_not_on_its_batch(name, request):
     """The same request (sampling, seed 7) alone, third in a batch of four prompts of other lengths, and first in
     the reversed batch: the same text. Seed 8: another text. Run again: the same text."""

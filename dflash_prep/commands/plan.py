@@ -51,12 +51,12 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_prep.commands.regen_rate import BENCH_MAX_PARAM_RATIO  # one bound for both rates
 from dflash_prep.recipe.schema import STORAGE_DTYPES, Recipe, RecipeError
 from dflash_prep.store.sizes import RecordSizer
 
 BENCH_RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
 BENCH_MODE = "dflash_prep_warm"
-BENCH_MAX_PARAM_RATIO = 4.0
 
 _MetaInfo = namedtuple("_MetaInfo", "sample_id source_row source_id num_tokens")
 
@@ -592,7 +592,8 @@ def build_parser(prog: str = "dflash-prep plan") -> argparse.ArgumentParser:
                    help="first print input row N (0-based) as the extraction tokenizes it, supervised tokens marked")
     p.add_argument("--generated-tokens-per-second", type=float, default=None, metavar="X",
                    help="a recipe with a `regenerate:` section: generated tokens/s of the servers (or processes) "
-                        "together, measured on yours, to time the regeneration (no default: no figure is measured)")
+                        "together, measured on yours, to time the regeneration (default: engine transformers, the "
+                        "in-process engine's benchmark report in --bench-results; engine openai, none)")
     return p
 
 
@@ -653,7 +654,9 @@ def main(argv: list[str] | None = None) -> int:
                              gpu=args.gpu,
                              storage_rate=storage_rate_from(args.storage_bytes_per_second, args.storage_bench))
         if recipe.regenerate is not None:  # on-policy data: the regeneration first (plan_regeneration, below)
-            plan["regenerate"] = plan_regeneration(recipe, args.generated_tokens_per_second)
+            plan["regenerate"] = plan_regeneration(
+                recipe, args.generated_tokens_per_second, num_gpus=args.num_gpus,
+                bench_dir=Path(args.bench_results) if args.bench_results else None)
     except (RecipeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -673,14 +676,16 @@ def main(argv: list[str] | None = None) -> int:
 REGEN_PLAN_MAX_ROWS = 20_000  # rows rendered to count prompt tokens; more rows: a seeded sample, scaled
 
 
-def plan_regeneration(recipe: Recipe, generated_tokens_per_second: float | None = None) -> dict:
+def plan_regeneration(recipe: Recipe, generated_tokens_per_second: float | None = None, num_gpus: int = 1,
+                      bench_dir: Path | None = BENCH_RESULTS_DIR) -> dict:
     """The regeneration's figures: rows, rows skipped by reason, requests (one per generated turn; with `turns: all`
     an upper bound, since a tool call other than the data's ends a conversation early), prompt tokens (each
     request's prompt rendered by the tokenizer's chat template with the data's earlier turns standing in for the
     target's, `chat_template_kwargs` applied), generated tokens at most (requests x max_tokens). Prompt tokens are
     counted on every row up to REGEN_PLAN_MAX_ROWS, else on a seeded sample of that many rows and scaled. Time:
-    only from `generated_tokens_per_second` (a figure measured on the user's servers or GPUs); no default exists:
-    the openai engine's rate is the servers', and the in-process engine has no benchmark figure here yet."""
+    from `generated_tokens_per_second` (measured on the user's servers or GPUs), else for the in-process engine
+    from its benchmark's committed report under `bench_dir` for `num_gpus` GPUs (commands/regen_rate.py); the
+    openai engine's rate is the servers': no default."""
     import random
 
     from dflash_prep.data.rows import load_rows
@@ -722,10 +727,28 @@ def plan_regeneration(recipe: Recipe, generated_tokens_per_second: float | None 
            "skipped": {k: round(v * scale) for k, v in sorted(skipped.items())},
            "num_requests": round(requests * scale), "prompt_tokens": round(prompt_tokens * scale),
            "generated_tokens_at_most": round(requests * scale) * section.max_tokens,
-           "generated_tokens_per_second": generated_tokens_per_second}
-    out["seconds_at_most"] = (out["generated_tokens_at_most"] / generated_tokens_per_second
-                              if generated_tokens_per_second else None)
+           **_regen_rate(recipe, generated_tokens_per_second, num_gpus, bench_dir)}
+    rate = out["generated_tokens_per_second"]
+    out["seconds_at_most"] = out["generated_tokens_at_most"] / rate if rate else None
     return out
+
+
+def _regen_rate(recipe: Recipe, given: float | None, num_gpus: int, bench_dir: Path | None) -> dict:
+    """{generated_tokens_per_second, rate_source, rate_reference} (commands/regen_rate.py)."""
+    from dflash_prep.commands.regen_rate import regen_rate
+
+    model_type = params = None
+    if recipe.regenerate.engine == "transformers" and not given:
+        from dflash_prep.target.layers import num_decoder_layers
+        from dflash_prep.target.model import decoder_params_run, load_config
+
+        config = load_config(recipe.model)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        model_type = getattr(text, "model_type", None)
+        params = decoder_params_run(recipe.model, config, num_decoder_layers(config) - 1)
+    rate = regen_rate(recipe.regenerate.engine, given, model_type, params, num_gpus, bench_dir)
+    return {"generated_tokens_per_second": rate["generated_tokens_per_second"], "rate_source": rate["source"],
+            "rate_reference": rate["reference"]}
 
 
 def _template_message(message: dict) -> dict:
@@ -747,9 +770,7 @@ def _template_message(message: dict) -> dict:
 def format_regeneration(r: dict) -> str:
     where = (f" (counted on {r['counted_rows']:,} sampled rows, scaled)" if r["sampled"] else "")
     time_line = (f"at most {_duration(r['seconds_at_most'])} at {r['generated_tokens_per_second']:,.0f} generated "
-                 f"tok/s (--generated-tokens-per-second; prompts' prefill not counted)" if r["seconds_at_most"]
-                 is not None else "no measured basis here: the rate is the servers' (engine openai) or the GPUs' "
-                 "(engine transformers); pass --generated-tokens-per-second X measured on them")
+                 f"tok/s: {r['rate_source']}" if r["seconds_at_most"] is not None else r["rate_source"])
     lines = [
         ("regenerate", f"engine {r['engine']}, turns {r['turns']}, max_tokens {r['max_tokens']:,}"),
         ("rows", f"{r['num_rows']:,}" + (": skipped " + ", ".join(f"{k}: {v:,}" for k, v in r["skipped"].items())

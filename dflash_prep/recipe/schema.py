@@ -32,6 +32,7 @@ COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 # Named fused kernels of `model.kernels` (dflash_prep/target/kernels.py says what each replaces, and for which models).
 KERNEL_NAMES = ("liger_rms_norm", "liger_swiglu", "liger_rope", "fla_conv", "fla_gated_norm")
 REPLICA_PARALLELISMS = ("auto", "tensor_parallel", "layer_split")  # model.replica_parallelism (replica.py)
+MOE_EXPERTS = ("auto", "transformers", "compiled", "liger")  # model.moe_experts (dflash_prep/target/moe.py)
 STORAGE_DTYPES = ("bfloat16", "float16", "float32", "fp8_e4m3")
 
 
@@ -108,6 +109,19 @@ class ModelSection:
     (one replica per run; refused for an architecture without a plan) or `layer_split` (one process per replica,
     one GPU computing at a time). Not part of the job's identity:
     both hold the same weights (random weights too: drawn per module, model.draw_random_weights)."""
+    fp8_weights: str = "auto"
+    """A block-scaled FP8 checkpoint (`quantization_config` quant_method fp8, weight_block_size [128, 128]:
+    dflash_prep/target/fp8_weights.py): `auto` runs its linear layers as FP8 on a GPU of compute capability 9.0
+    (torch scaled_mm, activations quantized per token and 128 block: the states are the FP8 model's) and
+    dequantized elsewhere (said in the log); `dequantize` loads it dequantized to `dtype` everywhere (the reference
+    `verify` compares an FP8 run with, or the bf16 side of an A/B). No effect on an unquantized checkpoint; any
+    other quantization format is refused."""
+    moe_experts: str = "auto"
+    """How the routed experts of a mixture-of-experts target run (dflash_prep/target/moe.py): `auto` (on CUDA in
+    bfloat16: `compiled`; else `transformers`), `transformers` (transformers' own experts forward, grouped_mm by
+    default) or `compiled` (the experts' forward, routing excluded, through torch.compile: the gathers, gating and
+    combine around the grouped GEMMs fused) or `liger` (liger-kernel's fused MoE, CUDA). The router always runs
+    eagerly. Not part of the job's identity."""
     triton_cache_dir: str | None = "~/.cache/dflash-prep/triton"
     """Where Triton keeps its compiled kernels and autotuning results (TRITON_CACHE_DIR, with
     TRITON_CACHE_AUTOTUNING=1), shared by the ranks of a node and by later runs, so each new (batch, length) shape is
@@ -132,6 +146,10 @@ class ModelSection:
             _fail(f"{p}.kernels", kernels, f"expected `auto`, `eager` or a list of names from {list(KERNEL_NAMES)}")
         if self.gpus_per_replica < 1:
             _fail(f"{p}.gpus_per_replica", self.gpus_per_replica, "expected a whole number of GPUs, at least 1")
+        if self.fp8_weights not in ("auto", "dequantize"):
+            _fail(f"{p}.fp8_weights", self.fp8_weights, "expected `auto` or `dequantize`")
+        if self.moe_experts not in MOE_EXPERTS:
+            _fail(f"{p}.moe_experts", self.moe_experts, f"expected one of {MOE_EXPERTS}")
         if self.replica_parallelism not in REPLICA_PARALLELISMS:
             _fail(f"{p}.replica_parallelism", self.replica_parallelism, f"expected one of {REPLICA_PARALLELISMS}")
 
@@ -482,7 +500,8 @@ class Recipe:
     def fingerprint(self) -> str:
         """sha256 of what decides record content (model, data, layers, storage dtype); `model.kernels` is left out
         (fused kernels change the rounding only), as are `model.gpus_per_replica` and `model.replica_parallelism`
-        (where the model runs) and `model.triton_cache_dir` (where compiled kernels are cached)."""
+        (where the model runs), `model.triton_cache_dir` (where compiled kernels are cached), `model.moe_experts`
+        (the same experts, fused glue) and `model.fp8_weights` at its default (a dequantized run is another job)."""
         d = self.to_dict()
         data = {k: v for k, v in d["data"].items()
                 if k not in ("num_proc", "max_skipped_fraction", "strict", "allow_beyond_context")
@@ -492,7 +511,8 @@ class Recipe:
             data["chat_template"] = hashlib.sha256(Path(template).read_bytes()).hexdigest()  # the file's content
         content = {"model": {k: v for k, v in d["model"].items()
                              if k not in ("kernels", "gpus_per_replica", "replica_parallelism",
-                                                   "triton_cache_dir")},
+                                          "triton_cache_dir", "moe_experts")
+                             and not (k == "fp8_weights" and v == "auto")},
                    "data": data,
                    "layers": d["layers"], "dtype": d["output"]["dtype"]}
         if self.regenerate is not None:  # the answers are the target's own: what decides their text

@@ -1,5 +1,6 @@
 """The in-process regeneration engine (`engine: transformers`): the target's own copy on this process's device,
-HF `generate` over length-grouped, left-padded batches under a token budget.
+length-grouped, left-padded batches under a token budget, each decoded by the static-cache loop of regen/decode.py
+(its decode step a CUDA graph on CUDA; `decoder="generate"`: HF `generate`, the reference path), same processors.
 
 What it does with a `Request` (engine.py), step by step:
 
@@ -24,8 +25,8 @@ What it does with a `Request` (engine.py), step by step:
   cutting fills each batch to the budget: the benchmark's 256 prompts (bench/regen_bench.py, 8B settings: 432
   prompt tokens on average, 256 new tokens, a budget of 131,072) make 11 batches in the buckets of `batching`'s
   defaults (16 / 1.25) and 3 consecutive ones, 11 x 256 decode steps against 3 x 256.
-- **Padding.** Left padding with the attention mask, `use_cache=True`: transformers derives positions from the mask,
-  attention never sees padding, and the Gated DeltaNet layers of the Qwen3.5 hybrid zero padded positions before
+- **Padding.** Left padding with the attention mask; positions from the mask (`cumsum - 1`, as `generate` derives
+  them; regen/decode.py passes them explicitly), attention never sees padding, and the Gated DeltaNet layers of the Qwen3.5 hybrid zero padded positions before
   their convolution and recurrence, so padding changes no real token's state (tests: batched greedy answers equal
   `generate` on each prompt alone, token for token, in float32, on a Llama-style model and on the hybrid).
 - **Out of memory.** A batch that runs out of device memory is split in halves, each retried (recursively, down to
@@ -88,6 +89,7 @@ from transformers import (
 )
 
 from dflash_prep.recipe.schema import ModelSection
+from dflash_prep.regen.decode import StaticCacheDecoder
 from dflash_prep.regen.engine import FINISH_LENGTH, FINISH_STOP, FINISH_TOOL_CALLS, Answer, Request
 from dflash_prep.target.backoff import is_oom
 from dflash_prep.target.model import (
@@ -139,13 +141,16 @@ class TransformersEngine:
         batch at most. length_multiple: prompt widths are multiples of it (capped by the budget).
     ignore_eos: never stop before `max_tokens` (benchmarks with random weights).
     kernels: `model.kernels` to apply (target/kernels.py); None: the section's.
+    decoder: `static` (regen/decode.py: static cache, the decode step a CUDA graph on CUDA when `cuda_graphs`,
+        prefill in forwards of `prefill_tokens` tokens at most) or `generate` (HF `generate`, the reference path).
     Batches are formed within one `answer` call: give it many requests (thousands) for full batches.
     Raises RecipeError (model, tokenizer or kernels that cannot be loaded), ValueError (a budget or batch size < 1).
     """
 
     def __init__(self, model: ModelSection, device: torch.device, max_tokens_per_batch: int,
                  max_batch_size: int = 256, *, length_multiple: int = 64,
-                 ignore_eos: bool = False, kernels=None):
+                 ignore_eos: bool = False, kernels=None, decoder: str = "static",
+                 prefill_tokens: int = 16384, cuda_graphs: bool = True):
         self.section, self.device = model, torch.device(device)
         if max_tokens_per_batch < 2 or max_batch_size < 1 or length_multiple < 1:
             raise ValueError(f"max_tokens_per_batch={max_tokens_per_batch}, max_batch_size={max_batch_size} and "
@@ -169,6 +174,16 @@ class TransformersEngine:
         self.num_generate_calls = 0
         self.num_ooms = 0
         self._identity: dict | None = None
+        if decoder not in DECODERS:
+            raise ValueError(f"decoder={decoder!r}: one of {', '.join(DECODERS)}")
+        self.decoder = None if decoder == "generate" else StaticCacheDecoder(
+            self.model, self.pad_token_id, prefill_tokens=prefill_tokens, cuda_graphs=cuda_graphs)
+        log.info("regeneration engine: %s", self.decode_path)
+
+    @property
+    def decode_path(self) -> str:
+        """Which path decodes, in words (`decode_path`); after a failed CUDA graph capture: the eager steps."""
+        return decode_path(self.config, self.decoder)
 
     def _load_model(self, kernels) -> dict:
         from dflash_prep.target.kernels import apply_kernels, configure_triton_cache, select_kernels
@@ -310,16 +325,12 @@ class TransformersEngine:
             input_ids[row, width - len(prompt.ids):] = torch.tensor(prompt.ids)
             attention_mask[row, width - len(prompt.ids):] = 1
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
-        config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, use_cache=True,
-                                  eos_token_id=self.eos_token_ids or None, pad_token_id=self.pad_token_id)
         processors = _processors(prompts[0].request.sampling, [p.request.seed for p in prompts], attention_mask,
                                  new_tokens)
         try:
             self.num_generate_calls += 1
             with torch.inference_mode():
-                out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                          generation_config=config, logits_processor=processors)
-            return out[:, width:].tolist()
+                return self._generate(input_ids, attention_mask, new_tokens, processors).tolist()
         except RuntimeError as e:
             if not is_oom(e):
                 raise
@@ -329,6 +340,18 @@ class TransformersEngine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return None
+
+    def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_tokens: int,
+                  processors) -> torch.Tensor:
+        """The new ids [B, <= new_tokens] of one left-padded batch (padding after a row's stop), by the engine's
+        decoder: the static-cache loop (regen/decode.py) or HF `generate`."""
+        if self.decoder is not None:
+            return self.decoder.generate(input_ids, attention_mask, new_tokens, self.eos_token_ids, processors)
+        config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, use_cache=True,
+                                  eos_token_id=self.eos_token_ids or None, pad_token_id=self.pad_token_id)
+        out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                                  logits_processor=processors)
+        return out[:, input_ids.shape[1]:]
 
     def _answer_of(self, prompt: _Prompt, generated: list[int] | None) -> Answer:
         n = len(prompt.ids)
@@ -384,6 +407,25 @@ class TransformersEngine:
         if any(e["type"] == "region_close" and e["field"] == "tool_calls" for e in final_events):
             return None
         return message
+
+
+DECODERS = ("static", "generate")
+
+
+def decode_path(config, decoder: StaticCacheDecoder | None) -> str:
+    """Which path decodes, in words (logged once, in the benchmark's report): the loop, and for the Gated DeltaNet
+    hybrid which recurrence kernel transformers' Qwen3.5 layers run (flash-linear-attention's when importable, as
+    transformers picks it, else its torch fallback)."""
+    import importlib.util
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    loop = "HF generate (dynamic cache)" if decoder is None else decoder.path
+    family = getattr(text, "model_type", "?")
+    if "linear_attention" in (getattr(text, "layer_types", None) or []):
+        kernel = ("flash-linear-attention's fused_recurrent_gated_delta_rule" if importlib.util.find_spec("fla")
+                  else "transformers' torch fallback (flash-linear-attention not installed: slow)")
+        return f"{family}: {loop}; Gated DeltaNet decode on {kernel}"
+    return f"{family}: {loop}"
 
 
 def _eos_ids(generation_config, tokenizer) -> list[int]:

@@ -4,14 +4,15 @@ Named kernels (each replaces one piece of transformers' eager forward on the loa
 
 | name | library | replaces | architectures |
 |---|---|---|---|
-| `liger_rms_norm` | liger-kernel | RMSNorm (decoder layers, final norm; Qwen3.5: also q/k norms) by one Triton kernel | llama, qwen3_5 |
-| `liger_swiglu` | liger-kernel | `silu(gate) * up` of the MLPs by one Triton kernel | llama, qwen3_5 (silu MLPs) |
-| `liger_rope` | liger-kernel | the rotary embedding of q and k | llama |
+| `liger_rms_norm` | liger-kernel | RMSNorm (decoder layers, final norm; Qwen3.5, Qwen3: also q/k norms) by one Triton kernel | llama, qwen3_5, qwen3* |
+| `liger_swiglu` | liger-kernel | `silu(gate) * up` of the MLPs by one Triton kernel | llama, qwen3_5, qwen3* (silu MLPs) |
+| `liger_rope` | liger-kernel | the rotary embedding of q and k | llama, qwen3* |
 | `fla_conv` | flash-linear-attention | transformers' torch fallback of the Gated DeltaNet causal conv (`conv_depthwise2d`) by fla's Triton `causal_conv1d` | qwen3_5 |
 | `fla_gated_norm` | flash-linear-attention | the Gated DeltaNet output norm (`Qwen3_5RMSNormGated`: RMSNorm, weight, times silu(z)), ten eager element-wise kernels through fp32 copies, by fla's one Triton `rms_norm_gated` | qwen3_5 |
 
 `auto` (the default): on CUDA, every kernel of the architecture's row above (all measured exact and faster on an
-H200: bench/RESULTS.md); eager on CPU and for architectures not listed (said once in the log). `eager`: none.
+H200: bench/RESULTS.md), except for the architectures marked * (`AUTO_NOT_MEASURED`: applied when listed, eager
+under `auto` until measured); eager on CPU and for architectures not listed (said once in the log). `eager`: none.
 A list applies exactly those kernels; a name that does not apply to the architecture, a list on a machine without
 CUDA, or a library that is not installed is a `RecipeError` naming the key. liger-kernel needs Triton: it (and fla)
 are imported only when kernels are applied, which happens only on CUDA.
@@ -55,6 +56,11 @@ ARCHITECTURES = {
                 ("liger_rms_norm", "liger_swiglu", "fla_conv", "fla_gated_norm"), "apply_liger_kernel_to_qwen3_5"),
 }
 ARCHITECTURES["qwen3_5_text"] = ARCHITECTURES["qwen3_5"]
+ARCHITECTURES["qwen3"] = ("transformers.models.qwen3.modeling_qwen3", ("liger_rms_norm", "liger_swiglu", "liger_rope"),
+                          "apply_liger_kernel_to_qwen3")
+# Architectures whose kernels apply when listed but that `auto` leaves eager until they are measured exact and
+# faster on a GPU (bench/kernels_check.py --models qwen3-8b --kernels ..., the `targets` scenario runs it).
+AUTO_NOT_MEASURED = {"qwen3"}
 LIBRARIES = {"liger": ("liger_kernel", "liger-kernel"), "fla": ("fla", "flash-linear-attention")}
 
 
@@ -118,6 +124,9 @@ def select_kernels(requested, config, device_type: str, tensor_parallel: bool = 
             return KernelChoice("auto", (), model_type, "tensor parallel: not measured on sharded layers: eager")
         if not supported:
             return KernelChoice("auto", (), model_type, f"no fused kernels known for model type {model_type!r}: eager")
+        if model_type in AUTO_NOT_MEASURED:
+            return KernelChoice("auto", (), model_type, f"the kernels for model type {model_type!r} "
+                                f"({', '.join(supported)}) are not measured on a GPU yet: list them to use them: eager")
         versions = {lib: _version(lib) for lib in {_library(k) for k in supported}}
         names = tuple(k for k in KERNEL_NAMES if k in supported and versions[_library(k)] is not None)
         missing = sorted(LIBRARIES[lib][1] for lib, v in versions.items() if v is None)

@@ -12,7 +12,9 @@ from torch import nn
 
 from dflash_prep.recipe.fingerprints import WEIGHT_SUFFIXES, weight_files
 from dflash_prep.recipe.schema import ModelSection, RecipeError
+from dflash_prep.target.fp8_weights import block_fp8_format, from_pretrained_kwargs, install_scaled_mm
 from dflash_prep.target.layers import decoder_layers, find_decoder
+from dflash_prep.target.moe import apply_moe_experts
 from dflash_prep.target.norms import randomize_norm_gains
 
 log = logging.getLogger(__name__)
@@ -43,10 +45,15 @@ def load_config(section: ModelSection):
     except ImportError:  # older huggingface_hub: configs are not validated on load
         StrictDataclassError = ValueError  # noqa: N806
     try:
-        return AutoConfig.from_pretrained(source, trust_remote_code=section.trust_remote_code)
+        config = AutoConfig.from_pretrained(source, trust_remote_code=section.trust_remote_code)
     except (OSError, ValueError, TypeError, StrictDataclassError) as e:  # TypeError, StrictDataclassError: a value
         why = " ".join(str(e).split())  # transformers' config validation rejects (one line)
         raise RecipeError(f"recipe key `{key}` = {source!r}: cannot load a model config ({why})") from None
+    try:
+        block_fp8_format(config)  # a quantization format we cannot run: refused before anything is loaded
+    except RecipeError as e:
+        raise RecipeError(f"recipe key `{key}` = {source!r}: {e}") from None
+    return config
 
 
 def check_weight_files(section: ModelSection) -> None:
@@ -175,6 +182,10 @@ def hidden_size_of(config) -> int:
 def load_model(section: ModelSection, config, device: torch.device) -> nn.Module:
     """The CausalLM in eval mode, frozen, on `device`, in the recipe's compute dtype.
 
+    A block-FP8 checkpoint (fp8_weights.py) runs its linear layers as FP8 on torch scaled_mm on a GPU that has the
+    GEMM, dequantized elsewhere or with `model.fp8_weights: dequantize`; the log says which, once. The routed
+    experts of an MoE run as `model.moe_experts` picks (moe.py; said in the log).
+
     Random weights (`model.config`) are drawn on `device` with `init_seed`, so every rank of a run builds the
     same model; their norm gains are drawn too (norms.randomize_norm_gains), not left at unit gain.
     """
@@ -189,7 +200,14 @@ def load_model(section: ModelSection, config, device: torch.device) -> nn.Module
             model = AutoModelForCausalLM.from_config(config, **kwargs)
         randomize_norm_gains(model, section.init_seed)  # unit gains would hide a before/after-norm mix-up
     else:
+        kwargs.update(from_pretrained_kwargs(config, section.fp8_weights, device))
         model = AutoModelForCausalLM.from_pretrained(section.name_or_path, device_map={"": device}, **kwargs)
+        said = install_scaled_mm(model, config, section.fp8_weights, device)
+        if said:
+            log.info("%s", said)
+    said = apply_moe_experts(model, section.moe_experts, device.type, section.dtype)
+    if said:
+        log.info("%s", said)
     model.eval().requires_grad_(False)
     return model
 
@@ -292,9 +310,13 @@ def load_replica_model(section: ModelSection, config, layout) -> nn.Module:
     placement = load_arguments(layout, int(0.9 * free_bytes))
     kwargs = dict(dtype=DTYPES[section.dtype], attn_implementation=section.attn_implementation,
                   trust_remote_code=section.trust_remote_code)
+    if block_fp8_format(config) is not None and section.fp8_weights != "dequantize":
+        raise RecipeError("recipe key `model.gpus_per_replica` > 1: an FP8 checkpoint runs as FP8 on one GPU per "
+                          "replica only; set model.fp8_weights: dequantize to split it dequantized")
     if section.config is not None:
         model = build_random_model(section, config, placement)
     else:
+        kwargs.update(from_pretrained_kwargs(config, "dequantize", torch.device("cpu")))
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(section.name_or_path, **placement, **kwargs)

@@ -76,6 +76,14 @@ def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: 
                            f"{made_on} (--device {made_on})")
 
     tol = tolerance if tolerance is not None else tolerance_for(manifest["dtype"], recipe.model.dtype)
+    fp8_run = _ran_as_fp8(recipe, config, made_on)
+    if fp8_run:  # the reference is the same checkpoint dequantized; the FP8 activations' rounding is allowed for
+        from dataclasses import replace
+
+        from dflash_prep.target.fp8_weights import FP8_COMPUTE_TOLERANCE
+
+        recipe = replace(recipe, model=replace(recipe.model, fp8_weights="dequantize"))
+        tol = tol if tolerance is not None else tol + FP8_COMPUTE_TOLERANCE
     shards = shards_of(out_dir, manifest)
     report = VerifyReport(str(out_dir), manifest["dtype"], recipe.model.dtype, tol, seed, [],
                           is_main_process=state is None or state.is_main_process, noise_floor_measured=noise_floor,
@@ -90,7 +98,8 @@ def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: 
     report.sample_ids = chosen
     log(f"verify: {len(chosen)} sample(s) drawn with seed {seed}: {', '.join(chosen)}")
     log(f"verify: tolerance {tol:.3g} (relative to each layer's max |value|; stored {manifest['dtype']}, "
-        f"computed in {recipe.model.dtype}); {_noise_floor_policy(report)}")
+        f"computed in {recipe.model.dtype}{'; an FP8 run against its dequantized checkpoint' if fp8_run else ''}); "
+        f"{_noise_floor_policy(report)}")
     hint_parallelism(out_dir, recipe, replica, dev, log)
     model = reference_model(recipe, config, dev, report, log, manifest.get("kernels"), replica)
     compare_chosen(model, shards, ids_by_shard, set(chosen), layout, layer_ids, dev, tol, report, log)
@@ -167,3 +176,11 @@ def _noise_floor_policy(report: VerifyReport) -> str:
     return (f"a layer may also reach {NOISE_FLOOR_FACTOR:g} x its rounding noise (padded batch vs alone, "
             f"used up to {NOISE_FLOOR_CAP:g})")
 
+
+def _ran_as_fp8(recipe, config, made_on: str | None) -> bool:
+    """The extraction ran a block-FP8 checkpoint as FP8 (a CUDA extraction with `model.fp8_weights: auto`): its
+    reference is then the same checkpoint dequantized (fp8_weights.py), within FP8_COMPUTE_TOLERANCE more."""
+    from dflash_prep.target.fp8_weights import block_fp8_format
+
+    return (recipe.model.fp8_weights == "auto" and made_on in (None, "cuda")
+            and block_fp8_format(config) is not None)

@@ -1,0 +1,191 @@
+"""Block-scaled FP8 checkpoints (dflash_prep/target/fp8_weights.py) on the CPU: a tiny checkpoint in the
+DeepSeek-V3 / Qwen3-FP8 format, built here (random fp32 weights quantized per 128x128 block with this file's own
+code), loads and runs dequantized, equal to a model dequantized by hand; the FP8 activation rounding (emulated
+here) stays within the tolerance verify allows; another quantization format is refused with one line (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_prep.recipe.schema import ModelSection, RecipeError
+from dflash_prep.target.fp8_weights import FP8_COMPUTE_TOLERANCE
+from dflash_prep.target.model import load_config, load_model
+
+REPO = Path(__file__).resolve().parent.parent
+TOKENIZER = REPO / "dflash_prep" / "demo" / "tiny-demo" / "tokenizer"
+E4M3_MAX = 448.0
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+              "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
+# a Llama whose projections are whole 128x128 blocks (hidden 256, heads of 128, MLP 384) and one of partial blocks
+# would not load in transformers' dequantization either (it derives the block from the grid): dims are multiples
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "num_hidden_layers": 4,
+         "intermediate_size": 384, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128,
+         "vocab_size": 1024, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+         "tie_word_embeddings": False, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}
+
+
+def _quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per 128x128 block: scale_inv = amax / 448, q = e4m3(w / scale_inv) (dims multiples of 128 here)."""
+    N, K = w.shape
+    blocks = w.float().reshape(N // 128, 128, K // 128, 128)
+    scale_inv = blocks.abs().amax(dim=(1, 3)) / E4M3_MAX
+    q = (blocks / scale_inv[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(N, K), scale_inv
+
+
+def _dequantize_by_hand(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    N, K = q.shape
+    return (q.float().reshape(N // 128, 128, K // 128, 128) * scale_inv[:, None, :, None]).reshape(N, K)
+
+
+def _is_quantized(name: str) -> bool:
+    return name.startswith("model.layers.") and name.endswith("_proj.weight")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A tiny block-FP8 checkpoint: random fp32 Llama weights, every decoder projection quantized per block."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    folder = tmp_path_factory.mktemp("fp8-ckpt")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA), dtype=torch.float32)
+    model.save_pretrained(folder)
+    state = load_file(folder / "model.safetensors")
+    quantized = {}
+    for name, tensor in state.items():
+        if _is_quantized(name):
+            q, scale_inv = _quantize_blocks(tensor)
+            quantized[name], quantized[name.replace(".weight", ".weight_scale_inv")] = q, scale_inv
+        else:
+            quantized[name] = tensor
+    save_file(quantized, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = FP8_CONFIG
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _reference(folder: Path):
+    """The same model in fp32 with every quantized weight dequantized by hand (no quantization_config)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    state = load_file(folder / "model.safetensors")
+    weights = {n: (_dequantize_by_hand(t, state[n.replace(".weight", ".weight_scale_inv")]) if _is_quantized(n)
+                   else t) for n, t in state.items() if not n.endswith("_scale_inv")}
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA), dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    return model.eval()
+
+
+def _states(model, ids: torch.Tensor) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return list(model.model(input_ids=ids, output_hidden_states=True).hidden_states)
+
+
+def test_fp8_checkpoint_runs_dequantized_on_cpu_and_says_so(checkpoint, caplog):
+    section = ModelSection(name_or_path=str(checkpoint), tokenizer=str(TOKENIZER), dtype="float32")
+    config = load_config(section)
+    with caplog.at_level(logging.INFO, logger="dflash_prep"):
+        model = load_model(section, config, torch.device("cpu"))
+    said = [r.getMessage() for r in caplog.records if "FP8 checkpoint" in r.getMessage()]
+    assert len(said) == 1 and "DEQUANTIZED" in said[0], said
+    ids = torch.randint(1, LLAMA["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(1))
+    ref = _reference(checkpoint)
+    for i, (got, want) in enumerate(zip(_states(model, ids), _states(ref, ids), strict=True)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"hidden state {i}")
+    # the hand-dequantized weights differ from the fp32 originals (the check would pass on an unquantized model
+    # only if quantizing did nothing): e4m3 rounding of a random weight is visible
+    original = load_file(checkpoint / "model.safetensors")["model.layers.0.mlp.up_proj.weight"]
+    assert original.dtype == torch.float8_e4m3fn
+
+
+def _emulated_fp8_activations(model) -> list:
+    """Forward pre-hooks on every decoder projection: x -> its e4m3 round trip per token and 128 block (what the
+    GPU's scaled_mm path feeds the GEMM), written here independently of the code under test."""
+    def hook(_module, args):
+        x = args[0]
+        blocks = x.float().unflatten(-1, (-1, 128))
+        s = blocks.abs().amax(-1, keepdim=True).clamp(min=1e-12) / E4M3_MAX
+        q = (blocks / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * s
+        return (q.flatten(-2).to(x.dtype),)
+
+    return [m.register_forward_pre_hook(hook) for n, m in model.named_modules()
+            if n.startswith("model.layers.") and n.endswith("_proj")]
+
+
+def test_fp8_activation_rounding_within_verify_tolerance(checkpoint):
+    ref = _reference(checkpoint)
+    ids = torch.randint(1, LLAMA["vocab_size"], (2, 64), generator=torch.Generator().manual_seed(2))
+    want = _states(ref, ids)
+    hooks = _emulated_fp8_activations(ref)
+    got = _states(ref, ids)
+    for h in hooks:
+        h.remove()
+    errors = [float((g - w).abs().max() / w.abs().max()) for g, w in zip(got[1:], want[1:], strict=True)]
+    print("FP8 activations vs dequantized reference, relative error per layer:", [f"{e:.4f}" for e in errors])
+    assert 0.01 < max(errors) < FP8_COMPUTE_TOLERANCE, errors  # rounding happened, within the allowance
+
+
+@pytest.mark.parametrize("quant", [{"quant_method": "awq", "bits": 4},
+                                   {**FP8_CONFIG, "weight_block_size": [64, 64]},
+                                   {**FP8_CONFIG, "activation_scheme": "static"}])
+def test_unknown_quantization_format_refused(checkpoint, tmp_path, quant):
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    for f in checkpoint.iterdir():
+        (folder / f.name).symlink_to(f)
+    (folder / "config.json").unlink()
+    config = json.loads((checkpoint / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    section = ModelSection(name_or_path=str(folder), tokenizer=str(TOKENIZER), dtype="float32")
+    with pytest.raises(RecipeError, match="not a format dflash-prep runs"):
+        load_config(section)
+
+
+def test_unknown_quantization_format_cli_exit_2(checkpoint, tmp_path):
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    for f in checkpoint.iterdir():
+        if f.name != "config.json":
+            (folder / f.name).symlink_to(f)
+    config = json.loads((checkpoint / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "dflash_prep.commands.extract", "--set", "model.config=null",
+                           "--set", f"model.name_or_path={folder}", "--set", f"model.tokenizer={TOKENIZER}",
+                           "--set", f"output.dir={tmp_path / 'out'}", "--set", "data.max_samples=4"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "quantization_config" in line]
+    assert len(errors) == 1 and "gptq" in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_fp8_checkpoint_extracts_and_verifies_on_cpu(checkpoint, tmp_path):
+    """What a user runs: `extract` of the FP8 checkpoint (dequantized on the CPU, said once in the log), then
+    `verify` of the output."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "dflash_prep.commands.extract", "--set", "model.config=null",
+                           "--set", f"model.name_or_path={checkpoint}", "--set", f"model.tokenizer={TOKENIZER}",
+                           "--set", f"output.dir={out}", "--set", "data.max_samples=12", "--set",
+                           "layers.num_layers=1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if "FP8 checkpoint" in line]
+    assert len(said) == 1 and "DEQUANTIZED" in said[0], said
+    proc = subprocess.run([sys.executable, "-m", "dflash_prep.commands.cli", "verify", str(out), "--num-samples",
+                           "4", "--seed", "0"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "verify: OK" in proc.stdout + proc.stderr

@@ -1,0 +1,140 @@
+"""The static-cache decode loop (regen/decode.py), the in-process engine's default path, on the CPU in float32: the
+tiny Llama-style model and the tiny Qwen3.5 hybrid (Gated DeltaNet + attention) with random weights.
+
+Expected ids come from HF `generate` run on each prompt alone (no padding, no batch, its own dynamic cache) or from
+`generate` on the same padded batch with the same logits processors; never from the loop itself. On the CPU the CUDA
+graph capture is off: the loop, its cache, masks, positions and chunked prefill are the code the GPU runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEMO
+from test_regen_hf_engine import (DEMO_EOS, PROMPTS, SAMPLING, alone, llama_config, make_request, prompt_ids,
+                                  section, user)
+
+from dflash_prep.regen.decode import StaticCacheDecoder
+from dflash_prep.regen.hf_engine import TransformersEngine, _processors
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory) -> str:
+    return llama_config(tmp_path_factory.mktemp("llama") / "config.json")
+
+
+def engine_for(name: str, llama_path: str, **kwargs) -> TransformersEngine:
+    config = llama_path if name == "llama" else str(DEMO / "model_config.json")
+    return TransformersEngine(section(config), CPU, 8192, **kwargs)
+
+
+PAD_IN_PROMPTS = 77  # an ordinary token (a nonzero embedding, unlike the configs' pad id 0): padding that leaks shows
+
+
+def padded(engine: TransformersEngine, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded [B, W] ids and mask, built here (not by the engine); the padding positions hold an ordinary
+    token, so only the mask keeps them out."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), PAD_IN_PROMPTS, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):], mask[row, width - len(p):] = torch.tensor(p), 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("name,order", [("llama", "longest-first"), ("llama", "as-given"),
+                                        pytest.param("demo", "longest-first", marks=pytest.mark.slow),
+                                        pytest.param("demo", "as-given", marks=pytest.mark.slow)])
+def test_chunked_prefill_and_per_row_limits_equal_generate_alone(name, order, llama_path):
+    """Five prompts of 3 to ~400 tokens in one batch, the prefill cut into forwards of 10 tokens at most (sorted
+    longest first, as the engine cuts batches: forwards of the rows that have begun; in the given order: whole
+    columns), each row with its own new-token limit (2 to 12): every row's ids equal `generate` on its prompt alone
+    with that limit (up to and including the first end-of-sequence id), then padding to the batch's end."""
+    engine = engine_for(name, llama_path, decoder="generate")
+    prompts = [prompt_ids(engine, m) for m in PROMPTS]
+    if order == "longest-first":
+        prompts.sort(key=len, reverse=True)
+    limits = [12, 2, 7, 12, 5]
+    decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, prefill_tokens=10, column_multiple=1,
+                                 row_multiple=1)
+    ids, mask = padded(engine, prompts)
+    with torch.inference_mode():
+        out = decoder.generate(ids, mask, 12, [DEMO_EOS], row_new_tokens=limits).tolist()
+    assert decoder.stats.decode_steps > 0 and decoder.stats.graph_captures == 0  # CPU: no capture
+    for row, (p, limit) in enumerate(zip(prompts, limits)):
+        expected = alone(engine, p, new=limit)
+        assert out[row][:len(expected)] == expected
+        assert set(out[row][len(expected):]) <= {engine.pad_token_id}
+
+
+def test_a_stop_id_ends_its_row_only():
+    """The tiny Llama with an end-of-sequence id its greedy answers reach at different steps: the batched loop stops
+    each row there (padding after it) while the others go on exactly as alone."""
+    import tempfile
+    from pathlib import Path
+
+    probe = TransformersEngine(section(llama_config(Path(tempfile.mkdtemp()) / "c.json")), CPU, 8192,
+                               decoder="generate", ignore_eos=True)
+    prompts = [prompt_ids(probe, m) for m in PROMPTS]
+    free = [alone(probe, p, new=12, eos=-1) for p in prompts]
+    stop_id = free[0][3]  # the 4th greedy token of the first prompt: row 0 stops there at the latest
+    decoder = StaticCacheDecoder(probe.model, probe.pad_token_id)
+    ids, mask = padded(probe, prompts)
+    with torch.inference_mode():
+        out = decoder.generate(ids, mask, 12, [stop_id]).tolist()
+    stopped = 0
+    for row, ids_free in enumerate(free):
+        cut = ids_free.index(stop_id) + 1 if stop_id in ids_free else 12
+        stopped += cut < 12
+        assert out[row][:cut] == ids_free[:cut] and set(out[row][cut:]) <= {probe.pad_token_id}
+    assert stopped >= 1 and stopped < len(prompts)  # some rows stopped early, others ran on
+
+
+@pytest.mark.parametrize("sampling", [SAMPLING, {"temperature": 0.8, "repetition_penalty": 1.3, "min_p": 0.05}],
+                         ids=["top_p-top_k", "penalty-min_p"])
+def test_sampled_batch_equals_generate_with_the_same_processors(sampling, llama_path):
+    """One padded batch, sampling with the per-row seeded draw: the loop's ids equal `generate`'s on the same batch
+    with the same logits processors (the random stream and the processors see the same step and sequences)."""
+    engine = engine_for("llama", llama_path, decoder="generate")
+    prompts = [prompt_ids(engine, m) for m in PROMPTS]
+    ids, mask = padded(engine, prompts)
+    seeds = [11, 12, 13, 14, 15]
+    with torch.inference_mode():
+        expected = engine._generate(ids, mask, 16, _processors(sampling, seeds, mask, 16)).tolist()
+        decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, prefill_tokens=64)
+        got = decoder.generate(ids, mask, 16, engine.eos_token_ids, _processors(sampling, seeds, mask, 16)).tolist()
+    assert [row[:len(e)] for row, e in zip(got, expected)] == expected
+    assert all(set(row[len(e):]) <= {engine.pad_token_id} for row, e in zip(got, expected))
+
+
+@pytest.mark.parametrize("name", ["llama", pytest.param("demo", marks=pytest.mark.slow)])
+def test_the_engine_default_is_the_static_loop_and_a_sample_does_not_depend_on_its_batch(name, llama_path):
+    """The engine's default decoder is the static loop; a sampled request (seed 7) gives the same text alone and in
+    batches of other prompts in either order, and the greedy requests beside it equal generate alone."""
+    engine = engine_for(name, llama_path, prefill_tokens=32)
+    assert isinstance(engine.decoder, StaticCacheDecoder) and "static cache" in engine.decode_path
+    target = make_request(user("Tell me a joke."), seed=7, sampling=SAMPLING, max_tokens=12)
+    others = [make_request(m, seed=100 + i, sampling=SAMPLING, max_tokens=12) for i, m in enumerate(PROMPTS[1:4])]
+    alone_text = engine.answer([target])[0].content
+    batch = engine.answer([others[0], target, others[1], others[2]])
+    reversed_batch = engine.answer([others[2], others[1], target, others[0]])
+    assert batch[1].content == alone_text == reversed_batch[2].content
+    greedy = engine.answer([make_request(m, seed=i) for i, m in enumerate(PROMPTS)])
+    for messages, answer in zip(PROMPTS, greedy):
+        expected = alone(engine, prompt_ids(engine, messages))
+        assert answer.completion_tokens == len(expected)
+        assert answer.content == engine.tokenizer.decode([t for t in expected if t != DEMO_EOS],
+                                                         skip_special_tokens=True)
+
+
+def test_the_decode_path_names_the_family_and_the_gated_deltanet_kernel(llama_path):
+    """Said per family: the Llama-style model decodes on the static loop; the hybrid also names its recurrence kernel
+    (the torch fallback here: flash-linear-attention is not installed on this machine)."""
+    import importlib.util
+
+    assert engine_for("llama", llama_path).decode_path == "llama: static cache, eager steps"
+    hybrid = engine_for("demo", llama_path, decoder="generate").decode_path
+    assert hybrid.startswith("qwen3_5_text: HF generate (dynamic cache); Gated DeltaNet decode on ")
+    assert ("flash-linear-attention's" in hybrid) == (importlib.util.find_spec("fla") is not None)
