@@ -28,8 +28,10 @@ Unset (the normal case), `Faults.from_env()` returns None and no code path pays 
     sigterm_process        P                 only the process of index P does (default: every process)
     stop_at_commit         {"point": P, "shard": N}  the process stops itself (SIGSTOP, as a frozen VM) at commit
                                              point P of shard N: "checked" (its fence checked, not yet renamed),
-                                             "renamed" (renamed, no index line yet), or "manifest" (N ignored: the
-                                             manifest written to .tmp, before its fence check); SIGCONT wakes it
+                                             "renamed" (renamed, no index line yet), "appending" (checked again,
+                                             the line not yet appended: the window fencing cannot close), or
+                                             "manifest" (N ignored: before the manifest's fence check); SIGCONT
+                                             wakes it
     upload_part_bytes      N                 an object-store output uploads shards above 2N bytes as multipart
                                              uploads of N-byte parts (default 64 MiB; S3 takes >= 5 MiB): small
                                              test shards then cross the multipart path

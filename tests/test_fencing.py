@@ -294,11 +294,12 @@ def _wait_stopped(proc: subprocess.Popen, timeout: float = 240) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("point", ["checked", "renamed", "manifest"])
+@pytest.mark.parametrize("point", ["checked", "renamed", "appending", "manifest"])
 def test_two_runs_one_frozen_past_its_lease_at_a_commit_point_end_intact_each_sample_once(tmp_path, capsys, point):
     """Run A (host node-a) stops itself at a commit point of shard 1 (or of the manifest) and stays stopped past
-    its lease; run B (host node-b) takes the output over and finishes it; A, woken, commits nothing and ends with
-    exit code 1 and one line; a resume then finds the output finished and intact: the 24 samples, each once."""
+    its lease; run B (host node-b) takes the output over and finishes it; A, woken, commits nothing (at
+    "appending", past its last check, it lands one late line, whose shard B's records already hold) and ends with
+    exit code 1 and one line; a resume then finds the output intact: the 24 samples, each once."""
     out = tmp_path / "out"
     lease = {"output.lease_seconds": 2}
     faults = {"stop_at_commit": {"point": point, "shard": 1}, "forward_delay_seconds": 0.2}
@@ -318,6 +319,11 @@ def test_two_runs_one_frozen_past_its_lease_at_a_commit_point_end_intact_each_sa
     assert len(errors) == 1 and ("no longer holds the output" in errors[0] or "took over" in errors[0]), err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     assert (out / "manifest.json").read_bytes() == manifest_by_b  # A wrote no manifest over B's
+    lines = [json.loads(line) for index in sorted((out / "index").glob("rank-*.jsonl"))
+             for line in index.read_text().splitlines()]
+    listed_twice = len([s for line in lines for s in line["sample_ids"]]) - len({s for line in lines
+                                                                                 for s in line["sample_ids"]})
+    assert (listed_twice > 0) == (point == "appending")  # only past the last check does a late line land
     records = read_committed(out)
     assert {r.path for r in records} >= {p for p in committed_by_a}  # A's commits before the freeze are kept
     ids = [s for r in records for s in r.sample_ids]

@@ -345,7 +345,7 @@ class IndexAppender:
         """Check the fence, `place` the file, check again, append its record's line (fsynced): the commit. Under
         the rank's lock and the index file's own flock. On an error nothing is committed: the renamed file and the
         line's bytes are taken back (best effort; a resume would remove an unlisted file and cut a torn line
-        anyway). `at(point)`: a test hook at "checked" and "renamed" (faults.py)."""
+        anyway). `at(point)`: a test hook at "checked", "renamed" and "appending" (after the last check; faults.py)."""
         if fence is not None:
             record.fence = fence.token
         with self.lock, _index_flock(self.index_path) as flock:
@@ -364,6 +364,8 @@ class IndexAppender:
                     at("renamed")
                 if fence is not None:
                     fence.check()
+                if at is not None:
+                    at("appending")
             except BaseException:
                 final.unlink(missing_ok=True)
                 raise
