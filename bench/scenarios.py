@@ -297,6 +297,45 @@ def profile(r: Round) -> None:
                                                                 r.results / "profile-alt.json"), gpu_only=True)
 
 
+@scenario("storage", 1, "the shard writer against the disk (disk_vs_writer.py: buffered and O_DIRECT, 4 and 8 lanes), "
+          "the Llama-3.1-8B shape with DFlash's 5 layers (40 KB/token, as Qwen3-8B's) into tmpfs, the local disk and "
+          "moto's S3 server on loopback, the S3 output read back equal to the disk's (bench/store_bench.py)",
+          deadline_seconds=480, gb="4:GB of each disk_vs_writer step", samples="800:samples of the runs' list",
+          model="llama3.1-8b:the runs' config, bench/configs/NAME.json (qwen3-8b: the issue's Qwen3-8B shape)",
+          s3="1:the S3 run (0: skip it; needs moto[server] and s3fs, from the wheels of .whl/)")
+def storage(r: Round) -> None:
+    disk = r.work  # the system's temp dir: ext4 on the H200 machine's disk
+    tmpfs = r.work / "shm" if r.dry else shm_or_tmp(40) / f"dflash-storage-{os.getpid()}"
+    gb = "0.05" if r.dry else r.opt("gb")
+    r.step("disk-vs-writer", 150, r.python("bench/disk_vs_writer.py", "--dir", disk, "--gb", gb, "--repeats",
+                                           "2" if r.dry else "3", "--label", "disk", "--out",
+                                           r.results / "disk_vs_writer-disk.json",
+                                           *(["--width", "2048", "--shard-gb", "0.01"] if r.dry else [])))
+    data = r.work / "data.parquet"
+    config = CONFIGS / ("tiny-llama.json" if r.dry else f"{r.opt('model')}.json")
+    num, vocab = ("40" if r.dry else r.opt("samples")), str(json.loads(config.read_text())["vocab_size"])
+    r.step("data", 60, r.python("-m", "bench.store_bench", "data", data, "--num-samples", num, "--vocab", vocab))
+    sets = [f"data.path={data}", "data.max_length=4096", f"model.config={config}", f"model.tokenizer={TOKENIZER}",
+            "model.dtype=bfloat16", "layers.preset=dflash",
+            "layers.capture_final=none", "output.dtype=bfloat16", "batching.max_tokens_per_batch=auto",
+            f"model.triton_cache_dir={r.work / 'triton'}", "output.overwrite=true"]
+    warm = tmpfs / "warmup"  # fills the Triton cache the measured runs share (same kernels: same bytes)
+    r.step("8b-warmup", 90, r.extract(warm, *sets, "data.max_samples=" + ("8" if r.dry else "64")))
+    shutil.rmtree(warm, ignore_errors=True)
+    out = tmpfs / "out"
+    r.step("8b-tmpfs", 120, r.extract(out, *sets))
+    r.keep(out, "8b-tmpfs")
+    out = disk / "out-disk"
+    r.step("8b-disk", 120, r.extract(out, *sets))
+    if r.flag("s3"):
+        r.step("8b-s3", 180, r.python("-m", "bench.store_bench", "s3", r.work / "s3", r.results, "--local", out,
+                                      "--probe-gb", "0.05" if r.dry else "0.5", "--",
+                                      *(a for kv in sets for a in ("--set", kv))))
+    r.keep(out, "8b-disk")
+    shutil.rmtree(tmpfs, ignore_errors=True)
+    r.step("report", 30, r.python("-m", "bench.store_bench", "report", r.results))
+
+
 @scenario("regen", 1, "the in-process regeneration engine: its static-cache / CUDA-graph decoder against its HF "
           "`generate` batches, and a greedy check against `generate` alone, on the 8B and 27B shapes "
           "(regen_bench.py; the arguments after `--` go to it)")

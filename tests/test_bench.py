@@ -371,6 +371,6 @@ def test_every_scenario_is_listed_with_its_options(capsys):
     assert scenarios.main(["list"]) == 0
     out = capsys.readouterr().out
     for name in ("smoke", "bench", "kernels", "packing", "balance", "replica", "round", "levers", "long", "profile",
-                 "faults"):
+                 "faults", "storage"):
         assert out.count(f"\n{name} ") + out.startswith(f"{name} ") == 1, name
     assert "--set alt_wheels=" in out and "--set run_8b=1" in out

@@ -189,3 +189,23 @@ def test_fp8_checkpoint_extracts_and_verifies_on_cpu(checkpoint, tmp_path):
                            "4", "--seed", "0"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "verify: OK" in proc.stdout + proc.stderr
+
+
+def test_block_fp8_linear_keeps_packed_rows_apart():
+    """The GPU module that replaces each FP8 linear layer is position-wise: a model holding it still packs (the
+    packing check refused it on the GPU, so every FP8 extraction there would have failed at start-up)."""
+    from torch import nn
+
+    from dflash_prep.target.fp8_weights import BlockFP8Linear
+    from dflash_prep.target.mixers import token_mixers
+
+    weight = torch.zeros(256, 128).to(torch.float8_e4m3fn)
+    layer = BlockFP8Linear(weight, torch.ones(2, 1), None)
+    model = nn.Sequential(nn.Linear(128, 128), layer)
+    assert token_mixers(model) == []
+
+    class Unknown(nn.Module):  # a module of ours that does not say it is per-token is still refused
+        def forward(self, x):
+            return x
+
+    assert [m.why_not is not None for m in token_mixers(nn.Sequential(Unknown()))] == [True]

@@ -5,6 +5,7 @@ measured rate, beside the GPUs' time, and which one sets the pace)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -63,3 +64,32 @@ def test_plan_sets_the_storage_time_beside_the_gpu_time(bench_result, tmp_path, 
                       "--storage-bytes-per-second", str(slow)]) == 0
     assert "the storage sets the pace" in capsys.readouterr().out
     assert plan_main(["--storage-bytes-per-second", "fast"]) == 2
+
+
+@pytest.mark.slow
+def test_plan_bills_every_dtype_bytes_objects_time_and_monthly_cost(tmp_path, capsys):
+    """For each storage dtype: the bytes and objects an extraction of the recipe writes (counted on disk after the
+    run, for its own dtype), the time at the given rate and the month's cost at the given price (arithmetic)."""
+    out = tmp_path / "out"
+    sets = ["--set", "data.max_samples=40", "--set", "output.max_shard_bytes=200KB", "--set", f"output.dir={out}"]
+    p = plan_json(capsys, *sets[2:], "--storage-bytes-per-second", "2.5e8", "--storage-price-per-gb-month", "0.023")
+    assert p["disk"][p["dtype"]]["num_shards"] >= 3
+    for dtype, d in p["disk"].items():
+        assert d["seconds_at_rate"] == pytest.approx(d["num_bytes"] / 2.5e8), dtype
+        assert d["cost_per_month"] == pytest.approx(d["num_bytes"] / 1e9 * 0.023), dtype
+    assert set(p["disk"]) == {"bfloat16", "float16", "float32", "fp8_e4m3"}
+    assert plan_main([*sets, "--storage-bytes-per-second", "2.5e8", "--storage-price-per-gb-month", "0.023"]) == 0
+    text = capsys.readouterr().out
+    for dtype, d in p["disk"].items():
+        line = next(line for line in text.splitlines() if f" {dtype} " in f" {line} " and "objects" in line)
+        assert f"{d['num_objects']:,} objects" in line and f"{d['cost_per_month']:,.2f}/month at 0.023/GB" in line
+    assert plan_main(["--storage-price-per-gb-month", "-1"]) == 2
+    capsys.readouterr()
+    proc = subprocess.run([sys.executable, "extract.py", *sets], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    files = [f for f in out.rglob("*") if f.is_file()]
+    shards = [f for f in files if f.suffix == ".tar"]
+    bill = p["disk"][p["dtype"]]
+    assert (len(files), len(shards)) == (bill["num_objects"], bill["num_shards"])
+    assert sum(f.stat().st_size for f in shards) == bill["num_bytes"]

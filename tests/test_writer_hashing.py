@@ -181,7 +181,8 @@ def test_a_disk_filling_up_mid_shard_leaves_only_committed_shards(tmp_path, monk
     monkeypatch.setattr(writer_mod, "open", _FullDisk.open, raising=False)
     monkeypatch.setattr(_FullDisk, "room", 1_000_000)  # ~9 shards' worth, the last one cut mid-member
     monkeypatch.setattr(_FullDisk, "written", 0)
-    writer = AsyncShardWriter(lanes(tmp_path, 0, 100_000, 0, num_lanes))
+    # buffered: the fake disk is the writer's `open` (tests/test_direct_io.py fills a real one with O_DIRECT)
+    writer = AsyncShardWriter(lanes(tmp_path, 0, 100_000, 0, num_lanes, write_mode="buffered"))
     raised = []
     try:
         for b in range(60):

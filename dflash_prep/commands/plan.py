@@ -28,6 +28,9 @@ Guarantees (tests/test_plan.py checks them against real extractions):
 - the storage bill: the output's bytes in its storage dtype against the time `output.dir`'s disk or object store
   needs at a measured rate (`--storage-bytes-per-second`, or `--storage-bench` with a result file of
   bench/disk_vs_writer.py), beside the GPUs' wall time, and which of the two sets the pace; no rate, no time;
+  for every storage dtype: bytes, objects (shards + the ranks' index, done marker and log + the output's small
+  files), the time to write or upload them at that rate, and with `--storage-price-per-gb-month` what storing them
+  costs a month (decimal GB, the price a store lists);
 - the device planned for is the run's, not necessarily this machine's (`plan_device`): GPUs with `--gpu`,
   `--gpu-memory-gb` or a GPU here (batches and `batching.packing` as on CUDA with the gpu extra, the GPU
   benchmark's rates), else the CPU (a CPU run's batches; no default rate: the benchmark's are GPU figures);
@@ -181,7 +184,8 @@ def length_histogram(lengths: list[int], max_length: int, width: int = 40) -> st
 # ------------------------------------------------------------------------------------------------- plan
 def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | None = None,
                   bench_dir: Path | None = BENCH_RESULTS_DIR, gpu_memory_bytes: int | None = None,
-                  gpu: bool = False, storage_rate: dict | None = None) -> dict:
+                  gpu: bool = False, storage_rate: dict | None = None,
+                  price_per_gb_month: float | None = None) -> dict:
     """Every figure of `dflash-prep plan` as a dict (see the module docstring). It plans the run of the device the
     recipe will run on (`plan_device`): GPUs with `gpu`, `gpu_memory_bytes` (which also sizes
     `max_tokens_per_batch: auto`) or a GPU on this machine, else the CPU."""
@@ -222,6 +226,7 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
     shares = split_across_ranks(plan, replicas["num_replicas"],  # a rank of the output is a replica
                                 functools.partial(cost_model.cost_of, lengths=lengths))
     disk = _disk_figures(recipe, plan, shares, cols, lengths, layer_ids, hidden_size, stats["num_real_tokens"])
+    _bill_each_dtype(disk, storage_rate, price_per_gb_month)
     throughput = _throughput(recipe, config, params, tokens_per_second, bench_dir, packing.packed) \
         if device["type"] == "cuda" or tokens_per_second else NO_CPU_FIGURE
     if throughput["tokens_per_second"]:
@@ -332,9 +337,29 @@ def _disk_figures(recipe: Recipe, plan: list, shares: list, cols: dict, lengths:
             shards += shard_sizes([[sizer.record_bytes(lengths[i], meta_len[i], dtype) for i in p.sample_indices]
                                    for p in share], recipe.output.max_shard_bytes, recipe.output.num_writer_threads)
         disk[dtype] = {"num_bytes": sum(shards), "num_shards": len(shards),
+                       "num_objects": len(shards) + OBJECTS_PER_RANK * len(shares) + OBJECTS_PER_OUTPUT,
                        "states_bytes_per_token": sizer.states_bytes_per_token(dtype),
                        "bytes_per_token": sum(shards) / max(num_real_tokens, 1)}
     return disk
+
+
+# The output's files besides its shards, as a local output holds them (an object store's, without lock files,
+# holds one fewer per rank and one fewer per output): per rank its index, done marker, log, lock and lease; per
+# output manifest.json, plan.json, summary.json, run_state.json, recipe.resolved.yaml, failed.jsonl, skipped.jsonl,
+# kernels.jsonl, token_freq.safetensors and the run's lock and lease.
+OBJECTS_PER_RANK = 5
+OBJECTS_PER_OUTPUT = 11
+
+
+def _bill_each_dtype(disk: dict, rate: dict | None, price_per_gb_month: float | None) -> None:
+    """Adds to each dtype's figures its time at `rate` (storage_rate_from; None without one) and its monthly cost
+    at `price_per_gb_month` (per 1e9 bytes; None without one). Raises ValueError on a negative price."""
+    if price_per_gb_month is not None and not price_per_gb_month >= 0:
+        raise ValueError(f"--storage-price-per-gb-month must be >= 0, got {price_per_gb_month}")
+    for d in disk.values():
+        d["seconds_at_rate"] = d["num_bytes"] / rate["bytes_per_second"] if rate else None
+        d["cost_per_month"] = d["num_bytes"] / 1e9 * price_per_gb_month if price_per_gb_month is not None else None
+        d["price_per_gb_month"] = price_per_gb_month
 
 
 def _throughput(recipe: Recipe, config, params: int | None, tokens_per_second: float | None,
@@ -504,9 +529,14 @@ def format_plan(p: dict) -> str:
     bf16 = p["disk"]["bfloat16"]["num_bytes"]
     for i, (dtype, d) in enumerate(p["disk"].items()):
         mark = "  <- output.dtype" if dtype == p["dtype"] else ""
+        bill = "".join([f", {d['num_objects']:,} objects" if "num_objects" in d else "",
+                        f", {_duration(d['seconds_at_rate'])} at {d['num_bytes'] / d['seconds_at_rate'] / 1e9:.2f} GB/s"
+                        if d.get("seconds_at_rate") else "",
+                        f", {d['cost_per_month']:,.2f}/month at {d['price_per_gb_month']:g}/GB"
+                        if d.get("cost_per_month") is not None else ""])
         lines.append(("disk" if i == 0 else "", f"{dtype:<9} {_size(d['num_bytes']):>10} in {d['num_shards']:,} "
                       f"shard(s), {d['bytes_per_token']:,.0f} B/token ({d['states_bytes_per_token']:,.0f} of states), "
-                      f"{d['num_bytes'] / max(bf16, 1):.2f}x bf16{mark}"))
+                      f"{d['num_bytes'] / max(bf16, 1):.2f}x bf16{bill}{mark}"))
     t = p["throughput"]
     if t["tokens_per_second"]:
         ref = t.get("reference")
@@ -587,6 +617,9 @@ def build_parser(prog: str = "dflash-prep plan") -> argparse.ArgumentParser:
                         "measure it: bench/disk_vs_writer.py), to time the writes beside the GPUs")
     p.add_argument("--storage-bench", default=None, metavar="FILE",
                    help="a result file of bench/disk_vs_writer.py: its shard-writer rate as the storage rate")
+    p.add_argument("--storage-price-per-gb-month", type=float, default=None, metavar="PRICE",
+                   help="what the store charges per GB (1e9 bytes) a month, e.g. 0.023: each storage dtype's "
+                        "monthly cost (in the price's currency)")
     p.add_argument("--json", action="store_true", help="print every figure as JSON")
     p.add_argument("--show-sample", type=int, default=None, metavar="N",
                    help="first print input row N (0-based) as the extraction tokenizes it, supervised tokens marked")
@@ -652,7 +685,8 @@ def main(argv: list[str] | None = None) -> int:
                              bench_dir=Path(args.bench_results) if args.bench_results else None,
                              gpu_memory_bytes=int(args.gpu_memory_gb * 1e9) if args.gpu_memory_gb else None,
                              gpu=args.gpu,
-                             storage_rate=storage_rate_from(args.storage_bytes_per_second, args.storage_bench))
+                             storage_rate=storage_rate_from(args.storage_bytes_per_second, args.storage_bench),
+                             price_per_gb_month=args.storage_price_per_gb_month)
         if recipe.regenerate is not None:  # on-policy data: the regeneration first (plan_regeneration, below)
             plan["regenerate"] = plan_regeneration(
                 recipe, args.generated_tokens_per_second, num_gpus=args.num_gpus,

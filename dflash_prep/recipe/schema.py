@@ -316,6 +316,12 @@ class OutputSection:
     writing and fsync release the GIL): an 8B target with 3 bf16 layers at ~34k tokens/s per GPU
     produces ~0.85 GB/s. Each lane holds up to 2 batches of states in (pinned) host memory. Not part of the job's
     identity: a resume may use another value."""
+    write_mode: Literal["auto", "direct", "buffered"] = "auto"
+    """How the lanes write shards to the disk: `direct` with O_DIRECT (no page cache; where the filesystem
+    refuses it, tmpfs or some network filesystems, buffered instead, said once in the log), `buffered` through the
+    page cache, `auto`: `direct` for a local output, `buffered` for an object store's staging folder (the upload
+    reads the shard back from the page cache). Same bytes and commits either way (docs/STORAGE.md, "Writers and
+    object stores"). Not part of the job's identity."""
     max_pending_bytes: int = 16_000_000_000
     """Host memory (bytes or '16GB') the states of batches captured but not yet written may hold, per rank
     (pinned on a GPU machine): the loop waits for the writer threads beyond it. A single larger batch still goes

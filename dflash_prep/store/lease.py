@@ -7,8 +7,9 @@ number their shards alike and overwrite each other's rank indexes. So the main p
 
 - taken with a conditional write that succeeds only when the object is absent (S3 `PUT` with `If-None-Match: *`,
   which AWS S3 and S3-compatible servers such as moto and MinIO honour: a second run gets HTTP 412 and is refused);
-- renewed every `ttl_seconds / 4` by a thread of its holder, each renewal conditional on the object being the one
-  it wrote last (S3 `If-Match: <ETag>`); a renewal refused (another run took the lease over) or impossible for a
+- renewed every `ttl_seconds / 4`, at most RENEW_MAX_SECONDS apart (the renewals are the other nodes' sign of
+  its life, commands/extract/peers.py), by a thread of its holder, each renewal conditional on the object being the
+  one it wrote last (S3 `If-Match: <ETag>`); a renewal refused (another run took the lease over) or impossible for a
   whole TTL (the store unreachable) marks the lease `lost`, and the holder's uploader then commits nothing more;
 - taken over when its holder is gone: a holder on this host whose run no longer holds the host's lock of this lease
   (a flock on a file of the system's temporary folder named after the lease, holding the holder's run id: the
@@ -48,6 +49,7 @@ from dflash_prep.store.locks import LeaseLostError, _clock
 log = logging.getLogger("dflash_prep")
 
 LEASE_TTL_SECONDS = 120.0
+RENEW_MAX_SECONDS = 10.0  # output.peer_timeout_seconds may be as short as 15 s
 
 
 class StoreError(ConnectionError):
@@ -332,7 +334,7 @@ class Lease:
         self._thread.start()
 
     def _heartbeat(self) -> None:
-        while not self._stop.wait(self.ttl_seconds / 4):
+        while not self._stop.wait(min(self.ttl_seconds / 4, RENEW_MAX_SECONDS)):
             try:
                 self._overwrite_own()
             except OSError as e:

@@ -143,6 +143,10 @@ class BlockFP8Linear(nn.Module):
     the format: zeros add nothing to the products). forward(x [..., K]) -> [..., N] in x's dtype: x is quantized
     per token and 128-block (`quantize_1x128`), multiplied in FP8 with fp32 accumulation, the bias added."""
 
+    # Each token's row is quantized (1x128 blocks along K) and multiplied on its own: no position reads another, so
+    # packed rows stay exact through it (target/mixers.py reads this).
+    POSITIONWISE = True
+
     def __init__(self, weight_NK: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         N, K = weight_NK.shape

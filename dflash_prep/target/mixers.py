@@ -108,6 +108,8 @@ def classify(module: nn.Module, path: str) -> TokenMixer | None:
         return _attention(module, path)
     if isinstance(module, POSITIONWISE_TORCH) or cls.__module__ == "transformers.activations":
         return None
+    if getattr(cls, "POSITIONWISE", False) is True:  # our own per-token modules say so (fp8_weights.BlockFP8Linear)
+        return None
     if cls.__module__.startswith(ROLE_LIBRARIES) and cls.__name__.endswith(POSITIONWISE_ROLES):
         mixing = sorted(names & MIXING_CALLS)
         if not mixing:

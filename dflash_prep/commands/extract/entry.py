@@ -100,7 +100,7 @@ def _main(argv: list[str] | None, own_process: bool = False) -> int:
             _exit_now(e.exit_code)
         return e.exit_code
     except PeerLostError as e:  # a process of the run is gone: one line, and no wait on its connection at exit
-        print(f"error: {e} (details in {Path(recipe.output.dir) / 'logs'})", file=sys.stderr)
+        print(f"error: {e} (details in {_logs_folder(recipe)})", file=sys.stderr)
         log_to_file(f"stopped (exit code {EXIT_STOPPED}): {e}")
         if own_process:
             _exit_now(EXIT_STOPPED)

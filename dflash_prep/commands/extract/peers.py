@@ -16,6 +16,9 @@ never compared: a change is timed by this process when it sees it):
   an arrival is a node cut off from the others, and is given up on;
 - of the main process, for the others: its run lease's heartbeat (it may tokenize the rows for everyone for an
   hour); a released run lease means it has ended.
+An object-store output (`remote`): every node stages in a folder of its own, so the signs are objects of the store,
+read without a cache: of a rank, its rank lease object (renewed at most 10 s apart while it runs, store/lease.py)
+and its index object (rewritten at each commit); of the main process, its run lease object (deleted when it ends).
 
 Our own code rather than `torch.distributed.monitored_barrier` (gloo only as well): that one neither logs while it
 waits nor lets a peer that is still working (its progress moving) extend the wait; its timeout is one number.
@@ -32,7 +35,7 @@ from pathlib import Path
 from dflash_prep.commands.extract.progress import progress_path
 from dflash_prep.errors import ExtractionError
 from dflash_prep.store.locks import LOCKS_DIR, RUN_NAME, Lease
-from dflash_prep.store.records import rank_name
+from dflash_prep.store.records import INDEX_DIR, rank_name
 
 log = logging.getLogger("dflash_prep")
 
@@ -65,9 +68,10 @@ class MainStopped(ExtractionError):
 class Peers:
     """This process's view of the run's other processes (module docstring). One process: every wait returns."""
 
-    def __init__(self, state, out_dir: Path, timeout_seconds: float, processes_per_replica: int = 1):
+    def __init__(self, state, out_dir: Path, timeout_seconds: float, processes_per_replica: int = 1, remote=None):
         self.rank, self.world, self.is_main = state.process_index, state.num_processes, state.is_main_process
         self.out_dir = Path(out_dir)
+        self.remote = remote  # an object-store output (store/remote.RemoteOutput): the signs are its objects
         self.timeout_seconds = float(timeout_seconds)
         self.processes_per_replica = processes_per_replica
         self._seq = 0
@@ -111,7 +115,8 @@ class Peers:
 
         pending = {p: _Pending(dist.irecv, torch.zeros(2, dtype=torch.int64), src=p, group=self.group,
                                tag=self._seq) for p in range(1, self.world)}
-        signs = {p: _PeerSigns(self.out_dir, self._rank_of(p)) for p in pending}
+        signs = {p: _StoreRankSigns(self.remote, self._rank_of(p)) if self.remote is not None else
+                 _PeerSigns(self.out_dir, self._rank_of(p)) for p in pending}
         since, next_log = time.time(), time.monotonic() + LOG_EVERY_SECONDS / 3
         while pending:
             for p, receive in list(pending.items()):
@@ -157,7 +162,7 @@ class Peers:
             raise PeerLostError(0, _why_closed(self._sent[0].error), what)
         answer = torch.zeros(2, dtype=torch.int64)
         receive = _Pending(dist.irecv, answer, src=0, group=self.group, tag=self._seq)
-        main = _MainSigns(self.out_dir)
+        main = _StoreMainSigns(self.remote) if self.remote is not None else _MainSigns(self.out_dir)
         since, next_log = time.time(), time.monotonic() + LOG_EVERY_SECONDS / 3
         while not receive.done:
             if receive.error is not None:
@@ -262,6 +267,48 @@ class _MainSigns(_Signs):
     def ended(self) -> bool:
         """The main process released the run lease it held during this wait: it has ended (refused, stopped or
         failed). (A lease released before, an earlier run's, says nothing.)"""
+        return self._released
+
+
+class _StoreRankSigns(_Signs):
+    """A rank's signs of life in an object-store output: its rank lease object's content (the holder's renewals
+    rewrite it) and its index object (a commit rewrites it), both read from the store (no listing cache)."""
+
+    def __init__(self, remote, rank: int):
+        self.lease, self.remote = remote.lease(rank_name(rank)), remote
+        self.index_rel = f"{INDEX_DIR}/{rank_name(rank)}.jsonl"
+        super().__init__()
+
+    def _look(self):
+        try:
+            content, _ = self.lease.read()
+            index = self.remote.cat(self.index_rel)
+        except OSError:  # the store did not answer this time: no sign, no verdict
+            return self._seen if hasattr(self, "_seen") else None
+        return (content or {}).get("renewed_at"), len(index) if index is not None else None
+
+
+class _StoreMainSigns(_Signs):
+    """The main process's signs of life in an object-store output: its run lease object's renewals; the object
+    deleted after it was seen held during this wait: the main process has ended."""
+
+    def __init__(self, remote):
+        self.lease = remote.lease(RUN_NAME)
+        self._held_seen = False
+        self._released = False
+        super().__init__()
+
+    def _look(self):
+        try:
+            content, _ = self.lease.read()
+        except OSError:
+            return self._seen if hasattr(self, "_seen") else None
+        if content is not None:
+            self._held_seen = True
+        self._released = self._held_seen and content is None
+        return (content or {}).get("renewed_at")
+
+    def ended(self) -> bool:
         return self._released
 
 

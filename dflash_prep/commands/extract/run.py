@@ -202,8 +202,9 @@ def _run_rank(run: Run, data, rank_plan: RankPlan, lock_fds: tuple, load: Target
     writer = DiscardingWriter() if not run.is_writer else AsyncShardWriter(
         lanes(run.out_dir, run.rank, run.recipe.output.max_shard_bytes,
               next_shard_number(rank_plan.committed, rank_name(run.rank)), run.recipe.output.num_writer_threads,
-              run.faults, publisher=_uploader(run), run_id=run.run_id,
-              fence=run.fence if run.remote is None else None), nan_policy=run.recipe.output.nan_policy,
+              run.faults, publisher=_uploader(run), run_id=run.run_id, write_mode=run.recipe.output.write_mode,
+              fence=run.fence if run.remote is None else None),
+        nan_policy=run.recipe.output.nan_policy,
         max_pending_bytes=run.recipe.output.max_pending_bytes)
     loader = torch.utils.data.DataLoader(
         PlannedBatches(data.kept, rank_plan.mine, padding_token_id(run.tokenizer, vocab_size_of(run.config))),

@@ -39,7 +39,8 @@ def start(recipe: Recipe) -> Run:
     state = PartialState(cpu=not torch.cuda.is_available())
     remote = _remote_output(recipe)
     out_dir = remote.staging if remote is not None else Path(recipe.output.dir)
-    peers = Peers(state, out_dir, recipe.output.peer_timeout_seconds)  # first, by every process: a collective
+    # first, by every process: a collective
+    peers = Peers(state, out_dir, recipe.output.peer_timeout_seconds, remote=remote)
     refuse_unsafe_output_dir(recipe)
     created = not out_dir.exists()
     try:

@@ -1,0 +1,197 @@
+"""The `storage` scenario's own steps: the sample list, an extraction into an S3-compatible server on loopback (moto's,
+started here) read back and compared with the same extraction on the local disk, and the report of the disk,
+tmpfs and S3 runs.
+
+    python3 -m bench.store_bench data DATA.parquet --num-samples N --vocab V
+    python3 -m bench.store_bench s3 WORK RESULTS --local LOCAL_OUT -- --set KEY=VALUE ...   (the extraction's sets)
+    python3 -m bench.store_bench report RESULTS
+
+`s3` starts moto's server (moto.server.ThreadedMotoServer) on 127.0.0.1 (its objects in `--store-tmp`, default
+/dev/shm: the store's disk is not the one under test), times a 1 GB upload through s3fs alone
+(what the server itself takes), runs `python -m dflash_prep.commands.extract` with the given sets into
+`s3://bench/out` (shards staged in WORK/staging), then reads the S3 output and LOCAL_OUT (the same recipe on the
+local disk) back through `ShardDataset` and compares them sample by sample (ids, tokens, the states' bytes):
+RESULTS/store_s3.json. `report` puts the runs' tokens/s side by side: RESULTS/storage_report.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
+BUCKET = "bench"
+
+
+def data(path: Path, num_samples: int, vocab: int) -> None:
+    from bench.samples import make_samples, write_pretokenized
+
+    samples = make_samples(num_samples, 5.41, 0.9, 16, 4096, vocab, seed=0)
+    write_pretokenized(path, samples, num_samples)
+    print(json.dumps(samples.params))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _upload_rate(fs, work: Path, num_bytes: int) -> dict:
+    """One file of `num_bytes` through s3fs's put_file (multipart, 50 MiB parts as the uploader sends them)."""
+    path = work / "upload-probe.bin"
+    with open(path, "wb") as f:
+        f.write(os.urandom(min(num_bytes, 64 << 20)) * max(1, num_bytes // (64 << 20)))
+    size = path.stat().st_size
+    t0 = time.perf_counter()
+    fs.put_file(str(path), f"{BUCKET}/probe.bin", chunksize=50 << 20)
+    seconds = time.perf_counter() - t0
+    fs.rm(f"{BUCKET}/probe.bin")
+    path.unlink()
+    return {"bytes": size, "seconds": seconds, "bytes_per_second": size / seconds}
+
+
+def _samples(out: str, storage_options: dict | None) -> dict:
+    """sample_id -> (input_ids, loss_mask, sha256 of the states' bytes) of an output, read through the project's
+    reader (which also checks each shard's sha256 against its manifest)."""
+    import hashlib
+
+    import torch
+
+    from dflash_prep.consume.reader import ShardDataset
+
+    def digest(*tensors) -> str:
+        h = hashlib.sha256()
+        for t in tensors:
+            if t is not None:
+                h.update(t.contiguous().view(-1).view(torch.uint8).numpy())
+        return h.hexdigest()
+
+    return {s["sample_id"]: (s["input_ids"].tolist(), s["loss_mask"].tolist(),
+                             digest(s["hidden_states"], s.get("final_hidden_states")))
+            for s in ShardDataset(out, storage_options=storage_options)}
+
+
+def compare(local: str, remote: str, storage_options: dict) -> dict:
+    a, b = _samples(local, None), _samples(remote, storage_options)
+    differ = [k for k in a if k in b and a[k] != b[k]]
+    return {"num_samples_local": len(a), "num_samples_s3": len(b), "same_ids": sorted(a) == sorted(b),
+            "num_samples_differing": len(differ), "first_differing": differ[:5],
+            "equal": sorted(a) == sorted(b) and not differ}
+
+
+def s3(work: Path, results: Path, local: Path, sets: list[str], probe_bytes: int, store_tmp: Path | None) -> int:
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    os.environ.update(CREDENTIALS)
+    if store_tmp is not None:  # moto keeps objects over 5 MB in temporary files: on RAM, not on the disk under test
+        tempfile.tempdir = str(store_tmp)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
+        fs.mkdir(BUCKET)
+        probe = _upload_rate(fs, work, probe_bytes)
+        print(f"s3fs put_file into moto on loopback: {probe['bytes_per_second'] / 1e9:.2f} GB/s", flush=True)
+        url = f"s3://{BUCKET}/out"
+        env = {**os.environ, "AWS_ENDPOINT_URL": endpoint, "PYTHONUNBUFFERED": "1"}  # staging: on `work`
+        cmd = [sys.executable, "-m", "dflash_prep.commands.extract", "--set", f"output.dir={url}",
+               "--set", f"output.staging_dir={work / 'staging'}", "--set", "output.overwrite=true", *sets]
+        t0 = time.perf_counter()
+        rc = subprocess.run(cmd, cwd=REPO, env=env).returncode
+        wall = time.perf_counter() - t0
+        result = {"endpoint": endpoint, "store_tmp": str(store_tmp), "upload_probe": probe, "extract_exit_code": rc, "extract_wall_seconds": wall,
+                  "sets": sets}
+        if rc == 0:
+            summary = json.loads(fs.cat(f"{BUCKET}/out/summary.json"))
+            local_summary = json.loads((local / "summary.json").read_text())
+            result.update({"s3_tokens_per_second": summary["tokens_per_second"],
+                           "local_tokens_per_second": local_summary["tokens_per_second"],
+                           "ratio_s3_to_local": summary["tokens_per_second"] / local_summary["tokens_per_second"],
+                           "s3_summary": summary,
+                           "read_back": compare(str(local), url, {"endpoint_url": endpoint})})
+            print(f"s3 {summary['tokens_per_second']:.0f} tok/s, local disk {local_summary['tokens_per_second']:.0f}"
+                  f" tok/s: ratio {result['ratio_s3_to_local']:.3f}; read back equal: "
+                  f"{result['read_back']['equal']} ({result['read_back']['num_samples_s3']} samples)", flush=True)
+        (results / "store_s3.json").write_text(json.dumps(result, indent=2) + "\n")
+        return 0 if rc == 0 and result["read_back"]["equal"] else 1
+    finally:
+        server.stop()
+
+
+def report(results: Path) -> int:
+    """The disk, tmpfs and S3 runs' tokens/s side by side (RESULTS/storage_report.json)."""
+    runs = {}
+    for name in ("8b-disk", "8b-tmpfs"):
+        path = results / f"{name}.summary.json"
+        if path.is_file():
+            s = json.loads(path.read_text())
+            runs[name] = {k: s.get(k) for k in ("tokens_per_second", "num_tokens_written", "loop_seconds")}
+    s3_path = results / "store_s3.json"
+    if s3_path.is_file():
+        s = json.loads(s3_path.read_text())
+        runs["8b-s3"] = {"tokens_per_second": s.get("s3_tokens_per_second"), "read_back_equal":
+                         s.get("read_back", {}).get("equal"), "upload_probe_bytes_per_second":
+                         s["upload_probe"]["bytes_per_second"]}
+    out = {"runs": runs}
+    tps = {k: v.get("tokens_per_second") for k, v in runs.items()}
+    if tps.get("8b-disk") and tps.get("8b-tmpfs"):
+        out["disk_to_tmpfs"] = tps["8b-disk"] / tps["8b-tmpfs"]
+    if tps.get("8b-s3") and tps.get("8b-disk"):
+        out["s3_to_disk"] = tps["8b-s3"] / tps["8b-disk"]
+    dvw = results / "disk_vs_writer-disk.json"
+    if dvw.is_file():
+        d = json.loads(dvw.read_text())
+        out["disk_vs_writer"] = {name: {k: w.get(k) for k in ("bytes_per_second", "ratio_to_buffered",
+                                                              "ratio_to_direct")} for name, w in d["writers"].items()}
+    (results / "storage_report.json").write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in out.items() if k != "runs"} | {"tokens_per_second": tps}), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    sets: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, sets = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(prog="python3 -m bench.store_bench", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("data")
+    d.add_argument("path", type=Path)
+    d.add_argument("--num-samples", type=int, required=True)
+    d.add_argument("--vocab", type=int, required=True)
+    s = sub.add_parser("s3")
+    s.add_argument("work", type=Path)
+    s.add_argument("results", type=Path)
+    s.add_argument("--local", type=Path, required=True, help="the same extraction's output on the local disk")
+    s.add_argument("--probe-gb", type=float, default=1.0, help="bytes of the upload probe, GB")
+    s.add_argument("--store-tmp", type=Path, default=Path("/dev/shm") if Path("/dev/shm").is_dir() else None,
+                   help="where the server keeps its objects (moto: temporary files); default /dev/shm")
+    r = sub.add_parser("report")
+    r.add_argument("results", type=Path)
+    args = p.parse_args(argv)
+    if args.command == "data":
+        data(args.path, args.num_samples, args.vocab)
+        return 0
+    if args.command == "s3":
+        args.work.mkdir(parents=True, exist_ok=True)
+        return s3(args.work, args.results, args.local, sets, int(args.probe_gb * 1e9), args.store_tmp)
+    return report(args.results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
