@@ -2,8 +2,9 @@
 
 The folders follow the data flow, each importing only those before it (tests/test_layout.py enforces it):
 
-    io, errors, signals, faults
-                         the ground floor: atomic writes, exit codes, stop signals, test-only fault injection
+    io, errors, signals, faults, units
+                         the ground floor: atomic writes, exit codes, stop signals, test-only fault injection,
+                         figures for people (units.py)
     recipe/              the recipe and the fingerprints of a job's inputs
     data/                rows in: load, chat template, token ids, loss mask
     plan/                lengths -> batches or packed rows, rank split, collation

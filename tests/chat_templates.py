@@ -77,6 +77,13 @@ QWEN36 = r"""
 {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- else %}{{- '<think>\n' }}{%- endif %}{%- endif %}
 """
 
+# Qwen3.6 as released: it refuses a conversation with no user query (raise_exception), so an assistant turn that
+# opens a row renders only with a user turn after it.
+QWEN36_STRICT = QWEN36.replace(
+    "{%- for message in messages %}",
+    "{%- if not ns.found %}{{- raise_exception('No user query found in messages.') }}{%- endif %}\n"
+    "{%- for message in messages %}", 1)
+
 # Llama-3.1: header ids, <|eot_id|>, a dated system block, JSON tool calls, `ipython` tool results.
 LLAMA31 = r"""
 {{- '<|begin_of_text|>' }}

@@ -71,8 +71,10 @@ def test_every_row_format_through_the_flagship_recipe_on_a_qwen36_template(tmp_p
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r, _ in ROWS) + json.dumps(IMAGE_ROW) + "\n")
     out = tmp_path / "out"
+    # one sample per row (Qwen3.6 renders earlier turns without their reasoning: `auto` would cut those rows per
+    # turn, tests/test_onpolicy.py); the masks of the whole renderings are what this test reads
     proc = launch(*TINY_MODEL, f"data.path={data}", f"data.chat_template={tmp_path / 'template.jinja'}",
-                  f"output.dir={out}", recipe="recipes/qwen3.6-27b-dflash.yaml")
+                  f"output.dir={out}", "data.samples=conversation", recipe="recipes/qwen3.6-27b-dflash.yaml")
     assert proc.returncode == 0, proc.stderr[-3000:]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["num_samples"] == len(ROWS) and manifest["skipped"] == {"image_or_audio_content": 1}
@@ -193,7 +195,9 @@ def test_readme_own_data_row_shows_as_the_readme_says(tmp_path, capsys):
     assert plan.main(["--show-sample", "0", "--set", f"data.path={data}", "--set", f"data.chat_template={template}",
                       "--set", "data.chat_template_kwargs={enable_thinking: false}"]) == 0
     out = capsys.readouterr().out
-    assert excerpt in out and out.startswith("row 0 (sample 0000000000, id 'weather-1'): ")
+    # Qwen3.6 renders the first turn's reasoning away from the history: one sample per turn (data.samples: auto)
+    assert excerpt in out and out.startswith("row 0 (sample 0000000000_t0001, id 'weather-1'): ")
+    assert "\n\nrow 0 (sample 0000000000_t0003, id 'weather-1'): " in out
 
 
 WEATHER_TOOL = {"name": "get_weather", "description": "Current weather",
@@ -269,7 +273,8 @@ def test_every_new_row_shape_end_to_end_and_a_resume_reads_the_tokenization_from
     out, cache = tmp_path / "out", tmp_path / "hf-cache"
     env = {**ENV, "HF_DATASETS_CACHE": str(cache)}
     argv = LAUNCH + ["--recipe", "recipes/qwen3.6-27b-dflash.yaml"] + [a for kv in TINY_MODEL + [
-        f"data.path=[{first}, {second}]", f"data.chat_template={tmp_path / 'template.jinja'}", f"output.dir={out}"]
+        f"data.path=[{first}, {second}]", f"data.chat_template={tmp_path / 'template.jinja'}", f"output.dir={out}",
+        "data.samples=conversation"]  # the whole renderings' masks are what this test reads (as above)
         for a in ("--set", kv)]
     proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

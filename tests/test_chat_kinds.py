@@ -73,6 +73,38 @@ def test_an_assistant_turn_before_any_user_turn_is_kept_and_masked(family):
     assert runs_of(family, template, ONLY) == only
 
 
+def test_qwen36s_assistant_first_row_whose_opening_turn_renders_only_beside_a_user_turn():
+    """Qwen3.5/3.6's released templates refuse a conversation without a user query: the opening assistant turn
+    renders neither alone nor before a probe reply; its end is read before a probe user turn."""
+    assert runs_of("qwen36", T.QWEN36_STRICT, FIRST) == ["Hello! Ask me anything.<|im_end|>",
+                                                         "\n</think>\n\n4.<|im_end|>"]
+    assert runs_of("qwen36", T.QWEN36_STRICT, SYSTEM_FIRST) == ["Hi there.<|im_end|>", "\n</think>\n\n4.<|im_end|>"]
+
+
+def test_no_end_of_turn_token_and_no_generation_config_warns_once_naming_the_file(tmp_path, caplog):
+    tokenizer = family_tokenizer("glm4")
+    tokenizer.chat_template = T.GLM4
+    tokenizer.save_pretrained(tmp_path)
+    from transformers import AutoTokenizer
+
+    fn = rows.Tokenizer(tokenizer=AutoTokenizer.from_pretrained(tmp_path), max_length=4096, overlong="skip",
+                        vocab_size=100000)
+    with caplog.at_level(logging.WARNING, logger="dflash_prep.data.chat"):
+        for _ in range(2):
+            assert not fn.process_row(PLAIN).reason
+    warned = [m for m in caplog.messages if "no end-of-turn token" in m]
+    assert len(warned) == 1 and str(tmp_path / "generation_config.json") in warned[0]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [
+        tokenizer.convert_tokens_to_ids(t) for t in T.STOP_TOKENS["glm4"]]}))
+    caplog.clear()
+    chat._LOGGED_ONCE.clear()
+    fn = rows.Tokenizer(tokenizer=AutoTokenizer.from_pretrained(tmp_path), max_length=4096, overlong="skip",
+                        vocab_size=100000)
+    with caplog.at_level(logging.WARNING, logger="dflash_prep.data.chat"):
+        assert not fn.process_row(PLAIN).reason
+    assert not [m for m in caplog.messages if "no end-of-turn token" in m]
+
+
 def test_a_template_that_refuses_an_assistant_first_row_skips_it_with_its_own_error():
     tokenizer, r = renderer("gemma", T.GEMMA)
     with pytest.raises(chat.SkipRow) as e:

@@ -272,3 +272,22 @@ def test_a_file_read_line_by_line_says_what_one_table_would_have_lost(tmp_path, 
     notes = [r.getMessage() for r in caplog.records if "reading it line by line" in r.getMessage()]
     assert len(notes) == 1 and says in notes[0], notes
     assert ("floats" in notes[0]) == ("floats" in says)
+
+
+def test_an_unfinished_regeneration_folder_is_refused_as_what_it_is(tmp_path, capsys):
+    """A `dflash-prep regenerate` output whose run has not written its dataset files yet, given as `data.path`: one
+    line saying what it is and how to finish it (exit code 2 from `plan`, before any output folder is made)."""
+    from dflash_prep.commands.plan import main as plan_main
+    from dflash_prep.recipe.schema import load_recipe
+    from dflash_prep.regen import output as regen_output
+
+    folder = tmp_path / "regenerated"
+    folder.mkdir()
+    regen_output.record_run(folder, {"engine_kind": "openai"}, 2, load_recipe(None).to_yaml())  # the run's state
+    (folder / "shards").mkdir()
+    (folder / "shards" / "chunk-000000.arrow").write_bytes(b"\0" * 8)  # a committed chunk, no dataset files yet
+    out = tmp_path / "states"
+    assert plan_main(["--set", f"data.path={folder}", "--set", f"output.dir={out}"]) == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+    assert "an unfinished regeneration output" in line and "formats" not in line, line
+    assert not out.exists()

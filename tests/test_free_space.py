@@ -66,7 +66,8 @@ def test_a_disk_too_small_is_reported_before_the_model_loads(tmp_path, monkeypat
     out = tmp_path / "out"
     assert main(argv(out, **{"data.max_samples": 8})) == 0  # a warning, not an error: the disk may be freed
     err = capsys.readouterr().err
-    assert "but only 0.0 GB are free there: it will stop (cleanly, resumable) when the disk is full" in err
+    # 1,000 bytes free, said in the unit its size calls for (not "0.0 GB")
+    assert "but only 1.00 KB are free there: it will stop (cleanly, resumable) when the disk is full" in err
     assert "output.dtype: fp8_e4m3" in err
     log = (out / "logs" / "rank-00000.log").read_text()
     assert log.index("will stop (cleanly, resumable)") < log.index("model loaded")

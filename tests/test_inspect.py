@@ -45,6 +45,16 @@ def test_report_shows_what_is_in_the_output(output, capsys):
     assert facts["bytes_per_token"] == k * H * 2 and facts["num_bytes"] == m["num_bytes"]
 
 
+def test_the_two_rates_are_named_by_their_basis(output, capsys):
+    """The run's tokens over its wall time and the loop's rate are different figures: each says which it is."""
+    s = json.loads((output / "summary.json").read_text())
+    assert main([str(output)]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("extraction")]
+    wall_rate = s["num_tokens_this_run"] / s["wall_seconds"]
+    assert f"{s['wall_seconds']:.1f} s wall ({wall_rate:,.0f} tok/s over the wall time)" in line, line
+    assert f"its loop {s['loop_seconds']:.1f} s at {s['num_tokens_this_run'] / s['loop_seconds']:,.0f} tok/s" in line
+
+
 def test_check_passes_on_a_fresh_output(output, capsys):
     assert check_output(output) == []
     assert main([str(output), "--check", "--no-progress"]) == 0

@@ -11,7 +11,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "dflash_prep"
 
 # The order of the data flow (dflash_prep/__init__.py): a module may import its own folder and those ranked lower.
-RANKS = {"": 0, "io": 0, "errors": 0, "faults": 0, "signals": 0, "recipe": 1, "data": 2, "plan": 3, "target": 4, "store": 5,
+RANKS = {"": 0, "io": 0, "errors": 0, "faults": 0, "signals": 0, "units": 0, "recipe": 1, "data": 2, "plan": 3, "target": 4, "store": 5,
          "regen": 6, "consume": 7, "commands": 8, "demo": 0}
 
 

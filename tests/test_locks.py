@@ -294,3 +294,26 @@ def test_a_holder_frozen_past_its_lease_loses_it_to_the_run_that_took_over(tmp_p
     third.acquire()  # a released lease is taken at once, without a takeover
     assert third.took_over is None and third.generation == taken + 1
     third.release()
+
+
+def test_a_lease_taken_over_from_a_process_gone_from_this_host_says_so(tmp_path, caplog):
+    """A holder of this host that died is taken over at once, well inside its lease: the warning says its process
+    is gone, not that its heartbeat is past the lease (it is not)."""
+    import logging
+
+    from dflash_prep.store.locks import lock_run
+
+    out = tmp_path / "out"
+    code = (f"from dflash_prep.store.locks import lock_run; lock = lock_run({str(out)!r}, lease_seconds=300); "
+            f"print('held', flush=True); import time; time.sleep(600)")
+    holder = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert holder.stdout.readline().strip() == "held"
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    with caplog.at_level(logging.WARNING, logger="dflash_prep"):
+        lock = lock_run(out, lease_seconds=300)
+    lock.release()
+    (line,) = [r.getMessage() for r in caplog.records if "took over the lease" in r.getMessage()]
+    assert f"pid {holder.pid}" in line and "its process no longer runs on this host" in line, line
+    assert "past its lease" not in line

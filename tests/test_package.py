@@ -113,8 +113,10 @@ def test_a_written_input_goes_the_full_way_and_a_changed_one_is_refused(finished
 @pytest.mark.slow
 def test_the_wheel_ships_the_demo_and_runs_the_quick_start_from_an_empty_folder(tmp_path):
     """`pip install .` as a wheel into a fresh virtual environment, then the README's quick start from an empty
-    folder. The environment's other packages (torch, transformers, ...) are those of this one (a path entry: no
-    download); the package itself comes from the wheel alone (no PYTHONPATH, no checkout)."""
+    folder; then the same package installed another way (editable, from a checkout): the finished output stays
+    finished and verifies, and a run stopped half way resumes after its data folder moved. The environment's
+    other packages (torch, transformers, ...) are those of this one (a path entry: no download); the package itself
+    comes from the wheel alone, then from the checkout (no PYTHONPATH)."""
     source, dist, venv, work = (tmp_path / n for n in ("source", "dist", "venv", "work"))
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
                            text=True, check=True).stdout.split()
@@ -155,3 +157,31 @@ def test_the_wheel_ships_the_demo_and_runs_the_quick_start_from_an_empty_folder(
     assert check.returncode == 0 and "check: OK" in check.stdout, check.stdout + check.stderr
     plan = run("dflash-prep", "plan", "--set", "data.max_samples=40")
     assert plan.returncode == 0 and "tokens" in plan.stdout, plan.stderr[-2000:]
+
+    # A user's own data folder: a run stopped half way (SIGTERM after 2 batches: exit code 1, resumable)
+    data = work / "data"
+    data.mkdir()
+    (data / "rows.jsonl").write_text("".join(DEMO_ROWS.read_text().splitlines(keepends=True)[:24]))
+    mine = ["--set", "output.dir=out/mine", "--set", "batching.max_tokens_per_batch=2048"]
+    stopped = subprocess.run(["dflash-prep", "extract", "--set", "data.path=data/rows.jsonl", *mine], cwd=work,
+                             env={**env, "DFLASH_PREP_FAULTS": json.dumps({"sigterm_after_batches": 2})},
+                             capture_output=True, text=True, timeout=600)
+    assert stopped.returncode == 1 and not (work / "out" / "mine" / "manifest.json").exists(), stopped.stderr[-3000:]
+
+    # The README's next step, another install of the same package: the editable one of a checkout
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q",
+                    "--no-deps", "--no-index", "--no-build-isolation", "-e", str(source)], check=True,
+                   capture_output=True, timeout=300)
+    where = run("python", "-c", "import dflash_prep; print(dflash_prep.__file__)")
+    assert Path(where.stdout.strip()).is_relative_to(source), where.stdout + where.stderr
+    again = run("dflash-prep", "launch", "-m", "dflash_prep.commands.extract", "--set", "data.max_samples=40")
+    assert again.returncode == 0 and "already finished" in again.stderr, again.stderr[-3000:]
+    verify = run("dflash-prep", "verify", "out/tiny-demo", "--num-samples", "2")
+    assert verify.returncode == 0 and "verify: OK" in verify.stdout, verify.stdout[-2000:] + verify.stderr[-2000:]
+
+    # ... and the data folder moved: the stopped run resumes from it (its committed shards kept)
+    data.rename(work / "moved")
+    resumed = run("dflash-prep", "extract", "--set", "data.path=moved/rows.jsonl", *mine)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "committed before" in resumed.stderr, resumed.stderr[-3000:]
+    assert json.loads((work / "out" / "mine" / "manifest.json").read_text())["num_samples"] == 24

@@ -214,8 +214,11 @@ def test_cli_prints_the_plan_and_its_json(capsys, planned_and_run):
                      "padding     efficiency", "fp8_e4m3", "500 real tok/s per GPU", "on 2 GPU(s)",
                      "length histogram", "p99"):
         assert expected in text, expected
-    per_gpu = 500 * plan["disk"][plan["dtype"]]["bytes_per_token"]
-    assert f"writes      {per_gpu / 1e9:.2f} GB/s per GPU at that rate" in text
+    assert cli_main(["plan", *args, "--num-gpus", "2", "--tokens-per-second", "500", "--gpu", "--json"]) == 0
+    on_gpus = json.loads(capsys.readouterr().out)  # the plan for GPUs (packed rows: other bytes per token)
+    per_gpu = 500 * on_gpus["disk"][on_gpus["dtype"]]["bytes_per_token"]
+    assert 1e3 <= per_gpu < 1e6  # a few hundred KB/s, said in KB/s (not "0.00 GB/s")
+    assert f"writes      {per_gpu / 1e3:.2f} KB/s per GPU at that rate" in text
     # the same on this machine (no GPU): what it plans for is a CPU run, and says so
     assert cli_main(["plan", *args, "--num-gpus", "2", "--tokens-per-second", "500"]) == 0
     text = capsys.readouterr().out

@@ -201,3 +201,11 @@ def test_an_output_dir_that_cannot_be_created_is_a_refusal_not_a_resumable_stop(
     assert main(["--set", f"output.dir={tmp_path / 'a-file' / 'out'}"]) == EXIT_BAD_RECIPE
     err = capsys.readouterr().err
     assert "`output.dir`" in err and "cannot create it" in err and "Traceback" not in err
+
+
+def test_regeneration_defaults_to_every_turn():
+    """`regenerate.turns` defaults to `all`, what the measured figures favour (multi-turn regenerated data: 0.405
+    full-block accuracy against 0.374 for last turns, docs/ON_POLICY.md)."""
+    recipe = load_recipe(None, ["regenerate.engine=transformers"])
+    assert recipe.regenerate.turns == "all"
+    assert "turns: all" in (REPO / "recipes" / "qwen3-8b-regenerate-dflash.yaml").read_text()

@@ -76,7 +76,8 @@ def test_sharegpt_prompt_only_row_asks_for_one_answer_with_its_seed():
     assert row["id"] == "5" and row["source_row"] == 3
     assert [(m["role"], m["content"]) for m in row["messages"]] == [("user", "Hi"), ("assistant", "Hello!")]
     assert row["regen"]["turns"] == [{"message_index": 1, "finish_reason": "stop", "prompt_tokens": 4,
-                                      "completion_tokens": 3, "seed": request_seed(7, 3, 1)}]
+                                      "completion_tokens": 3, "seed": request_seed(7, 3, 1),
+                                      "prompt_token_ids": None, "completion_token_ids": None}]
 
 
 def test_seeds_are_stable_and_differ_by_row_turn_and_recipe_seed():
@@ -232,7 +233,7 @@ def test_commits_survive_a_torn_index_and_leftovers_and_the_folder_loads_as_data
     rows = load_rows(DataSection(path=str(out)))
     assert rows["source_row"] == [0, 1, 2] and rows["id"] == ["r0", "r1", "r2"]
     assert rows[0]["messages"][1] == {"role": "assistant", "content": "a", "reasoning_content": None,
-                                      "tool_calls": None, "tool_call_id": None, "name": None}
+                                      "tool_calls": None, "tool_call_id": None, "name": None, "weight": None}
 
 
 def test_an_output_of_another_job_is_refused_naming_what_changed(tmp_path):

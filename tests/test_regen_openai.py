@@ -66,7 +66,7 @@ def regen_args(server: Server, data: Path, out: Path, **sets) -> list[str]:
             "regenerate.output_dir": str(out),
             "regenerate.engine": "openai", "regenerate.base_urls": f"[{server.base_url}]",
             "regenerate.max_tokens": MAX_TOKENS, "regenerate.max_retries": 1, "regenerate.retry_backoff_seconds": 0.05,
-            "regenerate.max_concurrency": 2, **sets}
+            "regenerate.max_concurrency": 2, "regenerate.turns": "last", **sets}
     return [a for k, v in keys.items() for a in ("--set", f"{k}={v}")]
 
 
@@ -124,10 +124,24 @@ def test_last_turn_keeps_earlier_turns_and_matches_direct_requests(server, tmp_p
     assert summary["skipped"] == {"malformed_conversation": 1} and summary["num_requests"] == 4
     assert sum(summary["finish_reasons"].values()) == 4
     skipped = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
-    assert skipped == [{"source_row": 4, "source_id": "broken", "reason": "malformed_conversation", "detail": None}]
-    assert "done: 5 rows, 4 answered, 1 skipped" in capsys.readouterr().err
-    # the folder is data for an extraction as it is
+    assert skipped == [{"sample_id": "0000000004", "source_row": 4, "source_id": "broken",
+                        "reason": "malformed_conversation",
+                        "detail": "`messages` is a string that is not JSON (Expecting value: line 1 column 1 (char 0))"}]
+    err = capsys.readouterr().err
+    assert "done: 5 rows, 4 answered, 1 skipped" in err
+    # transformers serve refuses the token-id fields (HTTP 422): the answers are text, and the summary says so
+    assert summary["token_ids"] == {"source": "none"} and "returns no token ids (HTTP 422" in err
+    assert all(t["completion_token_ids"] is None for r in rows.values() for t in r["regen"]["turns"])
+    # the folder is data for an extraction as it is; its generated turns come from their text
     assert list(load_rows(DataSection(path=str(out)))["id"]) == ["single", "multi", "prompt-only", "weather"]
+    from transformers import AutoTokenizer
+
+    from dflash_prep.data.rows import tokenize_dataset
+
+    section = DataSection(path=str(out))
+    tokenized = tokenize_dataset(load_rows(section), AutoTokenizer.from_pretrained(server.model_dir), section, 1024)
+    assert tokenized.samples["generated_turns"]["from_text"] == 4
+    assert tokenized.samples["generated_turns"]["from_ids"] == 0
     # `plan` counts the prompts' tokens as the server did (the same template, rendered by the tokenizer)
     from dflash_prep.commands.plan import plan_regeneration
     from dflash_prep.recipe.schema import load_recipe
@@ -198,7 +212,7 @@ def test_the_seed_makes_a_rerun_identical_and_a_changed_job_is_refused(server, t
     assert [r["messages"] for r in load(first)] == [r["messages"] for r in c]
 
 
-def test_rows_the_server_rejects_are_counted_skips_with_its_reason(server, tmp_path):
+def test_rows_the_server_rejects_are_counted_skips_with_its_reason(server, tmp_path, capsys):
     data = write_rows(tmp_path / "rows.jsonl", [ROWS[0], BAD_ARGUMENTS])
     out = tmp_path / "rejected"
     assert regenerate_main(regen_args(server, data, out, **{"regenerate.turns": "last"})) == 0
@@ -207,13 +221,36 @@ def test_rows_the_server_rejects_are_counted_skips_with_its_reason(server, tmp_p
     assert summary["skipped"] == {"rejected_by_engine": 1}
     (skipped,) = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
     assert skipped["source_id"] == "bad-arguments" and skipped["detail"].startswith("HTTP 500")
-    # a 4xx: transformers serve refuses a field it does not know (top_k sent as a plain extra field) for every row
+    # a 4xx: transformers serve refuses a field it does not know (top_k sent as a plain extra field) for every row:
+    # exit code 2, the reason with an example; the one-recipe form says the same and extracts nothing
     out = tmp_path / "422"
-    assert regenerate_main(regen_args(server, data, out, **{"regenerate.sampling": "{temperature: 1.0, top_k: 5}",
-                                                            "regenerate.extra_sampling": "extra_body"})) == 0
+    argv = regen_args(server, data, out, **{"regenerate.sampling": "{temperature: 1.0, top_k: 5}",
+                                            "regenerate.extra_sampling": "extra_body"})
+    assert regenerate_main(argv) == 2
+    err = capsys.readouterr().err
+    assert "the regeneration answered no row of 2 - rejected_by_engine: 2 (e.g. row 0000000000" in err
+    assert "HTTP 422" in err and "top_k" in err
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_answered"] == 0 and summary["skipped"] == {"rejected_by_engine": 2}
     assert all(d.startswith("HTTP 422") and "top_k" in d for d in summary["rejected_examples"])
+    from dflash_prep.commands.extract import main as extract_main
+
+    assert extract_main(argv) == 2 and "the regeneration answered no row of 2" in capsys.readouterr().err
+    assert not (tmp_path / "422-states" / "manifest.json").exists()
+
+
+def test_a_server_rendering_chats_with_another_template_is_warned_about(server, tmp_path, capsys):
+    """The server renders with its tokenizer's Qwen3 template; the recipe's data.chat_template is Qwen3.6's (its
+    generation prompt opens <think>): the prompt token counts of the probe differ, and the run says so."""
+    import chat_templates as T
+
+    template = tmp_path / "qwen36.jinja"
+    template.write_text(T.QWEN36)
+    data = write_rows(tmp_path / "rows.jsonl", ROWS[:1])
+    assert regenerate_main(regen_args(server, data, tmp_path / "other", **{"data.chat_template": str(template)})) == 0
+    assert "does not render chats with the recipe's template" in capsys.readouterr().err
+    assert regenerate_main(regen_args(server, data, tmp_path / "same")) == 0
+    assert "does not render chats" not in capsys.readouterr().err
 
 
 def test_on_length_keeps_or_drops_the_rows_cut_by_max_tokens(server, tmp_path):
@@ -225,14 +262,15 @@ def test_on_length_keeps_or_drops_the_rows_cut_by_max_tokens(server, tmp_path):
     keep, drop = tmp_path / "keep", tmp_path / "drop"
     assert regenerate_main(regen_args(server, data, keep, **{"regenerate.max_tokens": 3})) == 0
     assert regenerate_main(regen_args(server, data, drop, **{"regenerate.max_tokens": 3,
-                                                             "regenerate.on_length": "drop"})) == 0
+                                                             "regenerate.on_length": "drop",
+                                                             "data.max_skipped_fraction": 1.0})) == 0
     assert {r["id"]: r["regen"]["turns"][0]["finish_reason"] for r in load(keep)} == expected
     assert [r["id"] for r in load(drop)] == [k for k, v in expected.items() if v == "stop"]
     summary = json.loads((drop / "summary.json").read_text())
     assert summary["skipped"] == {"finish_reason_length": sum(v == "length" for v in expected.values())}
 
 
-def test_one_recipe_regenerates_then_extracts_from_its_output(server, tmp_path):
+def test_one_recipe_regenerates_then_extracts_from_its_output(server, tmp_path, capsys):
     from dflash_prep.commands.extract import main as extract_main
 
     data = write_rows(tmp_path / "rows.jsonl", ROWS)
@@ -248,8 +286,17 @@ def test_one_recipe_regenerates_then_extracts_from_its_output(server, tmp_path):
     assert extract_main(["--recipe", str(recipe)]) == 0
     answers = load(tmp_path / "answers")
     manifest = json.loads((tmp_path / "states" / "manifest.json").read_text())
-    assert manifest["num_rows"] == len(answers) == 4
-    assert manifest["num_samples"] + manifest["num_skipped"] == 4
+    # Qwen3's template drops the earlier turn of the two-turn row as the target saw it: that row is two samples
+    # (data.samples: auto), the others one each
+    assert len(answers) == 4 and manifest["samples"]["per_turn_rows"] == 1
+    assert manifest["samples"]["per_turn_samples"] == 2 and manifest["num_rows"] == 5
+    assert manifest["num_samples"] + manifest["num_skipped"] == 5
+    assert manifest["samples"]["generated_turns"]["from_text"] == 5  # transformers serve returns no ids
+    from dflash_prep.commands.inspect import main as inspect_main
+
+    capsys.readouterr()
+    assert inspect_main([str(tmp_path / "states")]) == 0
+    assert "3 row(s) as one sample, 1 per turn (2 samples" in capsys.readouterr().out
     resolved = yaml.safe_load((tmp_path / "states" / "recipe.resolved.yaml").read_text())
     assert resolved["data"]["path"] == str(tmp_path / "answers")
     # the same command again: both finished, nothing redone

@@ -48,9 +48,12 @@ def test_a_cpu_run_sets_nothing_and_imports_no_triton(tmp_path, monkeypatch):
 
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
+    # PyPI's CUDA build of torch imports triton itself, on a CPU machine too: what matters is that the run does not
+    theirs = "triton" in sys.modules
     summary = run_extraction(load_recipe(None, [f"output.dir={tmp_path / 'out'}", "data.max_samples=8",
                                                 "batching.num_workers=0"]))
     assert summary["triton_cache"] is None
     import os
 
-    assert "TRITON_CACHE_DIR" not in os.environ and "triton" not in sys.modules
+    assert "TRITON_CACHE_DIR" not in os.environ and ("triton" not in sys.modules or theirs)
+    assert not any(m.split(".")[0] in ("fla", "liger_kernel") for m in sys.modules)

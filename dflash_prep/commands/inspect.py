@@ -51,9 +51,11 @@ from dflash_prep.consume.shard_format import (
     shards_of,
 )
 from dflash_prep.consume.shard_read import open_for_reading, sample_key
+from dflash_prep.data.samples import samples_line
 from dflash_prep.recipe.location import as_location, is_remote_path
 from dflash_prep.store.manifest import OutputStateError, read_manifest, read_state_json
 from dflash_prep.store.writer import ST_CODE, ST_ITEMSIZE, ST_TORCH_CODE
+from dflash_prep.units import format_bytes
 
 MAX_PROBLEMS_PER_SHARD = 20
 
@@ -88,6 +90,7 @@ def describe(out_dir: str | Path) -> dict:
         "num_tokens": int(m["num_tokens"]),
         "num_skipped": m.get("num_skipped", 0),
         "skipped": m.get("skipped", {}),
+        "samples": m.get("samples", {}),
         "num_failed": m.get("num_failed", 0),
         "failed": m.get("failed", {}),
         "num_shards": len(m["shards"]),
@@ -97,7 +100,8 @@ def describe(out_dir: str | Path) -> dict:
     if summary_path.is_file():
         try:
             s = json.loads(summary_path.read_text())
-            facts["extraction"] = {k: s.get(k) for k in ("num_ranks", "wall_seconds", "tokens_per_second",
+            facts["extraction"] = {k: s.get(k) for k in ("num_ranks", "wall_seconds", "loop_seconds",
+                                                          "tokens_per_second", "num_tokens_this_run",
                                                           "padding_efficiency", "num_batches")}
         except (OSError, json.JSONDecodeError):
             facts["extraction"] = None
@@ -118,14 +122,6 @@ def _live_leases(out_dir) -> dict[str, str]:
     return held
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return f"{n} B"
-
-
 def format_description(f: dict) -> str:
     """The human-readable report of `describe()`."""
     mean = f["num_tokens"] / f["num_samples"] if f["num_samples"] else 0.0
@@ -140,10 +136,12 @@ def format_description(f: dict) -> str:
         ("samples", f"{f['num_samples']:,}" + (f" of {f['num_rows']:,} rows" if f.get("num_rows") is not None else "")
          + f" ({f['num_skipped']:,} skipped, {f['num_failed']:,} failed)"),
         ("tokens", f"{f['num_tokens']:,} (mean {mean:.1f} per sample)"),
-        ("shards", f"{f['num_shards']:,}, {_size(f['num_bytes'])}"),
+        ("shards", f"{f['num_shards']:,}, {format_bytes(f['num_bytes'])}"),
     ]
     if f["skipped"]:
         lines.append(("skipped", ", ".join(f"{k}: {v:,}" for k, v in sorted(f["skipped"].items()))))
+    if (line := samples_line(f.get("samples") or {}, f["bytes_per_token"])) is not None:
+        lines.append(("from rows", line))
     if f["failed"]:
         lines.append(("failed", ", ".join(f"{k}: {v:,}" for k, v in sorted(f["failed"].items()))))
     x = f.get("extraction")
@@ -151,10 +149,16 @@ def format_description(f: dict) -> str:
         parts = []
         if x.get("num_ranks") is not None:
             parts.append(f"{x['num_ranks']} rank(s)")
+        # two rates, each named by its basis: the run's tokens over its wall time (start-up included), and the
+        # forward loop's (summary.json `tokens_per_second`: tokens over the slowest rank's loop)
         if x.get("wall_seconds") is not None:
-            parts.append(f"{x['wall_seconds']:.1f}s wall")
+            wall = f"{x['wall_seconds']:.1f} s wall"
+            if x.get("num_tokens_this_run") and x["wall_seconds"] > 0:
+                wall += f" ({x['num_tokens_this_run'] / x['wall_seconds']:,.0f} tok/s over the wall time)"
+            parts.append(wall)
         if x.get("tokens_per_second") is not None:
-            parts.append(f"{x['tokens_per_second']:,.0f} tok/s")
+            loop = f" {x['loop_seconds']:.1f} s" if x.get("loop_seconds") is not None else ""
+            parts.append(f"its loop{loop} at {x['tokens_per_second']:,.0f} tok/s")
         if x.get("padding_efficiency") is not None:
             parts.append(f"padding efficiency {x['padding_efficiency']:.3f}")
         if parts:
@@ -250,7 +254,7 @@ def format_progress(p: dict) -> str:
                   + f", {p['num_failed']:,} failed"))
     lines.append(("tokens", f"{p['num_tokens']:,}"))
     since = p["seconds_since_last_commit"]
-    lines.append(("shards", f"{p['num_shards']:,}, {_size(p['num_bytes'])}"
+    lines.append(("shards", f"{p['num_shards']:,}, {format_bytes(p['num_bytes'])}"
                             + (f"; last commit {since:,.0f} s ago" if since is not None else "")))
     if p["samples_per_second_recent"]:
         lines.append(("rate", f"{p['samples_per_second_recent']:,.1f} samples/s over the last "

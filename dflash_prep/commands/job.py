@@ -18,7 +18,15 @@ from typing import Any
 
 from dflash_prep.data.rows import data_files_fingerprint, describe_data_files_change
 from dflash_prep.plan.planner import PlannedBatch
-from dflash_prep.recipe.fingerprints import describe_weights_change, weights_fingerprint
+from dflash_prep.recipe.fingerprints import (
+    describe_files_change,
+    describe_weights_change,
+    input_files_sha256,
+    named_inputs,
+    portable_files,
+    portable_location,
+    weights_fingerprint,
+)
 from dflash_prep.recipe.location import is_remote
 from dflash_prep.recipe.schema import Recipe, RecipeError
 from dflash_prep.store.locks import LOCKS_DIR, OutputBusyError
@@ -51,13 +59,17 @@ REFUSALS = (RecipeError, OutputMismatchError, OutputBusyError, OutputStateError)
 
 
 def run_identity(recipe: Recipe, config, layer_ids: list[int], tokenizer, is_main: bool) -> dict:
-    """What must match between an output and a run that resumes into it. The weights' and the data files'
-    fingerprints (recipe/fingerprints.py, data/rows.py) are read by the main process only; the tokenized rows'
-    fingerprint (`data_rows`) is added once they exist."""
+    """What must match between an output and a run that resumes into it. The weights', the small input files' and
+    the data files' fingerprints (recipe/fingerprints.py, data/rows.py) are read by the main process only; the
+    tokenized rows' fingerprint (`data_rows`) is added once they exist. Files are named as they read from any
+    install and any place when compared (`portable_identity`): moving a folder, or reinstalling the package, keeps
+    the job."""
     return {
-        "model": model_fingerprint(recipe.model, config),
+        "model": model_fingerprint(recipe.model, config),  # the form of earlier versions (a local folder's path)
+        "model_content": model_fingerprint(recipe.model, config, portable=True),
         "model_source": describe_source(recipe.model),
         "weights": weights_fingerprint(recipe.model) if is_main else None,
+        "input_files": input_files_sha256(recipe) if is_main else None,
         "data_files": data_files_fingerprint(recipe.data) if is_main else None,
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "data": {k: v for k, v in recipe.to_dict()["data"].items()
@@ -68,6 +80,22 @@ def run_identity(recipe: Recipe, config, layer_ids: list[int], tokenizer, is_mai
         # what a follower (reader.py, follow=True) decodes the shards with before the manifest exists
         "hidden_size": hidden_size_of(config),
     }
+
+
+def portable_identity(identity: dict) -> dict:
+    """`identity` with its file names in the form that travels (recipe/fingerprints.py): `data.path` and
+    `data.chat_template` by their package-relative or last component (the content is in `data_files`,
+    `input_files` and `data_rows`), the data files relative to their common folder. Applied to a stored identity
+    too, so an output of an earlier version (absolute names) compares alike. An identity that has
+    `model_content` is judged on it: `model` (a local folder's path inside) and `model_source` (words) are not
+    compared then."""
+    out = dict(identity)
+    if isinstance(out.get("data"), dict):
+        out["data"] = {k: portable_location(v) if k in ("path", "chat_template") else v
+                       for k, v in out["data"].items()}
+    if isinstance(out.get("data_files"), dict) and isinstance(out["data_files"].get("files"), dict):
+        out["data_files"] = {**out["data_files"], "files": portable_files(out["data_files"]["files"])}
+    return out
 
 
 def identity_diffs(previous: dict, current: dict, prefix: str = "") -> list[str]:
@@ -82,14 +110,23 @@ def identity_diffs(previous: dict, current: dict, prefix: str = "") -> list[str]
     return diffs
 
 
-def _difference(key: str, previous: dict, current: dict) -> str:
-    """How `key` of the identity differs, in words."""
+def _difference(key: str, previous: dict, current: dict, shown: dict | None = None) -> str:
+    """How `key` of the identity differs, in words (`shown`: a data file's name -> the path this run reads it at)."""
     if key in ("model", "tokenizer"):
         return f"{key} fingerprint differs"
     if key == "weights":
         return f"model weights differ ({describe_weights_change(previous[key], current[key])})"
     if key == "data_files":
+        a, b = previous[key].get("files", {}), current[key].get("files", {})
+        if set(a) == set(b):
+            changed = [str((shown or {}).get(n, n)) for n in sorted(a) if a[n] != b[n]]
+            return (f"data files differ: {', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''}: its bytes "
+                    f"changed since the output was made")
         return f"data files differ: {describe_data_files_change(previous[key], current[key])}"
+    if key == "input_files":
+        return f"input files differ: {describe_files_change(previous[key], current[key], shown)}"
+    if key == "model_content":
+        return "model fingerprint differs (its config, dtype or where its weights come from)"
     if key == "data_rows":
         return (f"data rows differ: the tokenized rows of data.path are not the ones the output was made from "
                 f"({previous[key]['num_rows']} kept rows then, {current[key]['num_rows']} now; edited, shuffled "
@@ -102,17 +139,24 @@ def _difference(key: str, previous: dict, current: dict) -> str:
     return f"{key}: output has {value(previous, key)!r}, this run has {value(current, key)!r}"
 
 
-def check_identity(out_dir: Path, identity: dict) -> None:
+def check_identity(out_dir: Path, identity: dict, recipe: Recipe | None = None) -> None:
     """Refuse (OutputMismatchError, one line) when `out_dir` holds the output of another job. Keys this run has not
-    computed (None) and keys an older output did not record are not compared."""
+    computed (None) and keys an older output did not record are not compared. `recipe`: to name a changed input
+    file by its path."""
     path = out_dir / STATE_NAME
     if not path.exists():
         return
-    previous = read_state_json(path)["identity"]
-    atomic_keys = ("data_files", "data_rows")  # compared whole, described by _difference
+    files = (identity.get("data_files") or {}).get("files") or {}
+    shown = dict(zip(portable_files(files), files))  # a data file's portable name -> its path in this run
+    shown.update({name: str(path) for name, path in (named_inputs(recipe) or {} if recipe is not None else {}).items()})
+    previous, identity = portable_identity(read_state_json(path)["identity"]), portable_identity(identity)
+    atomic_keys = ("data_files", "data_rows", "input_files")  # compared whole, described by _difference
+    by_content = previous.get("model_content") is not None and identity.get("model_content") is not None
     diffs = []
     for key in sorted(set(previous) | set(identity)):
         if previous.get(key) is None or identity.get(key) is None:
+            continue
+        if by_content and key in ("model", "model_source"):
             continue
         if key == "weights":  # the keys both fingerprints hold (an older output has fewer)
             diffs += [key] if describe_weights_change(previous[key], identity[key]) is not None else []
@@ -121,7 +165,7 @@ def check_identity(out_dir: Path, identity: dict) -> None:
         else:
             diffs += identity_diffs(previous[key], identity[key], f"{key}.")
     if diffs:
-        details = "; ".join(_difference(k, previous, identity) for k in diffs)
+        details = "; ".join(_difference(k, previous, identity, shown) for k in diffs)
         raise OutputMismatchError(
             f"{out_dir} holds an extraction of a different job ({details}). Use another output.dir, or "
             f"--set output.overwrite=true to start afresh.")

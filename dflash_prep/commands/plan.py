@@ -57,6 +57,7 @@ import numpy as np
 from dflash_prep.commands.regen_rate import BENCH_MAX_PARAM_RATIO  # one bound for both rates
 from dflash_prep.recipe.schema import STORAGE_DTYPES, Recipe, RecipeError
 from dflash_prep.store.sizes import RecordSizer
+from dflash_prep.units import format_bytes, format_count, format_duration, format_rate
 
 BENCH_RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
 BENCH_MODE = "dflash_prep_warm"
@@ -140,8 +141,8 @@ def choose_reference(refs: list[dict], config, params: int | None, compute_dtype
     ref = pool[0]
     ratio = ref["decoder_params_needed"] / max(params or 1, 1)
     if not same and not 1 / BENCH_MAX_PARAM_RATIO <= ratio <= BENCH_MAX_PARAM_RATIO:
-        return None, (f"no benchmark within {BENCH_MAX_PARAM_RATIO:g}x of this model's {params / 1e9:.3g}B decoder "
-                      f"parameters (nearest: {ref['model']}, {ref['decoder_params_needed'] / 1e9:.3g}B)")
+        return None, (f"no benchmark within {BENCH_MAX_PARAM_RATIO:g}x of this model's {format_count(params)} decoder "
+                      f"parameters (nearest: {ref['model']}, {format_count(ref['decoder_params_needed'])})")
     return ref, "same model" if same else "nearest benchmarked model"
 
 
@@ -245,6 +246,7 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
         "decoder_params_run": params,
         "num_rows": data.num_rows, "num_samples": len(lengths),
         "num_skipped": sum(data.skipped_counts.values()), "skipped": data.skipped_counts,
+        "samples": data.samples,
         **_batch_figures(stats),
         "packing": packing.record(), "shapes": _shape_counts(plan),
         "max_tokens_per_batch": recipe.batching.max_tokens_per_batch, "max_tokens_per_batch_auto": budget_how,
@@ -435,7 +437,7 @@ def storage_rate_from(bytes_per_second: str | float | None = None, bench_file: s
         raise ValueError(f"--storage-bench {bench_file}: not a result of bench/disk_vs_writer.py ({e})") from None
     return {"bytes_per_second": rate, "raw_bytes_per_second": raw,
             "source": f"{Path(bench_file).name}: the shard writer on {result.get('filesystem', '?')} "
-                      f"({result.get('path', '?')}), raw sequential {raw / 1e9:.2f} GB/s"}
+                      f"({result.get('path', '?')}), raw sequential {format_rate(raw)}"}
 
 
 def storage_bill(target: str, num_bytes: int, wall: dict | None, rate: dict | None) -> dict:
@@ -454,34 +456,16 @@ def storage_bill(target: str, num_bytes: int, wall: dict | None, rate: dict | No
 
 
 def _storage_line(b: dict, compute: str = "GPUs") -> str:
-    head = f"{b['target']}: {_size(b['num_bytes'])}"
+    head = f"{b['target']}: {format_bytes(b['num_bytes'])}"
     if b["bytes_per_second"] is None:
         return (head + "; its time is unknown: pass --storage-bytes-per-second (what that disk or store takes, all "
                        "writers together) or --storage-bench (a result of bench/disk_vs_writer.py)")
-    line = f"{head} at {b['bytes_per_second'] / 1e9:.2f} GB/s ({b['source']}) = {_duration(b['seconds'])}"
+    line = f"{head} at {format_rate(b['bytes_per_second'])} ({b['source']}) = {format_duration(b['seconds'])}"
     if b["pace"] is None:
         return line + f"; no {compute} time to set beside it (pass --tokens-per-second)"
     verdict = "the storage sets the pace" if b["pace"] == "storage" else f"the {compute} set the pace"
-    return (line + f", the {compute} {_duration(b['gpu_seconds'])} (writing "
-            f"{b['needed_bytes_per_second'] / 1e9:.2f} GB/s): " + verdict)
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
-        if abs(n) < 1000 or unit == "PB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n} B"
-
-
-def _duration(s: float) -> str:
-    if s < 120:
-        return f"{s:.1f} s"
-    if s < 7200:
-        return f"{s / 60:.1f} min"
-    if s < 3 * 86400:
-        return f"{s / 3600:.1f} h"
-    return f"{s / 86400:.1f} days"
+    return (line + f", the {compute} {format_duration(b['gpu_seconds'])} (writing "
+            f"{format_rate(b['needed_bytes_per_second'])}): " + verdict)
 
 
 def _stored_plan(out_dir: Path, lengths: list[int]) -> dict | None:
@@ -513,11 +497,12 @@ def format_plan(p: dict) -> str:
                    f"rates as a run there makes them"),
         ("model", f"{p['model']}  [{p['model_type']}, {p['num_hidden_layers']} layers, hidden {p['hidden_size']}]; "
                   f"{p['layers_run']} decoder layers run"
-                  + (f" ({p['decoder_params_run'] / 1e9:.3g}B parameters per token)"
+                  + (f" ({format_count(p['decoder_params_run'])} parameters per token)"
                      if p["decoder_params_run"] else "")),
         ("layers", f"{p['layer_ids']} after-layer 0-based; final layer: {p['capture_final']}"),
         ("rows", f"{p['num_rows']:,}: {p['num_samples']:,} kept, {p['num_skipped']:,} skipped"
                  + (" (" + ", ".join(f"{k}: {v:,}" for k, v in p["skipped"].items()) + ")" if p["skipped"] else "")),
+        *_samples_lines(p),
         ("tokens", f"{p['num_tokens']:,} (mean {p['num_tokens'] / max(p['num_samples'], 1):.1f} per sample)"),
         _batches_line(p),
         ("padding", f"efficiency {p['padding_efficiency'] or 0:.3f} ({p['num_padded_tokens']:,} padded tokens)"),
@@ -530,11 +515,11 @@ def format_plan(p: dict) -> str:
     for i, (dtype, d) in enumerate(p["disk"].items()):
         mark = "  <- output.dtype" if dtype == p["dtype"] else ""
         bill = "".join([f", {d['num_objects']:,} objects" if "num_objects" in d else "",
-                        f", {_duration(d['seconds_at_rate'])} at {d['num_bytes'] / d['seconds_at_rate'] / 1e9:.2f} GB/s"
-                        if d.get("seconds_at_rate") else "",
+                        f", {format_duration(d['seconds_at_rate'])} at "
+                        f"{format_rate(d['num_bytes'] / d['seconds_at_rate'])}" if d.get("seconds_at_rate") else "",
                         f", {d['cost_per_month']:,.2f}/month at {d['price_per_gb_month']:g}/GB"
                         if d.get("cost_per_month") is not None else ""])
-        lines.append(("disk" if i == 0 else "", f"{dtype:<9} {_size(d['num_bytes']):>10} in {d['num_shards']:,} "
+        lines.append(("disk" if i == 0 else "", f"{dtype:<9} {format_bytes(d['num_bytes']):>10} in {d['num_shards']:,} "
                       f"shard(s), {d['bytes_per_token']:,.0f} B/token ({d['states_bytes_per_token']:,.0f} of states), "
                       f"{d['num_bytes'] / max(bf16, 1):.2f}x bf16{bill}{mark}"))
     t = p["throughput"]
@@ -548,13 +533,13 @@ def format_plan(p: dict) -> str:
                               ("CPU process", "CPU process(es)", "process-hours"))
         lines.append(("throughput", f"{t['tokens_per_second']:,.0f} real tok/s per {unit}: {src}"))
         w = p["wall"]
-        warm = (f" + {_duration(w['warmup_seconds'])} first-seen-shape warm-up" if w["warmup_seconds"] else "")
-        lines.append(("wall time", f"{_duration(w['seconds'])} on {w['num_gpus']} {units}"
-                                   f"{_replicas_note(p['replicas'])} ({_duration(w['compute_seconds'])} compute{warm}; "
+        warm = (f" + {format_duration(w['warmup_seconds'])} first-seen-shape warm-up" if w["warmup_seconds"] else "")
+        lines.append(("wall time", f"{format_duration(w['seconds'])} on {w['num_gpus']} {units}"
+                                   f"{_replicas_note(p['replicas'])} ({format_duration(w['compute_seconds'])} compute{warm}; "
                                    f"{w['gpu_hours']:.2f} {hours})"))
         per = (f"per {unit}" if p["replicas"]["gpus_per_replica"] == 1 else
-               f"per replica ({w['write_bytes_per_second_per_gpu'] / 1e9:.2f} GB/s per GPU)")
-        lines.append(("writes", f"{w['write_bytes_per_second_per_replica'] / 1e9:.2f} GB/s {per} at that rate "
+               f"per replica ({format_rate(w['write_bytes_per_second_per_gpu'])} per GPU)")
+        lines.append(("writes", f"{format_rate(w['write_bytes_per_second_per_replica'])} {per} at that rate "
                                 f"(bench/writer_bench.py measures what a disk and output.num_writer_threads give)"))
     else:
         lines.append(("throughput", f"unknown ({t['source']}): pass --tokens-per-second"))
@@ -630,6 +615,15 @@ def build_parser(prog: str = "dflash-prep plan") -> argparse.ArgumentParser:
     return p
 
 
+def _samples_lines(p: dict) -> list[tuple[str, str]]:
+    """The `samples` line (data.samples, docs/ON_POLICY.md), when the data has conversation rows."""
+    from dflash_prep.data.samples import samples_line
+
+    disk = (p.get("disk") or {}).get(p.get("dtype") or "", {})
+    line = samples_line(p.get("samples") or {}, disk.get("bytes_per_token"))
+    return [("samples", line)] if line else []
+
+
 def show_sample(recipe: Recipe, row_index: int) -> str:
     """Row `row_index` of the data as the extraction tokenizes it: its text with the supervised (loss_mask 1) runs
     between `[[` and `]]`, then one line per token (position, id, text, `*` when supervised); or its skip
@@ -644,13 +638,18 @@ def show_sample(recipe: Recipe, row_index: int) -> str:
     fn = Tokenizer(tokenizer=tokenizer, max_length=recipe.data.max_length, overlong=recipe.data.overlong,
                    vocab_size=vocab_size_of(load_config(recipe.model)), id_column=recipe.data.id_column,
                    chat_template_kwargs=dict(recipe.data.chat_template_kwargs),
-                   chat_template=read_chat_template(recipe.data))
+                   chat_template=read_chat_template(recipe.data), samples=recipe.data.samples)
     out = fn(rows[row_index: row_index + 1], [row_index])
-    head = f"row {row_index} (sample {out['sample_id'][0]}, id {out['source_id'][0]!r})"
-    if out["skip_reason"][0]:
-        return f"{head}: skipped, {out['skip_reason'][0]}" + (f" ({out['skip_detail'][0]})" if out["skip_detail"][0]
+    return "\n\n".join(_show_one(tokenizer, out, k, row_index) for k in range(len(out["sample_id"])))
+
+
+def _show_one(tokenizer, out: dict, k: int, row_index: int) -> str:
+    """`show_sample`'s text of sample k of a row (a `per_turn` row has one per supervised turn)."""
+    head = f"row {row_index} (sample {out['sample_id'][k]}, id {out['source_id'][k]!r})"
+    if out["skip_reason"][k]:
+        return f"{head}: skipped, {out['skip_reason'][k]}" + (f" ({out['skip_detail'][k]})" if out["skip_detail"][k]
                                                               else "")
-    ids, mask = out["input_ids"][0], out["loss_mask"][0]
+    ids, mask = out["input_ids"][k], out["loss_mask"][k]
     pieces, start = [], 0  # text runs decoded whole (a token may hold part of a character)
     for t in range(1, len(ids) + 1):
         if t == len(ids) or mask[t] != mask[start]:
@@ -724,6 +723,9 @@ def plan_regeneration(recipe: Recipe, generated_tokens_per_second: float | None 
 
     from dflash_prep.data.rows import load_rows
     from dflash_prep.regen.conversation import Conversation, RegenSettings
+    from dflash_prep.data.chat import ChatRenderer
+    from dflash_prep.data.conversation import prompt_conversation
+    from dflash_prep.data.rows import read_chat_template
     from dflash_prep.regen.loop import row_at
     from dflash_prep.target.model import load_tokenizer
 
@@ -734,6 +736,7 @@ def plan_regeneration(recipe: Recipe, generated_tokens_per_second: float | None 
                              chat_template_kwargs=kwargs, on_length=section.on_length, seed=section.seed)
     rows = load_rows(recipe.data)
     tokenizer = load_tokenizer(recipe.model)
+    renderer = ChatRenderer(tokenizer, read_chat_template(recipe.data), kwargs)
     positions = list(range(len(rows)))
     sampled = len(positions) > REGEN_PLAN_MAX_ROWS
     if sampled:
@@ -744,15 +747,13 @@ def plan_regeneration(recipe: Recipe, generated_tokens_per_second: float | None 
         row, reason = row_at(batch, list(batch), 0)  # a line read as raw JSON text is parsed as the run parses it
         conv = reason or Conversation.of_row(row, position, settings, recipe.data.id_column)
         if isinstance(conv, str):
-            skipped[conv] = skipped.get(conv, 0) + 1
+            skipped[str(conv)] = skipped.get(str(conv), 0) + 1
             continue
         for index in conv.targets:
             requests += 1
-            messages = [_template_message(m) for m in conv.data[:index]]
-            try:
-                prompt_tokens += len(tokenizer.apply_chat_template(
-                    messages, tools=conv.tools, tokenize=True, return_dict=True, add_generation_prompt=True,
-                    **kwargs)["input_ids"])
+            try:  # rendered as the in-process engine and the extraction render it (data.chat_template)
+                prompt = prompt_conversation(conv.data[:index], conv.tools)
+                prompt_tokens += len(renderer.served_prompt_ids(renderer.template_messages(prompt), prompt.tools))
             except Exception:  # noqa: BLE001 - a prompt the template refuses: the engine rejects it too
                 skipped["chat_template_error"] = skipped.get("chat_template_error", 0) + 1
     scale = len(rows) / len(positions) if positions else 0.0
@@ -785,26 +786,10 @@ def _regen_rate(recipe: Recipe, given: float | None, num_gpus: int, bench_dir: P
             "rate_reference": rate["reference"]}
 
 
-def _template_message(message: dict) -> dict:
-    """An OpenAI message as chat templates take it: tool-call arguments as objects (as servers pass them)."""
-    calls = message.get("tool_calls")
-    if not calls:
-        return message
-    out = dict(message, tool_calls=[])
-    for call in calls:
-        args = call["function"]["arguments"]
-        try:
-            args = json.loads(args) if isinstance(args, str) else args
-        except ValueError:
-            pass
-        out["tool_calls"].append({**call, "function": {**call["function"], "arguments": args}})
-    return out
-
-
 def format_regeneration(r: dict) -> str:
     where = (f" (counted on {r['counted_rows']:,} sampled rows, scaled)" if r["sampled"] else "")
-    time_line = (f"at most {_duration(r['seconds_at_most'])} at {r['generated_tokens_per_second']:,.0f} generated "
-                 f"tok/s: {r['rate_source']}" if r["seconds_at_most"] is not None else r["rate_source"])
+    time_line = (f"at most {format_duration(r['seconds_at_most'])} at {r['generated_tokens_per_second']:,.0f} "
+                 f"generated tok/s: {r['rate_source']}" if r["seconds_at_most"] is not None else r["rate_source"])
     lines = [
         ("regenerate", f"engine {r['engine']}, turns {r['turns']}, max_tokens {r['max_tokens']:,}"),
         ("rows", f"{r['num_rows']:,}" + (": skipped " + ", ".join(f"{k}: {v:,}" for k, v in r["skipped"].items())

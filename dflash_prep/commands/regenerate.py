@@ -30,12 +30,14 @@ from pathlib import Path
 from dflash_prep import __version__
 from dflash_prep.errors import EXIT_BAD_RECIPE, EXIT_STOPPED
 from dflash_prep.io import atomic_write_json
+from dflash_prep.recipe.fingerprints import input_files_sha256, weights_fingerprint
 from dflash_prep.recipe.schema import REGEN_IDENTITY_KEYS, Recipe, RecipeError, RegenerateSection, add_recipe_args
 from dflash_prep.regen import output as regen_output
 from dflash_prep.regen.conversation import RegenSettings
 from dflash_prep.regen.engine import EngineUnavailable
 from dflash_prep.regen.loop import REGEN_STOP_MESSAGE, EngineFailed, LoopStopped, RegenLoop
 from dflash_prep.regen.sampling import generation_config_source, read_generation_defaults, resolve_sampling
+from dflash_prep.data.rows import read_chat_template
 from dflash_prep.signals import StopRequest
 from dflash_prep.store.locks import (
     LeaseLostError,
@@ -55,6 +57,11 @@ TRANSFORMERS_ROWS_IN_FLIGHT = 1024
 
 class RegenStopped(RuntimeError):
     """The regeneration stopped, resumable (exit code 1)."""
+
+
+class RegenRefused(RuntimeError):
+    """The regeneration finished but answered no row, or skipped more than `data.max_skipped_fraction` of them
+    (exit code 2: the recipe or the server needs fixing, not a resume)."""
 
 
 def section_of(recipe: Recipe) -> RegenerateSection:
@@ -136,7 +143,22 @@ def job_identity(recipe: Recipe, sampling: dict, settings: RegenSettings) -> dic
         "on_length": settings.on_length,
         "seed": settings.seed,
         "chat_template_kwargs": settings.chat_template_kwargs,
+        "chat_template": chat_template_identity(recipe),
+        "row_format": regen_output.FORMAT_VERSION,
+        # the in-process engine's inputs by content, read without loading anything (under a second), so weights,
+        # a tokenizer or a template replaced in place are refused on a finished output too
+        "weights": weights_fingerprint(recipe.model) if section.engine == "transformers" else None,
+        "input_files": input_files_sha256(recipe) if section.engine == "transformers" else None,
     }
+
+
+def chat_template_identity(recipe: Recipe) -> dict:
+    """The template the prompts are rendered with: `data.chat_template`'s text by its sha256, or the tokenizer's
+    own (its text is part of the tokenizer's fingerprint in the engine's identity). Never null, so that a template
+    set or removed later is a change; the text itself is kept in the manifest (`chat_template_text`)."""
+    text = read_chat_template(recipe.data)
+    return {"source": "data.chat_template" if text is not None else "tokenizer",
+            "sha256": hashlib.sha256((text or "").encode()).hexdigest()}
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -174,6 +196,10 @@ def _run(recipe: Recipe, held: list) -> dict | None:
     if state.is_main_process:
         log.info("sampling %s (defaults from %s; regenerate.sampling %s)", sampling or "greedy", where,
                  section.sampling or "{}")
+        if settings.chat_template_kwargs != dict(recipe.data.chat_template_kwargs):
+            log.warning("regenerate.chat_template_kwargs %s differ from data.chat_template_kwargs %s: the prompts "
+                        "are rendered with the first, the extraction renders the rows with the second",
+                        settings.chat_template_kwargs, dict(recipe.data.chat_template_kwargs))
     identity = job_identity(recipe, sampling, settings)
     from dflash_prep.data.rows import check_data_source, load_rows
 
@@ -238,7 +264,8 @@ def _build_engine(recipe: Recipe, device):
                           f"imported here ({e}); use `engine: openai` with a server") from None
     try:
         return TransformersEngine(recipe.model, device, max_tokens_per_batch=section.max_tokens_per_batch,
-                                  max_batch_size=section.max_batch_size)
+                                  max_batch_size=section.max_batch_size,
+                                  chat_template=read_chat_template(recipe.data))
     except ValueError as e:  # a token budget that cannot hold one request
         raise RecipeError(f"recipe key `regenerate.max_tokens_per_batch` = {section.max_tokens_per_batch}: {e}") \
             from None
@@ -258,6 +285,10 @@ def _run_rank(recipe: Recipe, state, out_dir: Path, rows, mine: list[int], rows_
             stored["identity"] = {**identity, "engine": engine_identity}
             atomic_write_json(out_dir / regen_output.STATE_NAME, stored)
         log.info("engine ready in %.1fs: %s", time.perf_counter() - t0, engine_identity)
+        if section.engine == "openai" and state.is_main_process:
+            from dflash_prep.regen.template_check import check_server_template
+
+            check_server_template(engine, recipe, settings.chat_template_kwargs)
         if section.engine == "openai":
             concurrency = engine.total_concurrency
             window = section.max_rows_in_flight or 4 * concurrency
@@ -333,6 +364,7 @@ def _finish(recipe: Recipe, out_dir: Path, rows, rows_per_shard: int, num_chunks
     if not ran and regen_output.is_finished(out_dir) and summary_path.is_file():
         summary = json.loads(summary_path.read_text())
         log.info("the regeneration was already finished: %s left as it is", out_dir)
+        check_verdict(summary, recipe.data.max_skipped_fraction)
         return summary
     records = regen_output.read_committed(out_dir)
     missing = [c for c in range(num_chunks) if c not in records]
@@ -361,6 +393,8 @@ def _finish(recipe: Recipe, out_dir: Path, rows, rows_per_shard: int, num_chunks
         "num_skipped": len(skipped),
         "skipped": dict(sorted(Counter(s["reason"] for s in skipped).items())),
         "rejected_examples": [s["detail"] for s in skipped if s["reason"] == "rejected_by_engine"][:3],
+        "skip_examples": _skip_examples(skipped),
+        "token_ids": _token_ids_summary(records, engine),
         **totals,
         "num_ranks": world,
         "wall_seconds": time.perf_counter() - t_start,
@@ -376,6 +410,7 @@ def _finish(recipe: Recipe, out_dir: Path, rows, rows_per_shard: int, num_chunks
     manifest = {
         "format": regen_output.FORMAT, "format_version": regen_output.FORMAT_VERSION,
         "dflash_prep_version": __version__, "identity": {**identity, "engine": engine},
+        "chat_template_text": read_chat_template(recipe.data),
         "regenerate": {k: v for k, v in dataclasses.asdict(section_of(recipe)).items() if k in REGEN_IDENTITY_KEYS},
         "rows_per_shard": rows_per_shard, "num_rows": len(rows), "num_answered": answered,
         "num_skipped": len(skipped), "skipped": summary["skipped"], **totals,
@@ -384,7 +419,45 @@ def _finish(recipe: Recipe, out_dir: Path, rows, rows_per_shard: int, num_chunks
     }
     regen_output.write_dataset_files(out_dir, records, manifest, skipped, summary, fence)
     _log_done(summary, out_dir)
+    check_verdict(summary, recipe.data.max_skipped_fraction)
     return summary
+
+
+def _skip_examples(skipped: list[dict]) -> dict:
+    """reason -> the first skipped row of that reason (sample id, the row's own id, the detail)."""
+    out: dict = {}
+    for s in skipped:
+        out.setdefault(s["reason"], {k: s.get(k) for k in ("sample_id", "source_row", "source_id", "detail")})
+    return out
+
+
+def _token_ids_summary(records: list, engine_identity: dict | None) -> dict:
+    """Whether the answers carry the engine's token ids: `source` (`returned`: the in-process engine, or servers
+    that return them; `none`: a server that returns none, the extraction re-tokenizes the text)."""
+    source = "returned" if (engine_identity or {}).get("engine") != "openai" else \
+        (engine_identity or {}).get("token_ids", "none")
+    return {"source": source}
+
+
+def check_verdict(summary: dict, max_skipped_fraction: float) -> None:
+    """RegenRefused when the regeneration answered no row, or skipped more than `max_skipped_fraction` of them; the
+    message names the top skip reasons, each with its count and an example row."""
+    rows, answered, skipped = summary["num_rows"], summary["num_answered"], summary["num_skipped"]
+    if answered and skipped <= max_skipped_fraction * rows:
+        return
+    examples = summary.get("skip_examples", {})
+    reasons = []
+    for reason, n in sorted(summary.get("skipped", {}).items(), key=lambda kv: -kv[1])[:3]:
+        e = examples.get(reason) or {}
+        where = f"row {e['sample_id']}" if e.get("sample_id") else ""
+        where += f", id {e['source_id']!r}" if e.get("source_id") is not None else ""
+        where += f": {e['detail']}" if e.get("detail") else ""
+        reasons.append(f"{reason}: {n}" + (f" (e.g. {where})" if where else ""))
+    what = (f"the regeneration answered no row of {rows}" if not answered else
+            f"the regeneration skipped {skipped} of {rows} rows, more than data.max_skipped_fraction="
+            f"{max_skipped_fraction}")
+    raise RegenRefused(f"{what} - {'; '.join(reasons)}. The output {summary['output_dir']} keeps the answers it "
+                       f"has; fix the recipe or the server and start afresh with --set regenerate.overwrite=true")
 
 
 def _totals(records: list) -> dict:
@@ -418,7 +491,7 @@ def run_and_report(recipe: Recipe) -> tuple[dict | None, int]:
     out_dir = output_dir_of(recipe)
     try:
         return run_regeneration(recipe), 0
-    except (RecipeError, regen_output.RegenMismatchError, OutputBusyError, OutputStateError) as e:
+    except (RecipeError, regen_output.RegenMismatchError, OutputBusyError, OutputStateError, RegenRefused) as e:
         print(f"error: {e}", file=sys.stderr)
         return None, EXIT_BAD_RECIPE
     except (EngineUnavailable, EngineFailed, LoopStopped, RegenStopped, LeaseLostError) as e:

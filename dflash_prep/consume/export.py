@@ -91,6 +91,7 @@ from dflash_prep.store.manifest import OutputStateError, read_committed, read_ma
 from dflash_prep.target.fp8 import dequantize as fp8_dequantize
 from dflash_prep.target.fp8 import quantize_rows as fp8_quantize_rows
 from dflash_prep.target.norms import can_derive_after_norm, read_final_norm, with_after_norm_final
+from dflash_prep.units import format_bytes
 
 TARGETS = ("specforge", "speculators", "modelopt")
 STRATEGIES = ("dflash", "eagle3")
@@ -559,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"exported {report.num_samples} samples ({report.num_tokens} tokens) to {report.dest} as "
           f"{report.target}{' ' + report.strategy if report.target == 'specforge' else ''}: {report.num_files} "
-          f"files, {report.num_bytes / 1e9:.2f} GB in {report.seconds:.1f}s", file=sys.stderr)
+          f"files, {format_bytes(report.num_bytes)} in {report.seconds:.1f}s", file=sys.stderr)
     return 0
 
 

@@ -209,17 +209,31 @@ class Rendered:
     renders_tool_calls: bool = False
 
 
+@dataclass
+class RenderedSpans:
+    """A conversation as this template renders it whole: the messages in the template's form, the text, the
+    assistant spans ([(message index, start, end)] in characters), the token ids and their character offsets."""
+
+    messages: list[dict]
+    full: str
+    spans: list[tuple[int, int, int]]
+    input_ids: list[int]
+    offsets: list[tuple[int, int]]
+
+
 class ChatRenderer:
     """Renders conversations with one template and gives token ids and loss masks; see the module docstring.
 
     `tokenizer`: a transformers fast tokenizer (offsets are needed); `chat_template`: a Jinja string replacing the
     tokenizer's own, or None; `template_kwargs`: `data.chat_template_kwargs`; `stop_token_ids`: the ids the model
     stops on (`generation_config.json`'s `eos_token_id`, rows.stop_token_ids_of), for templates with no end-of-turn
-    token."""
+    token; `missing_stop_source`: the generation_config.json looked for and not found (a template with no end-of-turn
+    token then warns once: no turn end is supervised)."""
 
     def __init__(self, tokenizer, chat_template: str | None = None, template_kwargs: dict | None = None,
-                 stop_token_ids: list[int] | None = None):
+                 stop_token_ids: list[int] | None = None, missing_stop_source: str | None = None):
         self.tokenizer = tokenizer
+        self.missing_stop_source = missing_stop_source  # the generation_config.json looked for and not found
         template = chat_template or getattr(tokenizer, "chat_template", None)
         if isinstance(template, dict):
             template = template.get("default")
@@ -406,7 +420,28 @@ class ChatRenderer:
             end = locate_end(probed[:cut], full) if cut > 0 else None
             if end is not None:
                 return end
-        return locate_end(after, full) if after is not None else None
+        if after is not None:
+            return locate_end(after, full)
+        return self._end_before_user_probe(head, tools, full)
+
+    def _end_before_user_probe(self, head: list[dict], tools: list[dict] | None, full: str) -> int | None:
+        """The end of `head`'s last message in `full` for a template that renders `head` neither alone nor before
+        a probe reply (Qwen3.5/3.6 refuse a conversation with no user turn: an assistant-first row): `head` is
+        rendered before a probe user turn and cut where that turn's header begins (its last marker, or its last
+        line, as a probe user turn rendered alone shows it)."""
+        user = {"role": "user", "content": _PROBE}
+        try:
+            with_user, alone = self.render(head + [user], tools, False), self.render([user], tools, False)
+        except Exception:  # noqa: BLE001 - nothing renders: the span is not found
+            return None
+        if _PROBE not in alone or _PROBE not in with_user:
+            return None
+        header = alone[: alone.find(_PROBE)]
+        starts = [header.rfind(m) for m in self.markers if m in header]
+        key = header[max(starts):] if starts else header[header.rstrip("\n").rfind("\n") + 1:]
+        at = with_user.rfind(_PROBE)
+        cut = with_user.rfind(key, 0, at) if key else at
+        return locate_end(with_user[:cut], full) if cut > 0 else None
 
     def _stop_after(self, full: str, start: int, end: int) -> tuple[int, int] | None:
         """The span of a stop token (`stop_texts`) that follows a turn [start, end) not ending with one, past
@@ -447,9 +482,9 @@ class ChatRenderer:
         return spans
 
     # ---------------------------------------------------------------------------------------- tokens
-    def tokenize_conversation(self, conv: Conversation) -> Rendered:
-        """-> Rendered: the ids exactly `apply_chat_template`'s, the mask of the convention with `weight: 0` turns
-        left out. Raises SkipRow (`chat_template_error` with the template's own error as the detail)."""
+    def rendered_spans(self, conv: Conversation) -> RenderedSpans:
+        """The conversation rendered whole, tokenized, and its assistant spans located (`assistant_spans`). Raises
+        SkipRow (`chat_template_error` with the template's own error as the detail)."""
         messages = self.template_messages(conv)
         try:
             full = self.render(messages, conv.tools, False)
@@ -458,13 +493,52 @@ class ChatRenderer:
             raise
         except Exception as e:  # noqa: BLE001 - a template may reject a role order, a missing field...
             raise SkipRow(TEMPLATE_ERROR, f"{type(e).__name__}: {one_line(e, 240)}") from e
+        if self.missing_stop_source and spans and not any(
+                full.endswith(m, 0, e) for _, _, e in spans for m in self.markers):
+            _log_once("no-end-of-turn:" + self.digest, "data: the chat template writes no end-of-turn token after "
+                      "assistant turns and no stop ids were found (no %s): no turn end is supervised, so the "
+                      "drafter never sees the model stop; put the model's generation_config.json there (logged "
+                      "once)", self.missing_stop_source)
         enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-        ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+        return RenderedSpans(messages, full, spans, list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]])
+
+    def tokenize_conversation(self, conv: Conversation, supervised: set[int] | None = None) -> Rendered:
+        """-> Rendered: the ids exactly `apply_chat_template`'s, the mask of the convention with `weight: 0` turns
+        left out (and, with `supervised`, every assistant message whose index it does not hold). Raises SkipRow
+        (`chat_template_error` with the template's own error as the detail)."""
+        r = self.rendered_spans(conv)
         if self.generation_tagged:
-            self._compare_with_generation_blocks(messages, conv.tools, ids, offsets, spans)
-        weights = conv.weights or [None] * len(messages)
-        mask = mask_from_spans(offsets, [(s, e) for i, s, e in spans if weights[i] != 0])
-        return Rendered(ids, mask, *self._kinds_rendered(messages, full, spans))
+            self._compare_with_generation_blocks(r.messages, conv.tools, r.input_ids, r.offsets, r.spans)
+        weights = conv.weights or [None] * len(r.messages)
+        mask = mask_from_spans(r.offsets, [(s, e) for i, s, e in r.spans if weights[i] != 0
+                                           and (supervised is None or i in supervised)])
+        return Rendered(r.input_ids, mask, *self._kinds_rendered(r.messages, r.full, r.spans))
+
+    def served_prompt_ids(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        """The token ids of the prompt served for an assistant turn after `messages` (this template's form of them,
+        `template_messages`): rendered with the generation prompt, tokenized without special tokens added on top.
+        What the in-process engine runs, and the context of a `per_turn` sample. Raises what the template raises."""
+        text = self.render(messages, tools, True)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def prefix_stable(self, messages: list[dict], tools: list[dict] | None, full: str, turns: list[int]) -> bool:
+        """Whether the whole rendering `full` shows each assistant turn of `turns` in the context the target had
+        when it wrote it: the rendering of the messages before turn i with the generation prompt, and that of the
+        messages up to turn i (less an end-of-text the template writes only without a generation prompt), are both
+        where `full` starts. False for a template that drops earlier turns' reasoning (Qwen3), or renders a last
+        turn unlike a mid-conversation one (an empty think block, gpt-oss's <|return|>). Raises what the template
+        raises."""
+        for i in turns:
+            before, prompt, closing = self._prompt_after(messages[:i], tools) if i else ("", "", "")
+            if not full.startswith(before + prompt):
+                return False
+            if i < len(messages) - 1:
+                upto = self.render(messages[: i + 1], tools, False)
+                if closing and upto.endswith(closing):
+                    upto = upto[: -len(closing)]
+                if not full.startswith(upto):
+                    return False
+        return True
 
     def tokenize(self, messages: list[dict], tools: list[dict] | None) -> tuple[list[int], list[int]]:
         """OpenAI messages (row_to_chat's) -> (input_ids, loss_mask), each [T] ints. Raises SkipRow."""

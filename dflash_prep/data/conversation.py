@@ -331,3 +331,14 @@ def conversation_of(messages: list[dict], tools: list[dict] | None = None) -> Co
             args = call["function"]["arguments"]
             texts[(i, j)] = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
     return Conversation(list(messages), tools, [None] * len(messages), texts)
+
+
+def prompt_conversation(messages: list[dict], tools: list[dict] | None = None) -> Conversation:
+    """The messages before an assistant turn to generate (OpenAI form, a request's), read exactly as a row holding
+    them and that turn is read (`read_conversation`), so a prompt renders as the extraction renders the row. Raises
+    SkipRow."""
+    row = {"messages": [*messages, {"role": "assistant", "content": ""}], "tools": tools}
+    conv = read_conversation(row)
+    n = len(conv.messages) - 1
+    return Conversation(conv.messages[:n], conv.tools, conv.weights[:n],
+                        {k: v for k, v in conv.arguments_text.items() if k[0] < n})

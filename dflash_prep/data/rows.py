@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_prep.data import chat, conversation
+from dflash_prep.data import chat, conversation, samples
 from dflash_prep.io import fsync_dir
 from dflash_prep.recipe.fingerprints import files_sha256
 from dflash_prep.recipe.schema import DataSection, RecipeError
@@ -86,7 +86,10 @@ SKIP_ROW_ERROR = "unreadable_row"  # anything else that goes wrong on one row (l
 RAW_JSON_COLUMN = "__dflash_prep_raw_json__"  # the one column of a JSON file read line by line
 
 TOKENIZED_COLUMNS = ("sample_id", "source_row", "source_id", "input_ids", "loss_mask", "num_tokens", "skip_reason",
-                     "skip_detail", "has_tool_calls", "has_reasoning", "renders_tool_calls", "renders_reasoning")
+                     "skip_detail", "has_tool_calls", "has_reasoning", "renders_tool_calls", "renders_reasoning",
+                     "sample_kind", "turns_from_ids", "turns_from_text", "turns_ids_differ", "turns_cut",
+                     "conversation_tokens")
+SAMPLE_COUNTS = ("turns_from_ids", "turns_from_text", "turns_ids_differ", "turns_cut")  # per row, on its 1st sample
 ROW_KINDS = {"tool_calls": "tool calls", "reasoning": "reasoning"}  # kinds whose wholesale loss is loud
 
 
@@ -97,7 +100,9 @@ def _tokenized_features():
     return Features({"sample_id": Value("string"), "source_row": Value("int64"), "source_id": Value("string"),
                      "input_ids": List(Value("int32")), "loss_mask": List(Value("int64")),
                      "num_tokens": Value("int64"), "skip_reason": Value("string"), "skip_detail": Value("string"),
-                     **{f"{what}_{kind}": Value("bool") for what in ("has", "renders") for kind in ROW_KINDS}})
+                     **{f"{what}_{kind}": Value("bool") for what in ("has", "renders") for kind in ROW_KINDS},
+                     "sample_kind": Value("string"), **{k: Value("int64") for k in SAMPLE_COUNTS},
+                     "conversation_tokens": Value("int64")})
 
 
 def _detect_format(path: str | list[str], fmt: str) -> tuple[str, Any]:
@@ -114,6 +119,7 @@ def _detect_format(path: str | list[str], fmt: str) -> tuple[str, Any]:
             raise RecipeError(f"recipe key `data.path` = {path!r}: `data.format: disk` needs a save_to_disk folder")
         return "disk", path
     if p.is_dir():
+        _refuse_unfinished_regeneration(p, path)
         files = sorted(f for f in glob.glob(str(p / "**" / "*"), recursive=True) if os.path.isfile(f))
     elif any(c in path for c in "*?["):
         files = sorted(glob.glob(path, recursive=True))
@@ -135,6 +141,20 @@ def _detect_format(path: str | list[str], fmt: str) -> tuple[str, Any]:
                           f"kind (or set `data.format`)")
     files = [f for f in files if fmt != "auto" or Path(f).suffix in by_suffix]
     return kinds.pop(), files
+
+
+def _refuse_unfinished_regeneration(folder: Path, path: str) -> None:
+    """A `dflash-prep regenerate` output whose run has not finished (its dataset files, written last, are not there
+    yet) is refused as what it is, not as a folder of mixed files (RecipeError, exit code 2)."""
+    try:
+        state = json.loads((folder / "run_state.json").read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(state, dict) and "regenerated rows" in str(state.get("format", "")):
+        raise RecipeError(f"recipe key `data.path` = {path!r}: an unfinished regeneration output (its run has not "
+                          f"written the dataset files yet): finish it first (re-run the `dflash-prep regenerate` "
+                          f"command that made it: it resumes), or run a recipe with a `regenerate:` section, which "
+                          f"completes its regeneration before it extracts")
 
 
 def _detect_formats(paths: list[str], fmt: str) -> tuple[str, list[str]]:
@@ -447,6 +467,25 @@ def _has_lone_surrogate(row: dict) -> bool:
     return False
 
 
+def row_of(batch: dict, columns: list[str], j: int) -> tuple[dict, str, str]:
+    """Row j of a column batch -> (row, "", "") or ({}, skip reason, detail) for a line read as raw JSON text
+    (`RAW_JSON_COLUMN`) that is not a JSON object, or not UTF-8."""
+    if columns == [RAW_JSON_COLUMN]:
+        line = batch[RAW_JSON_COLUMN][j]
+        if line == INVALID_UTF8_LINE:
+            return {}, SKIP_INVALID_UTF8, "the line's bytes are not UTF-8"
+        try:
+            row = json.loads(line)
+        except (ValueError, RecursionError) as e:
+            return {}, SKIP_INVALID_JSON, f"the line is not JSON ({conversation.one_line(e, 120)})"
+        if not isinstance(row, dict):
+            return {}, SKIP_NOT_AN_OBJECT, f"the line holds a JSON {conversation.type_name(row)}, not an object"
+        if ("\\ud" in line or "\\uD" in line) and _has_lone_surrogate(row):
+            return {}, SKIP_INVALID_UTF8, "a string holds a lone UTF-16 surrogate"
+        return row, "", ""
+    return {c: batch[c][j] for c in columns}, "", ""
+
+
 @dataclass
 class RowOutcome:
     """What one row became: token ids and loss mask ([T] ints; empty when skipped), the skip reason ("" when kept)
@@ -460,6 +499,10 @@ class RowOutcome:
     has_reasoning: bool = False
     renders_tool_calls: bool = False
     renders_reasoning: bool = False
+    suffix: str = ""  # of the sample id: "" (the row's one sample), `_tNNNN` (a `per_turn` sample of turn NNNN)
+    sample_kind: str = ""  # "conversation" | "per_turn" (conversation rows), "" (pre-tokenized or skipped rows)
+    counts: dict = field(default_factory=dict)  # samples.RowSamples' turn counts, on a row's first sample only
+    conversation_tokens: int = 0  # per_turn rows' first sample: the tokens of the row as one sample
 
 
 def _skip(reason: str, detail: str, **kinds) -> RowOutcome:
@@ -481,35 +524,55 @@ class Tokenizer:
     chat_template_kwargs: dict | None = None
     chat_template: str | None = None
     stop_token_ids: list[int] | None = None
-    rules_version: int = 3  # part of the `datasets.map` cache key: bump when tokenization or masking rules change
+    samples: str = "auto"  # data.samples (samples.py)
+    rules_version: int = 4  # part of the `datasets.map` cache key: bump when tokenization or masking rules change
 
     def __post_init__(self):
+        missing = None
         if self.stop_token_ids is None:
             self.stop_token_ids = stop_token_ids_of(self.tokenizer)
+            missing = generation_config_missing(self.tokenizer)
         self.renderer = chat.ChatRenderer(self.tokenizer, self.chat_template, self.chat_template_kwargs,
-                                          self.stop_token_ids)
+                                          self.stop_token_ids, missing_stop_source=missing)
+        self.builder = samples.SampleBuilder(self.renderer, self.samples, self.stop_token_ids)
 
     def tokenize_row(self, row: dict) -> tuple[list[int], list[int], str]:
-        """-> (input_ids, loss_mask, skip_reason); skip_reason is "" for a kept row."""
+        """-> (input_ids, loss_mask, skip_reason) of the row's first sample; skip_reason is "" for a kept row."""
         outcome = self.process_row(row)
         return outcome.input_ids, outcome.loss_mask, outcome.reason
 
     def process_row(self, row: dict) -> RowOutcome:
-        """One row -> RowOutcome (never raises SkipRow: a row that cannot be a sample is a skip with its detail)."""
+        """One row -> its first sample's RowOutcome (see `process_row_samples`)."""
+        return self.process_row_samples(row)[0]
+
+    def process_row_samples(self, row: dict) -> list[RowOutcome]:
+        """One row -> a RowOutcome per sample (one, or one per supervised turn: `data.samples`); never raises
+        SkipRow: a row that cannot be a sample is one skip with its detail."""
         if row.get("input_ids") is not None and row.get("messages") is None and row.get("conversations") is None:
-            return self._checked(*self._pretokenized(row))
+            return [self._checked(*self._pretokenized(row))]
         try:
             conv = chat.read_conversation(row)
         except chat.SkipRow as e:
-            return _skip(e.reason, e.detail)
+            return [_skip(e.reason, e.detail)]
         kinds = {"has_tool_calls": any(m.get("tool_calls") for m in conv.messages),
                  "has_reasoning": any((m.get("reasoning_content") or "").strip() for m in conv.messages)}
         try:
-            rendered = self.renderer.tokenize_conversation(conv)
+            built = self.builder.build(conv, samples.generated_turns(row))
         except chat.SkipRow as e:
-            return _skip(e.reason, e.detail, **kinds)
-        return self._checked(rendered.input_ids, rendered.loss_mask, "", "", renders_tool_calls=
-                             rendered.renders_tool_calls, renders_reasoning=rendered.renders_reasoning, **kinds)
+            return [_skip(e.reason, e.detail, **kinds)]
+        if not built.samples:
+            return [_skip(SKIP_NO_SUPERVISED_PAIR, "no assistant turn is supervised", **kinds)]
+        counts = {k: getattr(built, k) for k in SAMPLE_COUNTS}
+        out = []
+        for k, sample in enumerate(built.samples):
+            outcome = self._checked(sample.input_ids, sample.loss_mask, "", "", renders_tool_calls=
+                                    built.renders_tool_calls, renders_reasoning=built.renders_reasoning, **kinds)
+            outcome.suffix, outcome.sample_kind = sample.suffix, built.mode
+            if k == 0:
+                outcome.counts = counts
+                outcome.conversation_tokens = built.conversation_tokens if built.mode == "per_turn" else 0
+            out.append(outcome)
+        return out
 
     @staticmethod
     def _pretokenized(row: dict) -> tuple[list, list, str, str]:
@@ -546,50 +609,42 @@ class Tokenizer:
                          **kinds)
         return RowOutcome([int(t) for t in ids], [int(m) for m in mask], **kinds)
 
-    def _row_of(self, batch: dict, columns: list[str], j: int) -> tuple[dict, str, str]:
-        """-> (row, "", "") or ({}, skip reason, detail) for a line that is not a JSON object, or not UTF-8."""
-        if columns == [RAW_JSON_COLUMN]:
-            line = batch[RAW_JSON_COLUMN][j]
-            if line == INVALID_UTF8_LINE:
-                return {}, SKIP_INVALID_UTF8, "the line's bytes are not UTF-8"
-            try:
-                row = json.loads(line)
-            except (ValueError, RecursionError) as e:
-                return {}, SKIP_INVALID_JSON, f"the line is not JSON ({conversation.one_line(e, 120)})"
-            if not isinstance(row, dict):
-                return {}, SKIP_NOT_AN_OBJECT, f"the line holds a JSON {conversation.type_name(row)}, not an object"
-            if ("\\ud" in line or "\\uD" in line) and _has_lone_surrogate(row):
-                return {}, SKIP_INVALID_UTF8, "a string holds a lone UTF-16 surrogate"
-            return row, "", ""
-        return {c: batch[c][j] for c in columns}, "", ""
-
     def __call__(self, batch: dict, indices: list[int]) -> dict:
         out = {k: [] for k in TOKENIZED_COLUMNS}
         columns = list(batch)
         for j, row_index in enumerate(indices):
-            row, reason, detail = self._row_of(batch, columns, j)
-            outcome = _skip(reason, detail)
+            row, reason, detail = row_of(batch, columns, j)
+            outcomes = [_skip(reason, detail)]
             if not reason:
                 try:
-                    outcome = self.process_row(row)
+                    outcomes = self.process_row_samples(row)
                 except Exception as e:  # noqa: BLE001 - one bad row never ends the run: it is skipped, with a reason
                     log.debug("row %d: %s: %s", row_index, type(e).__name__, e)
-                    outcome = _skip(SKIP_ROW_ERROR, f"{type(e).__name__}: {conversation.one_line(e, 200)}")
+                    outcomes = [_skip(SKIP_ROW_ERROR, f"{type(e).__name__}: {conversation.one_line(e, 200)}")]
             source_id = row.get(self.id_column or "id")
             if isinstance(source_id, (dict, list)):
                 source_id = json.dumps(source_id, sort_keys=True)
-            out["sample_id"].append(f"{row_index:010d}")
-            out["source_row"].append(int(row_index))
-            out["source_id"].append(None if source_id is None else str(source_id))
-            out["input_ids"].append(outcome.input_ids)
-            out["loss_mask"].append(outcome.loss_mask)
-            out["num_tokens"].append(len(outcome.input_ids))
-            out["skip_reason"].append(outcome.reason)
-            out["skip_detail"].append(outcome.detail)
-            for kind in ROW_KINDS:
-                out[f"has_{kind}"].append(getattr(outcome, f"has_{kind}"))
-                out[f"renders_{kind}"].append(getattr(outcome, f"renders_{kind}"))
+            for outcome in outcomes:
+                self._append(out, f"{row_index:010d}{outcome.suffix}", row_index, source_id, outcome)
         return out
+
+    @staticmethod
+    def _append(out: dict, sample_id: str, row_index: int, source_id, outcome: RowOutcome) -> None:
+        out["sample_id"].append(sample_id)
+        out["source_row"].append(int(row_index))
+        out["source_id"].append(None if source_id is None else str(source_id))
+        out["input_ids"].append(outcome.input_ids)
+        out["loss_mask"].append(outcome.loss_mask)
+        out["num_tokens"].append(len(outcome.input_ids))
+        out["skip_reason"].append(outcome.reason)
+        out["skip_detail"].append(outcome.detail)
+        for kind in ROW_KINDS:
+            out[f"has_{kind}"].append(getattr(outcome, f"has_{kind}"))
+            out[f"renders_{kind}"].append(getattr(outcome, f"renders_{kind}"))
+        out["sample_kind"].append(outcome.sample_kind)
+        for key in SAMPLE_COUNTS:
+            out[key].append(int(outcome.counts.get(key, 0)))
+        out["conversation_tokens"].append(int(outcome.conversation_tokens))
 
 
 def check_chat_template(tokenizer, chat_template: str | None = None) -> None:
@@ -640,6 +695,7 @@ class TokenizedData:
     skipped_rows: list[dict]  # [{sample_id, source_row, source_id, reason, detail}]
     # per kind of ROW_KINDS the rows hold: {rows, kept_rendered, kept_without, skipped: {reason: n}}
     kinds: dict[str, dict] = field(default_factory=dict)
+    samples: dict = field(default_factory=dict)  # samples_summary
 
 
 def stop_token_ids_of(tokenizer) -> list[int]:
@@ -663,6 +719,16 @@ def stop_token_ids_of(tokenizer) -> list[int]:
     return sorted(ids)
 
 
+def generation_config_missing(tokenizer) -> str | None:
+    """The generation_config.json `stop_token_ids_of` looked for in the tokenizer's folder and did not find, or
+    None (found, or a hub id, whose config the hub answers for)."""
+    source = str(getattr(tokenizer, "name_or_path", "") or "")
+    if not source or not Path(source).is_dir():
+        return None
+    path = Path(source) / "generation_config.json"
+    return None if path.is_file() else str(path)
+
+
 def tokenize_dataset(rows, tokenizer, section: DataSection, vocab_size: int,
                      stop_token_ids: list[int] | None = None) -> TokenizedData:
     """Tokenize every row through `datasets.map` (cached on disk; call on the main process first).
@@ -676,7 +742,7 @@ def tokenize_dataset(rows, tokenizer, section: DataSection, vocab_size: int,
     fn = Tokenizer(tokenizer=tokenizer, max_length=section.max_length, overlong=section.overlong,
                    vocab_size=vocab_size, id_column=section.id_column,
                    chat_template_kwargs=dict(section.chat_template_kwargs), chat_template=template,
-                   stop_token_ids=None if stop_token_ids is None else list(stop_token_ids))
+                   stop_token_ids=None if stop_token_ids is None else list(stop_token_ids), samples=section.samples)
     try:
         tokenized = rows.map(fn, batched=True, batch_size=256, with_indices=True, remove_columns=rows.column_names,
                              num_proc=section.num_proc, desc="tokenize", features=_tokenized_features())
@@ -702,15 +768,42 @@ def tokenize_dataset(rows, tokenizer, section: DataSection, vocab_size: int,
     kept_idx = [i for i, r in enumerate(reasons) if not r]
     kept = tokenized.select(kept_idx) if skipped_idx else tokenized
     return TokenizedData(kept=kept, num_rows=len(tokenized), skipped_counts=dict(sorted(counts.items())),
-                         skipped_rows=skipped_rows, kinds=_kinds_summary(tokenized, reasons))
+                         skipped_rows=skipped_rows, kinds=_kinds_summary(tokenized, reasons),
+                         samples=samples_summary(tokenized))
+
+
+def samples_summary(tokenized) -> dict:
+    """How the conversation rows became samples (`data.samples`): rows kept whole, rows cut into one sample per
+    turn, those samples and the tokens they add over one sample per row; and the generated turns of regenerated
+    rows: built from the engine's ids, from text (no ids), whose ids differ from the template's rendering of their
+    text (the ids won), cut by max_tokens. {} when no row is a conversation."""
+    cols = tokenized.select_columns(["source_row", "sample_kind", "num_tokens", "conversation_tokens",
+                                     *SAMPLE_COUNTS]).to_dict()
+    kinds = cols["sample_kind"]
+    if not any(kinds):
+        return {}
+    per_turn = [j for j, k in enumerate(kinds) if k == "per_turn"]
+    rows_per_turn = len({cols["source_row"][j] for j in per_turn})
+    out = {"conversation_rows": sum(1 for k in kinds if k == "conversation"),
+           "per_turn_rows": rows_per_turn, "per_turn_samples": len(per_turn),
+           "per_turn_extra_tokens": sum(cols["num_tokens"][j] for j in per_turn)
+           - sum(cols["conversation_tokens"][j] for j in per_turn),
+           "generated_turns": {k[len("turns_"):]: sum(cols[k]) for k in SAMPLE_COUNTS}}
+    return out
 
 
 def _kinds_summary(tokenized, reasons: list[str]) -> dict[str, dict]:
     """Per kind of ROW_KINDS that some row holds: how many rows hold it, how many are kept with it in their
     rendering, kept without it, and skipped (by reason)."""
     out = {}
+    first, seen = [], set()  # a row's first sample stands for the row (`per_turn` rows have several)
+    for i, row in enumerate(tokenized["source_row"]):
+        if row not in seen:
+            seen.add(row)
+            first.append(i)
     for kind in ROW_KINDS:
-        holding = [i for i, h in enumerate(tokenized[f"has_{kind}"]) if h]
+        has = tokenized[f"has_{kind}"]
+        holding = [i for i in first if has[i]]
         if not holding:
             continue
         renders = tokenized[f"renders_{kind}"]

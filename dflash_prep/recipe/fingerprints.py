@@ -32,6 +32,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import struct
 import time
 from pathlib import Path
@@ -244,42 +245,125 @@ def _files_under(path: Path) -> list[Path]:
     return sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
 
 
-def _input_paths(recipe) -> list[Path] | None:
-    """Every local file the job's inputs are read from (the model's folder or config, the tokenizer's folder, the
-    data files: a folder's every file, a glob's matches), or None when an input is not local (a hub id)."""
+# --------------------------------------------------------------------------------------- names that travel
+# A job's identity names its input files the way they read from any install and any place: the package's own
+# assets package-relative (`dflash_prep:demo/...`), a user's files relative to the folder the recipe names (the
+# model's, the tokenizer's, the data's), under the role they play: `model/config.json`, `tokenizer/tokenizer.json`,
+# `data/chat.jsonl`, `chat_template`. Moving a folder, or installing the package another way, keeps the names; the
+# content (sha256, the weights' fingerprint) decides whether the job is the same.
+
+def _named(role: str, root: Path, files: list[Path]) -> dict[str, Path]:
+    """{role/relative name: path} of `files` under `root` (a file's own name when `root` is the file)."""
+    base = root if root.is_dir() else root.parent
+    return {f"{role}/{f.relative_to(base).as_posix()}": f for f in files}
+
+
+def _data_roots(data) -> list[tuple[Path, list[Path]]] | None:
+    """(the folder a data entry names, its files) per entry of `data.path`, or None when one is not local."""
+    roots = []
+    for pattern in data.path if isinstance(data.path, list) else [data.path]:  # `data.path` may list several
+        expanded = os.path.expanduser(pattern)
+        if any(c in pattern for c in "*?["):
+            fixed = Path(re.split(r"[*?\[]", expanded, maxsplit=1)[0] + "x").parent  # the folder before any wildcard
+            roots.append((fixed, [Path(p) for p in sorted(glob.glob(expanded, recursive=True)) if Path(p).is_file()]))
+        elif Path(expanded).exists():
+            roots.append((Path(expanded), _files_under(Path(expanded))))
+        else:
+            return None
+    return roots
+
+
+def named_inputs(recipe) -> dict[str, Path] | None:
+    """{name: path} of every local file the job's inputs are read from (the model's folder or config, the tokenizer's
+    folder, the chat template's file, the data files), named as above; None when an input is not local (a hub id)."""
     model, data = recipe.model, recipe.data
     weights = Path(os.path.expanduser(model.config if model.config is not None else model.name_or_path))
     tokenizer = Path(os.path.expanduser(model.tokenizer_path))
-    if not weights.exists() or not tokenizer.is_dir() or data.format == "hub":
+    roots = _data_roots(data) if data.format != "hub" else None
+    if not weights.exists() or not tokenizer.is_dir() or roots is None:
         return None
-    data_files = []
-    for pattern in data.path if isinstance(data.path, list) else [data.path]:  # `data.path` may list several
-        if any(c in pattern for c in "*?["):
-            data_files += [Path(p) for p in sorted(glob.glob(os.path.expanduser(pattern), recursive=True))]
-        elif Path(os.path.expanduser(pattern)).exists():
-            data_files += _files_under(Path(os.path.expanduser(pattern)))
-        else:
-            return None
-    return _files_under(weights) + _files_under(tokenizer) + data_files
+    named = {**_named("model", weights, _files_under(weights)),
+             **_named("tokenizer", tokenizer, _files_under(tokenizer))}
+    for base, files in roots:
+        named.update(_named("data", base, files))
+    template = data.chat_template
+    if template is not None and "{%" not in template and "{{" not in template and Path(template).is_file():
+        named["chat_template"] = Path(template)
+    return named
+
+
+def input_files_sha256(recipe) -> dict[str, str] | None:
+    """{name: sha256} of the job's small input files: every file of the model's folder but its weights (config.json,
+    generation_config.json, ...), the random-weights config, the tokenizer's files and the chat template's file
+    (the weights have `weights_fingerprint`, the data files `data_files`). None when an input is not local."""
+    named = named_inputs(recipe)
+    if named is None:
+        return None
+    small = {name: path for name, path in named.items()
+             if not name.startswith("data/") and not path.name.endswith(WEIGHT_SUFFIXES)}
+    digests = files_sha256(list(small.values()))
+    return {name: digests[str(path)] for name, path in small.items()}
+
+
+def portable_files(files: dict) -> dict:
+    """A `{path: value}` map of files named by absolute path (the data files' fingerprint), renamed relative to their
+    common folder (the package's own files package-relative): what stays the same when the folder moves."""
+    from dflash_prep.recipe.location import PACKAGE_PREFIX, portable_path
+
+    if not files or not all(str(k).startswith("/") for k in files):
+        return dict(files)
+    if all(portable_path(str(k)).startswith(PACKAGE_PREFIX) for k in files):  # this or another install's assets
+        return {portable_path(str(k)): v for k, v in files.items()}
+    common = Path(os.path.commonpath([str(k) for k in files]))
+    base = common.parent if str(common) in {str(k) for k in files} else common
+    return {Path(k).relative_to(base).as_posix(): v for k, v in files.items()}
+
+
+def portable_location(value):
+    """A path-like recipe value as a job's identity holds it: the package's own assets package-relative, a local
+    absolute path (or glob) by its last component (the content decides the rest), hub ids and inline text as they
+    are."""
+    from dflash_prep.recipe.location import PACKAGE_PREFIX, portable_path
+
+    if isinstance(value, list):
+        return [portable_location(v) for v in value]
+    if not isinstance(value, str) or value.startswith(PACKAGE_PREFIX) or "{%" in value or "{{" in value:
+        return value
+    if portable_path(value) != value:
+        return portable_path(value)
+    return Path(value).name if Path(value).is_absolute() else value
 
 
 def inputs_stamp(recipe) -> dict | None:
-    """{"recipe": the recipe's content fingerprint, "data": its data keys, "files": {path: [bytes, mtime_ns,
-    ctime_ns]}} of the job's local inputs, or None when an input is not local (hub ids: no stamp, the content
-    checks decide).
+    """{"recipe": the recipe's content fingerprint, "data": its data keys, "files": {name: [bytes, mtime_ns,
+    ctime_ns]}} of the job's local inputs (`named_inputs`), or None when an input is not local (hub ids: no stamp,
+    the content checks decide).
 
     Equal stamps mean the recipe asks for the same content and no input file was written since (a write changes
     the change time, which no userspace tool sets back, unlike the modification time); a stamp is never evidence
-    of a change, only of its absence."""
-    paths = _input_paths(recipe)
-    if paths is None:
+    of a change, only of its absence: a file whose stamp differs is compared by content."""
+    named = named_inputs(recipe)
+    if named is None:
         return None
     files = {}
-    for path in paths:
+    for name, path in named.items():
         try:
             st = path.stat()
         except OSError:
             return None
-        files[str(path.resolve())] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-    data = {k: v for k, v in recipe.to_dict()["data"].items() if k != "num_proc"}
-    return {"recipe": recipe.fingerprint(), "data": data, "files": files}
+        files[name] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    data = {k: portable_location(v) if k in ("path", "chat_template") else v
+            for k, v in recipe.to_dict()["data"].items() if k != "num_proc"}
+    return {"recipe": recipe.fingerprint(template_content=False), "data": data, "files": files}
+
+
+def describe_files_change(previous: dict, current: dict, shown: dict | None = None) -> str:
+    """One phrase naming how two {name: sha256} maps differ, e.g. '/models/x/tokenizer.json: its bytes changed
+    since the output was made' (`shown`: name -> how to show it, the path this run reads)."""
+    def show(names):
+        return ", ".join(str((shown or {}).get(n, n)) for n in names[:3]) + (" ..." if len(names) > 3 else "")
+    changed = [n for n in sorted(set(previous) & set(current)) if previous[n] != current[n]]
+    gone, new = sorted(set(previous) - set(current)), sorted(set(current) - set(previous))
+    parts = ([f"{show(changed)}: its bytes changed since the output was made"] if changed else []) + \
+        ([f"{show(gone)}: gone"] if gone else []) + ([f"{show(new)}: new"] if new else [])
+    return "; ".join(parts) or "the same files"

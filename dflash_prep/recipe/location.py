@@ -121,3 +121,39 @@ def fresh_listing(path) -> None:
     fs = getattr(path, "fs", None)
     if fs is not None and hasattr(fs, "invalidate_cache"):
         fs.invalidate_cache()
+
+
+# ------------------------------------------------------------------------------------- package-relative names
+# The package's own folder (the shipped demo's assets live in it). A path inside it is written, in a resolved recipe
+# and in a job's identity, as `dflash_prep:RELATIVE` (no `://`: not a URL), so reinstalling the package elsewhere
+# (a wheel, then an editable install of a checkout) leaves the name, and so the job, the same.
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_PREFIX = "dflash_prep:"
+_OTHER_INSTALL = "/dflash_prep/demo/"  # where an install of the package keeps the shipped demo's assets
+
+
+def portable_path(value: str) -> str:
+    """`value` with a path (or glob) inside the installed package written as `dflash_prep:RELATIVE`; any other
+    value (a path elsewhere, a hub id, inline text) as it is."""
+    if not isinstance(value, str) or value.startswith(PACKAGE_PREFIX) or url_protocol(value) is not None:
+        return value
+    try:
+        relative = Path(value).relative_to(PACKAGE_ROOT).as_posix()
+    except ValueError:  # another install's demo assets (an output made before the package was reinstalled)
+        posix = Path(value).as_posix()
+        if not posix.startswith("/") or _OTHER_INSTALL not in posix:
+            return value
+        relative = "demo/" + posix.rsplit(_OTHER_INSTALL, 1)[1]
+    return PACKAGE_PREFIX + relative
+
+
+def package_path(value: str) -> str:
+    """The inverse of `portable_path`: `dflash_prep:RELATIVE` -> the absolute path under this install, and so an
+    absolute path into another install's demo assets that no longer exists (a resolved recipe of an earlier
+    version); any other value as it is."""
+    if isinstance(value, str) and not value.startswith(PACKAGE_PREFIX) and value.startswith("/") \
+            and _OTHER_INSTALL in value and not Path(value).parent.exists():
+        value = portable_path(value)
+    if isinstance(value, str) and value.startswith(PACKAGE_PREFIX):
+        return str(PACKAGE_ROOT / value[len(PACKAGE_PREFIX):])
+    return value

@@ -3,7 +3,7 @@ the target out, as a datasets-loadable folder that extraction reads directly.
 
 Owns: `engine` (the request/answer types every engine speaks), the engines (an OpenAI-compatible client of the
 servers users run; in-process HF `generate` on each rank's copy of the target), the conversation rules (which turns,
-tool calls, seeds, sampling parameters), the output folder (atomic shards, manifest, resume, job identity) and the
-regeneration loop.
+tool calls, seeds, sampling parameters), the output folder (atomic shards, manifest, resume, job identity), the
+regeneration loop, and the check that a server renders chats with the recipe's template (`template_check`).
 May import: `store`, `target`, `plan`, `data`, `recipe` and the ground floor.
 """

@@ -10,6 +10,13 @@ stands before that turn:
 - `turns: all`: every assistant turn is the target's, turn k generated from the target's own turns before it
   (multi-turn on-policy), and a conversation ending in a user or tool turn gets its answer appended.
 - An assistant turn with no user or tool turn before it (an opening greeting) has no prompt: it is kept.
+- An assistant turn with `weight: 0` is never regenerated: it stays the data's text, keeps its weight in the output
+  (the extraction never supervises it), and the turns after it are asked with it in their context. Data messages
+  after the last generated turn (a final `weight: 0` turn) are kept as they are.
+
+Token ids: each generated turn's provenance keeps the engine's `completion_token_ids` (the stop token included
+when it stopped on one) and `prompt_token_ids` where the engine gives them (None otherwise); the extraction builds
+the turn from them (data/samples.py).
 
 Tool calls (`turns: all`): the data's tool results answer the data's calls. A generated turn whose calls are the
 data turn's (same number, names and arguments, compared as parsed JSON, in order) goes on: the data's tool results
@@ -42,7 +49,16 @@ SKIP_LENGTH = "finish_reason_length"
 
 SAME_CALLS, OTHER_CALLS_ENDED, OTHER_CALLS_LAST = "same_calls_continued", "other_calls_ended", "other_calls_last_turn"
 
-MESSAGE_KEYS = ("role", "content", "reasoning_content", "tool_calls", "tool_call_id", "name")
+MESSAGE_KEYS = ("role", "content", "reasoning_content", "tool_calls", "tool_call_id", "name", "weight")
+
+
+class RowSkip(str):
+    """A skip reason (the string) with its one-line `detail`, as the extraction's skips have."""
+
+    def __new__(cls, reason: str, detail: str | None = None):
+        obj = super().__new__(cls, reason)
+        obj.detail = detail
+        return obj
 
 
 @dataclass(frozen=True)
@@ -79,19 +95,21 @@ def _openai_message(message: dict) -> dict:
                 item["id"] = call["id"]
             calls.append(item)
         out["tool_calls"] = calls
-    for key in ("tool_call_id", "name"):
+    for key in ("tool_call_id", "name", "weight"):
         if message.get(key) is not None:
             out[key] = message[key]
     return out
 
 
 def normalize_row(row: dict) -> tuple[list[dict], list[dict] | None]:
-    """A row -> (OpenAI messages, tools). Raises chat.SkipRow(reason) for a row that holds no usable
-    conversation; a row with no assistant turn at all (prompts only) is accepted."""
+    """A row -> (OpenAI messages, tools); an assistant message with a per-turn weight keeps it (`weight`). Raises
+    chat.SkipRow(reason, detail) for a row that holds no usable conversation; a row with no assistant turn at all
+    (prompts only) is accepted."""
     if row.get("input_ids") is not None and row.get("messages") is None and row.get("conversations") is None:
-        raise chat.SkipRow(SKIP_PRETOKENIZED)
+        raise chat.SkipRow(SKIP_PRETOKENIZED, "the row holds input_ids, no conversation to regenerate")
+    drop_last = False
     try:
-        messages, tools = chat.row_to_chat(row)
+        conv = chat.read_conversation(row)
     except chat.SkipRow as e:
         if e.args[0] != chat.NO_ASSISTANT:
             raise
@@ -99,16 +117,19 @@ def normalize_row(row: dict) -> tuple[list[dict], list[dict] | None]:
         key = "messages" if row.get("messages") is not None else "conversations"
         turns = row[key]
         placeholder = {"from": "gpt", "value": ""} if "from" in turns[0] else {"role": "assistant", "content": ""}
-        messages, tools = chat.row_to_chat({**row, key: [*turns, placeholder]})
-        messages = messages[:-1]
-    return [_openai_message(m) for m in messages], tools
+        conv, drop_last = chat.read_conversation({**row, key: [*turns, placeholder]}), True
+    weights = conv.weights or [None] * len(conv.messages)
+    messages = [_openai_message({**m, "weight": w} if w is not None else m)
+                for m, w in zip(conv.messages, weights)]
+    return (messages[:-1] if drop_last else messages), conv.tools
 
 
 def generated_positions(messages: list[dict], turns: str) -> list[int]:
-    """Message indexes the target writes (`len(messages)` = an answer appended after the last turn)."""
+    """Message indexes the target writes (`len(messages)` = an answer appended after the last turn); an
+    assistant turn with `weight: 0` is never one."""
     has_prompt, positions = False, []
     for i, message in enumerate(messages):
-        if message["role"] == "assistant" and has_prompt:
+        if message["role"] == "assistant" and has_prompt and message.get("weight") != 0:
             positions.append(i)
         has_prompt = has_prompt or message["role"] in ("user", "tool")
     if messages and messages[-1]["role"] != "assistant" and has_prompt:
@@ -159,14 +180,16 @@ class Conversation:
 
     @classmethod
     def of_row(cls, row: dict, position: int, settings: RegenSettings, id_column: str | None = None):
-        """-> Conversation, or the skip reason (str) of a row that cannot be regenerated."""
+        """-> Conversation, or the skip reason (RowSkip, a str with its `detail`) of a row that cannot be
+        regenerated."""
         try:
             data, tools = normalize_row(row)
         except chat.SkipRow as e:
-            return e.args[0]
+            return RowSkip(e.reason, e.detail or None)
         targets = generated_positions(data, settings.turns)
         if not targets:
-            return SKIP_NO_PROMPT
+            return RowSkip(SKIP_NO_PROMPT, "no assistant turn to write has a user or tool turn before it (roles: "
+                           + ", ".join(m["role"] for m in data)[:80] + ")")
         source_id = row.get(id_column or "id")
         if isinstance(source_id, (dict, list)):
             source_id = json.dumps(source_id, sort_keys=True)
@@ -180,7 +203,8 @@ class Conversation:
             return None
         index = self.targets[self.next_target]
         s = self.settings
-        return Request(messages=[dict(m) for m in self.messages], tools=self.tools, sampling=dict(s.sampling),
+        messages = [{k: v for k, v in m.items() if k != "weight"} for m in self.messages]  # ours, not the API's
+        return Request(messages=messages, tools=self.tools, sampling=dict(s.sampling),
                        seed=request_seed(s.seed, self.position, index), max_tokens=s.max_tokens,
                        chat_template_kwargs=dict(s.chat_template_kwargs))
 
@@ -193,7 +217,9 @@ class Conversation:
         self.turns.append({"message_index": len(self.messages), "finish_reason": answer.finish_reason,
                            "prompt_tokens": int(answer.prompt_tokens),
                            "completion_tokens": int(answer.completion_tokens),
-                           "seed": request_seed(self.settings.seed, self.position, index)})
+                           "seed": request_seed(self.settings.seed, self.position, index),
+                           "prompt_token_ids": _ids(answer.prompt_token_ids),
+                           "completion_token_ids": _ids(answer.completion_token_ids)})
         if answer.finish_reason == FINISH_LENGTH and self.settings.on_length == "drop":
             self._skip(SKIP_LENGTH, f"turn {len(self.messages)} reached max_tokens={self.settings.max_tokens}")
             return
@@ -218,15 +244,15 @@ class Conversation:
                     self.ended_early = OTHER_CALLS_ENDED
                     self.done = True
                     return
-        if last:
-            self.done = True
-            return
         ids = _call_id_map(original, answer)
-        for message in self.data[index + 1: self.targets[self.next_target]]:  # the user / tool turns in between
+        upto = len(self.data) if last else self.targets[self.next_target]
+        for message in self.data[index + 1: upto]:  # the turns in between (after the last: weight-0 ones)
             message = dict(message)
             if message.get("tool_call_id") in ids:
                 message["tool_call_id"] = ids[message["tool_call_id"]]
             self.messages.append(message)
+        if last:
+            self.done = True
 
     def _count(self, outcome: str) -> None:
         self.tool_calls[outcome] = self.tool_calls.get(outcome, 0) + 1
@@ -246,6 +272,10 @@ class Conversation:
             "tools": None if self.tools is None else json.dumps(self.tools),
             "regen": {**provenance, "turns": self.turns, "ended_early": self.ended_early},
         }
+
+
+def _ids(ids) -> list[int] | None:
+    return None if ids is None else [int(t) for t in ids]
 
 
 def _call_id_map(original: dict | None, answer: Answer) -> dict:

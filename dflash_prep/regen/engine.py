@@ -44,6 +44,10 @@ class Answer:
     tool_calls: OpenAI tool calls (`[{"id", "type": "function", "function": {"name", "arguments": str}}]`) or None.
     finish_reason: `stop`, `length`, `tool_calls` (as the server says it).
     prompt_tokens / completion_tokens: token counts of the prompt and the generated turn.
+    prompt_token_ids: the served prompt's token ids, where the engine has them (the in-process engine always; a
+        server that returns them: vLLM, SGLang), else None.
+    completion_token_ids: the ids the engine generated, the stop token included when it stopped on one, where the
+        engine has them, else None (the text is then all there is: `transformers serve`).
     rejected: None for an answer; else the reason the engine refused this one request (a 4xx, a prompt longer than
         the context): a counted skip of the row, never the end of the run.
     """
@@ -55,6 +59,8 @@ class Answer:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     rejected: str | None = None
+    prompt_token_ids: list[int] | None = None
+    completion_token_ids: list[int] | None = None
 
 
 class EngineUnavailable(RuntimeError):

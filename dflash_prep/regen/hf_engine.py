@@ -4,11 +4,13 @@ length-grouped, left-padded batches under a token budget, each decoded by the st
 
 What it does with a `Request` (engine.py), step by step:
 
-- **Prompt.** `tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-  **chat_template_kwargs)`, tokenized by the template call itself (no special tokens added on top), as
-  `transformers serve` and vLLM render a chat request. Assistant `tool_calls` whose `arguments` are JSON strings (the
-  OpenAI form) are given to the template as objects (what the model families' templates iterate over), as vLLM
-  does; a string that is not JSON is passed as it is. A template that raises gives a rejected answer.
+- **Prompt.** Rendered exactly as the extraction renders the row (data/chat.py `ChatRenderer`): the messages read
+  as a row's are, in the template's tool-call form (arguments as objects where the template takes them, as vLLM
+  passes them), `apply_chat_template(..., chat_template=data.chat_template, add_generation_prompt=True,
+  **chat_template_kwargs)`, tokenized without special tokens added on top, as `transformers serve` and vLLM render a
+  chat request. A template that raises gives a rejected answer.
+- **Token ids.** Every answer carries `prompt_token_ids` (the prompt above) and `completion_token_ids` (the ids
+  generated, the stop token included when it stopped on one).
 - **Rejected, never raised** (`Answer.rejected`, one request, the rest of the list goes on): a template error; a
   prompt that leaves no room for one new token in the model's context (`max_position_embeddings`); a prompt whose
   tokens plus its new tokens exceed the token budget (it could not run even alone); one that runs out of device
@@ -88,6 +90,8 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from dflash_prep.data.chat import ChatRenderer
+from dflash_prep.data.conversation import prompt_conversation
 from dflash_prep.recipe.schema import ModelSection
 from dflash_prep.regen.decode import StaticCacheDecoder
 from dflash_prep.regen.engine import FINISH_LENGTH, FINISH_STOP, FINISH_TOOL_CALLS, Answer, Request
@@ -141,6 +145,7 @@ class TransformersEngine:
         batch at most. length_multiple: prompt widths are multiples of it (capped by the budget).
     ignore_eos: never stop before `max_tokens` (benchmarks with random weights).
     kernels: `model.kernels` to apply (target/kernels.py); None: the section's.
+    chat_template: the template text replacing the tokenizer's own (`data.chat_template`, read), or None.
     decoder: `static` (regen/decode.py: static cache, the decode step a CUDA graph on CUDA when `cuda_graphs`,
         prefill in forwards of `prefill_tokens` tokens at most) or `generate` (HF `generate`, the reference path).
     Batches are formed within one `answer` call: give it many requests (thousands) for full batches.
@@ -150,7 +155,7 @@ class TransformersEngine:
     def __init__(self, model: ModelSection, device: torch.device, max_tokens_per_batch: int,
                  max_batch_size: int = 256, *, length_multiple: int = 64,
                  ignore_eos: bool = False, kernels=None, decoder: str = "static",
-                 prefill_tokens: int = 16384, cuda_graphs: bool = True):
+                 prefill_tokens: int = 16384, cuda_graphs: bool = True, chat_template: str | None = None):
         self.section, self.device = model, torch.device(device)
         if max_tokens_per_batch < 2 or max_batch_size < 1 or length_multiple < 1:
             raise ValueError(f"max_tokens_per_batch={max_tokens_per_batch}, max_batch_size={max_batch_size} and "
@@ -158,6 +163,8 @@ class TransformersEngine:
         self.max_tokens_per_batch, self.max_batch_size = max_tokens_per_batch, max_batch_size
         self.length_multiple = length_multiple
         self.tokenizer = load_tokenizer(model)
+        self.chat_template = chat_template
+        self._renderers: dict[str, ChatRenderer] = {}  # by chat_template_kwargs
         self.config = load_config(model)
         self.kernels = self._load_model(kernels)
         text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
@@ -264,12 +271,18 @@ class TransformersEngine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def renderer(self, chat_template_kwargs: dict) -> ChatRenderer:
+        """The extraction's renderer for this template and these keyword arguments (made once)."""
+        key = json.dumps(chat_template_kwargs, sort_keys=True, default=str)
+        if key not in self._renderers:
+            self._renderers[key] = ChatRenderer(self.tokenizer, self.chat_template, chat_template_kwargs)
+        return self._renderers[key]
+
     def render(self, request: Request) -> list[int]:
         """The prompt's token ids, as the module docstring says. Raises what the template raises."""
-        encoded = self.tokenizer.apply_chat_template(
-            _template_messages(request.messages), tools=request.tools, add_generation_prompt=True, tokenize=True,
-            return_dict=True, **request.chat_template_kwargs)
-        return list(encoded["input_ids"])
+        renderer = self.renderer(request.chat_template_kwargs)
+        conv = prompt_conversation(request.messages, request.tools)
+        return renderer.served_prompt_ids(renderer.template_messages(conv), conv.tools)
 
     def _prepare(self, index: int, request: Request) -> _Prompt | Answer:
         """The request's prompt, or its rejected Answer."""
@@ -364,7 +377,8 @@ class TransformersEngine:
         content, reasoning, tool_calls = self._parse(prompt, completion, text_ids)
         finish = FINISH_LENGTH if stop is None else FINISH_TOOL_CALLS if tool_calls else FINISH_STOP
         return Answer(content=content, reasoning_content=reasoning, tool_calls=tool_calls, finish_reason=finish,
-                      prompt_tokens=n, completion_tokens=len(completion))
+                      prompt_tokens=n, completion_tokens=len(completion), prompt_token_ids=list(prompt.ids),
+                      completion_token_ids=[int(t) for t in completion])
 
     def _parse(self, prompt: _Prompt, completion: list[int], text_ids: list[int]):
         """(content, reasoning_content, tool_calls) of the generated turn (module docstring: which, when)."""
@@ -435,28 +449,6 @@ def _eos_ids(generation_config, tokenizer) -> list[int]:
     if isinstance(tokenizer.eos_token_id, int):
         ids.append(tokenizer.eos_token_id)
     return sorted(set(int(i) for i in ids))
-
-
-def _template_messages(messages: list[dict]) -> list[dict]:
-    """`messages` with assistant tool calls' JSON-string arguments as objects (what chat templates iterate)."""
-    out = []
-    for message in messages:
-        calls = message.get("tool_calls")
-        if message.get("role") == "assistant" and calls:
-            message = {**message, "tool_calls": [_arguments_as_object(call) for call in calls]}
-        out.append(message)
-    return out
-
-
-def _arguments_as_object(call: dict) -> dict:
-    function = call.get("function")
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
-        return call
-    try:
-        arguments = json.loads(function["arguments"])
-    except ValueError:
-        return call
-    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _openai_tool_call(call: dict, seed: int, position: int) -> dict:

@@ -25,7 +25,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from dflash_prep.data import rows as data_rows
-from dflash_prep.regen.conversation import Conversation, RegenSettings
+from dflash_prep.regen.conversation import Conversation, RegenSettings, RowSkip
 from dflash_prep.regen.engine import EngineUnavailable
 from dflash_prep.regen.output import ChunkCommitter, chunk_rows
 from dflash_prep.signals import StopRequest
@@ -69,20 +69,10 @@ class _Chunk:
 
 
 def row_at(batch: dict, columns: list[str], j: int) -> tuple[dict, str]:
-    """Row j of a column batch -> (row, "") or ({}, skip reason) for a line data/rows.py read as raw JSON text
-    that is not a JSON object or not UTF-8 (the same reasons the extraction gives)."""
-    import json
-
-    if columns == [data_rows.RAW_JSON_COLUMN]:
-        line = batch[data_rows.RAW_JSON_COLUMN][j]
-        if line == data_rows.INVALID_UTF8_LINE:
-            return {}, data_rows.SKIP_INVALID_UTF8
-        try:
-            row = json.loads(line)
-        except (ValueError, RecursionError):
-            return {}, data_rows.SKIP_INVALID_JSON
-        return (row, "") if isinstance(row, dict) else ({}, data_rows.SKIP_NOT_AN_OBJECT)
-    return {c: batch[c][j] for c in columns}, ""
+    """Row j of a column batch -> (row, "") or ({}, skip reason: a RowSkip with the extraction's detail) for a line
+    data/rows.py read as raw JSON text that is not a JSON object or not UTF-8 (the extraction's reasons)."""
+    row, reason, detail = data_rows.row_of(batch, columns, j)
+    return row, (RowSkip(reason, detail) if reason else "")
 
 
 class RegenLoop:
@@ -137,8 +127,9 @@ class RegenLoop:
             conv = reason or Conversation.of_row(row, position, self.settings, self.id_column)
             if isinstance(conv, str):
                 source = row.get(self.id_column or "id") if row else None
-                self._open[chunk].skipped.append({"source_row": position, "source_id": None if source is None
-                                                  else str(source), "reason": conv, "detail": None})
+                self._open[chunk].skipped.append({"sample_id": f"{position:010d}", "source_row": position,
+                                                  "source_id": None if source is None else str(source),
+                                                  "reason": str(conv), "detail": getattr(conv, "detail", None)})
                 self._row_done(chunk)
             else:
                 self._active += 1
@@ -226,7 +217,8 @@ class RegenLoop:
         if conv.ended_early is not None:
             state.counts["ended_early"][conv.ended_early] = state.counts["ended_early"].get(conv.ended_early, 0) + 1
         if conv.skip_reason is not None:
-            state.skipped.append({"source_row": conv.position, "source_id": conv.source_id,
+            state.skipped.append({"sample_id": f"{conv.position:010d}", "source_row": conv.position,
+                                  "source_id": conv.source_id,
                                   "reason": conv.skip_reason, "detail": conv.skip_detail})
         else:
             state.rows.append(conv.result(self.provenance))

@@ -13,6 +13,15 @@ refuses unknown fields with HTTP 422 and samples only when its generation config
 `chat_template_kwargs` as an extra field. The answer keeps what the server's parsers return: `content`,
 `reasoning_content` (or vLLM's newer `reasoning`) and `tool_calls`, the finish reason and the token counts.
 
+Token ids (`token_ids`): at the start, one probe request (a one-token answer to a fixed conversation) asks for
+them with the fields both servers read, `return_token_ids` (vLLM >= 0.10.2; SGLang) and `return_prompt_token_ids`
+(SGLang); each ignores the other's. They come back as `choices[0].token_ids` (both) and `prompt_token_ids`, on the
+response (vLLM) or on the choice (SGLang); SGLang's `matched_stop` names a stop token the ids may leave out. A
+server that answers the probe with ids is asked for them on every request (`token_ids: "returned"`); one that
+refuses the fields (`transformers serve`: HTTP 422) or answers without ids is asked without them and the answers are
+text only (`token_ids: "none"`, in the engine's identity and the summary). The probe's prompt is also what
+regen/template_check.py compares with the extraction's rendering.
+
 Errors, per request:
 - HTTP 4xx other than 408 and 429 (a prompt longer than the context, a bad field, a template the row breaks):
   `Answer(rejected="HTTP <status>: <the server's message>")`, a counted skip of the row, at once;
@@ -103,6 +112,9 @@ class OpenAIEngine:
         self._closed = False
         self.num_requests = self.num_retries = 0
         self._check_servers()
+        self.token_id_fields: dict = {}  # the request fields that ask for token ids, once the probe found them
+        self.probe_answer: Answer | None = None
+        self.token_ids = self._probe_token_ids()
         for server in self.servers:
             for i in range(section.max_concurrency):
                 threading.Thread(target=self._work, args=(server,), daemon=True,
@@ -131,8 +143,35 @@ class OpenAIEngine:
 
     def identity(self) -> dict:
         """What decides the text here: the served model's name and how the extra sampling parameters are sent (the
-        servers' own weights, template and parsers are theirs: name the served model after them)."""
-        return {"engine": "openai", "served_model_name": self.model, "extra_sampling": self.section.extra_sampling}
+        servers' own weights, template and parsers are theirs: name the served model after them); and whether the
+        servers return token ids (`returned` | `none`)."""
+        return {"engine": "openai", "served_model_name": self.model, "extra_sampling": self.section.extra_sampling,
+                "token_ids": self.token_ids}
+
+    def _probe_token_ids(self) -> str:
+        """Ask the first server that answers for a one-token answer to PROBE_MESSAGES with the token-id fields:
+        "returned" when it comes back with ids (every request then asks for them), else "none" (a server that
+        refuses the fields is probed again without them). The probe's answer is kept (`probe_answer`)."""
+        server = next(s for s in self.servers if s.down is None)
+        probe = Request(messages=PROBE_MESSAGES, tools=None, sampling={}, seed=0, max_tokens=1)
+        self.token_id_fields = dict(TOKEN_ID_FIELDS)
+        try:
+            answer = self._call(server, probe)
+        except _ServerDown:
+            answer = Answer(rejected="no answer")
+        if answer.rejected is None and answer.completion_token_ids is not None:
+            self.probe_answer = answer
+            log.info("regenerate: %s returns token ids: the answers' own ids are kept", server.base_url)
+            return "returned"
+        self.token_id_fields = {}
+        try:
+            self.probe_answer = self._call(server, probe)
+        except _ServerDown:
+            self.probe_answer = None
+        log.warning("regenerate: %s returns no token ids (%s): the extraction re-tokenizes the answers' text, which "
+                    "may differ from the tokens the target generated (docs/ON_POLICY.md)", server.base_url,
+                    answer.rejected or "the fields are ignored")
+        return "none"
 
     def answer(self, requests: list[Request]) -> list[Answer]:
         """One Answer per request, in order. Raises EngineUnavailable when every server is down (or broken); then
@@ -257,9 +296,15 @@ class OpenAIEngine:
             body.update(extra)
         if request.chat_template_kwargs:
             body["chat_template_kwargs"] = dict(request.chat_template_kwargs)
+        body.update(self.token_id_fields)
         if body:
             kwargs["extra_body"] = body
         return kwargs
+
+
+# The probe conversation (template_check.py renders it too) and the fields that ask for token ids (module docstring).
+PROBE_MESSAGES = [{"role": "system", "content": "You are a probe."}, {"role": "user", "content": "Say one word."}]
+TOKEN_ID_FIELDS = {"return_token_ids": True, "return_prompt_token_ids": True}
 
 
 class _ServerDown(Exception):
@@ -289,7 +334,31 @@ def answer_of(response) -> Answer:
         reasoning = extra.get("reasoning")
     calls = [c.model_dump(exclude_none=True) for c in message.tool_calls] if message.tool_calls else None
     usage = response.usage
+    prompt_ids, completion_ids = _token_ids(response, choice)
     return Answer(content=message.content, reasoning_content=reasoning, tool_calls=calls or None,
                   finish_reason=choice.finish_reason or FINISH_STOP,
                   prompt_tokens=int(getattr(usage, "prompt_tokens", 0) or 0),
-                  completion_tokens=int(getattr(usage, "completion_tokens", 0) or 0))
+                  completion_tokens=int(getattr(usage, "completion_tokens", 0) or 0),
+                  prompt_token_ids=prompt_ids, completion_token_ids=completion_ids)
+
+
+def _int_list(value) -> list[int] | None:
+    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return [int(t) for t in value]
+    return None
+
+
+def _token_ids(response, choice) -> tuple[list[int] | None, list[int] | None]:
+    """(prompt ids, completion ids) of a response, where the server returned them: `choices[0].token_ids`, and
+    `prompt_token_ids` on the response (vLLM) or the choice (SGLang); a stop token SGLang names in `matched_stop`
+    but left out of the ids is put back (the ids end with the token that stopped the turn)."""
+    extra = choice.model_extra or {}
+    completion = _int_list(extra.get("token_ids"))
+    prompt = _int_list(extra.get("prompt_token_ids"))
+    if prompt is None:
+        prompt = _int_list((response.model_extra or {}).get("prompt_token_ids"))
+    stop = extra.get("matched_stop")
+    if completion is not None and isinstance(stop, int) and not isinstance(stop, bool) \
+            and choice.finish_reason != "length" and (not completion or completion[-1] != stop):
+        completion.append(int(stop))
+    return prompt, completion

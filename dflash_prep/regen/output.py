@@ -42,6 +42,7 @@ from pathlib import Path
 
 from dflash_prep import __version__
 from dflash_prep.io import atomic_write_json, atomic_write_jsonl
+from dflash_prep.recipe.fingerprints import describe_files_change, describe_weights_change, portable_location
 from dflash_prep.store.locks import LOCKS_DIR, LeaseLostError
 from dflash_prep.store.manifest import read_state_json
 from dflash_prep.store.record_store import (
@@ -57,7 +58,7 @@ from dflash_prep.store.record_store import (
 log = logging.getLogger("dflash_prep")
 
 FORMAT = "dflash-prep regenerated rows"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: messages keep their `weight`, generated turns their token ids
 DATA_DIR = "data"
 STATE_NAME, MANIFEST_NAME, SUMMARY_NAME, SKIPPED_NAME = "run_state.json", "manifest.json", "summary.json", \
     "skipped.jsonl"
@@ -78,9 +79,11 @@ def features():
     call = {"id": Value("string"), "type": Value("string"),
             "function": {"name": Value("string"), "arguments": Value("string")}}
     message = {"role": Value("string"), "content": Value("string"), "reasoning_content": Value("string"),
-               "tool_calls": List(call), "tool_call_id": Value("string"), "name": Value("string")}
+               "tool_calls": List(call), "tool_call_id": Value("string"), "name": Value("string"),
+               "weight": Value("int64")}
     turn = {"message_index": Value("int64"), "finish_reason": Value("string"), "prompt_tokens": Value("int64"),
-            "completion_tokens": Value("int64"), "seed": Value("int64")}
+            "completion_tokens": Value("int64"), "seed": Value("int64"),
+            "prompt_token_ids": List(Value("int64")), "completion_token_ids": List(Value("int64"))}
     regen = {"engine": Value("string"), "model": Value("string"), "sampling": Value("string"),
              "max_tokens": Value("int64"), "turns": List(turn), "ended_early": Value("string")}
     return Features({"id": Value("string"), "source_row": Value("int64"), "messages": List(message),
@@ -119,18 +122,46 @@ class ChunkRecord:
 
 
 # ------------------------------------------------------------------------------------------------ identity, claim
-def identity_diffs(previous: dict, current: dict, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ; keys one side has not computed (None) are not compared."""
+def _differences(previous: dict, current: dict, path: tuple = ()) -> list[tuple]:
+    """The key paths (tuples: a key may hold dots, e.g. a file name) whose values differ; keys one side has not
+    computed (None) are not compared; `data_rows`, `sampling`, `weights` and `input_files` are compared whole."""
     diffs = []
     for key in sorted(set(previous) | set(current)):
-        a, b, name = previous.get(key), current.get(key), f"{prefix}{key}"
+        a, b = previous.get(key), current.get(key)
         if a is None or b is None:
             continue
-        if isinstance(a, dict) and isinstance(b, dict) and key not in ("data_rows", "sampling"):
-            diffs += identity_diffs(a, b, f"{name}.")
-        elif a != b:
-            diffs.append(name)
+        if isinstance(a, dict) and isinstance(b, dict) and key not in ("data_rows", "sampling", "weights",
+                                                                       "input_files"):
+            diffs += _differences(a, b, (*path, key))
+        elif a != b and not (key == "weights" and describe_weights_change(a, b) is None):
+            diffs.append((*path, key))
     return diffs
+
+
+def identity_diffs(previous: dict, current: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ; keys one side has not computed (None) are not compared."""
+    return [prefix + ".".join(p) for p in _differences(previous, current)]
+
+
+def portable_identity(identity: dict) -> dict:
+    """`identity` with its paths as they read from any install and any place (recipe/fingerprints.py
+    `portable_location`: the package's own assets package-relative, a local path by its last component; the
+    content is in `weights`, `input_files` and `data_rows`); applied to a stored identity too."""
+    out = dict(identity)
+    for section in ("model", "data"):
+        if isinstance(out.get(section), dict):
+            out[section] = {k: portable_location(v) if k in ("name_or_path", "config", "tokenizer", "path") else v
+                            for k, v in out[section].items()}
+    return out
+
+
+def _describe(key: tuple, a, b) -> str:
+    name = ".".join(key)
+    if key[-1] == "weights":
+        return f"{name}: model weights differ ({describe_weights_change(a, b)})"
+    if key[-1] == "input_files":
+        return f"{name}: {describe_files_change(a, b)}"
+    return f"{name}: output has {a!r}, this run has {b!r}"
 
 
 def check_identity(out_dir: Path, identity: dict) -> None:
@@ -138,15 +169,15 @@ def check_identity(out_dir: Path, identity: dict) -> None:
     path = Path(out_dir) / STATE_NAME
     if not path.exists():
         return
-    previous = read_state_json(path).get("identity") or {}
-    diffs = identity_diffs(previous, identity)
+    previous = portable_identity(read_state_json(path).get("identity") or {})
+    identity = portable_identity(identity)
+    diffs = _differences(previous, identity)
     if diffs:
-        def value(d, dotted):
-            for part in dotted.split("."):
+        def value(d, key):
+            for part in key:
                 d = d.get(part) if isinstance(d, dict) else None
             return d
-        details = "; ".join(f"{k}: output has {value(previous, k)!r}, this run has {value(identity, k)!r}"
-                            for k in diffs)
+        details = "; ".join(_describe(k, value(previous, k), value(identity, k)) for k in diffs)
         raise RegenMismatchError(f"{out_dir} holds a regeneration of a different job ({details}). Use another "
                                  f"regenerate.output_dir, or --set regenerate.overwrite=true to start afresh.")
 

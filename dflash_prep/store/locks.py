@@ -617,7 +617,8 @@ def _why_taken(record: LeaseRecord) -> str:
     if record.damaged:
         return f"({record.damaged}): it was not renewed within the lease"
     if record.get("host") == socket.gethostname():
-        return f"from {record.describe()}: its process is gone (its lock is free)"
+        return (f"from {record.describe()}: its process no longer runs on this host (its lock is free; its last "
+                f"heartbeat {record.age_seconds():.0f} s ago)")
     return (f"from {record.describe()}: its last heartbeat was {record.age_seconds():.0f} s ago, past its lease of "
             f"{record.lease():.0f} s (a host that is gone, or a process stopped){record.skew()}")
 
@@ -677,8 +678,9 @@ def check_no_rank_writing(out_dir: Path, run_id: str | None = None) -> None:
                 f"({record.how_it_ends()})")
     for name in _lease_names(folder):
         if name.startswith("rank-") and Lease(folder, name, run_id or new_run_id()).fence(_flock_state(folder, name)):
-            log.warning("%s: the lease of a rank of an earlier run had lapsed (a host gone, or a process stopped); "
-                        "this run took it over, so that rank stops should it run again", name)
+            log.warning("%s: a rank of an earlier run had stopped renewing its lease (a host gone, or a process "
+                        "stopped); the lease now names this run, so that rank stops before writing should it run "
+                        "again", name)
 
 
 def running_holders(out_dir: Path) -> dict[str, str]:

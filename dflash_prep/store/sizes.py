@@ -20,6 +20,7 @@ from dflash_prep.plan.planner import PlannedBatch
 from dflash_prep.recipe.schema import Recipe
 from dflash_prep.store.writer import ST_CODE as _ST_CODE
 from dflash_prep.store.writer import ST_ITEMSIZE as _ST_ITEMSIZE
+from dflash_prep.units import format_bytes
 
 log = logging.getLogger("dflash_prep")
 
@@ -114,9 +115,10 @@ def check_free_space(out_dir: Path, lengths: list[int], todo: list[PlannedBatch]
     need = sum(sizer.record_bytes(lengths[i], 1, dtype) for p in todo for i in p.sample_indices)
     free = shutil.disk_usage(out_dir).free
     if need > free:
-        log.warning("this run will write about %.1f GB into %s but only %.1f GB are free there: it will stop "
-                    "(cleanly, resumable) when the disk is full; free space first%s", need / 1e9, out_dir,
-                    free / 1e9, "" if dtype == "fp8_e4m3" else ", or store fp8 (output.dtype: fp8_e4m3, half the bytes)")
+        log.warning("this run will write about %s into %s but only %s are free there: it will stop "
+                    "(cleanly, resumable) when the disk is full; free space first%s", format_bytes(need), out_dir,
+                    format_bytes(free), "" if dtype == "fp8_e4m3" else
+                    ", or store fp8 (output.dtype: fp8_e4m3, half the bytes)")
     else:
-        log.info("output: about %.1f GB to write, %.1f GB free", need / 1e9, free / 1e9)
+        log.info("output: about %s to write, %s free", format_bytes(need), format_bytes(free))
     return need

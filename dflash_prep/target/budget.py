@@ -38,6 +38,7 @@ import torch
 
 from dflash_prep.recipe.schema import Recipe
 from dflash_prep.target.model import STORAGE_TORCH_DTYPES, experts_per_token
+from dflash_prep.units import format_bytes
 
 AUTO = "auto"
 MIN_AUTO_TOKENS, MAX_AUTO_TOKENS, CPU_AUTO_TOKENS = 8192, 131072, 16384
@@ -113,7 +114,7 @@ def auto_token_budget(gpu_memory_bytes: int | None, weight_bytes: int, per_token
     n = gpus_per_replica
     raw = MEMORY_FRACTION * (gpu_memory_bytes - weight_bytes / n) / per_token_bytes
     budget = int(min(MAX_AUTO_TOKENS, max(MIN_AUTO_TOKENS, 2 ** math.floor(math.log2(max(raw, 1))))))
-    weights = f"weights {weight_bytes / 1e9:.1f} GB" + (f" / {n} GPUs of the replica" if n > 1 else "")
+    weights = f"weights {format_bytes(weight_bytes)}" + (f" / {n} GPUs of the replica" if n > 1 else "")
     return budget, (f"{MEMORY_FRACTION} x (GPU {gpu_memory_bytes / 1e9:.0f} GB - {weights})"
                     f" / {per_token_bytes / 1e3:.0f} KB per padded token = {raw:,.0f}, a power of two in "
                     f"[{MIN_AUTO_TOKENS:,}, {MAX_AUTO_TOKENS:,}]")

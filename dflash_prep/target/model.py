@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -131,18 +132,22 @@ def check_context(recipe, config) -> int | None:
     return context
 
 
-def model_fingerprint(section: ModelSection, config) -> str:
+def model_fingerprint(section: ModelSection, config, portable: bool = False) -> str:
     """sha256 of the config and where the weights come from (path or random seed).
 
     The config's own `_name_or_path` (the folder or file it was read from) is left out: the same config read
     from another checkout is the same model. Random weights of a replica of several GPUs are drawn module by module
     (load_replica_model: the same for every replica layout), so they are another model than the same seed's on one
-    GPU.
+    GPU. `portable`: a local folder's weights count as `local` (their content is the job identity's `weights`),
+    so the model stays the same when its folder moves; without it (the form of earlier versions), the folder's
+    path is part of the fingerprint.
     """
     def without_source(d):
         return {k: without_source(v) if isinstance(v, dict) else v for k, v in d.items() if k != "_name_or_path"}
 
     weights = section.name_or_path or f"random:{section.init_seed}"
+    if portable and section.name_or_path is not None and Path(os.path.expanduser(section.name_or_path)).is_dir():
+        weights = "local"
     if section.name_or_path is None and section.gpus_per_replica > 1:
         weights += ":per-module"  # load_replica_model: drawn module by module, other weights than one GPU's
     payload = {"config": without_source(config.to_dict()), "weights": weights,

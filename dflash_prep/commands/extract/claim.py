@@ -86,7 +86,8 @@ def claim_output(run: Run, held: list) -> None:
         run.inputs_stamp = inputs_stamp(run.recipe)  # before any input is read: written once the output is finished
         clear_progress(run.out_dir)  # the progress files of an earlier run (progress.py)
         attach_log_file(run.out_dir, run.state.process_index)  # the folder is this job's: its log from here on
-        log.info("run %s holds %s (fencing token %d)", run.run_id, run.out_dir, token)
+        log.info("run %s holds %s (fencing token %d)", run.run_id,
+                 run.remote.url if run.remote is not None else run.out_dir, token)
     shared = run.peers.wait("the main process claims the output",
                             payload=(token << 32) | int(run.run_id or "0", 16))
     run.run_id, token = f"{shared & 0xFFFFFFFF:08x}", shared >> 32
@@ -131,7 +132,7 @@ def open_output(out_dir: Path, recipe: Recipe, identity: dict, remote=None) -> N
                 continue  # the live log handlers of this run write there; this run holds its lock there
             shutil.rmtree(child) if child.is_dir() else child.unlink()
     out_dir.mkdir(parents=True, exist_ok=True)
-    check_identity(out_dir, identity)
+    check_identity(out_dir, identity, recipe)
 
 
 def refuse_unsafe_remote_output(remote, recipe: Recipe) -> None:
@@ -152,7 +153,7 @@ def prepare_output(out_dir: Path, recipe: Recipe, identity: dict, remote=None) -
     then nothing is written, so re-running a finished job leaves the output as it was. An object-store output
     (`remote`): `out_dir` is the staging folder holding a copy of its indexes; the shards are checked, dropped and
     removed in the store, and what is repaired or written here is uploaded."""
-    check_identity(out_dir, identity)
+    check_identity(out_dir, identity, recipe)
     changed = repair_output(out_dir, remote)
     if not changed and manifest_readable(out_dir):
         return True

@@ -9,7 +9,13 @@ import os
 import sys
 from pathlib import Path
 
-from dflash_prep.commands.extract.preflight import answer_finished, failed_samples_code, finished_summary, parse_recipe
+from dflash_prep.commands.extract.preflight import (
+    ChangedJobError,
+    answer_finished,
+    failed_samples_code,
+    finished_summary,
+    parse_recipe,
+)
 from dflash_prep.errors import EXIT_BAD_RECIPE, EXIT_FAILED_SAMPLES, EXIT_STOPPED, ExtractionError, StopRequested
 from dflash_prep.recipe.schema import RecipeError
 
@@ -77,7 +83,11 @@ def _main(argv: list[str] | None, own_process: bool = False) -> int:
     recipe, code = regenerate_first(recipe)  # a `regenerate:` section: the target's answers first, then their states
     if code is not None:
         return code
-    finished = finished_summary(recipe)  # before the heavy imports: a re-run of a finished job answers at once
+    try:  # before the heavy imports: a re-run of a finished job answers at once
+        finished = finished_summary(recipe)
+    except ChangedJobError as e:  # a finished output whose inputs changed in content
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_RECIPE
     if finished is not None:
         return answer_finished(recipe, finished)
     from dflash_prep.commands.extract.console import log_to_file

@@ -31,6 +31,7 @@ from dflash_prep.store.manifest import (
 from dflash_prep.target.kernels import kernels_history, last_kernels_record
 from dflash_prep.target.model import describe_source, hidden_size_of, vocab_size_of
 from dflash_prep.target.norms import final_norm_entry
+from dflash_prep.units import format_bytes, format_rate
 
 log = logging.getLogger("dflash_prep")
 
@@ -126,6 +127,7 @@ def _manifest_info(run: Run, data, failed_rows: list[dict]) -> dict:
         "num_rows": data.num_rows,
         "num_skipped": sum(data.skipped_counts.values()),
         "skipped": data.skipped_counts,
+        "samples": data.samples,  # data.samples: rows whole / per turn, generated turns by source (ON_POLICY.md)
         "num_failed": len(failed_rows),
         "failed": dict(sorted(Counter(f["reason"] for f in failed_rows).items())),
         "kernels": last_kernels_record(run.out_dir),
@@ -151,6 +153,7 @@ def _summary(run: Run, data, rank_plan: RankPlan, manifest: dict, reports: list[
         "num_tokens_committed_before": sum(r.num_tokens for r in rank_plan.committed),
         "num_skipped": manifest["num_skipped"],
         "skipped": data.skipped_counts,
+        "samples": data.samples,
         "num_failed": manifest["num_failed"],
         "failed": manifest["failed"],
         "num_failed_this_run": sum(r.get("num_failed", 0) for r in reports),
@@ -217,12 +220,12 @@ def disk_verdict(reports: list[dict], storage_dtype: str) -> dict | None:
 
 def _log_done(summary: dict, skipped_counts: dict, manifest_name) -> None:
     """Two lines: what the output holds (every run's work), then what this run did and its own rate."""
-    log.info("done: %d samples, %d tokens written (%d skipped%s, %d failed%s), padding efficiency %s, %.1f GB in "
+    log.info("done: %d samples, %d tokens written (%d skipped%s, %d failed%s), padding efficiency %s, %s in "
              "%d shards -> %s", summary["num_samples_written"], summary["num_tokens_written"],
              summary["num_skipped"], f" {skipped_counts}" if skipped_counts else "",
              summary["num_failed"], f" {summary['failed']}" if summary["failed"] else "",
              f"{summary['padding_efficiency']:.3f}" if summary["padding_efficiency"] else "n/a",
-             summary["bytes_total"] / 1e9, summary["num_shards"], manifest_name)
+             format_bytes(summary["bytes_total"]), summary["num_shards"], manifest_name)
     before = summary.get("num_samples_committed_before", 0)
     log.info("this run: %d samples, %d tokens in %.1fs wall; its loop %.1fs at %.0f tok/s%s%s",
              summary["num_samples_this_run"], summary["num_tokens_this_run"], summary["wall_seconds"],
@@ -231,9 +234,9 @@ def _log_done(summary: dict, skipped_counts: dict, manifest_name) -> None:
     disk = summary.get("disk")
     if disk and disk["disk_bound"]:
         log.warning("the disk set the pace: rank %d waited on its writers %.0f%% of its loop; the model produced "
-                    "%.2f GB/s, the writers sustained %.2f GB/s. To go faster: %s", disk["rank"],
-                    100 * disk["wait_fraction"], disk["needed_bytes_per_second"] / 1e9,
-                    disk["achieved_bytes_per_second"] / 1e9, "; ".join(disk["fixes"]))
+                    "%s, the writers sustained %s. To go faster: %s", disk["rank"],
+                    100 * disk["wait_fraction"], format_rate(disk["needed_bytes_per_second"]),
+                    format_rate(disk["achieved_bytes_per_second"]), "; ".join(disk["fixes"]))
 
 
 def _replicas_phrase(replicas: dict | None) -> str:

@@ -13,6 +13,7 @@ from dflash_prep.commands.cost import FORWARD_FLOPS_PER_SECOND, WRITE_BYTES_PER_
 from dflash_prep.store.manifest import read_committed
 from dflash_prep.store.writer import AsyncShardWriter, NonFiniteStatesError
 from dflash_prep.target.model import decoder_params_in
+from dflash_prep.units import format_rate
 
 
 def rank_report(run, model, writer: AsyncShardWriter, loop) -> dict:
@@ -63,7 +64,7 @@ def prediction_note(run, report: dict) -> str:
     if predicted is None or run.device.type != "cuda":
         return ""
     return (f" (the split predicted {predicted:.1f}s from one H200's rates: {FORWARD_FLOPS_PER_SECOND / 1e12:.0f} "
-            f"TFLOP/s forwards, {WRITE_BYTES_PER_SECOND / 1e9:.2f} GB/s writes)")
+            f"TFLOP/s forwards, {format_rate(WRITE_BYTES_PER_SECOND)} writes)")
 
 
 def stopped_message(out_dir: Path, rank: int, writer: AsyncShardWriter, error: BaseException,

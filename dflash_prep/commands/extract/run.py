@@ -46,6 +46,7 @@ from dflash_prep.store.sizes import check_free_space  # noqa: E402
 from dflash_prep.store.writer import AsyncShardWriter, DiscardingWriter, lanes  # noqa: E402
 from dflash_prep.target.model import hidden_size_of, padding_token_id, vocab_size_of  # noqa: E402
 from dflash_prep.target.packing import replay_stored_layout  # noqa: E402
+from dflash_prep.units import format_bytes  # noqa: E402
 
 log = logging.getLogger("dflash_prep")
 
@@ -147,6 +148,10 @@ def _tokenize(run: Run):
     if run.is_main:
         log.info("data: %d rows, %d kept, %d skipped%s", data.num_rows, len(data.kept),
                  sum(data.skipped_counts.values()), f" {data.skipped_counts}" if data.skipped_counts else "")
+        if data.samples:
+            from dflash_prep.data.samples import samples_line
+
+            log.info("data: samples (data.samples: %s): %s", run.recipe.data.samples, samples_line(data.samples))
         beyond = samples_beyond_context(run, [int(n) for n in data.kept["num_tokens"]])
         if beyond:  # only with data.allow_beyond_context (start-up refuses it otherwise)
             log.warning("data: %d kept row(s) are longer than the model's context of %d positions; extracted as "
@@ -182,10 +187,11 @@ def _plan(run: Run, data, plan: list) -> RankPlan:
             check_free_space(run.out_dir, lengths, todo, run.layer_ids, hidden_size_of(run.config), run.recipe)
         else:
             out = run.recipe.output
-            log.info("output: %s, shards staged in %s (at most %.0f MB per rank: (%d lanes + %d uploads) x %.0f MB)",
-                     run.remote.url, run.out_dir, (out.num_writer_threads + out.max_uploads_in_flight)
-                     * out.max_shard_bytes / 1e6, out.num_writer_threads, out.max_uploads_in_flight,
-                     out.max_shard_bytes / 1e6)
+            log.info("output: %s, shards staged in %s (at most %s per rank: (%d writer threads + %d uploads in "
+                     "flight) x %s)",
+                     run.remote.url, run.out_dir, format_bytes((out.num_writer_threads + out.max_uploads_in_flight)
+                                                               * out.max_shard_bytes),
+                     out.num_writer_threads, out.max_uploads_in_flight, format_bytes(out.max_shard_bytes))
     return rank_plan
 
 
