@@ -17,18 +17,29 @@ def test_the_dry_run_measures_both_decoders_on_both_tiny_models(tmp_path):
     sys.modules["regen_bench"] = module
     spec.loader.exec_module(module)
     report = module.main([str(tmp_path), "--dry-run"])
-    assert json.loads((tmp_path / "regen-bench.json").read_text())["models"].keys() == {"tiny-llama", "tiny-qwen3.5"}
+    assert json.loads((tmp_path / "regen-bench.json").read_text())["models"].keys() == {
+        "tiny-qwen3.5-fp32", "tiny-llama", "tiny-qwen3.5"}
     text = (tmp_path / "regen-bench.md").read_text()
     assert "| tiny-qwen3.5 |" in text and "static cache, eager steps" in text
     for name, result in report["models"].items():
         assert result["status"] == "ok", result
         cold, generate = result["static"]["cold"], result["generate"]
-        for figures in (cold, generate):  # EOS ignored: every token generated
-            assert figures["generated_tokens"] == 12 * 8 and figures["rejected"] == 0
+        prompts = 8 if name.endswith("-fp32") else 12
+        assert cold["generated_tokens"] == prompts * 8 and cold["rejected"] == 0  # EOS ignored: every token
+        assert generate["generated_tokens"] == generate["requests"] * 8 and generate["rejected"] == 0
         assert cold["decode_steps"] == 7 * cold["batches"] and cold["graph_captures"] == 0  # CPU: no capture
-        # float32 on the CPU: generate alone, generate batches and the static decoder write the same tokens
-        assert result["check"]["agreement"] == 1.0 and result["check"]["prompts"] == 4
-        assert result["same_text_static_vs_generate"] == 12
+        # float32 on the CPU: generate alone, generate batches and the static decoder write the same tokens, and
+        # every teacher-forced step's logits equal a plain forward's to float32 rounding on all three paths
+        check = result["check"]
+        assert check["verdict"] == "exact" and check["greedy"]["prompts"] == 4
+        assert check["greedy"]["static"]["agreement"] == check["greedy"]["generate_batched"]["agreement"] == 1.0
+        for path in ("static_batched", "generate_batched", "generate_alone"):
+            forced = check["teacher_forced"][path]
+            assert forced["max_relative_error"] < 1e-5 and forced["argmax_flips"] == 0
+        assert check["teacher_forced"]["static_batched"]["rows"] == 8
+        assert result["same_text_static_vs_generate"] == result["same_text_compared"] == generate["requests"]
+    profile = report["models"]["tiny-llama"]["decode_step_profile"]  # the eager step's ops, named
+    assert profile["rows"] == 8 and profile["steps"] == 4 and any("mm" in op["name"] for op in profile["top"])
     # `plan` reads the benchmark's own report (a GPU run's: the dry run's device named a GPU here)
     from dflash_prep.commands.regen_rate import regen_bench_references
 
@@ -37,7 +48,7 @@ def test_the_dry_run_measures_both_decoders_on_both_tiny_models(tmp_path):
     (tmp_path / "gpu").mkdir()
     (tmp_path / "gpu" / "regen-bench.json").write_text(json.dumps(written))
     refs = {r["model"]: r for r in regen_bench_references(tmp_path / "gpu")}
-    assert refs.keys() == {"tiny-llama", "tiny-qwen3.5"}
+    assert refs.keys() == {"tiny-llama", "tiny-qwen3.5"}  # not the exactness-only slice
     assert refs["tiny-llama"]["model_type"] == "llama" and refs["tiny-qwen3.5"]["model_type"] == "qwen3_5_text"
     for name, ref in refs.items():
         warm = report["models"][name]["static"]["warm"]

@@ -138,3 +138,41 @@ def test_the_decode_path_names_the_family_and_the_gated_deltanet_kernel(llama_pa
     hybrid = engine_for("demo", llama_path, decoder="generate").decode_path
     assert hybrid.startswith("qwen3_5_text: HF generate (dynamic cache); Gated DeltaNet decode on ")
     assert ("flash-linear-attention's" in hybrid) == (importlib.util.find_spec("fla") is not None)
+
+
+def test_prefill_forwards_attend_over_the_filled_prefix_in_a_bounded_set_of_shapes(llama_path):
+    """Each prefill forward after the first (which allocates the cache) gets from the static cache only the keys up
+    to its own last column (not the cache's whole length), and the forwards' (rows, columns) come from the fixed
+    set: rows row_multiple x 2^k or the batch, columns column_multiple x 2^j. Recorded at transformers'
+    StaticLayer.update; the answers stay those of `generate` alone (the tests above)."""
+    from transformers.cache_utils import StaticLayer
+
+    engine = engine_for("llama", llama_path, decoder="generate")
+    prompts = sorted([prompt_ids(engine, m) for m in PROMPTS], key=len, reverse=True)
+    ids, mask = padded(engine, prompts)
+    decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, prefill_tokens=256, column_multiple=16,
+                                 row_multiple=2)
+    seen, update = [], StaticLayer.update
+
+    def recording(layer, keys, values, *args, **kwargs):
+        out = update(layer, keys, values, *args, **kwargs)
+        seen.append((keys.shape[0], keys.shape[2], out[0].shape[2], int(layer.cumulative_length)))
+        return out
+
+    StaticLayer.update = recording
+    try:
+        with torch.inference_mode():
+            decoder.generate(ids, mask, 3, [])
+    finally:
+        StaticLayer.update = update
+    width, full = ids.shape[1], ids.shape[1] + 3
+    prefill = [s for s in seen if s[1] > 1 or s[3] <= width]
+    first_end = prefill[0][3]
+    assert all(attended == full for _, _, attended, end in prefill if end == first_end)  # allocates the cache
+    later = [s for s in prefill if s[3] > first_end]
+    assert later and all(attended == end for _, _, attended, end in later)
+    assert all(attended == full for rows, t, attended, _ in seen if t == 1 and rows == len(prompts))  # decode
+    allowed_rows = {2 * 2 ** k for k in range(4)} | {len(prompts)}
+    allowed_columns = {16 * 2 ** j for j in range(6)} | {width % 16}
+    assert {rows for rows, *_ in prefill} <= allowed_rows and {t for _, t, *_ in prefill} <= allowed_columns
+    assert len({(rows, t) for rows, t, *_ in prefill}) < len(prefill)  # shapes repeat

@@ -3,7 +3,8 @@
 - Given (`--generated-tokens-per-second X`): the user's measurement, for any engine (all servers or processes of the
   run together).
 - `engine: transformers` without one: the in-process engine's benchmark (bench/regen_bench.py, the committed
-  `regen-bench.json` reports under the benchmark folder, GPU runs only): of each benchmark model's newest report,
+  `regen-bench.json` reports under the benchmark folder, GPU runs only; not its float32 slices, run for the
+  exactness check only): of each benchmark model's newest report,
   the one of the same architecture (`model_type`) nearest in decoder parameters, else the nearest of any (within
   BENCH_MAX_PARAM_RATIO); its static decoder's warm pass (else its cold pass), scaled by decoder parameters
   (decoding reads every weight once a step: its rate goes as 1 / parameters), times the run's GPUs (one engine
@@ -35,7 +36,8 @@ def regen_bench_references(results_dir: Path | None) -> list[dict]:
         for name, r in ((report.get("models") or {}).items() if gpu else ()):
             static = r.get("static") or {}
             figures, which = (static.get("warm"), "warm") if static.get("warm") else (static.get("cold"), "cold")
-            if r.get("status") != "ok" or not figures or not r.get("decoder_params") or not r.get("model_type"):
+            if (r.get("status") != "ok" or not figures or not r.get("decoder_params") or not r.get("model_type")
+                    or r.get("exactness_only")):  # a float32 slice run for the exactness check: no rate
                 continue
             refs.append({"model": name, "file": str(path), "started": str(report.get("started", "")), "gpu": gpu,
                          "model_type": r["model_type"], "decoder_params": int(r["decoder_params"]),

@@ -20,8 +20,10 @@ The loop, on a left-padded batch `input_ids [B, W]` with its `attention_mask [B,
   its prompt gets alone (tests: greedy equals `generate` on each prompt alone, token for token, in float32).
 - **Prefill, chunked** by columns: forwards of about `prefill_tokens` tokens fill the cache in order (activation
   memory is bounded by it, not by the batch); a forward runs only the rows that hold a real token in its columns
-  (a prefix of a batch sorted longest first), so left padding costs little prefill compute; columns and rows are
-  rounded to multiples (64, 16) so that few shapes reach the kernels.
+  (a prefix of a batch sorted longest first), so left padding costs little prefill compute, and attends over the
+  cache's filled prefix only (keys, values and mask cut at its last column: `_row_views`); columns are 64 x a power
+  of two and rows 16 x a power of two (or the batch), a bounded set of shapes reused by every later batch, and a
+  forward widens only while `prefill_fill` of what it computes is real (`_prefill_span`).
 - **Decode step**: the model's forward on one token a row over static buffers (token, position, mask, cache), then,
   outside the step, the logits (float32, as `generate` takes them) through the batch's logits processors (the
   engine's: repetition penalty, warpers, the per-row seeded draw, which reads the step from the sequence length as it
@@ -71,13 +73,14 @@ class StaticCacheDecoder:
     """
 
     def __init__(self, model, pad_token_id: int, *, prefill_tokens: int = 16384, cuda_graphs: bool = True,
-                 check_every: int = 8, column_multiple: int = 64, row_multiple: int = 16):
+                 check_every: int = 8, column_multiple: int = 64, row_multiple: int = 16, prefill_fill: float = 0.75):
         if min(prefill_tokens, check_every, column_multiple, row_multiple) < 1:
             raise ValueError(f"prefill_tokens={prefill_tokens}, check_every={check_every}, column_multiple="
                              f"{column_multiple} and row_multiple={row_multiple} must be >= 1")
         self.model, self.pad_token_id = model, int(pad_token_id)
         self.prefill_tokens, self.check_every = prefill_tokens, check_every
         self.column_multiple, self.row_multiple = column_multiple, row_multiple
+        self.prefill_fill = prefill_fill
         self.device = next(model.parameters()).device
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.stats = DecodeStats()
@@ -168,7 +171,7 @@ class StaticCacheDecoder:
         logits, start = None, 0
         while start < width:
             end, rows = self._prefill_span(first_real, start, width, prefix_ok)
-            with _row_views(cache, rows if rows < batch else None):
+            with _row_views(cache, rows if rows < batch else None, end if start > 0 else None):
                 out = self.model(input_ids=input_ids[:rows, start:end], attention_mask=mask[:rows, :end],
                                  position_ids=positions[:rows, start:end], cache=cache, use_cache=True,
                                  logits_to_keep=1)
@@ -176,24 +179,37 @@ class StaticCacheDecoder:
         return logits  # the last forward held every row: every prompt ends at column width - 1
 
     def _prefill_span(self, first_real: list[int], start: int, width: int, prefix_ok: bool) -> tuple[int, int]:
-        """(end column, rows) of the prefill forward from column `start`: columns a multiple of `column_multiple`
-        (the last forward: what is left), as many as keep rows x columns <= prefill_tokens (one multiple at
-        least); rows = the prefix of rows with a real token before `end`, rounded up to `row_multiple` (all rows
-        for the first forward, which allocates the cache, and when the batch is not sorted). Few distinct shapes:
-        each new one costs a Triton compile / autotune in flash-linear-attention's kernels."""
+        """(end column, rows) of the prefill forward from column `start`, from a small fixed set of shapes (each
+        new one costs a Triton compile / autotune in flash-linear-attention's and liger's kernels, ~8 s on the
+        27B hybrid; the set is bounded, so later batches meet only shapes already seen):
+
+        - the first forward (it allocates the cache: every row) holds `width % column_multiple` columns, or one
+          multiple: it is mostly padding;
+        - then columns are `column_multiple` x a power of two, the largest whose rows x columns <= prefill_tokens;
+        - rows: the prefix of rows with a real token before `end`, rounded up to `row_multiple` x a power of two
+          (capped at the batch; all rows when the batch is not sorted longest first)."""
         batch, step = len(first_real), self.column_multiple
 
         def rows_for(end: int) -> int:
             if start == 0 or not prefix_ok:
                 return batch
             needed = max(1, sum(f < end for f in first_real))  # 1: columns of padding only (a wider input)
-            return min(batch, -(-needed // self.row_multiple) * self.row_multiple)
+            rows = self.row_multiple
+            while rows < needed:
+                rows *= 2
+            return min(batch, rows)
 
-        columns = max(step, self.prefill_tokens // rows_for(start + step) // step * step)
-        end = min(width, start + columns)
-        while end - start > step and rows_for(end) * (end - start) > self.prefill_tokens:
-            end = start + max(step, (end - start) // 2 // step * step)
-        return end, rows_for(end)
+        def fill(end: int) -> float:  # real tokens / tokens computed by the forward [start, end)
+            rows = rows_for(end)
+            return sum(end - max(f, start) for f in first_real[:rows] if f < end) / (rows * (end - start))
+
+        if start == 0:
+            return (width % step or min(step, width)), batch
+        columns = min(step, width - start)
+        while (start + 2 * columns <= width and rows_for(start + 2 * columns) * 2 * columns <= self.prefill_tokens
+               and (not prefix_ok or fill(start + 2 * columns) >= self.prefill_fill)):
+            columns *= 2
+        return start + columns, rows_for(start + columns)
 
     def _first_step_and_capture(self, step_input: dict, mask: torch.Tensor, cache):
         """(logits of this step, replay function -> logits, graph): the step run eagerly on a side stream (the
@@ -236,29 +252,44 @@ class StaticCacheDecoder:
 
 
 @contextlib.contextmanager
-def _row_views(cache, rows: int | None):
+def _row_views(cache, rows: int | None, columns: int | None = None):
     """The cache's tensors (keys and values of attention layers, conv and recurrent states of linear-attention
     layers: transformers 5's cache layers) replaced by views of their first `rows` rows while the block runs, so a
-    forward on those rows writes into the whole cache's storage; None: nothing replaced."""
+    forward on those rows writes into the whole cache's storage; None: nothing replaced.
+
+    columns: the (full) attention layers' keys and values also cut to their first `columns` positions (their
+    `max_cache_len` too, which sizes the mask): a prefill forward ending there attends over the filled prefix only,
+    not the cache's whole length (what is after it is not written yet; the causal mask would hide it), and
+    transformers' SDPA path, which repeats keys and values per query head when a mask is given, copies only that
+    prefix. Only on layers already allocated (a static layer allocates its full length on its first update)."""
+    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
     saved = []
-    if rows is not None:
-        for layer in cache.layers:
-            for name in ("keys", "values"):
-                tensor = getattr(layer, name, None)
+    for layer in cache.layers:
+        # a sliding window layer rolls its keys by its length: never cut
+        cut = (columns if isinstance(layer, StaticLayer) and not isinstance(layer, StaticSlidingWindowLayer)
+               and isinstance(getattr(layer, "keys", None), torch.Tensor) else None)
+        if cut is not None:
+            saved.append((layer.__dict__, "max_cache_len", layer.max_cache_len))
+            layer.max_cache_len = cut
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name, None)
+            if isinstance(tensor, torch.Tensor) and (rows is not None or cut is not None):
+                saved.append((layer.__dict__, name, tensor))
+                setattr(layer, name, tensor[:rows, :, :cut])
+        if rows is None:
+            continue
+        for name in ("conv_states", "recurrent_states"):
+            states = getattr(layer, name, None)
+            for index, tensor in (states.items() if isinstance(states, dict) else ()):
                 if isinstance(tensor, torch.Tensor):
-                    saved.append((layer.__dict__, name, tensor))
-                    setattr(layer, name, tensor[:rows])
-            for name in ("conv_states", "recurrent_states"):
-                states = getattr(layer, name, None)
-                for index, tensor in (states.items() if isinstance(states, dict) else ()):
-                    if isinstance(tensor, torch.Tensor):
-                        saved.append((states, index, tensor))
-                        states[index] = tensor[:rows]
+                    saved.append((states, index, tensor))
+                    states[index] = tensor[:rows]
     try:
         yield
     finally:
-        for holder, key, tensor in saved:
-            holder[key] = tensor
+        for holder, key, value in reversed(saved):
+            holder[key] = value
 
 
 def _now(device: torch.device) -> float:

@@ -26,7 +26,9 @@ What it does with a `Request` (engine.py), step by step:
   steps whatever its size, and buckets cut one call's requests into at least one batch per bucket, where consecutive
   cutting fills each batch to the budget: the benchmark's 256 prompts (bench/regen_bench.py, 8B settings: 432
   prompt tokens on average, 256 new tokens, a budget of 131,072) make 11 batches in the buckets of `batching`'s
-  defaults (16 / 1.25) and 3 consecutive ones, 11 x 256 decode steps against 3 x 256.
+  defaults (16 / 1.25) and 3 consecutive ones, 11 x 256 decode steps against 3 x 256. On CUDA the static decoder's
+  batches are cut where regen/batch_sizing.py's decode cost model says (the weights read once a batch step against
+  each row's padded cache), within the budget and the device memory free after the weights.
 - **Padding.** Left padding with the attention mask; positions from the mask (`cumsum - 1`, as `generate` derives
   them; regen/decode.py passes them explicitly), attention never sees padding, and the Gated DeltaNet layers of the Qwen3.5 hybrid zero padded positions before
   their convolution and recurrence, so padding changes no real token's state (tests: batched greedy answers equal
@@ -93,6 +95,7 @@ from transformers import (
 from dflash_prep.data.chat import ChatRenderer
 from dflash_prep.data.conversation import prompt_conversation
 from dflash_prep.recipe.schema import ModelSection
+from dflash_prep.regen.batch_sizing import MEMORY_FRACTION, ModelSizes, cut_batches
 from dflash_prep.regen.decode import StaticCacheDecoder
 from dflash_prep.regen.engine import FINISH_LENGTH, FINISH_STOP, FINISH_TOOL_CALLS, Answer, Request
 from dflash_prep.target.backoff import is_oom
@@ -185,6 +188,7 @@ class TransformersEngine:
             raise ValueError(f"decoder={decoder!r}: one of {', '.join(DECODERS)}")
         self.decoder = None if decoder == "generate" else StaticCacheDecoder(
             self.model, self.pad_token_id, prefill_tokens=prefill_tokens, cuda_graphs=cuda_graphs)
+        self.sizes, self.memory_limit_bytes = self._sizes() if self.decoder is not None else (None, None)
         log.info("regeneration engine: %s", self.decode_path)
 
     @property
@@ -244,10 +248,31 @@ class TransformersEngine:
                     answers[prompt.index] = self._answer_of(prompt, ids)
         return answers
 
+    def _sizes(self):
+        """(ModelSizes, memory limit in bytes): the static decoder's batch sizing on CUDA (regen/batch_sizing.py),
+        the limit from the device memory free now (after the weights). (None, None) elsewhere (the cost model is
+        a GPU's: a CPU decode step is bound by compute, not by what it reads) and for a config whose sizes cannot
+        be read: batches are then cut by the token budget alone."""
+        if self.device.type != "cuda":
+            return None, None
+        try:
+            sizes = ModelSizes.of(self.model, self.config)
+        except (AttributeError, TypeError, ValueError) as e:
+            log.info("regeneration engine: batches by the token budget only (model sizes unknown: %s)", e)
+            return None, None
+        return sizes, int(torch.cuda.mem_get_info(self.device)[0] * MEMORY_FRACTION)
+
     def _batches(self, prompts: list[_Prompt], new_tokens: int) -> list[tuple[list[_Prompt], int]]:
         """[(prompts, padded prompt width)]: longest first, consecutive, each under the budget (the learned one
-        too). A prompt alone always fits: `_prepare` rejected those over the budget."""
+        too); for the static decoder cut where the decode cost model says (regen/batch_sizing.py: weights read
+        per batch against padded cache read per row) within the budget and device memory. A prompt alone always
+        fits: `_prepare` rejected those over the budget."""
         budget = min(self.max_tokens_per_batch, self.token_cap or self.max_tokens_per_batch)
+        if self.decoder is not None and self.sizes is not None:
+            ordered = sorted(prompts, key=lambda p: (-len(p.ids), p.index))
+            cuts = cut_batches([len(p.ids) for p in ordered], new_tokens, lambda n: self._width(n, new_tokens),
+                               self.max_batch_size, budget, self.sizes, self.memory_limit_bytes)
+            return [(ordered[a:b], self._width(len(ordered[a].ids), new_tokens)) for a, b in cuts]
         batches: list[tuple[list[_Prompt], int]] = []
         for prompt in sorted(prompts, key=lambda p: (-len(p.ids), p.index)):
             if batches:
