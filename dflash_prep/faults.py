@@ -26,6 +26,12 @@ Unset (the normal case), `Faults.from_env()` returns None and no code path pays 
     sigterm_after_batches  K                 the process sends itself SIGTERM (a preemption notice) after its
                                              K-th batch
     sigterm_process        P                 only the process of index P does (default: every process)
+    stop_at_commit         {"point": P, "shard": N}  the process stops itself (SIGSTOP, as a frozen VM) at commit
+                                             point P of shard N: "checked" (its fence checked, not yet renamed),
+                                             "renamed" (renamed, no index line yet), "appending" (checked again,
+                                             the line not yet appended: the window fencing cannot close), or
+                                             "manifest" (N ignored: before the manifest's fence check); SIGCONT
+                                             wakes it
     upload_part_bytes      N                 an object-store output uploads shards above 2N bytes as multipart
                                              uploads of N-byte parts (default 64 MiB; S3 takes >= 5 MiB): small
                                              test shards then cross the multipart path
@@ -44,7 +50,8 @@ from dataclasses import dataclass, field
 ENV_VAR = "DFLASH_PREP_FAULTS"
 KNOWN_KEYS = ("oom_batches", "oom_samples", "nan_samples", "enospc_shard", "enospc_rank", "exit_after_rename_shard",
               "forward_delay_seconds", "write_delay_seconds", "sigterm_after_batches", "sigterm_process",
-              "oom_after_forward_batches", "oom_process", "load_delay_seconds", "upload_part_bytes")
+              "oom_after_forward_batches", "oom_process", "load_delay_seconds", "upload_part_bytes",
+              "stop_at_commit")
 
 
 @dataclass
@@ -63,6 +70,7 @@ class Faults:
     oom_after_forward_batches: set[int] = field(default_factory=set)
     oom_process: int | None = None
     upload_part_bytes: int | None = None
+    stop_at_commit: dict | None = None
     _oom_fired: set[int] = field(default_factory=set)
     _oom_after_fired: set[int] = field(default_factory=set)
 
@@ -84,7 +92,8 @@ class Faults:
                    load_delay_seconds=float(spec.get("load_delay_seconds", 0.0)),
                    sigterm_after_batches=spec.get("sigterm_after_batches"), sigterm_process=spec.get("sigterm_process"),
                    oom_after_forward_batches={int(b) for b in spec.get("oom_after_forward_batches", [])},
-                   oom_process=spec.get("oom_process"), upload_part_bytes=spec.get("upload_part_bytes"))
+                   oom_process=spec.get("oom_process"), upload_part_bytes=spec.get("upload_part_bytes"),
+                   stop_at_commit=spec.get("stop_at_commit"))
 
     # -- model load ----------------------------------------------------------------------------------------
     def before_load(self) -> None:
@@ -150,6 +159,15 @@ class Faults:
     def on_shard_write(self, rank: int, shard_number: int, tmp_path) -> None:
         if self.enospc_shard == shard_number and self.enospc_rank in (None, rank):
             raise OSError(errno.ENOSPC, f"No space left on device (injected by {ENV_VAR})", str(tmp_path))
+
+    def at_commit(self, point: str, shard_number: int | None = None) -> None:
+        """SIGSTOP this process at the commit point the spec names (once)."""
+        spec = self.stop_at_commit
+        if spec and spec.get("point") == point and (point == "manifest" or spec.get("shard") == shard_number):
+            import signal
+
+            self.stop_at_commit = None
+            os.kill(os.getpid(), signal.SIGSTOP)
 
     def after_rename(self, shard_number: int) -> None:
         if self.exit_after_rename_shard == shard_number:

@@ -490,3 +490,75 @@ def test_a_follower_beside_a_killed_and_resumed_two_process_extraction(server, b
         states = load(reference[s["id"]]["hidden_states.safetensors"])["hidden_states"]
         assert hashlib.sha256(states.view(-1).view(dtype=__import__("torch").uint8).numpy()).hexdigest() == \
             s["states"], f"sample {s['id']} differs from the local run"
+
+
+FROZEN_UPLOADER = """
+import sys, time
+from pathlib import Path
+from dflash_prep.store.lease import Lease
+from dflash_prep.store.locks import LeaseLostError
+from dflash_prep.store.records import ShardRecord
+from dflash_prep.store.remote import RemoteFence, RemoteOutput, ShardUploader
+url, staging = sys.argv[1], Path(sys.argv[2])
+remote = RemoteOutput(url, None, staging)
+lease = Lease(remote.fs, remote.key("locks/run.lease"), ttl_seconds=1.0)
+assert lease.try_acquire(min_generation=remote.max_fence() + 1)
+uploader = ShardUploader(remote, 0, 1, fence=RemoteFence(remote, lease.generation))
+local = staging / "shards" / "rank-00000" / "shard-000000-aaaaaaaa.tar"
+local.parent.mkdir(parents=True)
+local.write_bytes(b"a" * 2048)
+print("ready", lease.generation, flush=True)
+sys.stdin.readline()  # SIGSTOPped here past its TTL; woken, it tries to commit
+try:
+    uploader.publish(local, ShardRecord(str(local.relative_to(staging)), 1, 1, 2048, "0" * 64, sample_ids=["s0"]))
+    uploader.close()
+    print("committed", flush=True)
+except LeaseLostError as e:
+    print("lost:", e, flush=True)
+"""
+
+
+def test_a_run_frozen_past_its_lease_commits_nothing_to_the_store(server, bucket, tmp_path, monkeypatch):
+    """Run A (host node-a) is stopped past its lease's TTL; run B takes the run lease over (a higher generation,
+    judged by the store's clock) and commits the same sample; A, woken, uploads and commits nothing."""
+    from dflash_prep.store.lease import Lease
+    from dflash_prep.store.records import ShardRecord
+    from dflash_prep.store.remote import RemoteFence, RemoteOutput, ShardUploader
+
+    url = f"s3://{bucket}/out"
+    env = {**env_for(server), "PYTHONPATH": str(REPO)}
+    a = subprocess.Popen([sys.executable, str(REPO / "tests" / "other_host.py"), "node-a", "-c", FROZEN_UPLOADER,
+                          url, str(tmp_path / "a")], cwd=REPO, env=env, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    ready, generation = a.stdout.readline().split()
+    assert ready == "ready"
+    a.send_signal(signal.SIGSTOP)
+    time.sleep(2.5)  # past its TTL of 1 s (the store's clock has whole seconds)
+    for key, value in {**CREDENTIALS, "AWS_ENDPOINT_URL": server}.items():
+        monkeypatch.setenv(key, value)
+    try:
+        remote = RemoteOutput(url, None, tmp_path / "b")
+        lease = Lease(remote.fs, remote.key("locks/run.lease"), ttl_seconds=1.0)
+        assert lease.try_acquire(min_generation=remote.max_fence() + 1)
+        assert lease.generation > int(generation)
+        uploader = ShardUploader(remote, 0, 1, fence=RemoteFence(remote, lease.generation))
+        local = tmp_path / "b" / "shards" / "rank-00000" / "shard-000000-bbbbbbbb.tar"
+        local.parent.mkdir(parents=True)
+        local.write_bytes(b"b" * 1024)
+        uploader.publish(local, ShardRecord(str(local.relative_to(tmp_path / "b")), 1, 1, 1024, "0" * 64,
+                                            sample_ids=["s0"]))
+        uploader.close()
+        a.send_signal(signal.SIGCONT)
+        a.stdin.write("go\n")
+        a.stdin.flush()
+        answer = a.stdout.readline()
+        assert answer.startswith("lost:") and "no longer holds the output" in answer, answer
+        assert a.wait(timeout=60) == 0
+        lines = [json.loads(line) for line in remote.cat("index/rank-00000.jsonl").decode().splitlines()]
+        assert [(r["path"], r["fence"]) for r in lines] == [("shards/rank-00000/shard-000000-bbbbbbbb.tar",
+                                                            lease.generation)]
+        assert sorted(remote.shard_sizes()) == ["shards/rank-00000/shard-000000-bbbbbbbb.tar"]
+        lease.release()
+    finally:
+        if a.poll() is None:
+            a.kill()

@@ -302,6 +302,7 @@ class Run:
     peers: Any = None  # peers.Peers: the waits every process of the run meets at, bounded
     run_id: str | None = None  # this run's id (the main process's, shared): in its leases and its shards' names
     locks: list = field(default_factory=list)  # locks.OutputLock held by this process (run, rank)
+    fence: Any = None  # locks.OutputFence / remote.RemoteFence: checked at every commit (claim.py sets it)
     context_length: int | None = None  # model.check_context: the model's positions (None: unknown)
 
     @property

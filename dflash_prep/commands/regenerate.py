@@ -39,7 +39,14 @@ from dflash_prep.regen.loop import REGEN_STOP_MESSAGE, EngineFailed, LoopStopped
 from dflash_prep.regen.sampling import generation_config_source, read_generation_defaults, resolve_sampling
 from dflash_prep.data.rows import read_chat_template
 from dflash_prep.signals import StopRequest
-from dflash_prep.store.locks import OutputBusyError, check_no_rank_writing, lock_rank, lock_run
+from dflash_prep.store.locks import (
+    LeaseLostError,
+    OutputBusyError,
+    OutputFence,
+    check_no_rank_writing,
+    lock_rank,
+    lock_run,
+)
 from dflash_prep.store.manifest import OutputStateError, read_state_json
 
 log = logging.getLogger("dflash_prep")
@@ -201,7 +208,8 @@ def _run(recipe: Recipe, held: list) -> dict | None:
         rows = load_rows(recipe.data)
     if state.is_main_process:
         identity["data_rows"] = rows_fingerprint(rows)
-        held.append(lock_run(out_dir))
+        # the fencing token above every record's: this run's records win over a frozen earlier run's late ones
+        held.append(lock_run(out_dir, min_generation=regen_output.chunk_store(out_dir).max_fence() + 1))
         check_no_rank_writing(out_dir)
         regen_output.open_output(out_dir, identity, section.overwrite)
         rows_per_shard = regen_output.stored_rows_per_shard(out_dir, section.rows_per_shard)
@@ -216,6 +224,7 @@ def _run(recipe: Recipe, held: list) -> dict | None:
                                     recipe.to_yaml())
     state.wait_for_everyone()
     held.append(lock_rank(out_dir, state.process_index))
+    fence = OutputFence.of_holder(out_dir)  # the main process's run lease: checked at every commit
     rows_per_shard = regen_output.stored_rows_per_shard(out_dir, section.rows_per_shard)
     committed = regen_output.read_committed(out_dir)
     num_chunks = math.ceil(len(rows) / rows_per_shard)
@@ -229,7 +238,7 @@ def _run(recipe: Recipe, held: list) -> dict | None:
               "prompt_tokens": 0, "loop_seconds": 0.0}
     if mine:
         report = _run_rank(recipe, state, out_dir, rows, mine, rows_per_shard, settings, identity,
-                           _committed_rows(committed, mine))
+                           _committed_rows(committed, mine), fence)
     if todo:  # this run's figures, one file per rank (an idle rank's zeros included)
         (out_dir / regen_output.INDEX_DIR).mkdir(exist_ok=True)
         atomic_write_json(out_dir / regen_output.INDEX_DIR / f"rank-{state.process_index:05d}.done.json", report)
@@ -237,7 +246,7 @@ def _run(recipe: Recipe, held: list) -> dict | None:
     if not state.is_main_process:
         return None
     return _finish(recipe, out_dir, rows, rows_per_shard, num_chunks, identity, sampling, report, t_start,
-                   state.num_processes, ran=bool(todo))
+                   state.num_processes, ran=bool(todo), fence=fence)
 
 
 def _committed_rows(committed: dict, chunks: list[int]) -> dict[int, tuple[set[int], int]]:
@@ -276,7 +285,7 @@ def _build_engine(recipe: Recipe, device, servers=None):
 
 
 def _run_rank(recipe: Recipe, state, out_dir: Path, rows, mine: list[int], rows_per_shard: int,
-              settings: RegenSettings, identity: dict, committed: dict) -> dict:
+              settings: RegenSettings, identity: dict, committed: dict, fence) -> dict:
     """This process's chunks through the engine (its managed servers started first and stopped last, whatever
     ends the run); its report."""
     stop = StopRequest(REGEN_STOP_MESSAGE)
@@ -285,7 +294,7 @@ def _run_rank(recipe: Recipe, state, out_dir: Path, rows, mine: list[int], rows_
             if stop.requested:
                 raise LoopStopped(f"stopped on {stop.signal_name}")
             return _drive(recipe, state, out_dir, rows, mine, rows_per_shard, settings, identity, committed, stop,
-                          servers)
+                          servers, fence)
     finally:
         stop.restore()
 
@@ -323,7 +332,7 @@ def _managed_servers(recipe: Recipe, state, out_dir: Path, stop):
 
 
 def _drive(recipe: Recipe, state, out_dir: Path, rows, mine: list[int], rows_per_shard: int,
-           settings: RegenSettings, identity: dict, committed: dict, stop, servers) -> dict:
+           settings: RegenSettings, identity: dict, committed: dict, stop, servers, fence) -> dict:
     section = section_of(recipe)
     t0 = time.perf_counter()
     engine = _build_engine(recipe, state.device, servers)
@@ -354,7 +363,7 @@ def _drive(recipe: Recipe, state, out_dir: Path, rows, mine: list[int], rows_per
                     for c in mine)
         progress = _Progress(total, state.num_processes) if state.is_main_process else None
         loop = RegenLoop(engine, rows, mine, rows_per_shard, settings,
-                         regen_output.ChunkCommitter(out_dir, state.process_index), provenance,
+                         regen_output.ChunkCommitter(out_dir, state.process_index, fence=fence), provenance,
                          recipe.data.id_column, window, batch_size, parallel, stop=stop,
                          on_progress=progress.update if progress else None,
                          finish_calls_on_stop=section.engine == "transformers",
@@ -424,7 +433,7 @@ class _Progress:
 
 # ------------------------------------------------------------------------------------------------ the end
 def _finish(recipe: Recipe, out_dir: Path, rows, rows_per_shard: int, num_chunks: int, identity: dict,
-            sampling: dict, report: dict, t_start: float, world: int, ran: bool) -> dict:
+            sampling: dict, report: dict, t_start: float, world: int, ran: bool, fence=None) -> dict:
     """Main process, every rank done: check every chunk is committed, then skipped.jsonl, summary.json,
     manifest.json and the dataset files (last). A finished output re-run changes nothing."""
     summary_path = out_dir / regen_output.SUMMARY_NAME
@@ -485,7 +494,7 @@ def _finish(recipe: Recipe, out_dir: Path, rows, rows_per_shard: int, num_chunks
         "shards": [{"path": r.path, "chunk": r.chunk, "part": r.part, "num_rows": r.num_rows, "num_bytes": r.num_bytes,
                     "sha256": r.sha256} for r in records],
     }
-    regen_output.write_dataset_files(out_dir, records, manifest, skipped, summary)
+    regen_output.write_dataset_files(out_dir, records, manifest, skipped, summary, fence)
     _log_done(summary, out_dir)
     check_verdict(summary, recipe.data.max_skipped_fraction)
     return summary
@@ -562,7 +571,7 @@ def run_and_report(recipe: Recipe) -> tuple[dict | None, int]:
     except (RecipeError, regen_output.RegenMismatchError, OutputBusyError, OutputStateError, RegenRefused) as e:
         print(f"error: {e}", file=sys.stderr)
         return None, EXIT_BAD_RECIPE
-    except (EngineUnavailable, EngineFailed, LoopStopped, RegenStopped) as e:
+    except (EngineUnavailable, EngineFailed, LoopStopped, RegenStopped, LeaseLostError) as e:
         _stopped(f"regeneration stopped: {e}. Committed shards are intact; re-run the same command to resume",
                  out_dir)
         return None, EXIT_STOPPED

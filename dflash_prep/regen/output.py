@@ -40,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -48,7 +49,7 @@ from pathlib import Path
 from dflash_prep import __version__
 from dflash_prep.io import atomic_write_json, atomic_write_jsonl
 from dflash_prep.recipe.fingerprints import describe_files_change, describe_weights_change, portable_location
-from dflash_prep.store.locks import LOCKS_DIR
+from dflash_prep.store.locks import LOCKS_DIR, LeaseLostError
 from dflash_prep.store.manifest import read_state_json
 from dflash_prep.store.record_store import (
     INDEX_DIR,  # noqa: F401 - the regeneration command names the index folder through this module
@@ -125,6 +126,7 @@ class ChunkRecord:
     rank: int = 0
     part: int = 0  # 0 for a chunk committed whole (lines written before parts existed have none)
     rejections_confirmed: bool = False  # its HTTP 5xx rejections were confirmed by the server's other answers
+    fence: int | None = None  # the committing run's fencing token (store/locks.py; None: older versions)
 
 
 def positions_of(record: ChunkRecord) -> set[int]:
@@ -254,7 +256,8 @@ def record_run(out_dir: Path, identity: dict, rows_per_shard: int, recipe_yaml: 
 
 # ------------------------------------------------------------------------------------------------ index, repair
 CHUNK_KIND = RecordKind(record_type=ChunkRecord, key=lambda r: (r.chunk, r.part), files_glob=f"{DATA_DIR}/*",
-                        noun="chunk part")
+                        noun="chunk part", items=lambda r: sorted(positions_of(r)),  # a row in one part only
+                        to_json=lambda r: {k: v for k, v in asdict(r).items() if k != "fence" or v is not None})
 
 
 def chunk_store(out_dir: Path) -> RecordStore:
@@ -292,6 +295,9 @@ def prepare(out_dir: Path) -> dict[tuple[int, int], ChunkRecord]:
     if len(damaged) < len(found.damaged):
         log.warning("regenerate: %d committed part(s) %s: their rows are asked again",
                     len(found.damaged) - len(damaged), UNCONFIRMED)
+    if found.superseded:
+        log.warning("regenerate: %d chunk part(s) committed by a run that had lost the output (frozen past its "
+                    "lease) were also committed by the run that took over: its records kept", len(found.superseded))
     if found.removed:
         log.info("regenerate: removed %d uncommitted file(s) left by an interrupted run", len(found.removed))
     return {(r.chunk, r.part): r for r in found.committed}
@@ -299,10 +305,11 @@ def prepare(out_dir: Path) -> dict[tuple[int, int], ChunkRecord]:
 
 class ChunkCommitter:
     """One rank's writer: `commit(chunk, rows, skipped, counts, part)` writes the part's Arrow shard to `.tmp` and
-    fsyncs it; the record store renames it and appends its index line (fsynced): the part is committed there."""
+    fsyncs it; the record store renames it (never over a file another run put there) and appends its index line
+    (fsynced), while `fence` (locks.OutputFence) says this run holds the output: the part is committed there."""
 
-    def __init__(self, out_dir: Path, rank: int, faults=None):
-        self.out_dir, self.rank, self.faults = Path(out_dir), rank, faults
+    def __init__(self, out_dir: Path, rank: int, faults=None, fence=None):
+        self.out_dir, self.rank, self.faults, self.fence = Path(out_dir), rank, faults, fence
         (self.out_dir / DATA_DIR).mkdir(parents=True, exist_ok=True)
         self.appender = chunk_store(self.out_dir).appender(rank)
         self.index = self.appender.index_path
@@ -316,12 +323,20 @@ class ChunkCommitter:
         rows = sorted(rows, key=lambda r: r["source_row"])
         path = shard_path(chunk, part)  # written even without rows: datasets loads a folder of empty shards
         final = self.out_dir / path
-        tmp = final.with_name(final.name + TMP_SUFFIX)
+        tmp = final.with_name(f"{final.name}.{os.getpid()}{TMP_SUFFIX}")  # two runs never share a .tmp
         size, digest = self._write_shard(tmp, rows)
         record = ChunkRecord(chunk=chunk, path=path, num_rows=len(rows), rows=[r["source_row"] for r in rows],
                              skipped=sorted(skipped, key=lambda s: s["source_row"]), num_bytes=size, sha256=digest,
                              rank=self.rank, part=part, rejections_confirmed=True, **counts)
-        self.appender.commit(tmp, final, record)
+        try:
+            self.appender.commit(tmp, final, record, self.fence, replace=False)
+        except FileExistsError:
+            tmp.unlink(missing_ok=True)
+            raise LeaseLostError(f"{final}: another run committed chunk {chunk} part {part} while this one was "
+                                 f"writing it (this run lost the output); it commits nothing more") from None
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         self.num_committed += 1
         return record
 
@@ -352,20 +367,23 @@ def is_finished(out_dir: Path) -> bool:
 
 
 def write_dataset_files(out_dir: Path, records: list[ChunkRecord], manifest: dict, skipped: list[dict],
-                        summary: dict) -> None:
+                        summary: dict, fence=None) -> None:
     """skipped.jsonl, summary.json, manifest.json, then datasets' dataset_info.json and, last, state.json (listing
     the shards in chunk and part order: the rows in source order, except that the parts of a chunk committed by
-    time each hold the rows answered in their span). Main process, every chunk committed."""
+    time each hold the rows answered in their span). Main process, every chunk committed; only while `fence` says
+    this run holds the output (checked before the manifest and before state.json)."""
     import datasets
 
     out_dir = Path(out_dir)
     atomic_write_jsonl(out_dir / SKIPPED_NAME, skipped)
     atomic_write_json(out_dir / SUMMARY_NAME, summary)
-    write_manifest(out_dir, MANIFEST_NAME, manifest)
+    write_manifest(out_dir, MANIFEST_NAME, manifest, fence)
     info = asdict(datasets.DatasetInfo(description="dflash-prep regenerated rows", features=features()))
     atomic_write_json(out_dir / DATASET_FILES[0], {k: info[k] for k in sorted(info)})
     shards = [r.path for r in sorted(records, key=lambda r: (r.chunk, r.part))]
     fingerprint = hashlib.sha256(json.dumps([r.sha256 for r in records]).encode()).hexdigest()[:16]
+    if fence is not None:
+        fence.check()
     atomic_write_json(out_dir / DATASET_FILES[1], {
         "_data_files": [{"filename": s} for s in shards], "_fingerprint": fingerprint, "_format_columns": None,
         "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False, "_split": "train"})

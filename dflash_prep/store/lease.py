@@ -11,28 +11,40 @@ number their shards alike and overwrite each other's rank indexes. So the main p
   its life, commands/extract/peers.py), by a thread of its holder, each renewal conditional on the object being the
   one it wrote last (S3 `If-Match: <ETag>`); a renewal refused (another run took the lease over) or impossible for a
   whole TTL (the store unreachable) marks the lease `lost`, and the holder's uploader then commits nothing more;
-- taken over when its holder is gone: a holder on this host whose process no longer exists (a SIGKILLed run
-  resumes at once), or a lease not renewed for `ttl_seconds` (another host: clocks must agree to within the TTL).
-  The take-over deletes the stale object only if it is still the one read (`If-Match`), then creates its own
-  with `If-None-Match: *`: of two runs taking over at once, one wins;
+- taken over when its holder is gone: a holder on this host whose run no longer holds the host's lock of this lease
+  (a flock on a file of the system's temporary folder named after the lease, holding the holder's run id: the
+  kernel drops it when the process dies, so a pid alive again is not the dead run), or a lease not renewed for `ttl_seconds`, judged by the store's clock (the object's
+  LastModified against the Date of the same answer), never the reader's: hosts whose clocks differ judge it alike.
+  A lease object that does not read as a record (garbage, wrong types) is damaged, named so and taken over
+  `ttl_seconds` after it was written. The take-over deletes the stale object only if it is still the one read
+  (`If-Match`), then creates its own with `If-None-Match: *`: of two runs taking over at once, one wins;
+- a generation in every lease record: a take-over's is above the stale one's and above every fencing token in
+  the output's indexes; the run lease's generation is the run's fencing token (remote.RemoteFence);
 - released (deleted, `If-Match`) when the run ends.
 
 Other stores: gcsfs and adlfs accept an exclusive create through fsspec's `open(path, "xb")`; the renewals and the
 take-over's delete are then unconditional (a run that lost its lease while cut off from the store may write one
-more index before it notices), which the README states. Fencing is not perfect on any store: a holder paused
-longer than the TTL (a frozen VM) can still complete an upload it had started before it sees the lease is lost.
+more index before it notices). The commits themselves are fenced (remote.py): each checks the run lease and
+rewrites the index object only if it is the version this run last wrote (`If-Match`).
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import hashlib
 import json
 import logging
 import os
 import socket
 import threading
 import time
+import tempfile
 import uuid
+from email.utils import parsedate_to_datetime
+from pathlib import Path
+
+from dflash_prep.store.locks import LeaseLostError, _clock
 
 log = logging.getLogger("dflash_prep")
 
@@ -62,11 +74,6 @@ def store_call(fn):
     return wrapper
 
 
-class LeaseLostError(RuntimeError):
-    """This process no longer holds its lease of the output (another run took it over, or the store was
-    unreachable for a whole TTL): it must not commit anything more."""
-
-
 def _precondition_failed(e: BaseException) -> bool:
     text = f"{type(e).__name__} {e}".lower()
     return isinstance(e, FileExistsError) or "precondition" in text or "pre-condition" in text or "412" in text
@@ -77,18 +84,92 @@ def _is_s3(fs) -> bool:
     return "s3" in protocol and hasattr(fs, "call_s3")
 
 
+_FIELDS = {"host": str, "pid": int, "renewed_at": (int, float), "ttl_seconds": (int, float)}
+
+
+def damaged_because(content: dict) -> str | None:
+    """Why a lease object's content is not a lease record (a field missing or of a wrong type), or None."""
+    if content.get("_not_json") is not None:
+        return f"not JSON: {content['_not_json']!r}"
+    for name, kind in _FIELDS.items():
+        value = content.get(name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return f"{name} is {value!r}"
+    if not isinstance(content.get("run_id", ""), str):
+        return f"run_id is {content['run_id']!r}"
+    return None if content["ttl_seconds"] > 0 else f"ttl_seconds is {content['ttl_seconds']!r}"
+
+
+class _HostLock:
+    """This host's lock of one lease: a flock on `<tmp>/dflash-prep-leases/<digest of the lease's name>.lock`,
+    holding the run id of the process that holds it. It tells a lease naming this host whose run is alive (its
+    flock held, with its run id) from one whose run has ended (the kernel dropped its flock), whatever its pid."""
+
+    def __init__(self, fs, path: str):
+        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        digest = hashlib.sha256(f"{protocol}://{path}".encode()).hexdigest()[:24]
+        self.path = Path(tempfile.gettempdir()) / "dflash-prep-leases" / f"{digest}.lock"
+        self.fd: int | None = None
+
+    def try_acquire(self, run_id: str) -> bool:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        os.ftruncate(fd, 0)
+        os.write(fd, run_id.encode())
+        self.fd = fd
+        return True
+
+    def holder_run_id(self) -> str | None:
+        """The run id of the live process holding this lock; None when no process of this host holds it."""
+        if self.fd is not None:
+            return None  # this object holds it
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
+                return os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        finally:
+            os.close(fd)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            os.close(fd)
+
+
 class Lease:
     """A lease object at `path` (a path of the fsspec filesystem `fs`, without protocol)."""
 
     def __init__(self, fs, path: str, ttl_seconds: float = LEASE_TTL_SECONDS):
         self.fs, self.path, self.ttl_seconds = fs, path, ttl_seconds
+        self.host_lock = _HostLock(fs, path)
         self.run_id = uuid.uuid4().hex
+        self.generation: int | None = None
         self.etag: str | None = None
+        self._read_age: tuple[dict, float] | None = None  # (the content last read, its age by the store's clock)
         self.lost = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._renewed_at = 0.0
-        self.fd = None  # the interface of locks.FileLock where the run keeps its held locks
+
+    @property
+    def fd(self) -> int | None:
+        """The descriptor of the host's lock of this lease (a forked child must close its copy), as locks.FileLock."""
+        return self.host_lock.fd
 
     # -- the store's conditional operations -------------------------------------------------------------------
     def _bucket_key(self) -> tuple[str, str]:
@@ -98,8 +179,8 @@ class Lease:
     def _body(self) -> bytes:
         host = socket.gethostname()
         return json.dumps({"holder": f"pid {os.getpid()} on {host}", "host": host, "pid": os.getpid(),
-                           "run_id": self.run_id, "renewed_at": time.time(),
-                           "ttl_seconds": self.ttl_seconds}).encode()
+                           "run_id": self.run_id, "renewed_at": time.time(), "ttl_seconds": self.ttl_seconds,
+                           "generation": self.generation}).encode()
 
     @store_call
     def _create(self) -> None:
@@ -134,41 +215,70 @@ class Lease:
 
     @store_call
     def read(self) -> tuple[dict | None, str | None]:
-        """(the lease's content, its ETag), (None, None) when absent; a body that is not JSON reads as {}."""
+        """(the lease's content, its ETag), (None, None) when absent; a body that is not JSON reads as
+        {"_not_json": its first bytes} (damaged_because names it)."""
         try:
             if _is_s3(self.fs):
                 bucket, key = self._bucket_key()
                 resp = self.fs.call_s3("get_object", Bucket=bucket, Key=key)
                 body, etag = _read_body(self.fs, resp), resp.get("ETag")
+                age = _age_by_store_clock(resp)
             else:
                 body, etag = self.fs.cat_file(self.path), None
+                age = None
         except FileNotFoundError:
             return None, None
         try:
             content = json.loads(body)
-        except ValueError:
-            content = {}
-        return (content if isinstance(content, dict) else {}), etag
+        except (ValueError, UnicodeDecodeError):
+            content = {"_not_json": bytes(body[:40])}
+        content = content if isinstance(content, dict) else {"_not_json": bytes(body[:40])}
+        if age is None and isinstance(content.get("renewed_at"), (int, float)):
+            age = time.time() - content["renewed_at"]
+        self._read_age = (content, max(0.0, age) if age is not None else float("inf"))
+        return content, etag
 
     # -- the lease ---------------------------------------------------------------------------------------------
-    def stale(self, content: dict) -> bool:
-        """Whether a lease read back has no live holder: its process is gone (same host), or it was not renewed
-        for its TTL."""
-        if content.get("host") == socket.gethostname() and isinstance(content.get("pid"), int):
-            if content["pid"] == os.getpid():
-                return False
-            try:
-                os.kill(content["pid"], 0)
-            except ProcessLookupError:
-                return True
-            except PermissionError:
-                pass
-        renewed, ttl = content.get("renewed_at"), content.get("ttl_seconds", self.ttl_seconds)
-        return not isinstance(renewed, (int, float)) or time.time() - renewed > float(ttl)
+    def age_seconds(self, content: dict) -> float:
+        """Seconds since `content` (as `read` returned it) was written, by the store's clock."""
+        return self._read_age[1] if self._read_age is not None and self._read_age[0] is content else float("inf")
 
-    def try_acquire(self) -> bool:
-        """Take the lease when it is absent or stale (True); False when a live holder has it."""
+    def stale(self, content: dict) -> bool:
+        """Whether a lease read back has no live holder (module docstring): this host's run whose lock is free,
+        or not renewed for its TTL by the store's clock; a damaged one judged by its age against our TTL."""
+        if content.get("run_id") == self.run_id:
+            return False
+        if damaged_because(content) is not None:
+            return self.age_seconds(content) > self.ttl_seconds
+        if content["host"] == socket.gethostname():
+            if self.host_lock.fd is not None:
+                return True  # this object holds the host's lock of this lease: no other run of this host is live
+            holder = self.host_lock.holder_run_id()
+            if holder != content.get("run_id"):
+                return True  # the host's lock is free, or held by another run: the lease's run has ended
+        return self.age_seconds(content) > float(content["ttl_seconds"])
+
+    def describe(self, content: dict) -> str:
+        """The holder of a lease read back, with its clock skew when its renewal time is off this host's clock."""
+        why = damaged_because(content)
+        if why is not None:
+            ends = time.time() + max(0.0, self.ttl_seconds - self.age_seconds(content))
+            return f"a damaged lease object ({why}), taken over at {_clock(ends)}"
+        text = content.get("holder") if isinstance(content.get("holder"), str) else f"pid {content['pid']}"
+        ours = time.time() - self.age_seconds(content)
+        theirs = content["renewed_at"]
+        if ours != float("-inf") and abs(theirs - ours) > max(2.0, self.ttl_seconds / 4):
+            way = "ahead of" if theirs > ours else "behind"
+            text += (f"; its clock is {abs(theirs - ours):.0f} s {way} this host's (clock skew: its last renewal "
+                     f"says {_clock(theirs)}, this host's clock said {_clock(ours)}); judged by the store's clock")
+        return text
+
+    def try_acquire(self, min_generation: int = 0) -> bool:
+        """Take the lease when it is absent or stale (True); False when a live holder has it. Its generation: at
+        least `min_generation`, and above the stale lease's."""
+        self.host_lock.try_acquire(self.run_id)  # may fail: a live run of this host holds it (judged below)
         for _ in range(2):
+            self.generation = max(min_generation, self.generation or 0)
             try:
                 self._create()
                 self._start_heartbeat()
@@ -180,26 +290,37 @@ class Lease:
             if content is None:
                 continue  # released meanwhile: try again
             if not self.stale(content):
+                self.host_lock.release()
                 return False
-            log.warning("%s: taking over the lease of %s (%s)", self.path, content.get("holder", "an unknown holder"),
-                        "its process is gone" if content.get("host") == socket.gethostname()
-                        else f"not renewed for {content.get('ttl_seconds')} s")
+            if isinstance(content.get("generation"), int):
+                self.generation = max(self.generation, content["generation"] + 1)
+            log.warning("%s: taking over the lease of %s (%s)", self.path, self.describe(content),
+                        _why_stale(content, self.age_seconds(content)))
             try:
                 self._delete_if(etag)
             except OSError as e:
                 if _precondition_failed(e):
+                    self.host_lock.release()
                     return False  # another run took it over first
                 raise
+        self.host_lock.release()
         return False
 
     def holder(self) -> str:
         content, _ = self.read()
-        return (content or {}).get("holder", "unknown")
+        return self.describe(content) if content is not None else "unknown"
 
     def held_elsewhere(self) -> bool:
         """Whether a live holder other than this object holds the lease now (reads it; writes nothing)."""
         content, _ = self.read()
         return content is not None and content.get("run_id") != self.run_id and not self.stale(content)
+
+    def check_held(self) -> None:
+        """Raise LeaseLostError unless the lease object is still this one's (reads it: one GET)."""
+        content, _ = self.read()
+        if content is None or content.get("run_id") != self.run_id:
+            self.lost.set()
+        self.check()
 
     def check(self) -> None:
         """Raise LeaseLostError when the lease is lost (see the module docstring)."""
@@ -233,6 +354,29 @@ class Lease:
                     self._delete_if(self.etag)
                 except OSError as e:  # already taken over, or the store is down: the TTL frees it
                     log.warning("%s: could not release the lease (%s)", self.path, e)
+        self.host_lock.release()
+
+
+def _why_stale(content: dict, age: float) -> str:
+    why = damaged_because(content)
+    if why is not None:
+        return f"damaged, not renewed for {age:.0f} s"
+    if content["host"] == socket.gethostname():
+        return "its run on this host has ended"
+    return f"not renewed for {age:.0f} s, past its TTL of {content['ttl_seconds']:.0f} s"
+
+
+def _age_by_store_clock(resp) -> float | None:
+    """Seconds between an object's LastModified and the Date of the answer that returned it: both the store's
+    clock (None when the answer lacks either)."""
+    modified = resp.get("LastModified")
+    date = (resp.get("ResponseMetadata") or {}).get("HTTPHeaders", {}).get("date")
+    if modified is None or not date:
+        return None
+    try:
+        return (parsedate_to_datetime(date) - modified).total_seconds()
+    except (TypeError, ValueError):
+        return None
 
 
 def _read_body(fs, resp) -> bytes:

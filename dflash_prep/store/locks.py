@@ -23,9 +23,20 @@ Each of those is two locks, both taken:
   lease is taken over by creating generation G+1 (only one run can; the loser sees it and refuses). Generations only
   grow, so a run that read an old state can never take a lease someone else took since. A holder that finds a higher
   generation than its own (it was frozen past its lease and another run took over) has lost the lease (`lost`): the
-  extraction then stops at its next batch. Hosts' clocks must agree to well within the lease (NTP does); the lease
-  is judged on the holder's heartbeat time, so a host that is gone is taken over `lease_seconds` after its last
-  heartbeat.
+  extraction then stops at its next batch.
+
+How a lease is judged (`LeaseRecord.is_live`): by the folder's own clock, not the reader's nor the holder's: a
+heartbeat's age is the time since its file was last written, both read on the filesystem (the modification time of
+the lease file against that of a probe file written now), so hosts whose clocks differ judge it alike and a live
+holder is told by its heartbeats' progress; a heartbeat time in the future of this host's clock is named as clock
+skew, both clocks printed. A lease naming this host is judged by its flock (the kernel drops it when its process
+dies) and its run id, not by its pid: a pid alive again (reused, a restarted container) is not the dead run. A lease
+file that does not read as a record (garbage, wrong types) is damaged: named so, and taken over `lease_seconds` after
+it was last written.
+
+Fencing (`OutputFence`): the run lease's generation is the run's fencing token; every commit (store/record_store.py)
+checks under the index's lock that the run lease is still at that generation and names this run, so a run that lost
+the output (frozen past its lease, then taken over) commits nothing more.
 """
 
 from __future__ import annotations
@@ -41,6 +52,8 @@ import socket
 import threading
 import time
 from pathlib import Path
+
+from dflash_prep.errors import ExtractionError
 
 LOCKS_DIR = "locks"
 RUN_LOCK = "run.lock"
@@ -87,6 +100,7 @@ class FileLock:
     def __init__(self, path: Path):
         self.path = Path(path)
         self._fd: int | None = None
+        self.supported = True  # False once try_acquire found a filesystem without flock
 
     def try_acquire(self) -> bool:
         """Take the lock if it is free (True), False if another process holds it. Unsupported: warns, True.
@@ -104,6 +118,7 @@ class FileLock:
             break
         if outcome != "taken":
             os.close(fd)
+            self.supported = outcome != "unsupported"
             if outcome == "unsupported":
                 log.warning("%s: the filesystem does not support file locks; the lease alone excludes other runs",
                             self.path)
@@ -120,14 +135,19 @@ class FileLock:
 
     def held_elsewhere(self) -> bool:
         """Whether another process holds the lock now (a probe: takes and drops it, writes nothing)."""
-        if not self.path.exists():
-            return False
-        fd = os.open(self.path, os.O_RDONLY)
+        return self.probe() == "held"
+
+    def probe(self) -> str:
+        """"held" (another open file holds the flock), "free" (no file, or nobody holds it) or "unsupported"."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return "free"
         try:
             outcome = _flock_nonblocking(fd)
             if outcome == "taken":
                 fcntl.flock(fd, fcntl.LOCK_UN)
-            return outcome == "held"
+            return "free" if outcome == "taken" else outcome
         finally:
             os.close(fd)
 
@@ -191,33 +211,123 @@ def _clock(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(t))
 
 
+class LeaseLostError(ExtractionError):
+    """This run no longer holds the output (another run took its lease over: it was frozen or cut off past its
+    lease): it must not commit anything more (exit code 1; what is committed is intact)."""
+
+
+def folder_clock(folder: Path) -> float | None:
+    """The folder's filesystem clock now: the modification time of a file created there (on a network filesystem,
+    the server's clock), or None when nothing can be written there (a read-only output)."""
+    path = Path(folder) / f".clock-{socket.gethostname()}-{os.getpid()}-{threading.get_ident()}"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    except OSError:
+        return None
+    try:
+        os.write(fd, b".")
+        return os.fstat(fd).st_mtime
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+_FIELDS = {"host": str, "pid": int, "run_id": str, "heartbeat_at": (int, float), "lease_seconds": (int, float)}
+
+
+def _why_not_a_record(obj) -> str | None:
+    """Why a lease file's JSON is not a lease record (a field missing or of a wrong type), None when it is one."""
+    if not isinstance(obj, dict):
+        return f"a JSON {type(obj).__name__}, not an object"
+    for name, kind in _FIELDS.items():
+        value = obj.get(name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return f"{name} is {value!r}"
+    if not obj["lease_seconds"] > 0:
+        return f"lease_seconds is {obj['lease_seconds']!r}"
+    if not isinstance(obj.get("released_at"), (int, float, type(None))) or isinstance(obj.get("released_at"), bool):
+        return f"released_at is {obj.get('released_at')!r}"
+    return None
+
+
 class LeaseRecord(dict):
     """A lease file's content: host, pid, run_id, generation, lease_seconds, started_at, heartbeat_at (unix times
-    of the holder's clock), released_at (None while held)."""
+    of the holder's clock), released_at (None while held). Read from a file (`read_lease`), it also knows the file's
+    modification time (`mtime`) and folder, by which its age is judged (module docstring); `damaged`: why the file
+    does not read as a record (None for a good one)."""
+
+    mtime: float | None = None
+    folder: Path | None = None
+    damaged: str | None = None
+    _age: float | None = None
 
     def age_seconds(self, now: float | None = None) -> float:
-        return (time.time() if now is None else now) - float(self.get("heartbeat_at", 0))
+        """Seconds since the last heartbeat, by the folder's clock (never negative); `now` (this host's clock)
+        judges by the record's own heartbeat time instead (a record not read from a file)."""
+        if now is None and self.mtime is not None:
+            if self._age is None:
+                folder_now = folder_clock(self.folder) if self.folder is not None else None
+                self._age = max(0.0, (folder_now if folder_now is not None else time.time()) - self.mtime)
+            return self._age
+        return max(0.0, (time.time() if now is None else now) - float(self.get("heartbeat_at", 0)))
 
-    def is_live(self, now: float | None = None) -> bool:
-        """Held by a process that may be running: not released, a heartbeat younger than its lease, and not a
-        process of this host that is gone."""
+    def lease(self, default: float = DEFAULT_LEASE_SECONDS) -> float:
+        return default if self.damaged else float(self.get("lease_seconds", default))
+
+    def is_live(self, now: float | None = None, flock: str | None = None, lease_seconds: float | None = None) -> bool:
+        """Held by a process that may be running: not released, and a heartbeat younger than its lease. A record
+        naming this host is judged by its lock file's flock instead when that says something (`flock`: "held" ->
+        live, "free" or "ours" -> its process is gone; the kernel drops a dead process's flock), else by its pid.
+        A damaged record is judged by its file's age against `lease_seconds` (the reader's)."""
+        if self.damaged:
+            return self.age_seconds(now) < (lease_seconds or DEFAULT_LEASE_SECONDS)
         if self.get("released_at") is not None:
             return False
-        if self.get("host") == socket.gethostname() and not _pid_alive(int(self.get("pid", 0))):
-            return False
-        return self.age_seconds(now) < float(self.get("lease_seconds", DEFAULT_LEASE_SECONDS))
+        if self.get("host") == socket.gethostname():
+            if flock in ("free", "ours"):
+                return False
+            if flock != "held" and not _pid_alive(int(self.get("pid", 0))):
+                return False
+        return self.age_seconds(now) < self.lease()
 
     def describe(self) -> str:
+        if self.damaged:
+            return f"a damaged lease file ({self.damaged})"
         return f"pid {self.get('pid')} on {self.get('host')}, run {self.get('run_id')}"
 
-    def how_it_ends(self) -> str:
+    def skew(self) -> str:
+        """'' when the holder's heartbeat time agrees with this host's clock, else a sentence naming both clocks
+        (the holder's clock is ahead of or behind this host's)."""
+        if self.damaged or self.mtime is None:
+            return ""
+        ours = time.time() - self.age_seconds()  # this host's clock at the holder's last heartbeat
+        theirs = float(self.get("heartbeat_at", ours))
+        if abs(theirs - ours) <= max(2.0, heartbeat_seconds(self.lease())):
+            return ""
+        way = "ahead of" if theirs > ours else "behind"
+        return (f"; its clock is {abs(theirs - ours):.0f} s {way} this host's (clock skew: its last heartbeat says "
+                f"{_clock(theirs)}, this host's clock said {_clock(ours)}); the lease is judged by the folder's "
+                f"clock")
+
+    def how_it_ends(self, lease_seconds: float | None = None) -> str:
         """How the lease ends, for a message to someone who cannot reach the holder."""
-        lease = float(self.get("lease_seconds", DEFAULT_LEASE_SECONDS))
-        ends = float(self.get("heartbeat_at", 0)) + lease
-        return (f"its last heartbeat was {self.age_seconds():.0f} s ago; it renews it every "
+        age = self.age_seconds()
+        if self.damaged:
+            lease = lease_seconds or DEFAULT_LEASE_SECONDS
+            return (f"it does not read as a lease record (edited, or damaged); it is taken over {lease:.0f} s after "
+                    f"it was last written, at {_clock(time.time() + max(0.0, lease - age))}: re-running this "
+                    f"command then takes the output over")
+        lease = self.lease()
+        return (f"its last heartbeat was {age:.0f} s ago{self.skew()}; it renews it every "
                 f"{heartbeat_seconds(lease):.0f} s while it runs, and if {self.get('host')} is gone or the process "
-                f"is stopped the lease ends {lease:.0f} s after the last heartbeat ({_clock(ends)} or later): "
-                f"re-running this command then takes the output over")
+                f"is stopped the lease ends {lease:.0f} s after the last heartbeat "
+                f"({_clock(time.time() + max(0.0, lease - age))} or later): re-running this command then takes the "
+                f"output over")
 
 
 _GENERATION = re.compile(r"\.lease-(\d{6,})$")
@@ -241,49 +351,67 @@ class Lease:
     def path_of(self, generation: int) -> Path:
         return self.folder / f"{self.name}.lease-{generation:06d}"
 
-    def current(self) -> tuple[int, LeaseRecord | None] | None:
-        """(generation, record) of the highest generation, or None when there is none. The listing may lag on a
-        network filesystem; names above it are probed one by one (an open of a name asks the server)."""
+    def _highest(self) -> int:
+        """The highest generation there is (-1: none). The listing may lag on a network filesystem; names above it
+        are probed one by one (an open of a name asks the server)."""
         listed = [int(m.group(1)) for p in (self.folder.iterdir() if self.folder.is_dir() else [])
                   if p.name.startswith(self.name + ".lease-") and (m := _GENERATION.search(p.name))]
         generation = max(listed, default=-1)
         while self.path_of(generation + 1).exists():
             generation += 1
+        return generation
+
+    def current(self) -> tuple[int, LeaseRecord | None] | None:
+        """(generation, record) of the highest generation, or None when there is none; a file that does not read
+        as a record gives a damaged record (LeaseRecord.damaged), None only when it vanished meanwhile."""
+        generation = self._highest()
         if generation < 0:
             return None
         return generation, read_lease(self.path_of(generation))
 
-    def acquire(self) -> None:
+    def acquire(self, min_generation: int = 0, own_flock: bool = False) -> None:
+        """Take the lease (a generation above the highest and at least `min_generation`), or raise
+        OutputBusyError naming its live holder. `own_flock`: this process holds the flock of the same name, so a
+        lease naming this host is not live (its process is gone: the kernel dropped its flock)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         for _ in range(20):
             found = self.current()
-            if found is not None:
+            if found is not None and found[1] is not None:
                 generation, record = found
-                if record is None:  # unreadable: a torn copy, or a file made by hand; judged by its age
-                    record = _record_of_unreadable(self.path_of(generation))
-                if record.is_live():
-                    raise OutputBusyError(f"{record.describe()} holds it ({record.how_it_ends()})")
+                if record.is_live(flock="ours" if own_flock else None, lease_seconds=self.lease_seconds):
+                    raise OutputBusyError(_busy(record, self.path_of(generation), self.lease_seconds))
                 stale = record if record.get("released_at") is None else None
             else:
-                generation, stale = -1, None
-            if self._create(generation + 1):
+                generation, stale = (found[0] if found is not None else -1), None
+            if self._create(max(generation + 1, min_generation)):
                 self.took_over = stale
                 self._start_heartbeat()
-                self._remove_older(generation + 1)
+                self._remove_older(self.generation)
                 return
             time.sleep(0.05)  # another run made that generation first: judge it
         raise OutputBusyError(f"{self.folder / self.name}: could not take the lease (other runs keep taking it)")
 
-    def fence(self) -> bool:
+    def fence(self, flock: str | None = None) -> bool:
         """Take a stale lease (not live, not released) over and release it at once, so that its holder, should it
-        run again (a frozen process resumed), finds it lost and stops; -> whether it was fenced."""
+        run again (a frozen process resumed), finds it lost and stops; -> whether it was taken. `flock`: the state
+        of the lock file of the same name (FileLock.probe), which judges a lease of this host."""
         found = self.current()
-        if found is None or found[1] is None or found[1].is_live() or found[1].get("released_at") is not None:
+        if found is None or found[1] is None or found[1].get("released_at") is not None \
+                or found[1].is_live(flock=flock, lease_seconds=self.lease_seconds):
             return False
         if not self._create(found[0] + 1):
             return False
         self.release()
         return True
+
+    def check_held(self) -> None:
+        """Raise LeaseLostError unless this lease is still held: no higher generation exists (a take-over makes
+        one). Reads the folder's listing (one call)."""
+        if self.generation is None:
+            raise LeaseLostError(f"{self.folder / self.name}: this run holds no lease")
+        if self.lost or self._highest() != self.generation:
+            self.lost = True
+            raise LeaseLostError(_lost_message(self.folder, self.name, self.generation))
 
     def _record_now(self, generation: int) -> LeaseRecord:
         now = time.time()
@@ -307,7 +435,7 @@ class Lease:
             made = os.stat(tmp).st_nlink == 2
         finally:
             tmp.unlink(missing_ok=True)
-        if made and self.path_of(generation + 1).exists():
+        if made and self._highest() > generation:
             final.unlink(missing_ok=True)
             return False
         if made:
@@ -337,9 +465,10 @@ class Lease:
         """Rewrite the heartbeat (atomically: a reader sees the old record or the new one); notice a takeover."""
         if self.generation is None or self.lost:
             return
-        if self.path_of(self.generation + 1).exists():
+        highest = self._highest()
+        if highest > self.generation:
             self.lost = True
-            taker = read_lease(self.path_of(self.generation + 1))
+            taker = read_lease(self.path_of(highest))
             log.error("the lease %s was taken over by %s: this process stopped renewing it for longer than %.0f s "
                       "(frozen or cut off)", self.path_of(self.generation),
                       taker.describe() if taker else "another run", self.lease_seconds)
@@ -410,22 +539,72 @@ def remove_stale_tmp(folder: Path, older_than_seconds: float = STALE_TMP_SECONDS
 
 
 def read_lease(path: Path) -> LeaseRecord | None:
-    try:
-        record = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    return LeaseRecord(record) if isinstance(record, dict) else None
-
-
-def _record_of_unreadable(path: Path) -> LeaseRecord:
-    """A lease file that does not read (edited by hand, damaged): live for DEFAULT_LEASE_SECONDS after its
-    modification time, so it is never taken over sooner than a real one."""
+    """The record of a lease file, with its modification time; a file that does not read as a record (not JSON,
+    a field of a wrong type) gives a damaged record (its `damaged` says why), a file that is gone None."""
+    path = Path(path)
     try:
         mtime = path.stat().st_mtime
-    except OSError:
-        mtime = 0.0
-    return LeaseRecord(host="an unknown host", pid=0, run_id="unknown", heartbeat_at=mtime,
-                       lease_seconds=DEFAULT_LEASE_SECONDS, released_at=None)
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return _damaged_record(path, None, f"unreadable: {e.strerror or e}")
+    try:
+        obj = json.loads(data)
+        why = _why_not_a_record(obj)
+    except (ValueError, UnicodeDecodeError):  # json.JSONDecodeError is a ValueError
+        obj, why = None, f"not JSON: {data[:40]!r}"
+    if why is not None:
+        return _damaged_record(path, mtime, why)
+    record = LeaseRecord(obj)
+    record.mtime, record.folder = mtime, path.parent
+    return record
+
+
+def _damaged_record(path: Path, mtime: float | None, why: str) -> LeaseRecord:
+    """A lease file that does not read as a record (edited by hand, damaged): judged by the age of the file."""
+    record = LeaseRecord(host="an unknown host", pid=0, run_id="unknown", heartbeat_at=mtime or 0.0,
+                         released_at=None)
+    record.mtime, record.folder, record.damaged = mtime or 0.0, path.parent, f"{path.name}: {why}"
+    return record
+
+
+def _busy(record: LeaseRecord, path: Path, lease_seconds: float) -> str:
+    """Why a live lease refuses a run, one sentence."""
+    if record.damaged:
+        return f"its lease file is damaged ({record.damaged}); {record.how_it_ends(lease_seconds)}"
+    return f"{record.describe()} holds it ({record.how_it_ends()})"
+
+
+def _lost_message(folder: Path, name: str, generation: int) -> str:
+    taker = Lease(folder, name, "probe").current()
+    who = taker[1].describe() if taker is not None and taker[1] is not None else "another run"
+    return (f"{folder / name}: this run no longer holds the output: {who} took it over while this process was "
+            f"stopped or cut off past its lease (generation {generation} -> "
+            f"{taker[0] if taker is not None else '?'}); it commits nothing more, and what is committed is intact")
+
+
+class OutputFence:
+    """A run's fencing token, its run lease's generation, and the check every commit makes (store/record_store.py):
+    the output's run lease is still at that generation and names this run. `token` goes into every record this run
+    commits: a run that takes over gets a higher one."""
+
+    def __init__(self, out_dir: Path, token: int, run_id: str):
+        self.folder, self.token, self.run_id = Path(out_dir) / LOCKS_DIR, int(token), run_id
+
+    @classmethod
+    def of_holder(cls, out_dir: Path) -> "OutputFence":
+        """The fence of the run that holds the output's run lease now (a rank of it learns it so)."""
+        found = Lease(Path(out_dir) / LOCKS_DIR, RUN_NAME, "probe").current()
+        if found is None or found[1] is None or found[1].damaged:
+            raise LeaseLostError(f"{Path(out_dir) / LOCKS_DIR}: no run holds the output")
+        return cls(out_dir, found[0], found[1]["run_id"])
+
+    def check(self) -> None:
+        """Raise LeaseLostError unless this run still holds the output."""
+        found = Lease(self.folder, RUN_NAME, "probe").current()
+        if found is None or found[0] != self.token or found[1] is None or found[1].get("run_id") != self.run_id:
+            raise LeaseLostError(_lost_message(self.folder, RUN_NAME, self.token))
 
 
 class OutputLock:
@@ -452,32 +631,40 @@ class OutputLock:
         self.flock.release()
 
 
-def _take(out_dir: Path, name: str, run_id: str, lease_seconds: float, busy: str) -> OutputLock:
+def _take(out_dir: Path, name: str, run_id: str, lease_seconds: float, busy: str,
+          min_generation: int = 0) -> OutputLock:
     """Take `name`'s flock, then its lease; OutputBusyError (`busy` + the holder) when either is held."""
     lock = OutputLock(out_dir, name, run_id, lease_seconds)
     if not lock.flock.try_acquire():
         raise OutputBusyError(f"{busy} ({lock.flock.holder()}): wait for it to end (or stop it), then re-run this "
                               f"command to resume; or use another output.dir")
     try:
-        lock.lease.acquire()
+        lock.lease.acquire(min_generation, own_flock=lock.flock.supported)
     except OutputBusyError as e:
         lock.flock.release()
         raise OutputBusyError(f"{busy}: {e}; or use another output.dir") from None
     if lock.lease.took_over is not None:
-        record = lock.lease.took_over
-        age, lease = record.age_seconds(), float(record.get("lease_seconds", DEFAULT_LEASE_SECONDS))
-        why = (f"its last heartbeat was {age:.0f} s ago, past its lease of {lease:.0f} s (a host that is gone, or a "
-               f"process stopped)" if age > lease else
-               f"its process no longer runs on this host (its last heartbeat {age:.0f} s ago)")
-        log.warning("took over the lease of %s from %s: %s", name, record.describe(), why)
+        log.warning("took over the lease of %s %s", name, _why_taken(lock.lease.took_over))
     return lock
 
 
-def lock_run(out_dir: Path, run_id: str | None = None,
-             lease_seconds: float = DEFAULT_LEASE_SECONDS) -> OutputLock:
-    """The main process's lock of `out_dir` (raises OutputBusyError when another run holds it)."""
+def _why_taken(record: LeaseRecord) -> str:
+    """How a stale lease was found, after "took over the lease of NAME"."""
+    if record.damaged:
+        return f"({record.damaged}): it was not renewed within the lease"
+    if record.get("host") == socket.gethostname():
+        return (f"from {record.describe()}: its process no longer runs on this host (its lock is free; its last "
+                f"heartbeat {record.age_seconds():.0f} s ago)")
+    return (f"from {record.describe()}: its last heartbeat was {record.age_seconds():.0f} s ago, past its lease of "
+            f"{record.lease():.0f} s (a host that is gone, or a process stopped){record.skew()}")
+
+
+def lock_run(out_dir: Path, run_id: str | None = None, lease_seconds: float = DEFAULT_LEASE_SECONDS,
+             min_generation: int = 0) -> OutputLock:
+    """The main process's lock of `out_dir` (raises OutputBusyError when another run holds it). `min_generation`:
+    the lowest generation (fencing token) it may take: above every token the output's records carry."""
     return _take(out_dir, RUN_NAME, run_id or new_run_id(), lease_seconds,
-                 f"another extraction is running into {out_dir}")
+                 f"another extraction is running into {out_dir}", min_generation)
 
 
 def lock_rank(out_dir: Path, rank: int, run_id: str | None = None,
@@ -499,9 +686,14 @@ def _live_leases(out_dir: Path) -> dict[str, LeaseRecord]:
     live = {}
     for name in _lease_names(folder):
         found = Lease(folder, name, "probe").current()
-        if found is not None and found[1] is not None and found[1].is_live():
+        if found is not None and found[1] is not None and found[1].is_live(flock=_flock_state(folder, name)):
             live[name] = found[1]
     return live
+
+
+def _flock_state(folder: Path, name: str) -> str:
+    """FileLock.probe of the lock file beside lease `name`: how a lease of this host is judged."""
+    return FileLock(folder / f"{name}.lock").probe()
 
 
 def check_no_rank_writing(out_dir: Path, run_id: str | None = None) -> None:
@@ -521,7 +713,7 @@ def check_no_rank_writing(out_dir: Path, run_id: str | None = None) -> None:
                 f"worker left behind when its launcher was killed: stop it, then re-run this command to resume "
                 f"({record.how_it_ends()})")
     for name in _lease_names(folder):
-        if name.startswith("rank-") and Lease(folder, name, run_id or new_run_id()).fence():
+        if name.startswith("rank-") and Lease(folder, name, run_id or new_run_id()).fence(_flock_state(folder, name)):
             log.warning("%s: a rank of an earlier run had stopped renewing its lease (a host gone, or a process "
                         "stopped); the lease now names this run, so that rank stops before writing should it run "
                         "again", name)
@@ -537,7 +729,7 @@ def running_holders(out_dir: Path) -> dict[str, str]:
         if lock.held_elsewhere():
             held[path.stem] = lock.holder()
     for name, record in _live_leases(out_dir).items():
-        held.setdefault(name, f"pid {record.get('pid')} on {record.get('host')}")
+        held.setdefault(name, record.describe() if record.damaged else f"pid {record.get('pid')} on {record.get('host')}")
     return held
 
 

@@ -119,8 +119,9 @@ def build_manifest(records: list[ShardRecord], info: dict) -> dict:
     }
 
 
-def write_manifest(out_dir: str | Path, manifest: dict) -> Path:
-    return _write_manifest(Path(out_dir), MANIFEST_NAME, manifest)
+def write_manifest(out_dir: str | Path, manifest: dict, fence=None) -> Path:
+    """OUT/manifest.json, atomically, only while `fence` (locks.OutputFence) says this run holds the output."""
+    return _write_manifest(Path(out_dir), MANIFEST_NAME, manifest, fence)
 
 
 def read_manifest(out_dir: str | Path) -> dict:

@@ -13,11 +13,20 @@ The commit, for every kind of record:
 - the appends of one rank index are serialized (a lock shared by its writers): each line is whole;
 - an append that fails takes back what it wrote (the line's bytes and the renamed file, best effort).
 
+Fencing: a commit happens only while the committing run holds the output. The appender checks the run's fence
+(`fence.check()`: the output's run lease is still at the generation this run took, store/locks.py) under the
+index's own lock, before the rename and again before the line; a run that lost the output (frozen past its lease,
+another run took over) raises LeaseLostError there and commits nothing. Each record carries its run's fencing token
+(`fence`, the lease generation: a take-over always gets a higher one). A process frozen between its last check and
+its append can still land one line; a resume that then finds one item (sample) in records of two runs keeps one
+record, the one of the higher token (the run that took over), and drops the other: nothing else is redone.
+
 What a kill can leave, and what the next run's `RecordStore.prepare` (main process, no rank writing) does with it:
 a torn last index line (cut back to the last complete line; an unreadable line anywhere cuts the index there),
 a committed record whose file is missing or of another size (its line dropped, its work redone), and files no
-index lists or `.tmp` files (removed). `read_committed` reads the committed set: a torn tail is ignored, the same
-line twice counts once.
+index lists or `.tmp` files (removed), a record of a fenced run that another run's record supersedes (dropped).
+`read_committed` reads the committed set: a torn tail is ignored, the same line twice counts once, and of two runs'
+records of one item the higher token's.
 
 Why our own code and not a library's: the index is the format readers (`inspect`, the follow-mode reader, trainers)
 already read, a webdataset/Arrow file is committed by one rename, and no library offers an append-only index
@@ -26,6 +35,8 @@ repaired this way; the code is one screen per step.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import threading
@@ -34,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_prep.io import atomic_write_json, atomic_write_lines, fsync_dir
+from dflash_prep.io import atomic_write_lines, fsync_dir
 
 INDEX_DIR = "index"
 INDEX_GLOB = "rank-*.jsonl"
@@ -114,11 +125,10 @@ class RecordStore:
         return sorted(self.index_dir.glob(INDEX_GLOB), key=str)
 
     # -- reading -----------------------------------------------------------------------------------------------
-    def read_committed(self) -> list:
-        """Every committed record of every rank index, in (index file, line) order. A torn or unreadable line ends
-        its file (what follows is not committed); the same record twice counts once. OutputStateError when two
-        different records name one key, or two records hold one item (an index edited or merged by hand)."""
-        records: dict[Hashable, Any] = {}
+    def read_lines(self) -> list:
+        """Every readable record of every rank index, in (index file, line) order, the same record once; a torn
+        or unreadable line ends its file (what follows is not committed)."""
+        records, seen = [], set()
         for index in self.index_paths():
             for line in _read_bytes(index).splitlines():
                 if not line.strip():
@@ -126,15 +136,68 @@ class RecordStore:
                 record = self.kind.parse(line)
                 if record is None:
                     break  # torn tail
-                key = self.kind.key(record)
-                if records.setdefault(key, record) != record:
-                    raise damaged_state(self.index_dir, f"{self.kind.noun} {key} is listed twice, differently")
-        if self.kind.items is not None:
-            items = [s for r in records.values() for s in self.kind.items(r)]
-            if len(items) != len(set(items)):
-                twice = sorted({s for s in items if items.count(s) > 1})[:5]
-                raise damaged_state(self.index_dir, f"samples {twice} are listed in two {self.kind.noun}s")
-        return list(records.values())
+                if line not in seen:
+                    seen.add(line)
+                    records.append(record)
+        return records
+
+    def read_committed(self) -> list:
+        """The committed records (`read_lines`, then `resolve`), in (index file, line) order."""
+        return self.resolve(self.read_lines())[0]
+
+    def resolve(self, records: list) -> tuple[list, list]:
+        """One record per key and per item: -> (kept, superseded). Of two records of two runs (fencing tokens
+        that differ) sharing a key or an item, the one of the higher token is kept (the run that took over); of
+        two of one run, or of unknown runs, the first. OutputStateError when two records of one run differ for
+        one key, or share an item (an index edited or merged by hand: nothing says which one is right)."""
+        kept: dict[int, Any] = {}  # position -> record
+        by_key: dict[Hashable, int] = {}
+        by_item: dict[Hashable, int] = {}
+        superseded = []
+        for position, record in enumerate(records):
+            rivals = {by_key[k] for k in [self.kind.key(record)] if k in by_key}
+            rivals |= {by_item[i] for i in self._items(record) if i in by_item}
+            if any(kept[rival] == record for rival in rivals):
+                continue  # the same record again (a line copied): once
+            for rival in sorted(rivals):
+                self._refuse_same_run(kept[rival], record)
+            if any(not _supersedes(record, kept[rival]) for rival in rivals):
+                superseded.append(record)
+                continue
+            for rival in rivals:
+                loser = kept.pop(rival)
+                superseded.append(loser)
+                by_key.pop(self.kind.key(loser), None)
+                for item in self._items(loser):
+                    by_item.pop(item, None)
+            kept[position] = record
+            by_key[self.kind.key(record)] = position
+            for item in self._items(record):
+                by_item[item] = position
+        return list(kept.values()), superseded
+
+    def _items(self, record) -> list:
+        return self.kind.items(record) if self.kind.items is not None else []
+
+    def _refuse_same_run(self, first, second) -> None:
+        if _fence_of(first) is not None and _fence_of(first) != _fence_of(second):
+            return
+        if self.kind.key(first) == self.kind.key(second):
+            raise damaged_state(self.index_dir, f"{self.kind.noun} {self.kind.key(first)} is listed twice, "
+                                                f"differently")
+        twice = sorted(set(self._items(first)) & set(self._items(second)))[:5]
+        raise damaged_state(self.index_dir, f"samples {twice} are listed in two {self.kind.noun}s")
+
+    def max_fence(self) -> int:
+        """The highest fencing token any readable line of the indexes carries (-1: none): a new run's token is
+        above it (its records then win over every earlier run's)."""
+        tokens = [-1]
+        for index in self.index_paths():
+            for line in _read_bytes(index).splitlines():
+                record = self.kind.parse(line)
+                if record is not None and isinstance(_fence_of(record), int):
+                    tokens.append(_fence_of(record))
+        return max(tokens)
 
     # -- repair ------------------------------------------------------------------------------------------------
     def repair_indexes(self) -> list[tuple[str, int]]:
@@ -194,6 +257,24 @@ class RecordStore:
         for rel in paths:
             (self.out_dir / rel).unlink(missing_ok=True)
 
+    def drop_records(self, records: list, keep: list) -> None:
+        """Remove the index lines of exactly these records (superseded ones), and their files unless a record of
+        `keep` names the same file. Main process, no rank writing."""
+        lines_of = {self.kind.line(r) for r in records}
+        for index in self.index_paths():
+            lines = index.read_bytes().splitlines(keepends=True)
+            kept = [line for line in lines if line.strip() and self._canonical(line) not in lines_of]
+            if len(kept) != len(lines):
+                atomic_write_lines(index, kept)
+        kept_paths = {r.path for r in keep}
+        for record in records:
+            if record.path not in kept_paths:
+                (self.out_dir / record.path).unlink(missing_ok=True)
+
+    def _canonical(self, line: bytes) -> bytes | None:
+        record = self.kind.parse(line)
+        return self.kind.line(record) if record is not None else None
+
     def uncommitted_files(self, committed: list) -> list[Path]:
         """`.tmp` files and files no index lists (left by a crash)."""
         keep = {self.out_dir / r.path for r in committed}
@@ -207,17 +288,23 @@ class RecordStore:
         return removed
 
     def prepare(self, check: Callable[[list], dict[str, str]] | None = None) -> "Prepared":
-        """Main process, no rank writing: repair the indexes, drop committed records whose file is damaged
-        (`size_mismatches`, or `check(committed)` -> {path: why} when given), remove uncommitted files. -> what it
-        found and did, and the committed records left."""
+        """Main process, no rank writing: repair the indexes, drop records whose file is damaged
+        (`size_mismatches`, or `check(records)` -> {path: why} when given), then the records another run's record
+        supersedes (`resolve`: of intact records only, so the one kept is intact), remove uncommitted files. -> what
+        it found and did, and the committed records left."""
         repaired = self.repair_indexes()
-        committed = self.read_committed()
-        damaged = check(committed) if check is not None else self.size_mismatches(committed)
+        records = self.read_lines()
+        self.resolve(records)  # a hand-merged index is refused before anything is dropped
+        damaged = check(records) if check is not None else self.size_mismatches(records)
         if damaged:
             self.drop(set(damaged))
-            committed = self.read_committed()
+            records = [r for r in records if r.path not in damaged]
+        committed, superseded = self.resolve(records)
+        if superseded:
+            self.drop_records(superseded, keep=committed)
         removed = self.remove_uncommitted(committed)
-        return Prepared(committed=committed, repaired=repaired, damaged=damaged, removed=removed)
+        return Prepared(committed=committed, repaired=repaired, damaged=damaged, removed=removed,
+                        superseded=superseded)
 
     # -- writing -----------------------------------------------------------------------------------------------
     def appender(self, rank: int, lock: threading.Lock | None = None) -> "IndexAppender":
@@ -228,17 +315,18 @@ class RecordStore:
 @dataclass
 class Prepared:
     """What `RecordStore.prepare` found: the committed records left, the indexes cut ((file, records cut)), the
-    records dropped ({path: why}) and the files removed."""
+    records dropped ({path: why}), the files removed, and the records of a fenced run another run's superseded."""
 
     committed: list
     repaired: list[tuple[str, int]]
     damaged: dict[str, str]
     removed: list[Path]
+    superseded: list = field(default_factory=list)
 
 
 class IndexAppender:
-    """Commits one rank's files: `commit(tmp, final, record)` renames the fsynced `tmp` to `final` and appends the
-    record's line to the rank index (module docstring)."""
+    """Commits one rank's files: `commit(tmp, final, record, fence)` renames the fsynced `tmp` to `final` and appends
+    the record's line to the rank index, while `fence` says this run holds the output (module docstring)."""
 
     def __init__(self, index_path: Path, kind: RecordKind, lock: threading.Lock | None = None):
         self.index_path, self.kind = Path(index_path), kind
@@ -246,23 +334,59 @@ class IndexAppender:
         self.index_path.parent.mkdir(parents=True, exist_ok=True)
 
     @staticmethod
-    def place(tmp: Path, final: Path) -> None:
-        """Rename the written and fsynced `tmp` to `final` and make the rename durable."""
-        os.replace(tmp, final)
+    def place(tmp: Path, final: Path, replace: bool = True) -> None:
+        """Rename the written and fsynced `tmp` to `final` and make the rename durable. `replace=False`: never over
+        an existing file (a link, then the tmp removed: FileExistsError when `final` exists; a filesystem without
+        links renames)."""
+        if replace:
+            os.replace(tmp, final)
+        else:
+            try:
+                os.link(tmp, final)
+            except OSError as e:
+                if e.errno == errno.EEXIST:
+                    raise
+                os.replace(tmp, final)
+            else:
+                os.unlink(tmp)
         fsync_dir(final.parent)
 
-    def commit(self, tmp: Path, final: Path, record) -> None:
-        """`place` the file, then append its record's line (fsynced): the commit. On an error nothing is committed:
-        the line's bytes and the renamed file are taken back (best effort; a resume would remove the unlisted file
-        and cut a torn line anyway)."""
-        with self.lock:
-            self.place(tmp, final)
-            self.append(record, undo=final)
+    def commit(self, tmp: Path, final: Path, record, fence=None, replace: bool = True,
+               at: Callable[[str], None] | None = None) -> None:
+        """Check the fence, `place` the file, check again, append its record's line (fsynced): the commit. Under
+        the rank's lock and the index file's own flock. On an error nothing is committed: the renamed file and the
+        line's bytes are taken back (best effort; a resume would remove an unlisted file and cut a torn line
+        anyway). `at(point)`: a test hook at "checked", "renamed" and "appending" (after the last check; faults.py)."""
+        if fence is not None:
+            record.fence = fence.token
+        with self.lock, _index_flock(self.index_path) as flock:
+            if fence is not None:
+                fence.check()
+            if at is not None:
+                at("checked")
+            try:
+                self.place(tmp, final, replace)
+            except OSError:
+                if fence is not None:
+                    fence.check()  # the file went because another run took over: say that
+                raise
+            try:
+                if at is not None:
+                    at("renamed")
+                if fence is not None:
+                    fence.check()
+                if at is not None:
+                    at("appending")
+            except BaseException:
+                final.unlink(missing_ok=True)
+                raise
+            self.append(record, undo=final, created=flock.created)
 
-    def append(self, record, undo: Path | None = None) -> None:
+    def append(self, record, undo: Path | None = None, created: bool | None = None) -> None:
         """Append the record's line, fsynced (and the folder, for a new index). Callers hold `lock`."""
-        created = not self.index_path.exists()
-        size = 0 if created else self.index_path.stat().st_size
+        if created is None:
+            created = not self.index_path.exists()
+        size = self.index_path.stat().st_size if self.index_path.exists() else 0
         try:
             with open(self.index_path, "ab") as f:
                 f.write(self.kind.line(record))
@@ -280,6 +404,43 @@ class IndexAppender:
             raise
 
 
+class _index_flock:
+    """The index file's own flock for the time of one commit (processes of one host); a filesystem without flock
+    is left to the fence alone. `created`: the index did not exist before (its folder is fsynced after the line)."""
+
+    def __init__(self, index_path: Path):
+        self.path = Path(index_path)
+        self.fd: int | None = None
+        self.created = False
+
+    def __enter__(self):
+        self.created = not self.path.exists()
+        if self.created:
+            return self  # a new index: the rank's lock alone (another run's process of this host holds no rank)
+        try:
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        except OSError:
+            pass  # no flock here: the fence alone
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing drops the flock
+
+
+def _fence_of(record) -> int | None:
+    fence = getattr(record, "fence", None)
+    return fence if isinstance(fence, int) and not isinstance(fence, bool) else None
+
+
+def _supersedes(record, other) -> bool:
+    """Whether `record` wins over `other`, an earlier record of the same key or item: only a record of a later run
+    (a higher fencing token) does."""
+    mine, theirs = _fence_of(record), _fence_of(other)
+    return mine is not None and theirs is not None and mine > theirs
+
+
 def fsync_file(path: Path) -> None:
     """fsync a file written by a library that does not (pyarrow's writers): before its commit renames it."""
     fd = os.open(path, os.O_RDONLY)
@@ -289,8 +450,22 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(out_dir: Path, name: str, manifest: dict) -> Path:
-    """The output's manifest, written atomically (written last: a reader that trusts it sees committed files only)."""
+def write_manifest(out_dir: Path, name: str, manifest: dict, fence=None) -> Path:
+    """The output's manifest, written atomically (written last: a reader that trusts it sees committed files only),
+    only while `fence` says this run holds the output (checked before the rename)."""
     path = Path(out_dir) / name
-    atomic_write_json(path, manifest)
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        if fence is not None:
+            fence.check()
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
     return path

@@ -30,8 +30,10 @@ class ShardRecord:
     sample_ids: list[str] = field(default_factory=list)
     failed: list[dict] = field(default_factory=list)  # [{sample_id, source_row, source_id, batch_id, reason}]
     committed_at: float | None = None  # unix time of the commit (progress and ETA of a running job)
+    fence: int | None = None  # the committing run's fencing token (its run lease's generation; None: older versions)
 
     def to_json(self) -> dict:
+        fence = {} if self.fence is None else {"fence": self.fence}
         return dict(path=self.path, num_samples=self.num_samples, num_tokens=self.num_tokens,
                     num_bytes=self.num_bytes, sha256=self.sha256, batch_ids=self.batch_ids,
-                    sample_ids=self.sample_ids, failed=self.failed, committed_at=self.committed_at)
+                    sample_ids=self.sample_ids, failed=self.failed, committed_at=self.committed_at, **fence)

@@ -19,6 +19,13 @@ two:
 - the small files: pulled into the staging folder when a run claims the output (`pull_state`), pushed back after
   the stage that wrote them (`push`), the manifest last of all.
 
+Fencing: each commit first checks the run's fence (`RemoteFence`: the output's run lease still carries this run's
+generation), and the index object is rewritten only if it is still the version this rank last read or wrote
+(`If-Match` on its ETag; `If-None-Match: *` for a new one): a run that lost the output and wakes finds the index
+changed and its fence gone, and commits nothing. A rewrite refused while the fence holds (a frozen run's late line
+landed meanwhile) is redone over the index as it is now, that line kept (the record store keeps one of two runs'
+records of a sample).
+
 Why a rewrite of the whole index per shard (not an append, which object stores do not have): it keeps the index
 format of a local output (`read_committed`, `inspect`, the follower read it alike); its size grows with the
 shards, ~600 bytes a shard plus its sample ids, so a rank of 1,000 shards re-uploads about 0.6 GB of index over a
@@ -41,9 +48,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from dflash_prep.recipe.location import check_store
-from dflash_prep.store.lease import Lease, LeaseLostError, StoreError, _is_s3, store_call
+from dflash_prep.store.lease import Lease, LeaseLostError, StoreError, _is_s3, _precondition_failed, store_call
 from dflash_prep.store.locks import LOCKS_DIR, OutputBusyError
-from dflash_prep.store.manifest import MANIFEST_NAME, read_committed
+from dflash_prep.store.manifest import MANIFEST_NAME, read_committed, shard_store
 from dflash_prep.store.record_store import SUPERSEDED_NAME
 from dflash_prep.store.records import INDEX_DIR, SHARDS_DIR, ShardRecord, rank_name
 
@@ -166,13 +173,16 @@ class RemoteOutput:
             if path.is_file():
                 self.fs.put_file(str(path), self.key(rel))
 
-    def push_state(self, last: tuple[str, ...] = (MANIFEST_NAME,)) -> None:
+    def push_state(self, last: tuple[str, ...] = (MANIFEST_NAME,), fence=None) -> None:
         """Upload the staging folder's small files: every file but shards, locks, logs, the rank indexes (their
-        ranks write them) and progress files; the names in `last` after all others (the manifest last)."""
+        ranks write them) and progress files; the names in `last` after all others (the manifest last), once
+        `fence` (RemoteFence) says this run still holds the output."""
         rels = sorted(str(p.relative_to(self.staging)) for p in self.staging.rglob("*") if p.is_file())
         rels = [r for r in rels if not r.startswith(_NOT_STATE + (INDEX_DIR + "/",))
                 and not r.endswith((".tmp", ".pull", _PROGRESS_SUFFIX))]
         self.push([r for r in rels if r not in last])
+        if fence is not None:
+            fence.check()
         self.push([r for r in last if r in rels])
 
     def push_rank_file(self, rel: str) -> None:
@@ -200,6 +210,40 @@ class RemoteOutput:
                 if rel.endswith(".jsonl"):
                     self._download(rel, Path(tmp) / rel)
             return read_committed(tmp)
+
+    def max_fence(self) -> int:
+        """The highest fencing token of the rank indexes in the store (RecordStore.max_fence; -1: none)."""
+        with tempfile.TemporaryDirectory(prefix="dflash-prep-index-") as tmp:
+            for rel in self._objects(INDEX_DIR + "/"):
+                if rel.endswith(".jsonl"):
+                    self._download(rel, Path(tmp) / rel)
+            return shard_store(Path(tmp)).max_fence()
+
+    @store_call
+    def cat_versioned(self, rel: str) -> tuple[bytes | None, str | None]:
+        """(the object's bytes, its ETag) in one GET; (None, None) when absent; the ETag None off S3."""
+        if not _is_s3(self.fs):
+            return self.cat(rel), None
+        bucket, _, key = self.key(rel).partition("/")
+        try:
+            resp = self.fs.call_s3("get_object", Bucket=bucket, Key=key)
+        except FileNotFoundError:
+            return None, None
+        from dflash_prep.store.lease import _read_body
+
+        return _read_body(self.fs, resp), resp.get("ETag")
+
+    @store_call
+    def put_if(self, rel: str, data: bytes, etag: str | None, absent: bool) -> str | None:
+        """One PUT of the whole object, only if it is still the version `etag` (`absent`: only if there is none);
+        a FileExistsError-like precondition error otherwise (lease._precondition_failed). -> its new ETag. Off S3:
+        unconditional."""
+        if not _is_s3(self.fs):
+            self.fs.pipe_file(self.key(rel), data)
+            return None
+        bucket, _, key = self.key(rel).partition("/")
+        condition = {"IfNoneMatch": "*"} if absent else {"IfMatch": etag}
+        return self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition).get("ETag")
 
     def shard_sizes(self) -> dict[str, int]:
         return {rel: size for rel, size in self._objects(SHARDS_DIR + "/").items()}
@@ -299,11 +343,10 @@ class ShardUploader:
     (a shard whose upload failed is absent or whole under its name, and unlisted: a resume deletes it)."""
 
     def __init__(self, remote: RemoteOutput, rank: int, max_in_flight: int, lease: Lease | None = None,
-                 chunk_bytes: int = MULTIPART_CHUNK_BYTES):
-        self.remote, self.lease, self.chunk_bytes = remote, lease, chunk_bytes
+                 chunk_bytes: int = MULTIPART_CHUNK_BYTES, fence=None):
+        self.remote, self.lease, self.chunk_bytes, self.fence = remote, lease, chunk_bytes, fence
         self.index_rel = f"{INDEX_DIR}/{rank_name(rank)}.jsonl"
-        existing = remote.cat(self.index_rel) or b""  # this rank's committed lines: only this rank writes them
-        self._lines = existing.decode() if existing.endswith(b"\n") or not existing else existing.decode() + "\n"
+        self._read_index()  # this rank's committed lines, and the version this rank may rewrite
         self._slots = threading.Semaphore(max_in_flight)
         self._pool = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix=f"shard-upload-{rank}")
         self._lock = threading.Lock()  # one index rewrite at a time, in commit order
@@ -311,6 +354,35 @@ class ShardUploader:
         self.error: BaseException | None = None
         self.bytes_uploaded = 0
         self.upload_seconds = 0.0  # summed over the uploads (they overlap)
+
+    def _read_index(self) -> None:
+        existing, self._etag = self.remote.cat_versioned(self.index_rel)
+        self._absent = existing is None
+        existing = existing or b""
+        self._lines = existing.decode() if existing.endswith(b"\n") or not existing else existing.decode() + "\n"
+
+    def _commit(self, record: ShardRecord) -> None:
+        """The commit: the index rewritten with one more line, only while the fence holds and the index is the
+        version read (module docstring). Under `_lock`."""
+        if self.fence is not None:
+            record.fence = self.fence.token
+        line = json.dumps(record.to_json()) + "\n"
+        for _ in range(5):
+            if self.lease is not None:
+                self.lease.check()
+            if self.fence is not None:
+                self.fence.check()
+            lines = self._lines + line
+            try:
+                self._etag = self.remote.put_if(self.index_rel, lines.encode(), self._etag, self._absent)
+            except OSError as e:
+                if not _precondition_failed(e):
+                    raise
+                self._read_index()  # written meanwhile by another run: judged again by the fence
+                continue
+            self._lines, self._absent = lines, False
+            return
+        raise StoreError(f"{self.remote.name(self.index_rel)} keeps changing under this run: nothing committed")
 
     def publish(self, local: Path, record: ShardRecord) -> None:
         self._raise_if_failed()
@@ -325,6 +397,8 @@ class ShardUploader:
             if self.error is not None:
                 return
             t0 = time.perf_counter()
+            if self.fence is not None:
+                self.fence.check()  # a run that lost the output uploads nothing more
             # complete or absent under its final name: one PUT, or a multipart upload the store completes at once
             extra = {"chunksize": self.chunk_bytes} if _is_s3(self.remote.fs) else {}
             self.remote.fs.put_file(str(local), self.remote.key(record.path), **extra)
@@ -332,11 +406,7 @@ class ShardUploader:
             with self._lock:
                 if self.error is not None:
                     return
-                if self.lease is not None:
-                    self.lease.check()
-                lines = self._lines + json.dumps(record.to_json()) + "\n"
-                self.remote.put_bytes(self.index_rel, lines.encode())  # the commit: the index after its shard
-                self._lines = lines
+                self._commit(record)  # the index after its shard
                 self.committed.append(record)
                 self.bytes_uploaded += record.num_bytes
             local.unlink(missing_ok=True)
@@ -361,12 +431,30 @@ class ShardUploader:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
+class RemoteFence:
+    """A run's fencing token on an object-store output, its run lease's generation, and the check every commit
+    makes (locks.OutputFence's, for the store): the run lease object still carries that generation."""
+
+    def __init__(self, remote: RemoteOutput, token: int):
+        self.remote, self.token = remote, int(token)
+
+    def check(self) -> None:
+        content, _ = self.remote.lease("run").read()
+        if content is None or content.get("generation") != self.token:
+            holder = "no run" if content is None else f"generation {content.get('generation')!r}"
+            raise LeaseLostError(f"{self.remote.name('locks/run.lease')}: this run (generation {self.token}) no "
+                                 f"longer holds the output ({holder} holds it now: it was taken over while this "
+                                 f"process was stopped or cut off past its lease); it commits nothing more, and what "
+                                 f"is committed is intact")
+
+
 def claim_run(remote: RemoteOutput) -> Lease:
     """The main process's lease of the output (`locks/run.lease`); OutputBusyError when another live run holds it
-    or a rank of an earlier run still holds its rank lease (an orphaned process of a killed launcher)."""
+    or a rank of an earlier run still holds its rank lease (an orphaned process of a killed launcher). Its
+    generation, the run's fencing token, is above every token the store's indexes carry."""
     _check_reachable(remote)
     lease = remote.lease("run")
-    if not lease.try_acquire():
+    if not lease.try_acquire(min_generation=remote.max_fence() + 1):
         raise OutputBusyError(f"another extraction is running into {remote.url} ({lease.holder()}): wait for it to "
                               f"end (or stop it), then re-run this command to resume; or use another output.dir")
     busy = remote.live_leases("rank-")

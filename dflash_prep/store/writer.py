@@ -400,10 +400,11 @@ class ShardWriter:
 
     def __init__(self, out_dir: str | Path, rank: int, max_shard_bytes: int, first_shard_number: int = 0,
                  faults=None, shard_number_step: int = 1, index_lock: threading.Lock | None = None,
-                 run_id: str | None = None, write_mode: str = "auto"):
+                 run_id: str | None = None, write_mode: str = "auto", fence=None):
         """`shard_number_step` and a shared `index_lock` let several writers (lanes) of one rank interleave their
         shard numbers and share the rank's index file (see `lanes`); `run_id` goes into every shard's name;
-        `write_mode` (WRITE_MODES): `auto` and `direct` write with O_DIRECT where the filesystem takes it."""
+        `write_mode` (WRITE_MODES): `auto` and `direct` write with O_DIRECT where the filesystem takes it; `fence`
+        (locks.OutputFence): checked at every commit, its token in every record (store/record_store.py)."""
         if write_mode not in WRITE_MODES:
             raise ValueError(f"write_mode must be one of {WRITE_MODES}, got {write_mode!r}")
         self.write_mode = write_mode
@@ -414,6 +415,7 @@ class ShardWriter:
         self.index_path = self.out_dir / INDEX_DIR / f"{rank_name(rank)}.jsonl"
         self.shard_dir.mkdir(parents=True, exist_ok=True)
         self.appender = shard_store(self.out_dir).appender(rank, index_lock)  # the commit (store/record_store.py)
+        self.fence = fence
         self.next_number = first_shard_number
         self.shard_number_step = shard_number_step
         self.committed: list[ShardRecord] = []
@@ -479,16 +481,25 @@ class ShardWriter:
             self._after_rename(final)
             self.publisher.publish(final, record)
             return
-        with self.appender.lock:  # the rank's lanes append to one index file
-            self.appender.place(tmp, final)
-            self._open = None
-            self._after_rename(final)
-            self.appender.append(record, undo=final)
+        number = _shard_number(final)
+        try:
+            self.appender.commit(tmp, final, record, self.fence, at=lambda point: self._at(point, number))
+        finally:
+            if not tmp.exists():
+                self._open = None  # renamed (committed, or taken back): nothing left for `abort`
         self.committed.append(record)
 
     def _after_rename(self, final: Path) -> None:
         if self.faults is not None:
             self.faults.after_rename(_shard_number(final))
+
+    def _at(self, point: str, number: int) -> None:
+        """The commit's test hooks (faults.py): after the fence check, after the rename."""
+        if self.faults is not None:
+            if hasattr(self.faults, "at_commit"):
+                self.faults.at_commit(point, number)
+            if point == "renamed":
+                self.faults.after_rename(number)
 
     def close(self) -> None:
         """Commit the open shard (if it holds anything)."""
@@ -588,18 +599,21 @@ def _held_bytes(pending: PendingBatch) -> int:
 
 
 def lanes(out_dir: str | Path, rank: int, max_shard_bytes: int, first_shard_number: int, num_lanes: int,
-          faults=None, publisher=None, run_id: str | None = None, write_mode: str = "auto") -> list[ShardWriter]:
+          faults=None, publisher=None, run_id: str | None = None, write_mode: str = "auto",
+          fence=None) -> list[ShardWriter]:
     """The `num_lanes` writers of one rank: lane j numbers its shards first + j, first + j + num_lanes, ...
     `publisher`: an object-store output's uploader (remote.ShardUploader), shared by the lanes; `run_id`: this run's
     id, in its shards' names; `write_mode` (WRITE_MODES): `auto` is `direct` for a local output and `buffered` for
-    an object store's staging folder (the upload then reads the shard back from the page cache, not the disk)."""
+    an object store's staging folder (the upload then reads the shard back from the page cache, not the disk);
+    `fence`: the run's (locks.OutputFence), checked at each local commit."""
     if write_mode == "auto" and publisher is not None:
         write_mode = "buffered"
     if num_lanes < 1:
         raise ValueError(f"num_lanes must be >= 1, got {num_lanes}")
     lock = threading.Lock()
     writers = [ShardWriter(out_dir, rank, max_shard_bytes, first_shard_number + j, faults,
-                           shard_number_step=num_lanes, index_lock=lock, run_id=run_id, write_mode=write_mode)
+                           shard_number_step=num_lanes, index_lock=lock, run_id=run_id, write_mode=write_mode,
+                           fence=fence)
                for j in range(num_lanes)]
     for w in writers:
         w.publisher = publisher

@@ -2,8 +2,8 @@
 crash left, the run's record and the frozen plan. `take_output` is the sequence; each step is a function below:
 
     claim_output       main: the run's lock (flock + lease; the store's lease too), no orphaned rank writing, the
-                       output of another job refused (identity without the rows); the run id to every process;
-                       every writing rank its own lock
+                       output of another job refused (identity without the rows); the run id and the fencing
+                       token (the run lease's generation) to every process; every writing rank its own lock
     tokenize           the caller's (run.py): rows -> token ids; the model loads meanwhile
     prepare_output     main: the rows' identity checked; torn index lines cut, committed shards whose file is missing
                        or damaged dropped, uncommitted files removed (the record store, store/record_store.py);
@@ -40,9 +40,17 @@ from dflash_prep.io import atomic_write_json, atomic_write_jsonl
 from dflash_prep.plan.planner import PlannedBatch, make_plan, plan_settings
 from dflash_prep.recipe.fingerprints import inputs_stamp, rows_fingerprint
 from dflash_prep.recipe.schema import Recipe, RecipeError
-from dflash_prep.store.locks import LOCKS_DIR, OutputLock, check_no_rank_writing, lock_rank, lock_run, new_run_id
+from dflash_prep.store.locks import (
+    LOCKS_DIR,
+    OutputFence,
+    OutputLock,
+    check_no_rank_writing,
+    lock_rank,
+    lock_run,
+    new_run_id,
+)
 from dflash_prep.store.manifest import STATE_NAME, OutputStateError, damaged_shards, read_state_json, shard_store
-from dflash_prep.store.remote import claim_rank, claim_run
+from dflash_prep.store.remote import RemoteFence, claim_rank, claim_run
 
 log = logging.getLogger("dflash_prep")
 
@@ -67,30 +75,46 @@ def take_output(run: Run, held: list, tokenize: Callable[[Run], object]) -> tupl
 
 def claim_output(run: Run, held: list) -> None:
     """The main process locks the folder (locks.py: a flock and a lease, for runs on any host) and checks it is this
-    job's before anything in it is touched; its run id reaches every process; then every writing rank holds its
-    own lock (both released when its process dies: the flock by the kernel, the lease once it lapses)."""
+    job's before anything in it is touched; its run id and fencing token reach every process; then every writing
+    rank holds its own lock (both released when its process dies: the flock by the kernel, the lease once it
+    lapses)."""
     output = run.recipe.output
+    token = 0
     if run.is_main:
-        held.append(lock_run(run.out_dir, new_run_id(), output.lease_seconds))  # object store: its staging folder
-        run.run_id = held[-1].run_id
-        check_no_rank_writing(run.out_dir, run.run_id)  # no orphaned worker of an earlier run still writes
-        if run.remote is not None:
-            held.append(claim_run(run.remote))  # the store's lease (store/lease.py), no live rank lease
+        token = _lock_run(run, held)
         open_output(run.out_dir, run.recipe, run.identity, run.remote)
         run.inputs_stamp = inputs_stamp(run.recipe)  # before any input is read: written once the output is finished
         clear_progress(run.out_dir)  # the progress files of an earlier run (progress.py)
         attach_log_file(run.out_dir, run.state.process_index)  # the folder is this job's: its log from here on
-        log.info("run %s holds %s", run.run_id, run.remote.url if run.remote is not None else run.out_dir)
-    shared = run.peers.wait("the main process claims the output", payload=int(run.run_id or "0", 16))
+        log.info("run %s holds %s (fencing token %d)", run.run_id,
+                 run.remote.url if run.remote is not None else run.out_dir, token)
+    shared = run.peers.wait("the main process claims the output",
+                            payload=(token << 32) | int(run.run_id or "0", 16))
+    run.run_id, token = f"{shared & 0xFFFFFFFF:08x}", shared >> 32
     if not run.is_main:
-        run.run_id = f"{shared:08x}"
         attach_log_file(run.out_dir, run.state.process_index)
+    run.fence = RemoteFence(run.remote, token) if run.remote is not None else \
+        OutputFence(run.out_dir, token, run.run_id)
     if run.is_writer:  # the other processes of a replica write nothing
         held.append(lock_rank(run.out_dir, run.rank, run.run_id, output.lease_seconds))
         if run.remote is not None:
             run.remote.rank_lease = claim_rank(run.remote, run.rank)
             held.append(run.remote.rank_lease)
     run.locks = [lock for lock in held if isinstance(lock, OutputLock)]  # an object store's leases: store/lease.py
+
+
+def _lock_run(run: Run, held: list) -> int:
+    """The main process's locks of the output: -> the run's fencing token, the generation of its run lease (of
+    the store's, for an object-store output), above every token the output's records carry."""
+    floor = 0 if run.remote is not None else shard_store(run.out_dir).max_fence() + 1
+    lock = lock_run(run.out_dir, new_run_id(), run.recipe.output.lease_seconds, min_generation=floor)
+    held.append(lock)  # object store: its staging folder
+    run.run_id = lock.run_id
+    check_no_rank_writing(run.out_dir, run.run_id)  # no orphaned worker of an earlier run still writes
+    if run.remote is None:
+        return lock.lease.generation
+    held.append(claim_run(run.remote))  # the store's lease (store/lease.py), no live rank lease
+    return held[-1].generation
 
 
 def open_output(out_dir: Path, recipe: Recipe, identity: dict, remote=None) -> None:
@@ -130,8 +154,8 @@ def prepare_output(out_dir: Path, recipe: Recipe, identity: dict, remote=None) -
     (`remote`): `out_dir` is the staging folder holding a copy of its indexes; the shards are checked, dropped and
     removed in the store, and what is repaired or written here is uploaded."""
     check_identity(out_dir, identity, recipe)
-    damaged, removed = repair_output(out_dir, remote)
-    if not damaged and not removed and manifest_readable(out_dir):
+    changed = repair_output(out_dir, remote)
+    if not changed and manifest_readable(out_dir):
         return True
     record_run(out_dir, recipe, identity)
     if remote is not None:
@@ -139,9 +163,9 @@ def prepare_output(out_dir: Path, recipe: Recipe, identity: dict, remote=None) -
     return False
 
 
-def repair_output(out_dir: Path, remote=None) -> tuple[dict[str, str], list]:
+def repair_output(out_dir: Path, remote=None) -> bool:
     """What a crash left, repaired by the record store (`RecordStore.prepare`), each step logged; the store's
-    objects too for an object-store output. -> (the committed shards dropped: {path: why}, the files removed)."""
+    objects too for an object-store output. -> whether a record was dropped or a file removed."""
     check = remote.damaged_shards if remote is not None else (lambda committed: damaged_shards(out_dir, committed))
     found = shard_store(out_dir).prepare(check=check)
     for index, records_cut in found.repaired:
@@ -154,14 +178,18 @@ def repair_output(out_dir: Path, remote=None) -> tuple[dict[str, str], list]:
             log.warning("%s ended in a torn line (a crash while appending): cut back to its last complete line", index)
     for path, why in found.damaged.items():
         log.warning("committed shard %s is damaged (%s): its batches are redone", path, why)
+    for record in found.superseded:
+        log.warning("shard %s was committed by a run that had lost the output (frozen past its lease); another "
+                    "run's record holds its samples: kept that one, dropped this one", record.path)
     removed = list(found.removed)
     if remote is not None:
-        if found.damaged:
-            remote.drop(set(found.damaged))
+        dropped = set(found.damaged) | {r.path for r in found.superseded}
+        if dropped:
+            remote.drop(dropped)
         removed += remote.remove_uncommitted(found.committed)
     if removed:
         log.info("removed %d uncommitted file(s) left by an interrupted run", len(removed))
-    return found.damaged, removed
+    return bool(found.damaged or found.superseded or removed)
 
 
 def record_run(out_dir: Path, recipe: Recipe, identity: dict) -> None:

@@ -74,9 +74,11 @@ def finish_run(run: Run, data, rank_plan: RankPlan) -> dict:
         if previous is None:
             atomic_write_json(out_dir / SUMMARY_NAME, summary)
         _record_finished_inputs(out_dir, run.inputs_stamp)
-        write_manifest(out_dir, manifest)
+        if run.faults is not None:
+            run.faults.at_commit("manifest")
+        write_manifest(out_dir, manifest, run.fence)  # only while this run holds the output
         if run.remote is not None:
-            run.remote.push_state()  # every small file the run wrote, the manifest last
+            run.remote.push_state(fence=run.fence)  # every small file the run wrote, the manifest last
     except OSError as e:
         raise ExtractionError(f"writing the end files (token counts, summary, manifest) failed ({e}); every shard "
                               f"is committed: re-run the same command (nothing is recomputed) to write them") from e

@@ -132,7 +132,7 @@ def _uploader(run: Run):
     shutil.rmtree(run.out_dir / SHARDS_DIR / rank_name(run.rank), ignore_errors=True)
     part = run.faults.upload_part_bytes if run.faults is not None and run.faults.upload_part_bytes else None
     return ShardUploader(run.remote, run.rank, run.recipe.output.max_uploads_in_flight,
-                         lease=run.remote.rank_lease, **({"chunk_bytes": part} if part else {}))
+                         lease=run.remote.rank_lease, fence=run.fence, **({"chunk_bytes": part} if part else {}))
 
 
 def _tokenize(run: Run):
@@ -208,7 +208,8 @@ def _run_rank(run: Run, data, rank_plan: RankPlan, lock_fds: tuple, load: Target
     writer = DiscardingWriter() if not run.is_writer else AsyncShardWriter(
         lanes(run.out_dir, run.rank, run.recipe.output.max_shard_bytes,
               next_shard_number(rank_plan.committed, rank_name(run.rank)), run.recipe.output.num_writer_threads,
-              run.faults, publisher=_uploader(run), run_id=run.run_id, write_mode=run.recipe.output.write_mode),
+              run.faults, publisher=_uploader(run), run_id=run.run_id, write_mode=run.recipe.output.write_mode,
+              fence=run.fence if run.remote is None else None),
         nan_policy=run.recipe.output.nan_policy,
         max_pending_bytes=run.recipe.output.max_pending_bytes)
     loader = torch.utils.data.DataLoader(
