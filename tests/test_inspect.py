@@ -96,7 +96,8 @@ def test_count_mismatch_fails_naming_the_shard(copy, capsys):
     m["shards"][0]["num_tokens"] -= 1
     m["num_skipped"] = 1  # rows - skipped - failed no longer equals the samples written
     (copy / "manifest.json").write_text(json.dumps(m))
-    assert check_output(copy) == ["manifest.json: num_samples is 20 but num_rows - num_skipped - num_failed is 19"]
+    assert check_output(copy) == [
+        "manifest.json: num_samples is 20 but num_sample_candidates - num_skipped - num_failed is 19"]
 
 
 def test_missing_and_truncated_shards(copy):
@@ -125,7 +126,8 @@ def test_no_manifest_exits_2(tmp_path, capsys):
 
 def test_report_lists_skipped_reasons(copy, capsys):
     m = _manifest(copy)
-    m.update(num_rows=23, num_skipped=3, skipped={"no_assistant_turn": 2, "longer_than_max_length": 1})
+    m.update(num_rows=23, num_sample_candidates=23, num_skipped=3,
+             skipped={"no_assistant_turn": 2, "longer_than_max_length": 1})
     (copy / "manifest.json").write_text(json.dumps(m))
     assert main([str(copy)]) == 0
     text = capsys.readouterr().out

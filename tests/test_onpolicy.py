@@ -374,6 +374,7 @@ def test_the_users_own_multi_turn_rows_become_one_sample_per_turn_on_a_template_
     assert samples["0000000001"]["input_ids"] == list(one)
     conversation = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
     assert data.samples["per_turn_rows"] == 1 and data.samples["conversation_rows"] == 1
+    assert (data.num_rows, data.num_candidates) == (len(rows), 3)  # rows read once; the samples they gave
     assert data.samples["per_turn_extra_tokens"] == (len(samples["0000000000_t0001"]["input_ids"])
                                                      + len(samples["0000000000_t0003"]["input_ids"])
                                                      - len(conversation))

@@ -13,7 +13,7 @@ final-layer capture, samples, tokens, shards, size, skipped and failed counts.
   `num_tokens` the sample's T; the width of its `hidden_states` equals len(meta `layer_ids`) x the manifest's
   `hidden_size` (so an edited `layer_ids` or `hidden_size` in the manifest is caught even when k x H is unchanged);
 - its sample and token counts equal the manifest's, the manifest's totals equal the sums over shards, and
-  `num_samples == num_rows - num_skipped - num_failed`.
+  `num_samples == num_sample_candidates - num_skipped - num_failed` (`num_rows` in manifests without that key).
 Only headers and the small id/mask members are parsed (plus one sequential read per shard for the hash).
 
 An output without a manifest (a run in progress, or interrupted) gets its progress instead: batches and
@@ -481,10 +481,11 @@ def check_output(out_dir: str | Path, progress: bool = False) -> list[str]:
                         ("num_bytes", sum(s.num_bytes for s in shards))):
         if name in manifest and int(manifest[name]) != total:
             problems.append(f"manifest.json: {name} is {manifest[name]}, its shards add up to {total}")
-    if all(k in manifest for k in ("num_rows", "num_skipped", "num_failed")):
-        kept = int(manifest["num_rows"]) - int(manifest["num_skipped"]) - int(manifest["num_failed"])
+    offered = "num_sample_candidates" if "num_sample_candidates" in manifest else "num_rows"  # older: one a row
+    if all(k in manifest for k in (offered, "num_skipped", "num_failed")):
+        kept = int(manifest[offered]) - int(manifest["num_skipped"]) - int(manifest["num_failed"])
         if kept != int(manifest["num_samples"]):
-            problems.append(f"manifest.json: num_samples is {manifest['num_samples']} but num_rows - num_skipped - "
+            problems.append(f"manifest.json: num_samples is {manifest['num_samples']} but {offered} - num_skipped - "
                             f"num_failed is {kept}")
     return problems
 

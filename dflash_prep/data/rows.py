@@ -754,12 +754,17 @@ class TokenizedData:
     """The tokenized dataset split into what is kept and what was skipped."""
 
     kept: Any  # datasets.Dataset with TOKENIZED_COLUMNS
-    num_rows: int
+    num_rows: int  # rows of the data read (a row cut into per-turn samples counts once)
     skipped_counts: dict[str, int]
     skipped_rows: list[dict]  # [{sample_id, source_row, source_id, reason, detail}]
     # per kind of ROW_KINDS the rows hold: {rows, kept_rendered, kept_without, skipped: {reason: n}}
     kinds: dict[str, dict] = field(default_factory=dict)
     samples: dict = field(default_factory=dict)  # samples_summary
+    num_sample_candidates: int | None = None  # samples the rows gave, kept + skipped (None: num_rows, one a row)
+
+    @property
+    def num_candidates(self) -> int:
+        return self.num_rows if self.num_sample_candidates is None else self.num_sample_candidates
 
 
 def stop_token_ids_of(tokenizer) -> list[int]:
@@ -832,9 +837,10 @@ def tokenize_dataset(rows, tokenizer, section: DataSection, vocab_size: int,
                          "reason": r["skip_reason"], "detail": r["skip_detail"]} for r in sub]
     kept_idx = [i for i, r in enumerate(reasons) if not r]
     kept = tokenized.select(kept_idx) if skipped_idx else tokenized
-    return TokenizedData(kept=kept, num_rows=len(tokenized), skipped_counts=dict(sorted(counts.items())),
+    num_rows = len(tokenized.unique("source_row")) if len(tokenized) else 0  # per-turn samples share their row
+    return TokenizedData(kept=kept, num_rows=num_rows, skipped_counts=dict(sorted(counts.items())),
                          skipped_rows=skipped_rows, kinds=_kinds_summary(tokenized, reasons),
-                         samples=samples_summary(tokenized))
+                         samples=samples_summary(tokenized), num_sample_candidates=len(tokenized))
 
 
 def samples_summary(tokenized) -> dict:
@@ -922,12 +928,12 @@ def check_data_verdict(data: TokenizedData, section: DataSection) -> str:
     example row (sample id, the row's own id and the skip's detail). A whole kind of row lost is a warning, or with
     `data.strict` the same error (`_check_kinds`)."""
     num_skipped = sum(data.skipped_counts.values())
-    fraction = num_skipped / max(data.num_rows, 1)
+    fraction = num_skipped / max(data.num_candidates, 1)  # of the samples the rows gave (per-turn: several a row)
     problem = None
     if len(data.kept) == 0:
         problem = f"no row kept: all {data.num_rows} skipped"
     elif fraction > section.max_skipped_fraction:
-        problem = (f"{num_skipped} of {data.num_rows} rows skipped ({fraction:.0%}), more than "
+        problem = (f"{num_skipped} of {data.num_candidates} rows skipped ({fraction:.0%}), more than "
                    f"data.max_skipped_fraction={section.max_skipped_fraction}")
     verdict = f"{data.num_rows} rows: {len(data.kept)} kept, {num_skipped} skipped"
     if problem is None:

@@ -125,6 +125,7 @@ def _manifest_info(run: Run, data, failed_rows: list[dict]) -> dict:
         "capture_final": recipe.layers.capture_final,
         "final_norm": final_norm_entry(run.out_dir, recipe.layers.capture_final),
         "num_rows": data.num_rows,
+        "num_sample_candidates": data.num_candidates,  # kept + skipped: num_rows but for rows cut per turn
         "num_skipped": sum(data.skipped_counts.values()),
         "skipped": data.skipped_counts,
         "samples": data.samples,  # data.samples: rows whole / per turn, generated turns by source (ON_POLICY.md)
