@@ -381,8 +381,9 @@ def test_the_users_own_multi_turn_rows_become_one_sample_per_turn_on_a_template_
     from dflash_prep.data.samples import samples_line
 
     extra = data.samples["per_turn_extra_tokens"]
+    assert 0 < extra < 1000  # at 1e6 bytes a token the extra states are `extra` megabytes
     assert samples_line(data.samples, 1e6) == (f"1 row(s) as one sample, 1 per turn (2 samples, {extra:+,} tokens, "
-                                               f"{extra * 1e6 / 1e9:+.3g} GB of states)")
+                                               f"+{extra:.2f} MB of states)")
     # `conversation`: one sample per row, as before
     section = DataSection(path=str(path), chat_template=T.QWEN3, samples="conversation")
     whole = D.tokenize_dataset(D.load_rows(section), tokenizer, section, len(tokenizer))

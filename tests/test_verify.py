@@ -637,3 +637,11 @@ def test_a_floor_that_is_not_finite_is_called_so_not_above_the_cap():
     assert "(noise not finite: not used)" in text and "above 0.5" not in text, text
     fail = next(line for line in text.splitlines() if line.startswith("FAIL"))
     assert fail.endswith("rounding noise at this depth is nan (padded batch vs alone, not finite: not used)"), fail
+
+
+def test_a_folder_that_does_not_exist_is_named_as_such(tmp_path, capsys):
+    """A mistyped output folder: one line saying there is no such folder (it read "the extraction has not
+    finished", which sends a user to re-run an extraction), exit code 2."""
+    assert main([str(tmp_path / "no-such-output")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"error: cannot verify: {tmp_path / 'no-such-output'}: no such folder"

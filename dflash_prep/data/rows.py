@@ -840,11 +840,12 @@ def tokenize_dataset(rows, tokenizer, section: DataSection, vocab_size: int,
     num_rows = len(tokenized.unique("source_row")) if len(tokenized) else 0  # per-turn samples share their row
     return TokenizedData(kept=kept, num_rows=num_rows, skipped_counts=dict(sorted(counts.items())),
                          skipped_rows=skipped_rows, kinds=_kinds_summary(tokenized, reasons),
-                         samples=samples_summary(tokenized), num_sample_candidates=len(tokenized))
+                         samples=samples_summary(kept), num_sample_candidates=len(tokenized))
 
 
 def samples_summary(tokenized) -> dict:
-    """How the conversation rows became samples (`data.samples`): rows kept whole, rows cut into one sample per
+    """How the conversation rows of `tokenized` (the kept samples: a skipped row is counted as skipped, not here)
+    became samples (`data.samples`): rows kept whole, rows cut into one sample per
     turn, those samples and the tokens they add over one sample per row; and the generated turns of regenerated
     rows: built from the engine's ids, from text (no ids), whose ids differ from the template's rendering of their
     text (the ids won), cut by max_tokens. {} when no row is a conversation."""

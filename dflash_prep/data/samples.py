@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from dflash_prep.data.chat import ChatRenderer, RenderedSpans, mask_from_spans
 from dflash_prep.data.conversation import Conversation
+from dflash_prep.units import format_bytes
 
 SAMPLES_MODES = ("conversation", "per_turn", "auto")
 FINISH_LENGTH = "length"
@@ -226,7 +227,9 @@ def samples_line(summary: dict, bytes_per_token: float | None = None) -> str | N
     if summary["per_turn_rows"]:
         extra = summary["per_turn_extra_tokens"]
         line += f" ({summary['per_turn_samples']:,} samples, {extra:+,} tokens"
-        line += f", {extra * bytes_per_token / 1e9:+.3g} GB of states)" if bytes_per_token else ")"
+        extra_bytes = extra * bytes_per_token if bytes_per_token else None
+        line += (f", {'-' if extra_bytes < 0 else '+'}{format_bytes(abs(extra_bytes))} of states)"
+                 if extra_bytes is not None else ")")
     turns = summary.get("generated_turns") or {}
     if any(turns.values()):
         line += (f"; generated turns: {turns['from_ids']:,} from the engine's ids ({turns['ids_differ']:,} differ "

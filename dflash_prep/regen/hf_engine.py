@@ -194,7 +194,7 @@ class TransformersEngine:
     @property
     def decode_path(self) -> str:
         """Which path decodes, in words (`decode_path`); after a failed CUDA graph capture: the eager steps."""
-        return decode_path(self.config, self.decoder)
+        return decode_path(self.config, self.decoder, self.device)
 
     def _load_model(self, kernels) -> dict:
         from dflash_prep.target.kernels import apply_kernels, configure_triton_cache, select_kernels
@@ -454,7 +454,7 @@ class TransformersEngine:
 DECODERS = ("static", "generate")
 
 
-def decode_path(config, decoder: StaticCacheDecoder | None) -> str:
+def decode_path(config, decoder: StaticCacheDecoder | None, device=None) -> str:
     """Which path decodes, in words (logged once, in the benchmark's report): the loop, and for the Gated DeltaNet
     hybrid which recurrence kernel transformers' Qwen3.5 layers run (flash-linear-attention's when importable, as
     transformers picks it, else its torch fallback)."""
@@ -464,8 +464,12 @@ def decode_path(config, decoder: StaticCacheDecoder | None) -> str:
     loop = "HF generate (dynamic cache)" if decoder is None else decoder.path
     family = getattr(text, "model_type", "?")
     if "linear_attention" in (getattr(text, "layer_types", None) or []):
-        kernel = ("flash-linear-attention's fused_recurrent_gated_delta_rule" if importlib.util.find_spec("fla")
-                  else "transformers' torch fallback (flash-linear-attention not installed: slow)")
+        if importlib.util.find_spec("fla"):
+            kernel = "flash-linear-attention's fused_recurrent_gated_delta_rule"
+        elif device is not None and torch.device(device).type != "cuda":  # the kernels need a GPU
+            kernel = "transformers' torch recurrence (the CPU path)"
+        else:
+            kernel = "transformers' torch fallback (slow: the `gpu` extra installs flash-linear-attention)"
         return f"{family}: {loop}; Gated DeltaNet decode on {kernel}"
     return f"{family}: {loop}"
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -60,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.device is not None and (problem := _device_problem(args.device)):
         print(f"error: --device {args.device}: {problem}", file=sys.stderr)
+        return 2
+    if "://" not in str(args.out) and not Path(args.out).is_dir():  # a mistyped folder: not "has not finished"
+        print(f"error: cannot verify: {args.out}: no such folder", file=sys.stderr)
         return 2
     import transformers
 
