@@ -11,12 +11,17 @@ import os
 from pathlib import Path
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_file(path: Path) -> None:
+    """fsync a file or a folder by its path (a file written by a library that does not fsync, e.g. pyarrow's
+    writers, before its commit renames it; a folder after a rename into it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+fsync_dir = fsync_file  # the same call on a folder: a rename in it is durable once it returns
 
 
 def _atomic_write(path: Path, write, mode: str = "w") -> None:

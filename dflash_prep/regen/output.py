@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dflash_prep import __version__
-from dflash_prep.io import atomic_write_json, atomic_write_jsonl
+from dflash_prep.io import atomic_write_json, atomic_write_jsonl, fsync_file
 from dflash_prep.recipe.fingerprints import describe_files_change, describe_weights_change, portable_location
 from dflash_prep.store.locks import LOCKS_DIR, LeaseLostError
 from dflash_prep.store.manifest import read_state_json
@@ -57,7 +57,6 @@ from dflash_prep.store.record_store import (
     OutputStateError,
     RecordKind,
     RecordStore,
-    fsync_file,
     write_manifest,
 )
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_prep.regen.engine import EngineUnavailable
-from dflash_prep.regen.watchdog import _alive
+from dflash_prep.regen.watchdog import _alive, _group_alive
 from dflash_prep.signals import LAUNCHER_ENV  # the launcher is the parent of a launched rank
 
 log = logging.getLogger("dflash_prep")
@@ -353,16 +353,6 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 def _last_line(path: Path) -> str:

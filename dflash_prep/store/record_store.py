@@ -441,13 +441,6 @@ def _supersedes(record, other) -> bool:
     return mine is not None and theirs is not None and mine > theirs
 
 
-def fsync_file(path: Path) -> None:
-    """fsync a file written by a library that does not (pyarrow's writers): before its commit renames it."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_manifest(out_dir: Path, name: str, manifest: dict, fence=None) -> Path:
