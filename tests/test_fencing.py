@@ -69,10 +69,16 @@ def stopped(pid: int) -> bool:
 # -------------------------------------------------------------------------------------------- damaged lease files
 GARBAGE = [b"\x00\xff\xfe not json", b"[1, 2, 3]", b'{"host": 3, "pid": "x"}',
            b'{"host": "h", "pid": 1, "run_id": "r", "heartbeat_at": "soon", "lease_seconds": 300}',
-           b'{"host": "h", "pid": 1, "run_id": "r", "heartbeat_at": 1.0, "lease_seconds": -5}']
+           b'{"host": "h", "pid": 1, "run_id": "r", "heartbeat_at": 1.0, "lease_seconds": -5}',
+           # the right types, values no clock can hold (Python's json reads NaN and Infinity): a traceback before
+           b'{"host": "h", "pid": 1, "run_id": "r", "heartbeat_at": NaN, "lease_seconds": 300}',
+           b'{"host": "h", "pid": 1, "run_id": "r", "heartbeat_at": 1e300, "lease_seconds": 300}',
+           b'{"host": "h", "pid": 1, "run_id": "r", "heartbeat_at": 1.0, "lease_seconds": Infinity}',
+           b'{"host": "h", "pid": 1, "run_id": "r", "heartbeat_at": 1.0, "lease_seconds": 1e308}']
 
 
-@pytest.mark.parametrize("content", GARBAGE, ids=["bytes", "list", "types", "heartbeat", "lease"])
+@pytest.mark.parametrize("content", GARBAGE, ids=["bytes", "list", "types", "heartbeat", "lease", "nan-time",
+                                                  "far-time", "infinite-lease", "huge-lease"])
 def test_a_lease_file_that_does_not_parse_is_named_damaged_with_the_time_it_is_taken_over(tmp_path, content):
     out = tmp_path / "out"
     (out / "locks").mkdir(parents=True)

@@ -74,6 +74,8 @@ def test_set_overrides_any_key_with_yaml_values(tmp_path):
     ("batching.max_batch_size=-1", "batching.max_batch_size"),
     ("output.nan_policy=ignore", "output.nan_policy"),
     ("output.max_failed_samples=-1", "output.max_failed_samples"),
+    ("output.lease_seconds=inf", "output.lease_seconds"),  # a lease held for good: never taken over
+    ("output.lease_seconds=1e9", "output.lease_seconds"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(RecipeError) as e:

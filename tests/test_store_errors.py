@@ -158,3 +158,58 @@ def test_a_store_that_answers_is_not_called_refused(auth_server, tmp_path):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert "refused" not in proc.stderr and "does not exist in the store" not in proc.stderr, proc.stderr
     assert "does not answer" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.fixture
+def frozen_server():
+    """The endpoint of a real moto_server (no authentication, holding BUCKET) stopped with SIGSTOP: it accepts
+    connections (the kernel does) and never answers, as a hung store or a frozen VM does."""
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(endpoint + "/moto-api/", timeout=5)
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise
+                time.sleep(0.2)
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                     aws_secret_access_key="testing").create_bucket(Bucket=BUCKET)
+        proc.send_signal(signal.SIGSTOP)
+        yield endpoint
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def test_a_store_that_accepts_connections_and_never_answers_is_unreachable_within_the_deadline(frozen_server):
+    """The bucket check ends at its deadline with the one-line error naming the endpoint (it waited for botocore's
+    read timeouts and retries: minutes, with no line)."""
+    import s3fs
+
+    from dflash_prep.recipe.location import StoreUnreachableError, check_store
+
+    fs = s3fs.S3FileSystem(key="testing", secret="testing", endpoint_url=frozen_server,
+                           client_kwargs={"region_name": "us-east-1"}, skip_instance_cache=True)
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnreachableError) as e:
+        check_store(fs, f"s3://{BUCKET}/out", timeout_seconds=3)
+    assert time.monotonic() - t0 < 20
+    assert frozen_server in str(e.value) and "does not answer" in str(e.value)
+
+
+@pytest.mark.slow
+def test_inspect_of_an_output_in_a_frozen_store_ends_in_one_line_with_exit_code_1(frozen_server):
+    env = {**BASE_ENV, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_ENDPOINT_URL": frozen_server}
+    proc = subprocess.run([sys.executable, "-m", "dflash_prep.commands.cli", "inspect", f"s3://{BUCKET}/out"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    lines = error_lines(proc.stderr)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(lines) == 1 and "does not answer" in lines[0] and frozen_server in lines[0], proc.stderr

@@ -211,15 +211,25 @@ def store_access_error(e: BaseException, url: str, fs=None) -> "StoreRefusedErro
     return None
 
 
-def check_store(fs, url: str) -> None:
+STORE_CHECK_SECONDS = 30.0  # a store that answers lists one key in milliseconds; a frozen one never answers
+
+
+def check_store(fs, url: str, timeout_seconds: float = STORE_CHECK_SECONDS) -> None:
     """One request to the store holding `url` (an fsspec filesystem of it): raise BucketMissingError,
     CredentialsRefusedError (exit 2) or StoreUnreachableError (exit 1) when the bucket cannot be used; a bucket
     that answers passes (its prefix may be empty). S3: a ListObjectsV2 of at most one key under the prefix (the
-    read right every reader needs; a HeadBucket answers a bare 403 with no reason)."""
+    read right every reader needs; a HeadBucket answers a bare 403 with no reason), given `timeout_seconds` in all
+    (fsspec's own deadline on its event loop): a server that accepts connections and never answers would otherwise
+    hold the command for botocore's read timeouts times its retries, minutes with no line."""
     root = url.split("://", 1)[-1].rstrip("/")
     bucket, _, prefix = root.partition("/")
     try:
-        if hasattr(fs, "call_s3"):
+        if hasattr(fs, "_call_s3") and getattr(fs, "loop", None) is not None:
+            from fsspec.asyn import sync
+
+            sync(fs.loop, fs._call_s3, "list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=1,
+                 timeout=timeout_seconds)
+        elif hasattr(fs, "call_s3"):
             fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=1)
         else:
             fs.ls(bucket)

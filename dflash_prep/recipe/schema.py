@@ -368,8 +368,8 @@ class OutputSection:
             _fail(f"{p}.num_writer_threads", self.num_writer_threads, "must be >= 1")
         if self.max_failed_samples is not None and self.max_failed_samples < 0:
             _fail(f"{p}.max_failed_samples", self.max_failed_samples, "must be >= 0 (or null for no limit)")
-        if not self.lease_seconds >= 1:
-            _fail(f"{p}.lease_seconds", self.lease_seconds, "must be >= 1 second")
+        if not 1 <= self.lease_seconds <= 7 * 86400:  # NaN and inf too: a lease is renewed, never held for good
+            _fail(f"{p}.lease_seconds", self.lease_seconds, "must be between 1 second and 7 days (604800)")
         if not self.peer_timeout_seconds >= 15:
             _fail(f"{p}.peer_timeout_seconds", self.peer_timeout_seconds,
                   "must be >= 15 seconds (a peer's heartbeat comes every 10 s at most)")

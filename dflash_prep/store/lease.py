@@ -44,7 +44,7 @@ import uuid
 from email.utils import parsedate_to_datetime
 from pathlib import Path
 
-from dflash_prep.store.locks import LeaseLostError, _clock
+from dflash_prep.store.locks import MAX_LEASE_SECONDS, MAX_UNIX_SECONDS, LeaseLostError, _clock
 
 log = logging.getLogger("dflash_prep")
 
@@ -97,7 +97,12 @@ def damaged_because(content: dict) -> str | None:
             return f"{name} is {value!r}"
     if not isinstance(content.get("run_id", ""), str):
         return f"run_id is {content['run_id']!r}"
-    return None if content["ttl_seconds"] > 0 else f"ttl_seconds is {content['ttl_seconds']!r}"
+    if not 0 < content["ttl_seconds"] <= MAX_LEASE_SECONDS:  # NaN and Infinity fail too (JSON reads them)
+        return f"ttl_seconds is {content['ttl_seconds']!r}"
+    renewed = content.get("renewed_at")
+    if isinstance(renewed, (int, float)) and not 0 <= renewed < MAX_UNIX_SECONDS:
+        return f"renewed_at is {renewed!r}"
+    return None
 
 
 class _HostLock:

@@ -238,6 +238,8 @@ def folder_clock(folder: Path) -> float | None:
 
 
 _FIELDS = {"host": str, "pid": int, "run_id": str, "heartbeat_at": (int, float), "lease_seconds": (int, float)}
+MAX_UNIX_SECONDS = 2.0 ** 32  # 2106: a later (or NaN, Infinity) time in a lease file is damage, not a clock
+MAX_LEASE_SECONDS = 7 * 86400.0  # the recipe's own bound on output.lease_seconds
 
 
 def _why_not_a_record(obj) -> str | None:
@@ -248,10 +250,14 @@ def _why_not_a_record(obj) -> str | None:
         value = obj.get(name)
         if not isinstance(value, kind) or isinstance(value, bool):
             return f"{name} is {value!r}"
-    if not obj["lease_seconds"] > 0:
+    if not 0 < obj["lease_seconds"] <= MAX_LEASE_SECONDS:  # NaN and Infinity fail too (JSON reads them)
         return f"lease_seconds is {obj['lease_seconds']!r}"
     if not isinstance(obj.get("released_at"), (int, float, type(None))) or isinstance(obj.get("released_at"), bool):
         return f"released_at is {obj.get('released_at')!r}"
+    for name in ("heartbeat_at", "started_at", "released_at"):  # a time the clock functions can print and compare
+        value = obj.get(name)
+        if value is not None and isinstance(value, (int, float)) and not 0 <= value < MAX_UNIX_SECONDS:
+            return f"{name} is {value!r}"
     return None
 
 
