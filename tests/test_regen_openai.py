@@ -289,8 +289,8 @@ def test_one_recipe_regenerates_then_extracts_from_its_output(server, tmp_path, 
     # Qwen3's template drops the earlier turn of the two-turn row as the target saw it: that row is two samples
     # (data.samples: auto), the others one each
     assert len(answers) == 4 and manifest["samples"]["per_turn_rows"] == 1
-    assert manifest["samples"]["per_turn_samples"] == 2 and manifest["num_rows"] == 5
-    assert manifest["num_samples"] + manifest["num_skipped"] == 5
+    assert manifest["samples"]["per_turn_samples"] == 2 and manifest["num_rows"] == len(answers)  # rows, once
+    assert manifest["num_samples"] + manifest["num_skipped"] == manifest["num_sample_candidates"] == 5
     assert manifest["samples"]["generated_turns"]["from_text"] == 5  # transformers serve returns no ids
     from dflash_prep.commands.inspect import main as inspect_main
 
