@@ -39,6 +39,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_answering(endpoint: str, proc: subprocess.Popen, seconds: float = 60) -> None:
+    """Until the moto_server `proc` at `endpoint` answers its API (or raise once it died or `seconds` passed)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            urllib.request.urlopen(endpoint + "/moto-api/", timeout=5)
+            return
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise
+            time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def auth_server():
     """(endpoint, access key id, secret) of a moto_server with authentication on, holding BUCKET."""
@@ -48,15 +61,7 @@ def auth_server():
                             env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": str(SETUP_REQUESTS)},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(endpoint + "/moto-api/", timeout=5)
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise
-                time.sleep(0.2)
+        wait_until_answering(endpoint, proc)
         anonymous = dict(endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
                          aws_secret_access_key="testing")
         iam = boto3.client("iam", **anonymous)
@@ -169,15 +174,7 @@ def frozen_server():
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(endpoint + "/moto-api/", timeout=5)
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise
-                time.sleep(0.2)
+        wait_until_answering(endpoint, proc)
         boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
                      aws_secret_access_key="testing").create_bucket(Bucket=BUCKET)
         proc.send_signal(signal.SIGSTOP)
