@@ -38,7 +38,10 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
     for pid in pids[1:]:  # reap-free wait: children of the launcher are re-parented; wait until they are gone
         deadline = time.time() + 30
-        while Path(f"/proc/{pid}").exists() and time.time() < deadline:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+        while time.time() < deadline:
+            try:  # a zombie's main thread has ended (its other threads may still be ending: the product waits)
+                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            except OSError:  # gone
                 break
             time.sleep(0.05)

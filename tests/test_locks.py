@@ -45,6 +45,45 @@ def test_a_second_lock_on_the_same_file_is_refused_until_released(tmp_path):
     b.release()
 
 
+SYS_EXIT = {"x86_64": 60, "aarch64": 93}.get(os.uname().machine)  # exit(2) of one thread, not the process
+
+
+@pytest.mark.skipif(SYS_EXIT is None or not Path("/proc").is_dir(), reason="Linux x86_64/aarch64 thread exit")
+def test_a_lock_whose_holder_is_exiting_is_taken_once_its_last_thread_ends(tmp_path):
+    """A process killed by SIGKILL is a zombie once its main thread ends; its flock is dropped only when its last
+    thread ends (a thread in a slow fsync delays that). Made real here: the holder's main thread ends by the exit
+    system call while another thread keeps the descriptor open for 1.5 s. A plain try_acquire is refused; the
+    lock taken for a run waits for the exit and succeeds; a holder that is alive is refused at once."""
+    path = tmp_path / "run.lock"
+    code = (f"import ctypes, os, sys, threading, time; sys.path.insert(0, {str(REPO)!r}); "
+            f"from dflash_prep.store.locks import FileLock; assert FileLock({str(path)!r}).try_acquire(); "
+            f"threading.Thread(target=lambda: (time.sleep(1.5), os._exit(0))).start(); "
+            f"print('held', flush=True); ctypes.CDLL(None).syscall({SYS_EXIT}, 0)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    deadline = time.time() + 10
+    while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.time() < deadline
+        time.sleep(0.01)
+    assert Path(f"/proc/{proc.pid}/task").is_dir() and len(os.listdir(f"/proc/{proc.pid}/task")) == 2
+    lock = FileLock(path)
+    assert not lock.try_acquire()  # the zombie's other thread still holds it
+    start = time.monotonic()
+    assert lock.try_acquire_after_exit(wait_seconds=20)
+    assert 0.2 < time.monotonic() - start < 10
+    lock.release()
+    proc.wait(timeout=10)
+
+    alive = hold_lock(path)
+    try:
+        start = time.monotonic()
+        assert not FileLock(path).try_acquire_after_exit(wait_seconds=20)
+        assert time.monotonic() - start < 1
+    finally:
+        alive.kill()
+        alive.wait()
+
+
 @pytest.mark.slow
 def test_a_run_into_a_folder_another_run_holds_is_refused_and_touches_nothing(tmp_path, capsys):
     out = tmp_path / "out"

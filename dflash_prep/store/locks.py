@@ -94,6 +94,9 @@ def _flock_nonblocking(fd: int) -> str:
     return "taken"
 
 
+EXITING_HOLDER_WAIT_SECONDS = 30.0  # the longest a killed process's last threads may take to end
+
+
 class FileLock:
     """An exclusive, non-blocking `flock` on one file, with the holder written into it."""
 
@@ -150,6 +153,27 @@ class FileLock:
             return "free" if outcome == "taken" else outcome
         finally:
             os.close(fd)
+
+    def try_acquire_after_exit(self, wait_seconds: float = EXITING_HOLDER_WAIT_SECONDS) -> bool:
+        """`try_acquire`, waiting up to `wait_seconds` while the lock's holder is a process of this host that is
+        exiting: a process killed by SIGKILL shows as a zombie as soon as its main thread ends, but its files (and
+        this flock) are closed only once its last thread has ended, which a thread in a slow fsync can delay by
+        seconds. A re-run right after a kill would otherwise be refused as "another extraction is running"."""
+        deadline = time.monotonic() + wait_seconds
+        while not self.try_acquire():
+            pid = self._holder_pid_here()
+            if pid is None or _pid_alive(pid) or time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def _holder_pid_here(self) -> int | None:
+        """The pid the lock file names when it names this host, else None."""
+        try:
+            host, _, pid = self.path.read_text().strip().partition(" ")
+        except OSError:
+            return None
+        return int(pid) if host == socket.gethostname() and pid.isdigit() else None
 
     def holder(self) -> str:
         """`host pid` of the process that last took the lock (as it wrote it), or 'unknown'."""
@@ -641,7 +665,7 @@ def _take(out_dir: Path, name: str, run_id: str, lease_seconds: float, busy: str
           min_generation: int = 0) -> OutputLock:
     """Take `name`'s flock, then its lease; OutputBusyError (`busy` + the holder) when either is held."""
     lock = OutputLock(out_dir, name, run_id, lease_seconds)
-    if not lock.flock.try_acquire():
+    if not lock.flock.try_acquire_after_exit():
         raise OutputBusyError(f"{busy} ({lock.flock.holder()}): wait for it to end (or stop it), then re-run this "
                               f"command to resume; or use another output.dir")
     try:
