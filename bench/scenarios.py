@@ -328,8 +328,11 @@ def storage(r: Round) -> None:
     out = disk / "out-disk"
     r.step("8b-disk", 120, r.extract(out, *sets))
     if r.flag("s3"):
-        r.step("8b-s3", 180, r.python("-m", "bench.store_bench", "s3", r.work / "s3", r.results, "--local", out,
-                                      "--probe-gb", "0.05" if r.dry else "0.5", "--",
+        moto_tmp = tmpfs / "moto"  # moto keeps each object over 5 MB in a temporary file: not on the disk measured
+        moto_tmp.mkdir(parents=True, exist_ok=True)
+        # the read-back of the 6.4 GB through moto takes as long as the upload (~0.1 GB/s on the H200 machine)
+        r.step("8b-s3", 260, r.python("-m", "bench.store_bench", "s3", r.work / "s3", r.results, "--local", out,
+                                      "--probe-gb", "0.05" if r.dry else "0.5", "--store-tmp", moto_tmp, "--",
                                       *(a for kv in sets for a in ("--set", kv))))
     r.keep(out, "8b-disk")
     shutil.rmtree(tmpfs, ignore_errors=True)

@@ -180,7 +180,8 @@ def _summary(run: Run, data, rank_plan: RankPlan, manifest: dict, reports: list[
                                                    "reason": "nothing to run: the model was not loaded"},
         "triton_cache": run.triton_cache,
         "packing": run.packing.record(),
-        "disk": disk_verdict(reports, run.recipe.output.dtype),
+        "disk": disk_verdict(reports, run.recipe.output.dtype, run.remote is not None,
+                             run.recipe.output.max_uploads_in_flight),
         # where the main process's start-up went (seconds): each rank's is in `ranks`
         "startup_seconds": next((r.get("startup_seconds") for r in reports if r["rank"] == run.rank), None),
         "ranks": reports,
@@ -192,8 +193,10 @@ def samples_beyond_context(run: Run, lengths: list[int]) -> int | None:
     return None if run.context_length is None else sum(n > run.context_length for n in lengths)
 
 
-def disk_verdict(reports: list[dict], storage_dtype: str) -> dict | None:
-    """Whether the disk, not the model, set this run's pace, with the figures (per rank, the slowest one):
+def disk_verdict(reports: list[dict], storage_dtype: str, object_store: bool = False,
+                 max_uploads_in_flight: int | None = None) -> dict | None:
+    """Whether the disk (`object_store`: the store the shards are uploaded to), not the model, set this run's pace,
+    with the figures (per rank, the slowest one):
 
     - `needed_bytes_per_second`: what the model produced, bytes written / the loop's time not spent waiting on the
       writers or draining them (what the disk must take for the GPU never to wait);
@@ -212,10 +215,14 @@ def disk_verdict(reports: list[dict], storage_dtype: str) -> dict | None:
                "needed_bytes_per_second": worst["bytes_written"] / max(worst["loop_seconds"] - waited, 1e-9),
                "achieved_bytes_per_second": worst["bytes_written"] / worst["loop_seconds"],
                "num_writer_threads": worst.get("num_writer_threads")}
+    verdict["where"] = "object store" if object_store else "disk"
     if verdict["disk_bound"]:
-        verdict["fixes"] = ([] if storage_dtype == "fp8_e4m3" else ["output.dtype: fp8_e4m3 (half the bytes)"]) + [
-            f"more output.num_writer_threads (now {worst.get('num_writer_threads')})",
-            "a faster disk for output.dir"]
+        fewer = [] if storage_dtype == "fp8_e4m3" else ["output.dtype: fp8_e4m3 (half the bytes)"]
+        verdict["fixes"] = fewer + ([  # a staged shard waits on its upload, not on the local writer
+            f"more output.max_uploads_in_flight (now {max_uploads_in_flight})",
+            "a store endpoint closer to the GPUs (same region or network), or a local output.dir"] if object_store
+            else [f"more output.num_writer_threads (now {worst.get('num_writer_threads')})",
+                  "a faster disk for output.dir"])
     return verdict
 
 
@@ -234,9 +241,11 @@ def _log_done(summary: dict, skipped_counts: dict, manifest_name) -> None:
              f" (a resume: {before} samples were committed before it)" if before else "")
     disk = summary.get("disk")
     if disk and disk["disk_bound"]:
-        log.warning("the disk set the pace: rank %d waited on its writers %.0f%% of its loop; the model produced "
-                    "%s, the writers sustained %s. To go faster: %s", disk["rank"],
-                    100 * disk["wait_fraction"], format_rate(disk["needed_bytes_per_second"]),
+        store = disk.get("where", "disk") == "object store"  # summaries written before `where` are of disks
+        lane = "uploads" if store else "writers"
+        log.warning("the %s set the pace: rank %d waited on its %s %.0f%% of its loop; the model produced %s, the %s "
+                    "sustained %s. To go faster: %s", "object store" if store else "disk", disk["rank"], lane,
+                    100 * disk["wait_fraction"], format_rate(disk["needed_bytes_per_second"]), lane,
                     format_rate(disk["achieved_bytes_per_second"]), "; ".join(disk["fixes"]))
 
 
