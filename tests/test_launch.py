@@ -25,17 +25,54 @@ CPU_2PROC = ["--config_file", cpu_2proc_config()]
 @pytest.mark.parametrize("launcher_args", [[], CPU_2PROC], ids=["1 process", "2 processes"])
 @pytest.mark.slow
 def test_a_refusal_reaches_the_shell_as_exit_code_2_in_one_line(tmp_path, launcher_args):
-    missing = tmp_path / "missing.jsonl"
-    proc = subprocess.run([*LAUNCH, *launcher_args, "extract.py", "--set", f"output.dir={tmp_path / 'out'}",
-                           "--set", f"data.path={missing}"], cwd=REPO, env=ENV, capture_output=True, text=True,
-                          timeout=300)
+    """A refusal only the ranks can make (a layer id the model's config does not have: the config is loaded by the
+    ranks, after the launcher started them) is exit code 2 in the shell, one line, no output folder left."""
+    proc = subprocess.run([*LAUNCH, *launcher_args, "extract.py", "--set", f"output.dir={tmp_path / 'a' / 'out'}",
+                           "--set", "layers.preset=explicit", "--set", "layers.ids=[1,999]"], cwd=REPO, env=ENV,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     # each rank that got that far prints the line (torch elastic may stop rank 1 once rank 0 has exited)
     assert 1 <= len(errors) <= (2 if launcher_args else 1), proc.stderr[-3000:]
-    assert all(f"{missing}" in line and "no such file" in line for line in errors)
+    assert all("layers.ids" in line and "999" in line and "out of range" in line for line in errors)
     assert "Traceback" not in proc.stderr and "CalledProcessError" not in proc.stderr
     assert "were not passed to `accelerate launch`" not in proc.stderr  # no warning block
+    assert list(tmp_path.iterdir()) == [], "a refused run left folders behind"
+
+
+def test_inputs_that_cannot_load_are_refused_before_the_launcher_starts(tmp_path):
+    """Typed from a folder of the user's: a missing `./rows.jsonl` is named under that folder (not under the
+    recipe's), a `models/my-llama` beside a `models/` folder is a missing folder (not a hub id to retry for half a
+    minute), and a hub id whose hub does not answer (a closed port on loopback as HF_ENDPOINT) is refused naming
+    it. Each is one line with exit code 2, before accelerate or torch is imported, and leaves no folder."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    (tmp_path / "models").mkdir()
+    env = {k: v for k, v in ENV.items() if k not in ("HF_HUB_OFFLINE", "HF_ENDPOINT")}
+    env.update({"HF_ENDPOINT": f"http://127.0.0.1:{closed}", "PYTHONPATH": str(REPO),
+                "HF_HOME": str(tmp_path / "hf-home")})  # an empty hub cache
+    cases = [(["--set", "data.path=./rows.jsonl"], f"`data.path` = '{tmp_path / 'rows.jsonl'}': no such file"),
+             (["--set", "model.config=null", "--set", "model.name_or_path=models/my-llama"],
+              f"`model.name_or_path` = 'models/my-llama': no such file or folder ({tmp_path / 'models' / 'my-llama'})"),
+             (["--set", "model.config=null", "--set", "model.name_or_path=someorg/some-model"],
+              f"'someorg/some-model': not a local folder, and the hub that would serve it, http://127.0.0.1:{closed}, "
+              f"cannot be reached")]
+    for sets, expected in cases:
+        probe = ("import runpy, sys; sys.argv = ['dflash-prep', 'launch', '-m', 'dflash_prep.commands.extract', "
+                 f"*{sets!r}]; from dflash_prep.commands.cli import main; code = main(sys.argv[1:]); "
+                 "print('heavy imports:', sorted(m for m in ('torch', 'accelerate', 'transformers') "
+                 "if m in sys.modules)); sys.exit(code)")
+        proc = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and expected in errors[0], proc.stderr[-3000:]
+        assert "heavy imports: []" in proc.stdout and "Traceback" not in proc.stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["hf-home", "models"] or \
+            sorted(p.name for p in tmp_path.iterdir()) == ["models"]
 
 
 @pytest.mark.slow

@@ -107,8 +107,8 @@ def test_fingerprint_ignores_where_and_how_but_not_what():
     ("layers.ids=[1, 7]", "layers.ids", "`layers.capture_final: before_norm`"),
     ("data.path=/nonexistent/chat.jsonl", "data.path", "no such file or folder"),
     ("data.path=nonexistent/chat.jsonl", "data.path", "no such file or folder"),  # not taken for a hub id
-    ("model.config=/nonexistent/config.json", "model.config", "cannot load a model config"),
-    ("model.tokenizer=/nonexistent/tokenizer", "model.tokenizer", "cannot load a tokenizer"),
+    ("model.config=/nonexistent/config.json", "model.config", "no such file or folder (/nonexistent/config.json)"),
+    ("model.tokenizer=/nonexistent/tokenizer", "model.tokenizer", "no such file or folder (/nonexistent/tokenizer)"),
 ])
 def test_bad_recipe_fails_before_the_model_loads_naming_the_key(tmp_path, capsys, override, key, fix):
     """Errors that need the model config or the file system come from `run_extraction`, still before any

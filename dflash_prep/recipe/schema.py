@@ -748,6 +748,16 @@ def _resolve_path(value: str, base_dir: Path) -> str:
     return value
 
 
+def _override_path(value: str) -> str:
+    """A path given with --set, absolute against the cwd (where it was typed) when it exists or is written as a
+    path (`./`, `../`, `~`): a missing `./data.jsonl` is then refused under the name the user means, not under the
+    recipe's folder. Anything else (a hub id, `org/name`) is left for the recipe's rules."""
+    p = Path(value).expanduser()
+    if p.exists() or value.startswith(("./", "../", "~")):
+        return str(p.resolve())
+    return value
+
+
 def _set_dotted(raw: dict, key: str, value: Any) -> None:
     parts = key.split(".")
     node = raw
@@ -796,11 +806,9 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
     # Overrides are relative to the cwd (where the user typed them), recipe paths to the recipe's folder.
     for key, value in parse_overrides(overrides):
         if tuple(key.split(".")) in _PATH_KEYS and isinstance(value, str) and "{" not in value:
-            if Path(value).expanduser().exists():
-                value = str(Path(value).expanduser().resolve())
+            value = _override_path(value)
         elif tuple(key.split(".")) in _PATH_KEYS and isinstance(value, list):  # data.path as a list
-            value = [str(Path(v).expanduser().resolve()) if isinstance(v, str) and Path(v).expanduser().exists()
-                     else v for v in value]
+            value = [_override_path(v) if isinstance(v, str) else v for v in value]
         _set_dotted(raw, key, value)
     if isinstance(raw.get("output"), dict) and isinstance(raw["output"].get("dir"), str) \
             and not is_remote(raw["output"]["dir"]):  # a URL is never a local path (recipe/location.py)

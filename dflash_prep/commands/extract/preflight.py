@@ -1,6 +1,8 @@
 """What the extraction can answer before it imports torch, transformers or datasets (seconds on a cold machine): a
 recipe that does not read (a typo: exit code 2) and an output that is already finished with its inputs untouched
-(exit code 0, or 3 when it holds more failed samples than the recipe allows).
+(exit code 0, or 3 when it holds more failed samples than the recipe allows); a data source that cannot be read
+(`data.path` missing, files of mixed formats) or a model source that cannot load (a missing folder, a hub id with
+no hub in reach: target/sources.py) is refused here too, with exit code 2.
 
 Finished means: `output.overwrite` is off, no process holds the output's locks, its manifest and summary read back,
 every committed shard is in place (size, first sample) and no uncommitted file is left, and run_state.json's
@@ -23,6 +25,7 @@ import json
 import sys
 from pathlib import Path
 
+from dflash_prep.data.rows import check_data_source
 from dflash_prep.errors import EXIT_BAD_RECIPE, EXIT_FAILED_SAMPLES
 from dflash_prep.recipe.fingerprints import (
     WEIGHT_SUFFIXES,
@@ -49,6 +52,7 @@ from dflash_prep.store.manifest import (
     uncommitted_files,
 )
 from dflash_prep.store.records import FAILED_NAME, SUMMARY_NAME
+from dflash_prep.target.sources import check_model_sources
 
 DESCRIPTION = "The extraction: recipe -> tokenized rows -> global plan -> this rank's batches -> hooks -> shards."
 
@@ -165,6 +169,8 @@ def preflight(argv: list[str] | None) -> int | None:
     3), None when it must run. Argument errors and --help exit as argparse does."""
     try:
         recipe = parse_recipe(argv)
+        check_data_source(recipe.data)  # a missing or unreadable data file: refused before the launcher starts
+        check_model_sources(recipe.model)  # a mistyped model folder, a hub id with no hub in reach: the same
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_RECIPE

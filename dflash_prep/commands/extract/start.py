@@ -42,7 +42,7 @@ def start(recipe: Recipe) -> Run:
     # first, by every process: a collective
     peers = Peers(state, out_dir, recipe.output.peer_timeout_seconds, remote=remote)
     refuse_unsafe_output_dir(recipe)
-    created = not out_dir.exists()
+    created = _first_missing(out_dir)  # the outermost folder this run creates (None: out_dir exists)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a parent that is a file, a read-only or virtual filesystem: no run can fix that
@@ -55,8 +55,8 @@ def start(recipe: Recipe) -> Run:
         run = _checked_run(recipe, state, out_dir, t_start)
         run.remote = remote
     except Exception:
-        if created:  # a refused job leaves no folder behind (the console said why)
-            _remove_if_only_logs(out_dir)
+        if created is not None:  # a refused job leaves no folder behind (the console said why)
+            _remove_if_only_logs(out_dir, created)
         raise
     peers.processes_per_replica = run.replica.processes_per_replica
     run.peers = peers
@@ -74,9 +74,19 @@ def _remote_output(recipe: Recipe):
     return RemoteOutput(recipe.output.dir, recipe.output.storage_options, staging.resolve())
 
 
-def _remove_if_only_logs(out_dir: Path) -> None:
+def _first_missing(folder: Path) -> Path | None:
+    """The outermost of `folder` and its parents that does not exist (what mkdir(parents=True) creates), or None."""
+    missing = None
+    for p in [folder, *folder.parents]:
+        if p.exists():
+            return missing
+        missing = p
+    return missing
+
+
+def _remove_if_only_logs(out_dir: Path, created: Path) -> None:
     """Delete `out_dir` when it holds nothing but what `start` made (the lock folder; logs of an older version): a run
-    refused before it claimed the folder."""
+    refused before it claimed the folder; then the parents it created (`created`, outermost), left empty."""
     from dflash_prep.store.locks import LOCKS_DIR
 
     for h in list(log.handlers):  # the rank log file is inside
@@ -85,6 +95,13 @@ def _remove_if_only_logs(out_dir: Path) -> None:
             h.close()
     if out_dir.is_dir() and {p.name for p in out_dir.iterdir()} <= {"logs", LOCKS_DIR}:
         shutil.rmtree(out_dir, ignore_errors=True)
+        parent = out_dir.parent
+        while parent != created.parent and parent.is_dir():
+            try:
+                parent.rmdir()  # refused when not empty (another run may be filling it meanwhile): then kept
+            except OSError:
+                break
+            parent = parent.parent
 
 
 def _checked_run(recipe: Recipe, state, out_dir: Path, t_start: float) -> Run:
