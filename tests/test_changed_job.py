@@ -111,9 +111,12 @@ def test_the_same_bytes_written_again_or_moved_are_still_the_job(job):
     shutil.move(root / "data", root / "moved")
     try:
         code, _, _, err = probe(["extract", "--set", f"data.path={root / 'moved' / 'rows.jsonl'}", *args])
+        # that run recorded the inputs where they are now: the next re-run is answered before any heavy import
+        again, heavy, _, err_again = probe(["extract", "--set", f"data.path={root / 'moved' / 'rows.jsonl'}", *args])
     finally:
         shutil.move(root / "moved", root / "data")
     assert code == 0 and "already finished" in err, err[-3000:]
+    assert (again, heavy) == (0, []) and "inputs are unchanged" in err_again, err_again[-3000:]
 
 
 def test_a_finished_regeneration_refuses_weights_or_a_tokenizer_replaced_in_place(tmp_path, capsys):

@@ -50,6 +50,8 @@ def finish_run(run: Run, data, rank_plan: RankPlan) -> dict:
     if previous is not None and manifest_readable(out_dir):
         log.info("the output was already finished: manifest and summary left as they are -> %s",
                  run.remote.name(MANIFEST_NAME) if run.remote is not None else out_dir / MANIFEST_NAME)
+        if run.remote is None:  # inputs found the same by content (moved, reinstalled): the next re-run's preflight
+            _refresh_finished_inputs(out_dir, run.inputs_stamp)  # answers from the stamp, before any import
         return previous
     reports = [json.loads(p.read_text()) for p in sorted((out_dir / "index").glob("rank-*.done.json"))]
     reports = [r for r in reports if r["rank"] < run.world]
@@ -94,6 +96,16 @@ def _record_finished_inputs(out_dir, stamp: dict | None) -> None:
     if stamp is not None:
         state[FINISHED_INPUTS] = stamp
     atomic_write_json(out_dir / STATE_NAME, state)
+
+
+def _refresh_finished_inputs(out_dir, stamp: dict | None) -> None:
+    """`finished_inputs` set to `stamp` when it differs (best effort: a folder that cannot be written keeps the old
+    stamp, and a re-run then goes the full way again, as before)."""
+    try:
+        if stamp is not None and read_state_json(out_dir / STATE_NAME).get(FINISHED_INPUTS) != stamp:
+            _record_finished_inputs(out_dir, stamp)
+    except (OSError, ValueError) as e:
+        log.debug("finished_inputs not refreshed: %s", e)
 
 
 def _previous_summary(out_dir) -> dict | None:
