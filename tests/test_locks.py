@@ -217,10 +217,22 @@ def test_inspect_of_an_unfinished_output_shows_progress_and_whether_it_runs(tmp_
     assert progress["by_rank"]["rank-00000"]["shards"] == 3
     assert all(r.committed_at is not None for r in committed)
     assert progress["samples_per_second_recent"] > 0 and progress["eta_seconds"] is None  # not running: no ETA
-    # An interrupted run's rate is that of its last commits, however long ago: later inspects give the same.
+    # An interrupted run's rate: its samples over the time from its start to its last commit, however long ago
+    # (later inspects give the same), never a span between commits that bunched at the stop.
     stamps = sorted(r.committed_at for r in committed)
-    by_hand = sum(r.num_samples for r in committed if r.committed_at > stamps[0]) / (stamps[-1] - stamps[0])
+    started = json.loads((out / "run_state.json").read_text())["runs"][-1]["started_at"]
+    by_hand = sum(r.num_samples for r in committed) / (stamps[-1] - started)
     assert progress["samples_per_second_recent"] == pytest.approx(by_hand)
+    assert stamps[0] > started
+    index = out / "index" / "rank-00000.jsonl"
+    kept = index.read_text()
+    lines = [json.loads(line) for line in kept.splitlines()]
+    for i, line in enumerate(lines):  # the commits bunched within milliseconds (every lane committing at a stop)
+        line["committed_at"] = stamps[-1] - 0.001 * (len(lines) - 1 - i)
+    index.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert inspect_main([str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["samples_per_second_recent"] == pytest.approx(by_hand)
+    index.write_text(kept)
     monkeypatch.setattr("dflash_prep.commands.inspect.time.time", lambda: stamps[-1] + 600)
     assert inspect_main([str(out), "--json"]) == 0  # a live view, not a failure
     assert json.loads(capsys.readouterr().out)["samples_per_second_recent"] == pytest.approx(by_hand)

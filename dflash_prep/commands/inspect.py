@@ -170,6 +170,16 @@ def format_description(f: dict) -> str:
 
 # ---------------------------------------------------------------------------------------------- progress
 RATE_WINDOW_SECONDS = 900
+def _last_run_started_at(out_dir) -> float | None:
+    """When the latest run into `out_dir` claimed it (run_state.json's `runs`, unix seconds), or None."""
+    try:
+        runs = read_state_json(out_dir / "run_state.json").get("runs") or []
+        started = runs[-1].get("started_at")
+    except (OSError, ValueError, OutputStateError, AttributeError, IndexError):
+        return None
+    return float(started) if isinstance(started, (int, float)) else None
+
+
 def describe_progress(out_dir: str | Path) -> dict | None:
     """How far the run of an output without a manifest got, and whether a process runs into it now.
 
@@ -204,13 +214,21 @@ def describe_progress(out_dir: str | Path) -> dict | None:
     now = time.time()
     stamps = [r.committed_at for r in committed if r.committed_at is not None]
     end = now if running or not stamps else max(stamps)
-    recent = [r for r in committed if r.committed_at is not None and r.committed_at >= end - RATE_WINDOW_SECONDS]
     rate = eta = None
-    if len(recent) >= 2:
-        first = min(r.committed_at for r in recent)
-        span = end - first
-        done = sum(r.num_samples + len(r.failed) for r in recent if r.committed_at > first)
-        rate = done / span if span > 0 else None
+    started = _last_run_started_at(out_dir)
+    if started is not None and end > started:
+        # From the latest run's start (or the window's, the later): commits bunch (every lane commits at a stop),
+        # so a span from the first commit in the window can be a fraction of a second and the rate thousands of
+        # samples per second; the work of those commits was done since the run started.
+        start = max(started, end - RATE_WINDOW_SECONDS)
+        done = sum(r.num_samples + len(r.failed) for r in committed if r.committed_at and r.committed_at > start)
+        rate = done / (end - start) if done else None
+    else:  # an output whose run_state.json does not say when its run started: between the window's commits
+        recent = [r for r in committed if r.committed_at is not None and r.committed_at >= end - RATE_WINDOW_SECONDS]
+        if len(recent) >= 2:
+            first = min(r.committed_at for r in recent)
+            done = sum(r.num_samples + len(r.failed) for r in recent if r.committed_at > first)
+            rate = done / (end - first) if end > first else None
     if rate and running and planned:
         left = planned["num_samples"] - sum(r.num_samples + len(r.failed) for r in committed)
         eta = max(left, 0) / rate
