@@ -130,7 +130,7 @@ def test_last_turn_keeps_earlier_turns_and_matches_direct_requests(server, tmp_p
     err = capsys.readouterr().err
     assert "done: 5 rows, 4 answered, 1 skipped" in err
     # transformers serve refuses the token-id fields (HTTP 422): the answers are text, and the summary says so
-    assert summary["token_ids"] == {"source": "none"} and "returns no token ids (HTTP 422" in err
+    assert summary["token_ids"] == {"source": "none"} and "the servers return no token ids (HTTP 422" in err
     assert all(t["completion_token_ids"] is None for r in rows.values() for t in r["regen"]["turns"])
     # the folder is data for an extraction as it is; its generated turns come from their text
     assert list(load_rows(DataSection(path=str(out)))["id"]) == ["single", "multi", "prompt-only", "weather"]

@@ -19,7 +19,8 @@ them with the fields both servers read, `return_token_ids` (vLLM >= 0.10.2; SGLa
 response (vLLM) or on the choice (SGLang); SGLang's `matched_stop` names a stop token the ids may leave out. A
 server that answers the probe with ids is asked for them on every request (`token_ids: "returned"`); one that
 refuses the fields (`transformers serve`: HTTP 422) or answers without ids is asked without them and the answers are
-text only (`token_ids: "none"`, in the engine's identity and the summary). The probe's prompt is also what
+text only (`token_ids: "none"`, in the engine's identity and the summary). The probe goes the way of every request
+(below): a server answering it HTTP 5xx decides nothing until it answers (or is confirmed broken, restarted or down). The probe's prompt is also what
 regen/template_check.py compares with the extraction's rendering.
 
 Errors, per request:
@@ -138,11 +139,15 @@ class OpenAIEngine:
         self._check_servers()
         self.token_id_fields: dict = {}  # the request fields that ask for token ids, once the probe found them
         self.probe_answer: Answer | None = None
-        self.token_ids = self._probe_token_ids()
         for server in self.servers:
             for i in range(section.max_concurrency):
                 threading.Thread(target=self._work, args=(server,), daemon=True,
                                  name=f"dflash-prep-openai-{i}").start()
+        try:
+            self.token_ids = self._probe_token_ids()
+        except BaseException:
+            self.close()
+            raise
 
     def _check_servers(self) -> None:
         """Every server answers `GET /models` (retried as a request is), or is marked down; none: EngineUnavailable.
@@ -173,27 +178,23 @@ class OpenAIEngine:
                 "token_ids": self.token_ids}
 
     def _probe_token_ids(self) -> str:
-        """Ask the first server that answers for a one-token answer to PROBE_MESSAGES with the token-id fields:
-        "returned" when it comes back with ids (every request then asks for them), else "none" (a server that
-        refuses the fields is probed again without them). The probe's answer is kept (`probe_answer`)."""
-        server = next(s for s in self.servers if s.down is None)
+        """Ask for a one-token answer to PROBE_MESSAGES with the token-id fields, through the request path (its
+        retries, its holding of HTTP 5xx answers, a managed server's restart): "returned" when it comes back with
+        ids (every request then asks for them), else "none" (asked again without the fields, which a server may
+        refuse). Only a server's definite answer decides: an HTTP 5xx is held and asked again like any request's,
+        so a server failing at the start never fixes the job's `token_ids` (a resume against it healthy again would
+        be refused as another job); with every server down, EngineUnavailable. The answer is kept (`probe_answer`)."""
         probe = Request(messages=PROBE_MESSAGES, tools=None, sampling={}, seed=0, max_tokens=1)
         self.token_id_fields = dict(TOKEN_ID_FIELDS)
-        try:
-            answer = self._call(server, probe)
-        except _ServerDown:
-            answer = Answer(rejected="no answer")
+        [answer] = self.answer([probe])
         if answer.rejected is None and answer.completion_token_ids is not None:
             self.probe_answer = answer
-            log.info("regenerate: %s returns token ids: the answers' own ids are kept", server.base_url)
+            log.info("regenerate: the servers return token ids: the answers' own ids are kept")
             return "returned"
         self.token_id_fields = {}
-        try:
-            self.probe_answer = self._call(server, probe)
-        except _ServerDown:
-            self.probe_answer = None
-        log.warning("regenerate: %s returns no token ids (%s): the extraction re-tokenizes the answers' text, which "
-                    "may differ from the tokens the target generated (docs/ON_POLICY.md)", server.base_url,
+        [self.probe_answer] = self.answer([probe])
+        log.warning("regenerate: the servers return no token ids (%s): the extraction re-tokenizes the answers' text, "
+                    "which may differ from the tokens the target generated (docs/ON_POLICY.md)",
                     answer.rejected or "the fields are ignored")
         return "none"
 
