@@ -129,3 +129,42 @@ def test_a_follower_of_an_output_no_run_holds_says_so_and_ends(tmp_path):
     assert int(elapsed) < 60 and "no extraction has held this output" in message and "\n" not in message
     warnings = [line for line in proc.stderr.splitlines() if "no extraction holds this output" in line]
     assert len(warnings) == 1, proc.stderr
+
+
+def test_a_batch_committed_by_two_runs_is_read_once(tmp_path):
+    """A run frozen past its lease commits a batch late while the run that took over redoes it (two index lines of
+    two fencing tokens holding the same plan batch, each its own shard, read by two different DataLoader workers
+    of the follower). The batch's samples are yielded once across the workers, and the manifest ends it."""
+    import shutil
+
+    from dflash_prep.consume.follow import consumer_of
+
+    out, seen_file = tmp_path / "out", tmp_path / "seen.jsonl"
+    proc = subprocess.run(extract_cmd(out), cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    manifest = (out / "manifest.json").read_bytes()
+    (out / "manifest.json").unlink()
+    index = sorted((out / "index").glob("rank-*.jsonl"))[0]
+    first = json.loads(index.read_text().splitlines()[0])
+    late_path = next(p for n in range(100) if consumer_of(p := first["path"].replace(".tar", f"-late{n}.tar"), 3)
+                     != consumer_of(first["path"], 3))  # another worker's shard
+    late = dict(first, path=late_path, fence=(first.get("fence") or 0) + 1)
+    shutil.copy(out / first["path"], out / late["path"])
+    with open(index, "a") as f:
+        f.write(json.dumps(late) + "\n")
+    follower = subprocess.Popen([sys.executable, "-c", FOLLOWER, str(out), str(seen_file)], cwd=REPO, env=ENV,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # every worker polls the index with both lines (every 0.2 s) before the manifest ends the iteration (what
+        # the workers yielded may reach the main process only then: DataLoader takes them in worker order)
+        time.sleep(8)
+        (out / "manifest.json").write_bytes(manifest)
+        stdout, stderr = follower.communicate(timeout=120)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+    assert follower.returncode == 0, stderr[-3000:]
+    ids = seen(seen_file)
+    twice = sorted({s for s in ids if ids.count(s) > 1})
+    assert not twice, f"yielded twice: {twice}"
+    assert len(ids) == NUM_SAMPLES and set(ids) == {s for r in committed(out) for s in r["sample_ids"]}

@@ -13,6 +13,10 @@ A follower polls the output (a local folder or an object-store URL) every `poll_
   that finds a committed shard damaged appends its index line to `index/superseded.jsonl` before it redoes it, and
   every consumer sends the samples of a superseded shard to that shard's consumer (`sample_owners`), whichever new
   shard holds them (the superseded file is read after the indexes, so a redone record is never seen without it);
+- a plan batch held by two committed records (a run frozen past its lease committed it late beside the run that took
+  over; the store keeps the later run's at the end) is read from the first one a consumer meets: the second's copies
+  are left out by every consumer that has met the first, which is every consumer once both records are in one index
+  file (one rank) or were committed one poll apart;
 - before the manifest exists, the samples are decoded with the layout the run recorded when it claimed the output
   (`run_state.json`: layer ids, hidden size, storage dtype, final layer); the follower waits for that file;
 - it ends when `OUT/manifest.json` appears: the shards it lists and the follower has not read yet are read, then the
@@ -111,6 +115,31 @@ def wanted_of(record_sample_ids: list[str], path: str, owners: dict[str, int], c
     if not mine:
         return False
     return None if len(mine) == len(record_sample_ids) else mine
+
+
+def _without_batches_read(record: ShardRecord, wanted: frozenset[str] | None | bool,
+                          batch_first: dict[int, tuple[str, str]], key: tuple[str, str],
+                          out_dir) -> frozenset[str] | None | bool:
+    """`wanted` less the samples of the plan batches an earlier record already held (`batch_first`, updated here
+    with the batches `record` is first to hold). Two records hold one batch when a run frozen past its lease
+    committed it late beside the run that took over (RecordStore.resolve keeps the later run's at the end; the
+    follower has read one of them by then): the second one's copies are not read again. `out_dir` (None when
+    no batch of `record` was read before) is where the first records are looked up."""
+    for b in record.batch_ids:
+        batch_first.setdefault(b, key)
+    if out_dir is None:
+        return wanted
+    earlier = {batch_first[b] for b in record.batch_ids} - {key}
+    if not earlier:
+        return wanted
+    seen = {s for r in committed_now(out_dir) if (r.path, r.sha256) in earlier for s in r.sample_ids}
+    mine = set(record.sample_ids) if wanted is None else set() if wanted is False else set(wanted)
+    left = mine - seen
+    if left == mine:
+        return wanted
+    log.warning("%s: %d sample(s) of %s were read from another run's shard already (a run that lost its lease "
+                "committed them too): not read twice", out_dir, len(mine & seen), record.path)
+    return frozenset(left) if left else False
 
 
 def output_held(out_dir) -> bool:
@@ -227,6 +256,7 @@ def follow_shards(out_dir, consumer: int, num_consumers: int, poll_seconds: floa
     """This consumer's committed shards, each once, as they land: (shard, layout, the sample ids to keep, None for
     all); ends at the manifest (module docstring)."""
     done: set[tuple[str, str]] = set()
+    batch_first: dict[int, tuple[str, str]] = {}  # plan batch id -> the first record read that holds it
     layout = None
     last_news = time.monotonic()
     holder = _Holder(out_dir, unheld_timeout_seconds, speaks=consumer == 0)
@@ -241,6 +271,8 @@ def follow_shards(out_dir, consumer: int, num_consumers: int, poll_seconds: floa
         for shard, record in news:
             done.add((shard.rel_path, shard.sha256))
             wanted = wanted_of(record.sample_ids, shard.rel_path, owners, consumer, num_consumers)
+            wanted = _without_batches_read(record, wanted, batch_first, (shard.rel_path, shard.sha256),
+                                           out_dir if any(b in batch_first for b in record.batch_ids) else None)
             if wanted is not False:
                 yield shard, layout, wanted
         if manifest is not None:
