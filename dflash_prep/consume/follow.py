@@ -123,13 +123,11 @@ def _without_batches_read(record: ShardRecord, wanted: frozenset[str] | None | b
     """`wanted` less the samples of the plan batches an earlier record already held (`batch_first`, updated here
     with the batches `record` is first to hold). Two records hold one batch when a run frozen past its lease
     committed it late beside the run that took over (RecordStore.resolve keeps the later run's at the end; the
-    follower has read one of them by then): the second one's copies are not read again. `out_dir` (None when
-    no batch of `record` was read before) is where the first records are looked up."""
+    follower has read one of them by then): the second one's copies are not read again, the first records looked
+    up in `out_dir`'s indexes."""
+    earlier = {batch_first[b] for b in record.batch_ids if b in batch_first} - {key}
     for b in record.batch_ids:
         batch_first.setdefault(b, key)
-    if out_dir is None:
-        return wanted
-    earlier = {batch_first[b] for b in record.batch_ids} - {key}
     if not earlier:
         return wanted
     seen = {s for r in committed_now(out_dir) if (r.path, r.sha256) in earlier for s in r.sample_ids}
@@ -271,8 +269,7 @@ def follow_shards(out_dir, consumer: int, num_consumers: int, poll_seconds: floa
         for shard, record in news:
             done.add((shard.rel_path, shard.sha256))
             wanted = wanted_of(record.sample_ids, shard.rel_path, owners, consumer, num_consumers)
-            wanted = _without_batches_read(record, wanted, batch_first, (shard.rel_path, shard.sha256),
-                                           out_dir if any(b in batch_first for b in record.batch_ids) else None)
+            wanted = _without_batches_read(record, wanted, batch_first, (shard.rel_path, shard.sha256), out_dir)
             if wanted is not False:
                 yield shard, layout, wanted
         if manifest is not None:

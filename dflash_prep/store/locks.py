@@ -169,22 +169,21 @@ class FileLock:
 
     def _holder_pid_here(self) -> int | None:
         """The pid the lock file names when it names this host, else None."""
-        try:
-            host, _, pid = self.path.read_text().strip().partition(" ")
-        except OSError:
-            return None
+        host, pid = self._written_holder()
         return int(pid) if host == socket.gethostname() and pid.isdigit() else None
 
     def holder(self) -> str:
         """`host pid` of the process that last took the lock (as it wrote it), or 'unknown'."""
+        host, pid = self._written_holder()
+        return f"pid {pid} on {host}" if host else "unknown"
+
+    def _written_holder(self) -> tuple[str, str]:
+        """(host, pid) as the last taker wrote them into the lock file; ("", "") when it is empty or unreadable."""
         try:
-            text = self.path.read_text().strip()
+            host, _, pid = self.path.read_text().strip().partition(" ")
         except OSError:
-            text = ""
-        if not text:
-            return "unknown"
-        host, _, pid = text.partition(" ")
-        return f"pid {pid} on {host}"
+            return "", ""
+        return host, pid
 
     def release(self, remove: bool = False) -> None:
         """Drop the lock; `remove`: delete the lock file first, while still holding it (nothing left behind; a

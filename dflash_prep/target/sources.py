@@ -41,8 +41,14 @@ def check_model_source(source: str, key: str) -> None:
                           f"HF_HUB_OFFLINE=1 to load it from the hub cache")
 
 
+_REACHED: set[str] = set()  # endpoints that answered in this process (a failure is probed again next time)
+
+
 def _unreachable(endpoint: str) -> str | None:
-    """Why a TCP connect to `endpoint`'s host fails (a name that does not resolve, a refusal, a timeout), or None."""
+    """Why a TCP connect to `endpoint`'s host fails (a name that does not resolve, a refusal, a timeout), or None.
+    An endpoint that answered once is not probed again in this process (the config's and tokenizer's checks)."""
+    if endpoint in _REACHED:
+        return None
     import socket
     from urllib.parse import urlsplit
 
@@ -52,6 +58,7 @@ def _unreachable(endpoint: str) -> str | None:
         socket.create_connection((url.hostname or "", port), timeout=HUB_PROBE_SECONDS).close()
     except OSError as e:
         return f"{url.hostname}:{port}: {e.strerror or e}"
+    _REACHED.add(endpoint)
     return None
 
 
