@@ -241,7 +241,10 @@ def static_passes(name, engine, requests, args, device, t0, deadline, reserve, r
             f"{cold['prefill_seconds']:.1f} s, graph captures {cold['graph_captures']} (failed "
             f"{cold['graph_failures']})", t0)
         result["static"] = {"cold": _public(cold), "warm": None}
-        if args.warm and not SPECS[name].exactness_only and time.perf_counter() + cold["seconds"] < deadline - reserve:
+        # a warm pass costs about the cold one's decode and a fraction of its prefill (the cold prefill of the
+        # hybrid is mostly Triton autotuning of first-seen shapes)
+        warm_estimate = 1.5 * cold["decode_seconds"] + 0.5 * cold["prefill_seconds"] + 5
+        if args.warm and not SPECS[name].exactness_only and time.perf_counter() + warm_estimate < deadline - reserve:
             warm = engine_pass(engine, requests, device)
             result["static"]["warm"] = _public(warm)
             log(f"{name}: static warm pass {_rate(warm)}, {warm['ms_per_decode_step']:.1f} ms per decode step", t0)
@@ -271,7 +274,7 @@ def check_and_compare(name, engine, requests, static, generate, spec, device, t0
     """The exactness check (regen_exactness.py) and static vs generate texts into `result`, logged."""
     from bench.regen_exactness import exactness
 
-    from bench.regen_exactness import decode_step_profile
+    from bench.regen_exactness import decode_step_profile, prefill_profile
 
     if spec.profile_rows:
         try:
@@ -281,6 +284,13 @@ def check_and_compare(name, engine, requests, static, generate, spec, device, t0
                     f"{k['name'][:60]} {k['ms_per_step']:.2f} ms" for k in prof["top"][:6]), t0)
         except Exception as e:  # noqa: BLE001 - a profile is a diagnosis, never the benchmark's failure
             result.setdefault("errors", []).append(f"decode step profile: {type(e).__name__}: {e}")
+        try:
+            prof = result["prefill_profile"] = prefill_profile(engine, requests, spec.profile_rows, device)
+            log(f"{name}: the prefill of {prof['rows']} rows ({prof['prompt_tokens']} prompt tokens, width "
+                f"{prof['width']}): {prof['device_ms']} device ms; top: " + "; ".join(
+                    f"{k['name'][:60]} {k['ms']:.1f} ms" for k in prof["top"][:6]), t0)
+        except Exception as e:  # noqa: BLE001 - a diagnosis too
+            result.setdefault("errors", []).append(f"prefill profile: {type(e).__name__}: {e}")
     n = min(spec.check_tokens, requests[0].max_tokens)
     check = result["check"] = exactness(engine, requests, static["_ids"], generate["_ids"], spec.check_prompts,
                                         max(spec.forced_prompts, spec.check_prompts), n, device, spec.dtype)

@@ -228,3 +228,29 @@ def decode_step_profile(engine, requests, rows: int, device, steps: int = 4, top
             None if total is None else total / 1e3 / steps,
             "top": [{"name": e.key[:120], "ms_per_step": self_us(e) / 1e3 / steps, "calls_per_step": e.count / steps}
                     for e in events[:top]], "seconds": time.perf_counter() - t}
+
+
+def prefill_profile(engine, requests, rows: int, device, top: int = 12) -> dict:
+    """Where the static decoder's prefill of the first `rows` prompts (longest first, padded as the engine pads)
+    spends its device time: one `generate` of 1 new token (its prefill forwards, then one argmax) under
+    torch.profiler -> total device ms, prompt tokens, the `top` kernels by self time. Run after the timed passes:
+    the shapes are warm."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts = sorted((engine.render(r) for r in requests[:rows]), key=len, reverse=True)
+    ids, mask = padded_batch(prompts, engine.pad_token_id, engine.length_multiple, device)
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    activities = [ProfilerActivity.CUDA] if kind == "cuda" else [ProfilerActivity.CPU]
+    t = time.perf_counter()
+    with torch.inference_mode(), profile(activities=activities) as profiler:
+        engine.decoder.generate(ids, mask, 1, [])
+        if kind == "cuda":
+            torch.cuda.synchronize(device)
+    wall = time.perf_counter() - t
+    events = [e for e in profiler.key_averages() if kind != "cuda" or e.device_type.name.lower() == "cuda"]
+    self_us = (lambda e: e.self_device_time_total) if kind == "cuda" else (lambda e: e.self_cpu_time_total)
+    events.sort(key=self_us, reverse=True)
+    return {"rows": len(prompts), "width": ids.shape[1], "prompt_tokens": sum(map(len, prompts)),
+            "device_ms": sum(self_us(e) for e in events) / 1e3 if kind == "cuda" else None,
+            "wall_seconds_profiled": wall,
+            "top": [{"name": e.key[:120], "ms": self_us(e) / 1e3, "calls": e.count} for e in events[:top]]}
