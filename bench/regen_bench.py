@@ -90,7 +90,7 @@ SPECS = {
                                   max_tokens_per_batch=131072, static_tokens_per_batch=131072, min_seconds=30,
                                   check_prompts=8, forced_prompts=32, layers=4, exactness_only=True),
     "qwen3.6-27b-fp32": RegenSpec("qwen3.6-27b.json", "float32", num_prompts=24, max_tokens=32,
-                                  max_tokens_per_batch=65536, static_tokens_per_batch=65536, min_seconds=60,
+                                  max_tokens_per_batch=65536, static_tokens_per_batch=65536, min_seconds=150,
                                   check_prompts=8, forced_prompts=24, layers=4, exactness_only=True),
     "tiny-llama": RegenSpec("tiny-llama.json", "float32", num_prompts=12, max_tokens=8, max_tokens_per_batch=4096,
                             static_tokens_per_batch=4096, min_seconds=5, check_tokens=8, forced_prompts=8, mu=4.0,
@@ -177,7 +177,9 @@ def engine_pass(engine, requests, device) -> dict:
         delta = {k: v - before[k] for k, v in vars(decoder.stats).items()}
         out.update(prefill_seconds=delta["prefill_seconds"], decode_seconds=delta["decode_seconds"],
                    decode_steps=delta["decode_steps"], graph_captures=delta["graph_captures"],
-                   graph_failures=delta["graph_failures"],
+                   graph_failures=delta["graph_failures"], prefill_forwards=delta["prefill_forwards"],
+                   prompt_tokens_prefilled=delta["prompt_tokens_prefilled"],
+                   prefill_computed_tokens=delta["prefill_computed_tokens"],
                    ms_per_decode_step=1e3 * delta["decode_seconds"] / max(delta["decode_steps"], 1))
     return out
 
@@ -238,8 +240,9 @@ def static_passes(name, engine, requests, args, device, t0, deadline, reserve, r
     try:
         cold = engine_pass(engine, requests, device)
         log(f"{name}: static cold pass {_rate(cold)}, {cold['ms_per_decode_step']:.1f} ms per decode step, prefill "
-            f"{cold['prefill_seconds']:.1f} s, graph captures {cold['graph_captures']} (failed "
-            f"{cold['graph_failures']})", t0)
+            f"{cold['prefill_seconds']:.1f} s ({cold['prefill_forwards']} forwards, {cold['prompt_tokens_prefilled']:,} "
+            f"prompt tokens of {cold['prefill_computed_tokens']:,} computed), graph captures {cold['graph_captures']} "
+            f"(failed {cold['graph_failures']})", t0)
         result["static"] = {"cold": _public(cold), "warm": None}
         # a warm pass costs about the cold one's decode and a fraction of its prefill (the cold prefill of the
         # hybrid is mostly Triton autotuning of first-seen shapes)
@@ -247,7 +250,8 @@ def static_passes(name, engine, requests, args, device, t0, deadline, reserve, r
         if args.warm and not SPECS[name].exactness_only and time.perf_counter() + warm_estimate < deadline - reserve:
             warm = engine_pass(engine, requests, device)
             result["static"]["warm"] = _public(warm)
-            log(f"{name}: static warm pass {_rate(warm)}, {warm['ms_per_decode_step']:.1f} ms per decode step", t0)
+            log(f"{name}: static warm pass {_rate(warm)}, {warm['ms_per_decode_step']:.1f} ms per decode step, prefill "
+                f"{warm['prefill_seconds']:.1f} s, decode {warm['decode_seconds']:.1f} s", t0)
         return cold
     except Exception as e:  # noqa: BLE001 - reported; the generate decoder is still measured
         result.setdefault("errors", []).append(f"static decoder: {type(e).__name__}: {e}")

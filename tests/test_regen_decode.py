@@ -44,25 +44,32 @@ def padded(engine: TransformersEngine, prompts: list[list[int]]) -> tuple[torch.
     return ids, mask
 
 
-@pytest.mark.parametrize("name,order", [("llama", "longest-first"), ("llama", "as-given"),
-                                        pytest.param("demo", "longest-first", marks=pytest.mark.slow),
-                                        pytest.param("demo", "as-given", marks=pytest.mark.slow)])
-def test_chunked_prefill_and_per_row_limits_equal_generate_alone(name, order, llama_path):
-    """Five prompts of 3 to ~400 tokens in one batch, the prefill cut into forwards of 10 tokens at most (sorted
-    longest first, as the engine cuts batches: forwards of the rows that have begun; in the given order: whole
-    columns), each row with its own new-token limit (2 to 12): every row's ids equal `generate` on its prompt alone
-    with that limit (up to and including the first end-of-sequence id), then padding to the batch's end."""
+@pytest.mark.parametrize("name,order,prefill", [("llama", "longest-first", "padded"), ("llama", "as-given", "padded"),
+                                                ("llama", "longest-first", "packed"), ("llama", "as-given", "auto"),
+                                                pytest.param("demo", "longest-first", "auto", marks=pytest.mark.slow),
+                                                pytest.param("demo", "as-given", "auto", marks=pytest.mark.slow)])
+def test_chunked_prefill_and_per_row_limits_equal_generate_alone(name, order, prefill, llama_path):
+    """Five prompts of 3 to ~400 tokens in one batch, each row with its own new-token limit (2 to 12): every row's
+    ids equal `generate` on its prompt alone with that limit (up to and including the first end-of-sequence id),
+    then padding to the batch's end. Padded prefill: forwards of 10 tokens at most (sorted longest first, as the
+    engine cuts batches: forwards of the rows that have begun; in the given order: whole columns); packed prefill
+    (`auto` on the Llama-style model): whole prompts back to back, 150 tokens a forward at most (the longest alone);
+    the hybrid's `auto` is padded (its Gated DeltaNet states)."""
     engine = engine_for(name, llama_path, decoder="generate")
     prompts = [prompt_ids(engine, m) for m in PROMPTS]
     if order == "longest-first":
         prompts.sort(key=len, reverse=True)
     limits = [12, 2, 7, 12, 5]
-    decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, prefill_tokens=10, column_multiple=1,
-                                 row_multiple=1)
+    decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, prefill_tokens=150 if prefill != "padded" else 10,
+                                 column_multiple=1, row_multiple=1, prefill=prefill)
+    assert decoder.packed_prefill == (name == "llama" and prefill != "padded")
     ids, mask = padded(engine, prompts)
     with torch.inference_mode():
         out = decoder.generate(ids, mask, 12, [DEMO_EOS], row_new_tokens=limits).tolist()
     assert decoder.stats.decode_steps > 0 and decoder.stats.graph_captures == 0  # CPU: no capture
+    assert decoder.stats.prompt_tokens_prefilled == sum(map(len, prompts))
+    if decoder.packed_prefill:  # several packed forwards, no padding computed
+        assert decoder.stats.prefill_forwards >= 3 and decoder.stats.prefill_computed_tokens == sum(map(len, prompts))
     for row, (p, limit) in enumerate(zip(prompts, limits)):
         expected = alone(engine, p, new=limit)
         assert out[row][:len(expected)] == expected
@@ -134,7 +141,8 @@ def test_the_decode_path_names_the_family_and_the_gated_deltanet_kernel(llama_pa
     (the torch fallback here: flash-linear-attention is not installed on this machine)."""
     import importlib.util
 
-    assert engine_for("llama", llama_path).decode_path == "llama: static cache, eager steps"
+    assert engine_for("llama", llama_path).decode_path == ("llama: static cache, eager steps, attention reading the "
+                                                           "cache once, packed prefill")
     hybrid = engine_for("demo", llama_path, decoder="generate").decode_path
     assert hybrid.startswith("qwen3_5_text: HF generate (dynamic cache); Gated DeltaNet decode on ")
     assert ("flash-linear-attention's" in hybrid) == (importlib.util.find_spec("fla") is not None)
@@ -151,7 +159,7 @@ def test_prefill_forwards_attend_over_the_filled_prefix_in_a_bounded_set_of_shap
     prompts = sorted([prompt_ids(engine, m) for m in PROMPTS], key=len, reverse=True)
     ids, mask = padded(engine, prompts)
     decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, prefill_tokens=256, column_multiple=16,
-                                 row_multiple=2)
+                                 row_multiple=2, prefill="padded")
     seen, update = [], StaticLayer.update
 
     def recording(layer, keys, values, *args, **kwargs):

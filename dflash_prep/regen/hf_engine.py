@@ -158,7 +158,7 @@ class TransformersEngine:
     def __init__(self, model: ModelSection, device: torch.device, max_tokens_per_batch: int,
                  max_batch_size: int = 256, *, length_multiple: int = 64,
                  ignore_eos: bool = False, kernels=None, decoder: str = "static",
-                 prefill_tokens: int = 16384, cuda_graphs: bool = True, chat_template: str | None = None):
+                 prefill_tokens: int = 32768, cuda_graphs: bool = True, chat_template: str | None = None):
         self.section, self.device = model, torch.device(device)
         if max_tokens_per_batch < 2 or max_batch_size < 1 or length_multiple < 1:
             raise ValueError(f"max_tokens_per_batch={max_tokens_per_batch}, max_batch_size={max_batch_size} and "

@@ -1,0 +1,62 @@
+"""The static decoder's attention function (regen/attention.py) against attention written out here: keys and
+values repeated per query head (`repeat_interleave`, the grouping transformers' `repeat_kv` defines), scores
+scaled, masked, softmax in float64, a fully masked query giving zeros (SDPA's convention). float32 on the CPU."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from dflash_prep.regen.attention import STATIC_ATTENTION, register, static_attention
+
+
+def reference(q, k, v, mask, scale):
+    """[B, Hq, S, D] ... -> [B, S, Hq, Dv] in float64."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = (t.double().repeat_interleave(groups, dim=1) for t in (k, v))
+    scores = q.double() @ k.transpose(-1, -2) * scale
+    allowed = mask if mask.dtype == torch.bool else torch.isfinite(mask)
+    if mask.dtype != torch.bool:
+        scores = scores + mask.double().masked_fill(~allowed, 0)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return (probs @ v).transpose(1, 2)
+
+
+def masks(batch, queries, keys, first_real):
+    """bool [B, 1, S, L]: row b sees keys from first_real[b] on, causally (the queries are the last S positions)."""
+    positions = torch.arange(keys)
+    causal = positions[None, :] <= (keys - queries + torch.arange(queries))[:, None]
+    real = positions[None, :] >= torch.tensor(first_real)[:, None]
+    return (causal[None] & real[:, None])[:, None]
+
+
+@pytest.mark.parametrize("q_heads,kv_heads", [(8, 2), (6, 3), (4, 4)])
+@pytest.mark.parametrize("queries", [1, 7])
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_equals_attention_written_out(q_heads, kv_heads, queries, kind):
+    torch.manual_seed(q_heads * 10 + queries)
+    batch, keys, dim = 3, 40, 16
+    q = torch.randn(batch, q_heads, queries, dim)
+    k, v = torch.randn(batch, kv_heads, keys, dim), torch.randn(batch, kv_heads, keys, 12)
+    # row 2 sees nothing in its first queries when they sit before its first real key (padding columns); with one
+    # query a row it sees nothing at all (a padding column of a padded prefill's 1-column forward)
+    mask = masks(batch, queries, keys, [0, 5, keys - 3 if queries > 1 else keys])
+    if kind == "additive":  # 0 where seen, -inf elsewhere, and a bias where seen
+        mask = torch.where(mask, torch.rand(mask.shape) * 0.5, torch.tensor(float("-inf")))
+    module = types.SimpleNamespace(num_key_value_groups=q_heads // kv_heads, training=False, is_causal=True)
+    out, weights = static_attention(module, q, k, v, mask, scaling=0.37)
+    assert weights is None and out.shape == (batch, queries, q_heads, 12)
+    assert torch.allclose(out.double(), reference(q, k, v, mask, 0.37), atol=2e-6)
+    assert (out[2, :3 if queries > 1 else 1] == 0).all()  # row 2's queries that see no key
+
+
+def test_registered_with_the_sdpa_mask():
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    assert register() == STATIC_ATTENTION
+    assert AttentionInterface()[STATIC_ATTENTION] is static_attention
+    assert AttentionMaskInterface()[STATIC_ATTENTION] is sdpa_mask
