@@ -53,6 +53,21 @@ def test_equals_attention_written_out(q_heads, kv_heads, queries, kind):
     assert (out[2, :3 if queries > 1 else 1] == 0).all()  # row 2's queries that see no key
 
 
+@pytest.mark.parametrize("kernel", ["bmm", "sdpa"])
+def test_each_decode_kernel_equals_attention_written_out(kernel):
+    """The decode candidates a GPU chooses between (those a CPU runs), each against the reference; a query that
+    sees no key gets zeros from each."""
+    from dflash_prep.regen.attention import DECODE_KERNELS
+
+    torch.manual_seed(5)
+    q, k, v = torch.randn(3, 8, 1, 16), torch.randn(3, 2, 40, 16), torch.randn(3, 2, 40, 16)
+    mask = masks(3, 1, 40, [0, 5, 40])
+    out = DECODE_KERNELS[kernel](q, k, v, mask, 0.25)
+    assert out.shape == (3, 1, 8, 16)
+    assert torch.allclose(out.double(), reference(q, k, v, mask, 0.25), atol=2e-6)
+    assert (out[2] == 0).all()
+
+
 def test_registered_with_the_sdpa_mask():
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask

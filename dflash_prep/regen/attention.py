@@ -8,7 +8,10 @@ step's keys and values once takes ~6 ms; and in the padded prefill (a mask is gi
 per query head (`repeat_kv`: a copy), 870 of 3,256 device ms. What this function computes instead is transformers'
 own math, arranged so that keys and values are read once and never copied:
 
-- **Decode** (one query a row): the query heads of each key/value head as the rows of one small matrix,
+- **Decode** (one query a row): the fastest of a few kernels for the shapes, timed once per shape on CUDA
+  (`DECODE_KERNELS`: SDPA on torch's choice of kernel or on its memory-efficient one, with the query heads packed
+  per key/value head, or the two GEMMs below), the GEMMs elsewhere. The GEMMs: the query heads of each key/value
+  head as the rows of one small matrix,
   scores = q k^T in float32 (on CUDA `torch.bmm(..., out_dtype=float32)` on the bf16 inputs: fp32 accumulation and
   output, no fp32 copy of the keys), the mask, softmax in float32, probabilities cast to the value dtype (as
   transformers' eager attention does), then p v. Two batched GEMMs of a few rows: bound by reading k and v. A
@@ -60,12 +63,35 @@ def static_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
                                       is_causal=is_causal, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if query.shape[2] == 1:
-        return _decode(query, key, value, attention_mask, scale), None
+        return DECODE_KERNELS[_decode_kernel(query, key, value, attention_mask, scale)](
+            query, key, value, attention_mask, scale), None
     return _prefill(query, key, value, attention_mask, scale), None
 
 
-def _decode(query, key, value, mask, scale: float) -> torch.Tensor:
-    """One query a row -> [B, 1, Hq, Dv]."""
+def _decode_sdpa(query, key, value, mask, scale: float, backend=None) -> torch.Tensor:
+    """One query a row, SDPA on the query heads packed per key/value head ([B, Hkv, G, D]: transformers'
+    `pack_gqa`), on torch's choice of kernel or `backend` -> [B, 1, Hq, Dv]; a query whose keys are all masked
+    gets zeros (the NaN some kernels give there would reach the cache)."""
+    import contextlib
+
+    from torch.nn.attention import sdpa_kernel
+
+    batch, q_heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    q = query.reshape(batch, kv_heads, q_heads // kv_heads, dim)
+    with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
+        out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
+    return out.nan_to_num_(0.0).reshape(batch, 1, q_heads, value.shape[-1])
+
+
+def _decode_efficient(query, key, value, mask, scale: float) -> torch.Tensor:
+    from torch.nn.attention import SDPBackend
+
+    return _decode_sdpa(query, key, value, mask, scale, SDPBackend.EFFICIENT_ATTENTION)
+
+
+def _decode_bmm(query, key, value, mask, scale: float) -> torch.Tensor:
+    """One query a row by two batched GEMMs (scores in float32) -> [B, 1, Hq, Dv]."""
     batch, q_heads, _, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     groups = q_heads // kv_heads
@@ -102,6 +128,44 @@ def _scores(q: torch.Tensor, k_t: torch.Tensor) -> torch.Tensor:
             log.warning("regeneration attention: torch.bmm(out_dtype=float32) refused (%s); scores in %s",
                         str(e).splitlines()[0][:120] if str(e) else type(e).__name__, q.dtype)
     return torch.bmm(q, k_t).float()
+
+
+# The decode step's candidates, all the same math (within the dtype's rounding). Which is fastest depends on the
+# shapes and the GPU (H200, 8B shape, 128 rows x 1,792 positions, eager step: SDPA's cuDNN kernel 14.9 ms of the
+# step's 21.0 ms; two batched GEMMs with float32 scores 23.7 ms): on CUDA each new shape times them once, before any
+# CUDA graph capture (the first decode step runs eagerly), and keeps the fastest; elsewhere `bmm`.
+DECODE_KERNELS = {"bmm": _decode_bmm, "sdpa": _decode_sdpa, "sdpa_efficient": _decode_efficient}
+DECODE_CHOICES: dict[tuple, dict] = {}  # shape key -> {"kernel": name, "ms": {name: ms per call}}
+
+
+def _decode_kernel(query, key, value, mask, scale: float) -> str:
+    """The decode kernel for these shapes: chosen once per shape key (module comment above)."""
+    if not query.is_cuda:
+        return "bmm"
+    shape = (tuple(query.shape), tuple(key.shape), value.shape[-1], query.dtype, mask.dtype, tuple(mask.shape))
+    found = DECODE_CHOICES.get(shape)
+    if found is not None:
+        return found["kernel"]
+    if torch.cuda.is_current_stream_capturing():  # not timed inside a capture: torch's choice
+        return "sdpa"
+    times = {}
+    for name, kernel in DECODE_KERNELS.items():
+        try:
+            kernel(query, key, value, mask, scale)  # warm-up (workspaces, first-call setup)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(3):
+                kernel(query, key, value, mask, scale)
+            end.record()
+            end.synchronize()
+            times[name] = start.elapsed_time(end) / 3
+        except RuntimeError as e:  # a backend that refuses these shapes
+            log.debug("regeneration attention: %s refused %s: %s", name, shape, e)
+    best = min(times, key=times.get)
+    DECODE_CHOICES[shape] = {"kernel": best, "ms": times}
+    log.info("regeneration attention: decode of %s queries over %s keys on %s (ms per call: %s)", list(query.shape),
+             list(key.shape), best, ", ".join(f"{k} {v:.3f}" for k, v in times.items()))
+    return best
 
 
 class _RepeatedMask:

@@ -117,7 +117,7 @@ class StaticCacheDecoder:
     def path(self) -> str:
         """The decode path in words (for the log and the benchmark)."""
         steps = "static cache + CUDA graph" if self.cuda_graphs else "static cache, eager steps"
-        attention = "" if self.attention != STATIC_ATTENTION else ", attention reading the cache once"
+        attention = "" if self.attention != STATIC_ATTENTION else ", decode attention timed per shape"
         prefill = "packed prefill" if self.packed_prefill else f"padded prefill ({self.prefill_reason})"
         return f"{steps}{attention}, {prefill}"
 
