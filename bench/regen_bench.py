@@ -345,11 +345,6 @@ def run_model(name: str, args, device, t0: float, deadline: float, reserve: floa
     try:
         generate = generate_pass(name, engine, requests, spec, args, device, t0)
         result["generate"] = _public(generate)
-        from dflash_prep.regen.attention import DECODE_CHOICES
-
-        result["decode_attention_choices"] = [{"query_shape": list(k[0]), "key_shape": list(k[1]), **v}
-                                              for k, v in DECODE_CHOICES.items()]
-        DECODE_CHOICES.clear()  # the next model chooses for itself
         if static is not None and args.check:
             check_and_compare(name, engine, requests, static, generate, spec, device, t0, result)
         elif static is not None:
@@ -413,7 +408,7 @@ def markdown(report: dict) -> str:
             continue
         if not SPECS[name].exactness_only:
             lines.append(_perf_row(name, r))
-        for choice in r.get("decode_attention_choices", []):
+        for choice in r.get("decode_attention_choices", []):  # reports of a version that timed decode kernels
             paths.append(f"  - decode attention for queries {choice['query_shape']} over keys {choice['key_shape']}: "
                          f"{choice['kernel']} (" + ", ".join(f"{k} {v:.3f} ms" for k, v in choice["ms"].items()) + ")")
         if r.get("check") is None:

@@ -31,9 +31,9 @@ The loop, on a left-padded batch `input_ids [B, W]` with its `attention_mask [B,
   cache's filled prefix only (keys, values and mask cut at its last column: `_row_views`); columns are 64 x a power
   of two and rows 16 x a power of two (or the batch), a bounded set of shapes reused by every later batch, and a
   forward widens only while `prefill_fill` of what it computes is real (`_prefill_span`).
-- **Attention**: where the model's attention is `sdpa`, the decode steps and the padded prefill run on
-  regen/attention.py's function (keys and values read once, never repeated per query head; its docstring has the
-  measurement), the model's own implementation otherwise.
+- **Attention**: where the model's attention is `sdpa`, the padded prefill runs on regen/attention.py's function
+  (keys and values never repeated per query head; its docstring has the measurement) and the decode steps on
+  transformers' `sdpa`; a model on another implementation keeps it.
 - **Decode step**: the model's forward on one token a row over static buffers (token, position, mask, cache), then,
   outside the step, the logits (float32, as `generate` takes them) through the batch's logits processors (the
   engine's: repetition penalty, warpers, the per-row seeded draw, which reads the step from the sequence length as it
@@ -117,9 +117,8 @@ class StaticCacheDecoder:
     def path(self) -> str:
         """The decode path in words (for the log and the benchmark)."""
         steps = "static cache + CUDA graph" if self.cuda_graphs else "static cache, eager steps"
-        attention = "" if self.attention != STATIC_ATTENTION else ", decode attention timed per shape"
         prefill = "packed prefill" if self.packed_prefill else f"padded prefill ({self.prefill_reason})"
-        return f"{steps}{attention}, {prefill}"
+        return f"{steps}, {prefill}"
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_tokens: int, stop_ids: list[int],
                  processors=None, row_new_tokens: list[int] | None = None) -> torch.Tensor:
