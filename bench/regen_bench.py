@@ -200,7 +200,7 @@ def build_engine(name: str, spec: RegenSpec, kernels: str, args, device, t0: flo
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         engine = TransformersEngine(section, device, args.static_tokens_per_batch or spec.static_tokens_per_batch,
-                                    ignore_eos=True, cuda_graphs=args.cuda_graphs)
+                                    ignore_eos=True, cuda_graphs=args.cuda_graphs, prefill=args.prefill[0])
         sync(device)
         text = engine.config.get_text_config() if hasattr(engine.config, "get_text_config") else engine.config
         result.update(build_seconds=time.perf_counter() - t, kernels=engine.kernels, decode_path=engine.decode_path,
@@ -258,6 +258,37 @@ def static_passes(name, engine, requests, args, device, t0, deadline, reserve, r
         log(f"{name}: static decoder FAILED {type(e).__name__}: {e}", t0)
         free_memory(device)
         return None
+
+
+def other_prefill_passes(name, engine, requests, args, device, t0, deadline, reserve, result) -> None:
+    """The static decoder again (cold, then warm) for each further `--prefill` mode, on the same engine and
+    prompts, into result["static_by_prefill"][mode]; the engine's first decoder restored after. A mode that does not
+    apply to the model (ValueError) or fails is recorded, not raised."""
+    from dflash_prep.regen.decode import StaticCacheDecoder
+
+    first = engine.decoder
+    result["static_by_prefill"] = {args.prefill[0]: {"path": first.path, **(result.get("static") or {})}}
+    for mode in args.prefill[1:]:
+        entry = result["static_by_prefill"][mode] = {}
+        try:
+            engine.decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, prefill_tokens=first.prefill_tokens,
+                                                cuda_graphs=args.cuda_graphs, prefill=mode)
+            entry["path"] = engine.decoder.path
+            cold = engine_pass(engine, requests, device)
+            entry["cold"] = _public(cold)
+            log(f"{name}: prefill {mode}: cold {_rate(cold)}, prefill {cold['prefill_seconds']:.1f} s "
+                f"({cold['prefill_forwards']} forwards)", t0)
+            warm_estimate = 1.5 * cold["decode_seconds"] + 0.5 * cold["prefill_seconds"] + 5
+            if args.warm and time.perf_counter() + warm_estimate < deadline - reserve:
+                warm = entry["warm"] = _public(engine_pass(engine, requests, device))
+                log(f"{name}: prefill {mode}: warm {_rate(warm)}, prefill {warm['prefill_seconds']:.1f} s, decode "
+                    f"{warm['decode_seconds']:.1f} s", t0)
+        except Exception as e:  # noqa: BLE001 - one mode's failure is a figure of the report
+            entry["error"] = f"{type(e).__name__}: {e}"
+            log(f"{name}: prefill {mode} FAILED {type(e).__name__}: {e}", t0)
+            free_memory(device)
+        finally:
+            engine.decoder = first
 
 
 def generate_pass(name, engine, requests, spec, args, device, t0) -> dict:
@@ -342,6 +373,7 @@ def run_model(name: str, args, device, t0: float, deadline: float, reserve: floa
                            result)
     result["decode_path"] = engine.decode_path  # a capture that failed (in the smoke call too) shows here
     result["graph_failures_total"] = engine.decoder.stats.graph_failures
+    other_prefill_passes(name, engine, requests, args, device, t0, deadline, reserve, result)
     try:
         generate = generate_pass(name, engine, requests, spec, args, device, t0)
         result["generate"] = _public(generate)
@@ -408,6 +440,11 @@ def markdown(report: dict) -> str:
             continue
         if not SPECS[name].exactness_only:
             lines.append(_perf_row(name, r))
+        for mode, entry in list((r.get("static_by_prefill") or {}).items())[1:]:
+            figures = [f"{k} {entry[k]['generated_tokens_per_second']:,.0f} tok/s (prefill "
+                       f"{entry[k]['prefill_seconds']:.1f} s)" for k in ("cold", "warm") if entry.get(k)]
+            paths.append(f"  - prefill {mode}: {entry.get('path', '?')}: " + ("; ".join(figures) or entry.get(
+                "error", "not run")))
         for choice in r.get("decode_attention_choices", []):  # reports of a version that timed decode kernels
             paths.append(f"  - decode attention for queries {choice['query_shape']} over keys {choice['key_shape']}: "
                          f"{choice['kernel']} (" + ", ".join(f"{k} {v:.3f} ms" for k, v in choice["ms"].items()) + ")")
@@ -454,6 +491,9 @@ def parse_args(argv):
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="the static decoder's steps eager (no CUDA graph)")
     p.add_argument("--no-warm", dest="warm", action="store_false", help="no warm pass of the static decoder")
+    p.add_argument("--prefill", type=lambda v: v.split(","), default=["auto"],
+                   help="the static decoder's prefill modes, comma-separated (auto, packed, padded): the first for "
+                        "every figure, the others timed after it on the same engine (an A/B in one run)")
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="no exactness check and no profiles (timed passes and the generate baseline only)")
     p.add_argument("--seed", type=int, default=0)

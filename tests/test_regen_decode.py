@@ -46,15 +46,18 @@ def padded(engine: TransformersEngine, prompts: list[list[int]]) -> tuple[torch.
 
 @pytest.mark.parametrize("name,order,prefill", [("llama", "longest-first", "padded"), ("llama", "as-given", "padded"),
                                                 ("llama", "longest-first", "packed"), ("llama", "as-given", "auto"),
-                                                pytest.param("demo", "longest-first", "auto", marks=pytest.mark.slow),
-                                                pytest.param("demo", "as-given", "auto", marks=pytest.mark.slow)])
+                                                ("demo", "longest-first", "packed"),
+                                                pytest.param("demo", "as-given", "auto", marks=pytest.mark.slow),
+                                                pytest.param("demo", "longest-first", "padded", marks=pytest.mark.slow),
+                                                pytest.param("demo", "as-given", "padded", marks=pytest.mark.slow)])
 def test_chunked_prefill_and_per_row_limits_equal_generate_alone(name, order, prefill, llama_path):
     """Five prompts of 3 to ~400 tokens in one batch, each row with its own new-token limit (2 to 12): every row's
     ids equal `generate` on its prompt alone with that limit (up to and including the first end-of-sequence id),
     then padding to the batch's end. Padded prefill: forwards of 10 tokens at most (sorted longest first, as the
     engine cuts batches: forwards of the rows that have begun; in the given order: whole columns); packed prefill
-    (`auto` on the Llama-style model): whole prompts back to back, 150 tokens a forward at most (the longest alone);
-    the hybrid's `auto` is padded (its Gated DeltaNet states)."""
+    (`auto` on the Llama-style model, `packed` on the hybrid): whole prompts back to back, 150 tokens a forward at
+    most (the longest alone), on the hybrid with each prompt's Gated DeltaNet conv and recurrent states written to
+    its row (the module runs once per prompt here)."""
     engine = engine_for(name, llama_path, decoder="generate")
     prompts = [prompt_ids(engine, m) for m in PROMPTS]
     if order == "longest-first":
@@ -62,14 +65,19 @@ def test_chunked_prefill_and_per_row_limits_equal_generate_alone(name, order, pr
     limits = [12, 2, 7, 12, 5]
     decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, prefill_tokens=150 if prefill != "padded" else 10,
                                  column_multiple=1, row_multiple=1, prefill=prefill)
-    assert decoder.packed_prefill == (name == "llama" and prefill != "padded")
+    # auto: packed for attention-only models; the hybrid's packed prefill runs when asked for
+    assert decoder.packed_prefill == (prefill == "packed" or (prefill == "auto" and name == "llama"))
     ids, mask = padded(engine, prompts)
     with torch.inference_mode():
         out = decoder.generate(ids, mask, 12, [DEMO_EOS], row_new_tokens=limits).tolist()
     assert decoder.stats.decode_steps > 0 and decoder.stats.graph_captures == 0  # CPU: no capture
     assert decoder.stats.prompt_tokens_prefilled == sum(map(len, prompts))
-    if decoder.packed_prefill:  # several packed forwards, no padding computed
-        assert decoder.stats.prefill_forwards >= 3 and decoder.stats.prefill_computed_tokens == sum(map(len, prompts))
+    if decoder.packed_prefill:  # several packed forwards, each padded only to a fixed row length
+        from dflash_prep.plan.planner import packed_row_lengths
+
+        assert decoder.stats.prefill_forwards >= 3
+        assert sum(map(len, prompts)) <= decoder.stats.prefill_computed_tokens <= decoder.stats.prefill_forwards * max(
+            max(map(len, prompts)), max(packed_row_lengths(150, 1)))
     for row, (p, limit) in enumerate(zip(prompts, limits)):
         expected = alone(engine, p, new=limit)
         assert out[row][:len(expected)] == expected
@@ -183,3 +191,39 @@ def test_prefill_forwards_attend_over_the_filled_prefix_in_a_bounded_set_of_shap
     allowed_columns = {16 * 2 ** j for j in range(6)} | {width % 16}
     assert {rows for rows, *_ in prefill} <= allowed_rows and {t for _, t, *_ in prefill} <= allowed_columns
     assert len({(rows, t) for rows, t, *_ in prefill}) < len(prefill)  # shapes repeat
+
+
+def test_a_packed_forward_writes_each_prompt_state_to_its_row():
+    """The packed prefill's cache in the layout fla's varlen kernels give it (one call over the whole packed row:
+    conv input [1, C, T], final recurrent states [S, ...]), for prompts of 2, 6 and 4 tokens at batch rows 1..3 of
+    4, conv kernel 4: row r's conv state is its prompt's last 4 conv inputs, zeros before a shorter prompt (as
+    transformers pads a prompt alone), its recurrent state the prompt's own; row 0 (not in this forward) stays
+    zero. The expected states are cut here from the packed input, prompt by prompt."""
+    from transformers import StaticCache
+
+    from dflash_prep.regen.decode import _PackedPrefillCache
+
+    cache = StaticCache(config=_hybrid_config(), max_cache_len=16)
+    linear = next(i for i, layer in enumerate(cache.layers) if hasattr(layer, "conv_states"))
+    lengths, channels, kernel = [6, 2, 4], 5, 4  # the short prompt after another: its zeros are not its neighbour
+    packed = torch.randn(1, channels, sum(lengths) + 3)  # then a tail of 3 padding tokens, a segment of its own
+    states = torch.randn(4, 2, 3, 3)  # the tail's last
+    wrapper = _PackedPrefillCache(cache, torch.zeros(12, dtype=torch.long), torch.zeros(12, dtype=torch.long),
+                                  batch=4, first_row=1, lengths=lengths, tail_tokens=3)
+    assert wrapper.get_conv_state(linear) is None and wrapper.get_recurrent_state(linear) is None
+    assert wrapper.update_conv_state(packed, linear, conv_kernel_size=kernel) is packed
+    wrapper.update_recurrent_state(states, linear)
+    layer, start = cache.layers[linear], 0
+    assert (layer.conv_states[0][0] == 0).all() and (layer.recurrent_states[0][0] == 0).all()
+    for row, n in enumerate(lengths, start=1):
+        alone = torch.nn.functional.pad(packed[0, :, start:start + n], (kernel, 0))[:, -kernel:]
+        assert torch.equal(layer.conv_states[0][row], alone)
+        assert torch.equal(layer.recurrent_states[0][row], states[row - 1])
+        start += n
+    assert layer.has_previous_state[0]
+
+
+def _hybrid_config():
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(DEMO / "model_config.json"))

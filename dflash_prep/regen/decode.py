@@ -100,18 +100,27 @@ class StaticCacheDecoder:
                              f"{column_multiple} and row_multiple={row_multiple} must be >= 1")
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill={prefill!r}: one of {', '.join(PREFILL_MODES)}")
-        self.prefill_reason = "asked for" if prefill == "padded" else packed_prefill_blocker(model)
+        self.prefill_reason = "asked for" if prefill == "padded" else packed_prefill_blocker(
+            model, gated_deltanet=prefill == "packed")
         if prefill == "packed" and self.prefill_reason is not None:
             raise ValueError(f"packed prefill does not apply to this model: {self.prefill_reason}")
         self.packed_prefill = self.prefill_reason is None
+        if self.packed_prefill:  # Gated DeltaNet modules without fla's varlen kernels: once per prompt
+            from dflash_prep.target.packing import run_linear_attention_per_segment
+
+            run_linear_attention_per_segment(model, self.device_of(model).type)
         self.attention = decode_attention(model)
         self.model, self.pad_token_id = model, int(pad_token_id)
         self.prefill_tokens, self.check_every = prefill_tokens, check_every
         self.column_multiple, self.row_multiple = column_multiple, row_multiple
         self.prefill_fill = prefill_fill
-        self.device = next(model.parameters()).device
+        self.device = self.device_of(model)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.stats = DecodeStats()
+
+    @staticmethod
+    def device_of(model) -> torch.device:
+        return next(model.parameters()).device
 
     @property
     def path(self) -> str:
@@ -143,7 +152,7 @@ class StaticCacheDecoder:
         cache = StaticCache(config=self.model.config, max_cache_len=width + new_tokens)
 
         t = _now(device)
-        packed = self.packed_prefill and _full_attention_cache(cache)
+        packed = self.packed_prefill and _packable_cache(cache)
         with _attention_implementation(self.model, PACKED_ATTENTION if packed else self.attention):
             if packed:
                 logits = self._prefill_packed(sequences[:, :width], mask[:, :width], cache)
@@ -202,39 +211,67 @@ class StaticCacheDecoder:
     def _prefill_packed(self, input_ids: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
         """Each row's prompt tokens (no padding) back to back in packed rows of about `prefill_tokens` tokens (whole
         prompts; one longer prompt alone), through the model as extraction runs packed rows (target/packing.py:
-        positions from 0 per prompt, varlen attention within each); every attention layer's keys and values
-        written into the static cache where the padded layout has them (row r's n tokens at columns W - n .. W - 1)
-        -> the last prompt token's logits of each row [B, V]. The cache's length counters are then W, as after a
-        padded prefill: the decode steps go on from there."""
-        from dflash_prep.target.packing import flash_kwargs
+        positions from 0 per prompt, varlen attention and Gated DeltaNet kernels within each); every layer's
+        keys and values, or conv and recurrent states, written into the static cache where a padded prefill has
+        them (row r's n tokens at columns W - n .. W - 1: `_PackedPrefillCache`) -> the last prompt token's logits
+        of each row [B, V]. A packed row is padded, as extraction pads them, to the smallest of a few fixed lengths
+        (planner.packed_row_lengths of `prefill_tokens`, and `column_multiple` x powers of two below them) with a
+        tail segment of its own (never written to the cache): the kernels meet a handful of shapes, not one per forward (first-seen shapes cost Triton autotuning
+        on the hybrid). The cache's length counters are then W, as after a padded prefill: the decode steps go on
+        from there."""
+        from dflash_prep.plan.planner import packed_row_lengths
 
         batch, width = input_ids.shape
         lengths = mask.sum(-1).tolist()
+        # extraction's row lengths (1/8 .. 1 of the budget), and below them powers of two: a small batch is not
+        # padded to an eighth of the budget
+        large = packed_row_lengths(self.prefill_tokens, self.column_multiple)
+        row_lengths = sorted({*large, *(self.column_multiple << k for k in range(32)
+                                        if self.column_multiple << k < large[0])})
         logits, start = None, 0
         while start < batch:
             end, tokens = start + 1, lengths[start]
             while end < batch and tokens + lengths[end] <= self.prefill_tokens:
                 tokens, end = tokens + lengths[end], end + 1
-            n = torch.tensor(lengths[start:end], dtype=torch.long)
-            cu = torch.zeros(end - start + 1, dtype=torch.long)
-            torch.cumsum(n, 0, out=cu[1:])
-            rows = torch.repeat_interleave(torch.arange(start, end), n)
-            within = torch.arange(tokens) - torch.repeat_interleave(cu[:-1], n)  # 0.. within each prompt
-            columns = within + (width - n).repeat_interleave(n)
-            rows, columns, within, cu = (x.to(self.device) for x in (rows, columns, within, cu))
-            out = self.model(input_ids=input_ids[rows, columns][None], position_ids=within[None], attention_mask=None,
-                             cache=_PackedPrefillCache(cache, rows, columns, batch), use_cache=True,
-                             logits_to_keep=cu[1:] - 1, **flash_kwargs(cu.to(torch.int32), max(lengths[start:end])))
+            padded = next((n for n in row_lengths if n >= tokens), -(-tokens // self.column_multiple)
+                          * self.column_multiple)
+            out = self._packed_forward(input_ids, cache, start, lengths[start:end], padded)
             if logits is None:
-                logits = out.logits.new_empty((batch, out.logits.shape[-1]))
-            logits[start:end] = out.logits[0]
+                logits = out.new_empty((batch, out.shape[-1]))
+            logits[start:end] = out
             self.stats.prefill_forwards += 1
             self.stats.prompt_tokens_prefilled += tokens
-            self.stats.prefill_computed_tokens += tokens
+            self.stats.prefill_computed_tokens += padded
             start = end
         for layer in cache.layers:
-            layer.cumulative_length.fill_(width)
+            if hasattr(layer, "cumulative_length"):  # attention layers; a Gated DeltaNet layer counts no positions
+                layer.cumulative_length.fill_(width)
         return logits
+
+    def _packed_forward(self, input_ids: torch.Tensor, cache, first_row: int, lengths: list[int],
+                        padded: int) -> torch.Tensor:
+        """One packed row: the prompts of rows first_row .. (their `lengths` tokens, right-aligned in `input_ids`
+        [B, W]) then a tail of padding to `padded` tokens -> their last tokens' logits [len(lengths), V]."""
+        from dflash_prep.target.packing import flash_kwargs
+
+        width, tokens = input_ids.shape[1], sum(lengths)
+        n = torch.tensor(lengths, dtype=torch.long)
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.long)
+        torch.cumsum(n, 0, out=cu[1:])
+        rows = torch.repeat_interleave(torch.arange(first_row, first_row + len(lengths)), n)
+        within = torch.arange(tokens) - torch.repeat_interleave(cu[:-1], n)  # 0.. within each prompt
+        columns = within + (width - n).repeat_interleave(n)
+        tail = padded - tokens
+        bounds = torch.cat([cu, cu[-1:] + tail]) if tail else cu  # the tail is a segment of its own
+        positions = torch.cat([within, torch.arange(tail)])
+        rows, columns, positions, bounds = (x.to(self.device) for x in (rows, columns, positions, bounds))
+        ids = torch.cat([input_ids[rows, columns], input_ids.new_full((tail,), self.pad_token_id)])
+        out = self.model(input_ids=ids[None], position_ids=positions[None], attention_mask=None,
+                         cache=_PackedPrefillCache(cache, rows, columns, input_ids.shape[0], first_row, lengths,
+                                                   tail_tokens=tail),
+                         use_cache=True, logits_to_keep=bounds[1:len(lengths) + 1] - 1,
+                         **flash_kwargs(bounds.to(torch.int32), max(max(lengths), tail)))
+        return out.logits[0]
 
     def _prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
         """The prompt columns through the model in order, in forwards of `prefill_tokens` tokens at most -> the last
@@ -336,22 +373,40 @@ class StaticCacheDecoder:
         return replay, graph
 
 
-def packed_prefill_blocker(model) -> str | None:
-    """Why the packed prefill does not apply to `model` (a few words), or None: it applies when every token mixer is
-    attention that packed rows keep exact (target/mixers.py) without a sliding window (a static cache's window layer
-    rolls its keys: the padded layout is what it holds). A Gated DeltaNet layer's per-prompt conv and recurrent
-    states are not kept by a packed forward."""
-    from dflash_prep.target.mixers import ATTENTION, token_mixers
+CACHE_CALLS = ("get_conv_state(", "get_recurrent_state(", "update_conv_state(", "update_recurrent_state(")
+
+
+def packed_prefill_blocker(model, gated_deltanet: bool = True) -> str | None:
+    """Why the packed prefill does not apply to `model` (a few words), or None. It applies when every token mixer is
+    one packed rows keep exact (target/mixers.py): attention without a sliding window (a static cache's window
+    layer rolls its keys: the padded layout is what it holds), or, with `gated_deltanet`, a Gated DeltaNet layer
+    that reads and writes its states through transformers' cache calls (`CACHE_CALLS`, found in its forward's
+    source: what `_PackedPrefillCache` answers per prompt). `prefill: auto` passes gated_deltanet=False: the hybrid's
+    packed prefill is exact on the CPU (tests) but its GPU path (fla's varlen kernels writing per-prompt states)
+    has no GPU check yet, so it runs when asked for (`packed`)."""
+    import inspect
+
+    from dflash_prep.target.mixers import ATTENTION, GATED_DELTANET, token_mixers
 
     mixers = token_mixers(model)
     if not mixers:
         return "no token mixers found"
     for mixer in mixers:
-        if mixer.kind != ATTENTION:
-            return f"{mixer.class_name} is not attention"
         if mixer.why_not:
             return f"{mixer.class_name}: {mixer.why_not}"
-        if "sliding_window" in mixer.features:
+        if mixer.kind == GATED_DELTANET and not gated_deltanet:
+            return f"{mixer.class_name}: packed prefill of Gated DeltaNet layers runs when asked for"
+        if mixer.kind == GATED_DELTANET:
+            try:
+                source = inspect.getsource(type(model.get_submodule(mixer.path)).forward)
+            except (OSError, TypeError):
+                return f"{mixer.class_name}: its forward's source cannot be read"
+            missing = [c[:-1] for c in CACHE_CALLS if c not in source]
+            if missing:
+                return f"{mixer.class_name} does not use the cache calls {', '.join(missing)}"
+        elif mixer.kind != ATTENTION:
+            return f"{mixer.class_name} is neither attention nor a Gated DeltaNet"
+        elif "sliding_window" in mixer.features:
             return f"{mixer.class_name} has a sliding window"
     return None
 
@@ -388,23 +443,38 @@ def _attention_implementation(model, name: str):
             model.set_attn_implementation(before)
 
 
-def _full_attention_cache(cache) -> bool:
-    """Every layer of the static cache a plain full-attention one (what the packed prefill writes into)."""
-    from transformers.cache_utils import StaticLayer
+def _packable_cache(cache) -> bool:
+    """Every layer of the static cache one the packed prefill writes into: full attention's StaticLayer or the
+    Gated DeltaNet's LinearAttentionLayer (exact types: a sliding or combined layer is not)."""
+    from transformers.cache_utils import LinearAttentionLayer, StaticLayer
 
-    return all(type(layer) is StaticLayer for layer in cache.layers)
+    return all(type(layer) in (StaticLayer, LinearAttentionLayer) for layer in cache.layers)
 
 
 class _PackedPrefillCache:
-    """What a packed prefill forward gets as its cache: each attention layer's keys and values [1, Hkv, T, D]
-    (after RoPE) written into the static cache at (rows[t], columns[t]) for token t of the packed row, and handed
-    back unchanged, so the layer attends within the packed row (varlen attention) as extraction does. The static
-    layer is allocated at the batch's size first (it sizes itself from the first keys it sees)."""
+    """What a packed prefill forward gets as its cache (the prompts of batch rows `first_row` .. in one packed row,
+    `lengths` tokens each), answering per prompt what transformers' static cache answers for a padded batch:
+
+    - attention layers: keys and values [1, Hkv, T, D] (after RoPE) written into the static cache at
+      (rows[t], columns[t]) for prompt token t of the packed row (the tail is not written), and handed back unchanged, so the layer attends within
+      the packed row (varlen attention) as extraction does;
+    - Gated DeltaNet layers: no previous state (None); the conv input [1, C, T] handed back unchanged (the conv runs
+      per prompt: fla's kernel on `cu_seqlens`, or the module once per prompt: target/packing.py) and each prompt's
+      last `conv_kernel_size` inputs (zeros before a shorter prompt's start, as the padded layout's masked padding
+      gives) written as its row's conv state; the final recurrent states [S, H, Dk, Dv] (one per prompt: fla's chunk
+      kernel on `cu_seqlens`) written to the prompts' rows. A module run once per prompt calls with one prompt's
+      [1, C, n] / [1, H, Dk, Dv]: the prompts are then met in order, counted per layer.
+
+    Each static layer is allocated at the batch's size first (it sizes itself from the first states it sees)."""
 
     is_compileable = False
 
-    def __init__(self, cache, rows: torch.Tensor, columns: torch.Tensor, batch: int):
+    def __init__(self, cache, rows: torch.Tensor, columns: torch.Tensor, batch: int, first_row: int,
+                 lengths: list[int], tail_tokens: int = 0):
         self.cache, self.rows, self.columns, self.batch = cache, rows, columns, batch
+        self.first_row, self.lengths, self.tokens = first_row, lengths, sum(lengths) + tail_tokens
+        self.segments = len(lengths) + (1 if tail_tokens else 0)  # the tail: a segment never written
+        self.met: dict[tuple, int] = {}  # (layer, "conv" | "recurrent") -> prompts met one at a time
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         layer = self.cache.layers[layer_idx]
@@ -412,12 +482,62 @@ class _PackedPrefillCache:
             layer.lazy_initialization(key_states.new_empty((self.batch, key_states.shape[1], 1, key_states.shape[3])),
                                       value_states.new_empty((self.batch, value_states.shape[1], 1,
                                                               value_states.shape[3])))
-        layer.keys[self.rows, :, self.columns] = key_states[0].transpose(0, 1)
-        layer.values[self.rows, :, self.columns] = value_states[0].transpose(0, 1)
+        real = self.rows.shape[0]  # the prompts' tokens come first, the tail after them
+        layer.keys[self.rows, :, self.columns] = key_states[0, :, :real].transpose(0, 1)
+        layer.values[self.rows, :, self.columns] = value_states[0, :, :real].transpose(0, 1)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        return None
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        return None
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def _prompts(self, layer_idx: int, kind: str, whole: bool) -> tuple[int, int]:
+        """(first, end) prompt indices a call covers: all of them, or the next one met alone (past the last prompt:
+        the tail, an empty range)."""
+        if whole:
+            return 0, len(self.lengths)
+        k = self.met.get((layer_idx, kind), 0)
+        self.met[(layer_idx, kind)] = k + 1
+        return min(k, len(self.lengths)), min(k + 1, len(self.lengths))
+
+    def update_conv_state(self, conv_input: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                          conv_kernel_size: int | None = None, **kwargs) -> torch.Tensor:
+        layer = self.cache.layers[layer_idx]
+        width = conv_kernel_size or conv_input.shape[-1]
+        a, b = self._prompts(layer_idx, "conv", conv_input.shape[-1] == self.tokens and self.segments > 1)
+        if a == b:
+            return conv_input
+        n = torch.tensor(self.lengths[a:b], device=conv_input.device)
+        ends = torch.cumsum(n, 0)  # in the call's own coordinates: 0 .. its tokens
+        taken = ends[:, None] - width + torch.arange(width, device=conv_input.device)[None]  # [prompts, K]
+        seen = taken >= (ends - n)[:, None]
+        states = conv_input[0][:, taken.clamp(min=0)].permute(1, 0, 2) * seen[:, None, :]  # [prompts, C, K]
+        if not layer.is_conv_states_initialized[state_idx]:
+            layer.lazy_initialization(conv_states=conv_input.new_zeros((self.batch, conv_input.shape[1], width)),
+                                      state_idx=state_idx, conv_kernel_size=width)
+        layer.conv_states[state_idx][self.first_row + a:self.first_row + b] = states
+        layer.has_previous_state[state_idx] = True
+        return conv_input
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs) -> torch.Tensor:
+        layer = self.cache.layers[layer_idx]
+        a, b = self._prompts(layer_idx, "recurrent", recurrent_states.shape[0] == self.segments and self.segments > 1)
+        if a == b:
+            return recurrent_states
+        if not layer.is_recurrent_states_initialized[state_idx]:
+            layer.lazy_initialization(recurrent_states=recurrent_states.new_zeros(
+                (self.batch, *recurrent_states.shape[1:])), state_idx=state_idx)
+        layer.recurrent_states[state_idx][self.first_row + a:self.first_row + b] = recurrent_states[:b - a]
+        return recurrent_states
 
 
 @contextlib.contextmanager

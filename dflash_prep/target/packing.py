@@ -448,7 +448,8 @@ def run_linear_attention_per_segment(model: nn.Module, device_type: str = "cpu")
         module = model.get_submodule(mixer.path)
         if device_type == "cuda" and fla_chunk_in_use(mixer.modeling) and _uses_fla_conv(module):
             continue
-        module.forward = _per_segment(module.forward)
+        if not getattr(module.forward, "per_segment", False):  # wrapped once, however often asked
+            module.forward = _per_segment(module.forward)
         count += 1
     return count
 
@@ -462,6 +463,7 @@ def _per_segment(forward):
         bounds = _Bounds.of(cu)
         return torch.cat([forward(hidden_states[:, a:b], *args, **rest) for a, b in zip(bounds, bounds[1:])], dim=1)
 
+    per_segment.per_segment = True
     return per_segment
 
 
