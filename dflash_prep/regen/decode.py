@@ -105,6 +105,9 @@ class StaticCacheDecoder:
         if prefill == "packed" and self.prefill_reason is not None:
             raise ValueError(f"packed prefill does not apply to this model: {self.prefill_reason}")
         self.packed_prefill = self.prefill_reason is None
+        # fla's Triton kernels autotune per new row length (~8 s each on the 27B hybrid): a hybrid's packed rows are
+        # padded to a few fixed lengths; attention-only models run their exact lengths (torch's kernels, measured)
+        self.pad_packed_rows = self.packed_prefill and _has_gated_deltanet(model)
         if self.packed_prefill:  # Gated DeltaNet modules without fla's varlen kernels: once per prompt
             from dflash_prep.target.packing import run_linear_attention_per_segment
 
@@ -214,10 +217,11 @@ class StaticCacheDecoder:
         positions from 0 per prompt, varlen attention and Gated DeltaNet kernels within each); every layer's
         keys and values, or conv and recurrent states, written into the static cache where a padded prefill has
         them (row r's n tokens at columns W - n .. W - 1: `_PackedPrefillCache`) -> the last prompt token's logits
-        of each row [B, V]. A packed row is padded, as extraction pads them, to the smallest of a few fixed lengths
-        (planner.packed_row_lengths of `prefill_tokens`, and `column_multiple` x powers of two below them) with a
-        tail segment of its own (never written to the cache): the kernels meet a handful of shapes, not one per forward (first-seen shapes cost Triton autotuning
-        on the hybrid). The cache's length counters are then W, as after a padded prefill: the decode steps go on
+        of each row [B, V]. A hybrid's packed row is padded, as extraction pads them, to the smallest of a few
+        fixed lengths (planner.packed_row_lengths of `prefill_tokens`, and `column_multiple` x powers of two below
+        them) with a tail segment of its own (never written to the cache): fla's kernels meet a handful of shapes,
+        not one per forward (first-seen shapes cost Triton autotuning). The cache's length counters are then W, as
+        after a padded prefill: the decode steps go on
         from there."""
         from dflash_prep.plan.planner import packed_row_lengths
 
@@ -233,8 +237,8 @@ class StaticCacheDecoder:
             end, tokens = start + 1, lengths[start]
             while end < batch and tokens + lengths[end] <= self.prefill_tokens:
                 tokens, end = tokens + lengths[end], end + 1
-            padded = next((n for n in row_lengths if n >= tokens), -(-tokens // self.column_multiple)
-                          * self.column_multiple)
+            padded = tokens if not self.pad_packed_rows else next(
+                (n for n in row_lengths if n >= tokens), -(-tokens // self.column_multiple) * self.column_multiple)
             out = self._packed_forward(input_ids, cache, start, lengths[start:end], padded)
             if logits is None:
                 logits = out.new_empty((batch, out.shape[-1]))
@@ -409,6 +413,12 @@ def packed_prefill_blocker(model, gated_deltanet: bool = True) -> str | None:
         elif "sliding_window" in mixer.features:
             return f"{mixer.class_name} has a sliding window"
     return None
+
+
+def _has_gated_deltanet(model) -> bool:
+    from dflash_prep.target.mixers import GATED_DELTANET, token_mixers
+
+    return any(m.kind == GATED_DELTANET for m in token_mixers(model))
 
 
 def decode_attention(model) -> str:
