@@ -94,7 +94,7 @@ def test_a_run_into_a_folder_another_run_holds_is_refused_and_touches_nothing(tm
     try:
         assert main(argv(out)) == EXIT_BAD_RECIPE
         err = capsys.readouterr().err
-        assert f"another extraction is running into {out} (pid {holder.pid} on " in err
+        assert f"another run is writing into {out} (pid {holder.pid} on " in err
         assert stray.read_bytes() == b"x" * 100  # not cleaned up as "uncommitted"
         assert not (out / "plan.json").exists() and not (out / "index").exists()
     finally:
@@ -114,7 +114,7 @@ def test_an_orphaned_rank_of_an_earlier_run_is_named_and_blocks_the_cleanup(tmp_
     try:
         assert main(argv(out)) == EXIT_BAD_RECIPE
         err = capsys.readouterr().err
-        assert f"rank-00001 of an earlier extraction into {out} is still running (pid {orphan.pid} on " in err
+        assert f"rank-00001 of an earlier run into {out} is still running (pid {orphan.pid} on " in err
         assert stray.exists()
     finally:
         orphan.send_signal(signal.SIGKILL)
@@ -134,12 +134,12 @@ def test_two_concurrent_extractions_one_runs_the_other_is_refused(tmp_path):
         time.sleep(0.05)  # the first run is past its start-up
     second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert first.poll() is None, "the first run ended before the second was refused: the test proved nothing"
-    assert second.returncode == EXIT_BAD_RECIPE and "another extraction is running into" in second.stderr
+    assert second.returncode == EXIT_BAD_RECIPE and "another run is writing into" in second.stderr
     assert first.wait(timeout=300) == 0, first.stderr.read()[-2000:]
     assert len(raw_records(out)) == 24 and check_output(out) == []
     # the refused run wrote nothing into the running one's log: one start line, no refusal
     log = (out / "logs" / "rank-00000.log").read_text()
-    assert log.count(": rank 0 of 1 on cpu") == 1 and "another extraction is running" not in log, log[-2000:]
+    assert log.count(": rank 0 of 1 on cpu") == 1 and "another run is writing" not in log, log[-2000:]
 
 
 def children_of(pid: int) -> list[int]:
@@ -292,7 +292,7 @@ def test_a_run_on_another_host_whose_flock_is_local_is_refused_naming_it(tmp_pat
     assert main(argv(out)) == EXIT_BAD_RECIPE
     err = capsys.readouterr().err
     assert first.poll() is None, "the first run ended before the second was refused: the test proved nothing"
-    assert f"another extraction is running into {out}: pid {first.pid} on gpu-node-7" in err, err[-2000:]
+    assert f"another run is writing into {out}: pid {first.pid} on gpu-node-7" in err, err[-2000:]
     assert "if gpu-node-7 is gone or the process is stopped the lease ends 300 s after the last heartbeat" in err
     assert first.wait(timeout=300) == 0, first.stderr.read()[-2000:]
     assert len(raw_records(out)) == 24 and check_output(out) == []

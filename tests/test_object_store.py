@@ -308,7 +308,7 @@ def test_a_second_run_into_the_same_store_output_is_refused(server, bucket, tmp_
     finally:
         lease.release()
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert f"another extraction is running into s3://{bucket}/busy (pid {os.getpid()}" in proc.stderr
+    assert f"another run is writing into s3://{bucket}/busy (pid {os.getpid()}" in proc.stderr
 
 
 @pytest.mark.slow

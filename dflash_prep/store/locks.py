@@ -158,7 +158,7 @@ class FileLock:
         """`try_acquire`, waiting up to `wait_seconds` while the lock's holder is a process of this host that is
         exiting: a process killed by SIGKILL shows as a zombie as soon as its main thread ends, but its files (and
         this flock) are closed only once its last thread has ended, which a thread in a slow fsync can delay by
-        seconds. A re-run right after a kill would otherwise be refused as "another extraction is running"."""
+        seconds. A re-run right after a kill would otherwise be refused as "another run is writing"."""
         deadline = time.monotonic() + wait_seconds
         while not self.try_acquire():
             pid = self._holder_pid_here()
@@ -693,14 +693,14 @@ def lock_run(out_dir: Path, run_id: str | None = None, lease_seconds: float = DE
     """The main process's lock of `out_dir` (raises OutputBusyError when another run holds it). `min_generation`:
     the lowest generation (fencing token) it may take: above every token the output's records carry."""
     return _take(out_dir, RUN_NAME, run_id or new_run_id(), lease_seconds,
-                 f"another extraction is running into {out_dir}", min_generation)
+                 f"another run is writing into {out_dir}", min_generation)
 
 
 def lock_rank(out_dir: Path, rank: int, run_id: str | None = None,
               lease_seconds: float = DEFAULT_LEASE_SECONDS) -> OutputLock:
     """Rank `rank`'s lock of `out_dir` for the time it writes (raises OutputBusyError when held elsewhere)."""
     return _take(out_dir, rank_lock_name(rank).removesuffix(".lock"), run_id or new_run_id(), lease_seconds,
-                 f"rank {rank} of another extraction is writing into {out_dir}")
+                 f"rank {rank} of another run is writing into {out_dir}")
 
 
 def _lease_names(folder: Path) -> list[str]:
@@ -733,12 +733,12 @@ def check_no_rank_writing(out_dir: Path, run_id: str | None = None) -> None:
         probe = FileLock(path)
         if probe.held_elsewhere():
             raise OutputBusyError(
-                f"{path.stem} of an earlier extraction into {out_dir} is still running ({probe.holder()}), e.g. a "
+                f"{path.stem} of an earlier run into {out_dir} is still running ({probe.holder()}), e.g. a "
                 f"worker left behind when its launcher was killed: stop it, then re-run this command to resume")
     for name, record in _live_leases(out_dir).items():
         if name.startswith("rank-") and record.get("run_id") != run_id:
             raise OutputBusyError(
-                f"{name} of an earlier extraction into {out_dir} is still running ({record.describe()}), e.g. a "
+                f"{name} of an earlier run into {out_dir} is still running ({record.describe()}), e.g. a "
                 f"worker left behind when its launcher was killed: stop it, then re-run this command to resume "
                 f"({record.how_it_ends()})")
     for name in _lease_names(folder):

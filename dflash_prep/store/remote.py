@@ -455,13 +455,13 @@ def claim_run(remote: RemoteOutput) -> Lease:
     _check_reachable(remote)
     lease = remote.lease("run")
     if not lease.try_acquire(min_generation=remote.max_fence() + 1):
-        raise OutputBusyError(f"another extraction is running into {remote.url} ({lease.holder()}): wait for it to "
+        raise OutputBusyError(f"another run is writing into {remote.url} ({lease.holder()}): wait for it to "
                               f"end (or stop it), then re-run this command to resume; or use another output.dir")
     busy = remote.live_leases("rank-")
     if busy:
         lease.release()
         name, holder = next(iter(busy.items()))
-        raise OutputBusyError(f"{name} of an earlier extraction into {remote.url} is still running ({holder}), e.g. "
+        raise OutputBusyError(f"{name} of an earlier run into {remote.url} is still running ({holder}), e.g. "
                               f"a process left behind when its launcher was killed: stop it, then re-run this command "
                               f"to resume")
     return lease
@@ -471,7 +471,7 @@ def claim_rank(remote: RemoteOutput, rank: int) -> Lease:
     """Rank `rank`'s lease for the time it writes (`locks/rank-RRRRR.lease`); OutputBusyError when held."""
     lease = remote.lease(rank_name(rank))
     if not lease.try_acquire():
-        raise OutputBusyError(f"rank {rank} of another extraction is writing into {remote.url} ({lease.holder()}): "
+        raise OutputBusyError(f"rank {rank} of another run is writing into {remote.url} ({lease.holder()}): "
                               f"stop it, then re-run this command to resume")
     return lease
 
