@@ -227,3 +227,21 @@ def _hybrid_config():
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(str(DEMO / "model_config.json"))
+
+
+@pytest.mark.parametrize("name", ["llama", "demo"])
+def test_packed_prefill_of_odd_prompts_equals_generate_alone(name, llama_path):
+    """Raw prompts of 1, 2 and 3 tokens (shorter than the hybrid's conv kernel of 4) beside one of 260 tokens, a
+    prefill budget of 100 tokens (the long prompt alone in a forward over the budget; the short ones packed with
+    a padding tail on the hybrid), in a batch and then each alone as a batch of one: every row equals `generate`
+    alone, ignoring end-of-sequence."""
+    engine = engine_for(name, llama_path, decoder="generate")
+    vocab = engine.model.config.vocab_size
+    prompts = [[(7 * i + 11) % (vocab - 3) + 3 for i in range(260)], [5, 9, 4], [17, 3], [23]]
+    decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, prefill_tokens=100, prefill="packed")
+    expected = [alone(engine, p, new=6, eos=-1) for p in prompts]
+    with torch.inference_mode():
+        together = decoder.generate(*padded(engine, prompts), 6, []).tolist()
+        one_by_one = [decoder.generate(*padded(engine, [p]), 6, []).tolist()[0] for p in prompts]
+    assert together == expected and one_by_one == expected
+    assert decoder.stats.prefill_forwards == 2 + len(prompts)  # 260 alone, then 3 + 2 + 1 together; then 4 alone
