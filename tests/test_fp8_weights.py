@@ -209,3 +209,17 @@ def test_block_fp8_linear_keeps_packed_rows_apart():
             return x
 
     assert [m.why_not is not None for m in token_mixers(nn.Sequential(Unknown()))] == [True]
+
+
+def test_the_fp8_emulation_bench_runs_and_rounds(tmp_path):
+    """bench/fp8_emulation.py on a small width: both stacks report one error per layer, nonzero (the rounding
+    happened) and far from O(1) (the hooks round, not replace)."""
+    from bench.fp8_emulation import main
+
+    out = tmp_path / "fp8.json"
+    assert main([str(out), "--widths", "256", "--layers", "4", "--tokens", "32"]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["kind"] for r in runs] == ["llama", "hybrid"]
+    for run in runs:
+        assert len(run["max_relative"]) == 4 and run["rounded_linear_layers"] > 0
+        assert all(0.005 < e < 0.5 for e in run["max_relative"]), run
