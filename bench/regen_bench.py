@@ -179,7 +179,7 @@ def engine_pass(engine, requests, device) -> dict:
                    decode_steps=delta["decode_steps"], graph_captures=delta["graph_captures"],
                    graph_failures=delta["graph_failures"], prefill_forwards=delta["prefill_forwards"],
                    prompt_tokens_prefilled=delta["prompt_tokens_prefilled"],
-                   prefill_computed_tokens=delta["prefill_computed_tokens"],
+                   prefill_computed_tokens=delta["prefill_computed_tokens"], decode_spans=delta["decode_spans"],
                    ms_per_decode_step=1e3 * delta["decode_seconds"] / max(delta["decode_steps"], 1))
     return out
 
@@ -201,6 +201,7 @@ def build_engine(name: str, spec: RegenSpec, kernels: str, args, device, t0: flo
             torch.cuda.reset_peak_memory_stats(device)
         engine = TransformersEngine(section, device, args.static_tokens_per_batch or spec.static_tokens_per_batch,
                                     ignore_eos=True, cuda_graphs=args.cuda_graphs, prefill=args.prefill[0])
+        engine.decoder.span_cost_keys = args.span_cost_keys[0]
         sync(device)
         text = engine.config.get_text_config() if hasattr(engine.config, "get_text_config") else engine.config
         result.update(build_seconds=time.perf_counter() - t, kernels=engine.kernels, decode_path=engine.decode_path,
@@ -241,8 +242,8 @@ def static_passes(name, engine, requests, args, device, t0, deadline, reserve, r
         cold = engine_pass(engine, requests, device)
         log(f"{name}: static cold pass {_rate(cold)}, {cold['ms_per_decode_step']:.1f} ms per decode step, prefill "
             f"{cold['prefill_seconds']:.1f} s ({cold['prefill_forwards']} forwards, {cold['prompt_tokens_prefilled']:,} "
-            f"prompt tokens of {cold['prefill_computed_tokens']:,} computed), graph captures {cold['graph_captures']} "
-            f"(failed {cold['graph_failures']})", t0)
+            f"prompt tokens of {cold['prefill_computed_tokens']:,} computed), {cold['decode_spans']} decode row "
+            f"spans, graph captures {cold['graph_captures']} (failed {cold['graph_failures']})", t0)
         result["static"] = {"cold": _public(cold), "warm": None}
         # a warm pass costs about the cold one's decode and a fraction of its prefill (the cold prefill of the
         # hybrid is mostly Triton autotuning of first-seen shapes)
@@ -260,32 +261,35 @@ def static_passes(name, engine, requests, args, device, t0, deadline, reserve, r
         return None
 
 
-def other_prefill_passes(name, engine, requests, args, device, t0, deadline, reserve, result) -> None:
-    """The static decoder again (cold, then warm) for each further `--prefill` mode, on the same engine and
-    prompts, into result["static_by_prefill"][mode]; the engine's first decoder restored after. A mode that does not
-    apply to the model (ValueError) or fails is recorded, not raised."""
+def variant_passes(name, engine, requests, args, device, t0, deadline, reserve, result) -> None:
+    """The static decoder again (cold, then warm) for each further variant, every (`--prefill` mode,
+    `--span-cost-keys` value) pair after the first, on the same engine and prompts, into
+    result["static_variants"][variant]; the engine's first decoder restored after. A variant that does not apply
+    to the model (ValueError) or fails is recorded, not raised."""
     from dflash_prep.regen.decode import StaticCacheDecoder
 
     first = engine.decoder
-    result["static_by_prefill"] = {args.prefill[0]: {"path": first.path, **(result.get("static") or {})}}
-    for mode in args.prefill[1:]:
-        entry = result["static_by_prefill"][mode] = {}
+    variants = [(p, c) for p in args.prefill for c in args.span_cost_keys]
+    label = lambda p, c: f"prefill {p}, span cost {c:,} keys"  # noqa: E731
+    result["static_variants"] = {label(*variants[0]): {"path": first.path, **(result.get("static") or {})}}
+    for mode, cost in variants[1:]:
+        entry = result["static_variants"][label(mode, cost)] = {}
         try:
             engine.decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, prefill_tokens=first.prefill_tokens,
-                                                cuda_graphs=args.cuda_graphs, prefill=mode)
+                                                cuda_graphs=args.cuda_graphs, prefill=mode, span_cost_keys=cost)
             entry["path"] = engine.decoder.path
             cold = engine_pass(engine, requests, device)
             entry["cold"] = _public(cold)
-            log(f"{name}: prefill {mode}: cold {_rate(cold)}, prefill {cold['prefill_seconds']:.1f} s "
-                f"({cold['prefill_forwards']} forwards)", t0)
+            log(f"{name}: {label(mode, cost)}: cold {_rate(cold)}, prefill {cold['prefill_seconds']:.1f} s "
+                f"({cold['prefill_forwards']} forwards), {cold['decode_spans']} decode row spans", t0)
             warm_estimate = 1.5 * cold["decode_seconds"] + 0.5 * cold["prefill_seconds"] + 5
             if args.warm and time.perf_counter() + warm_estimate < deadline - reserve:
                 warm = entry["warm"] = _public(engine_pass(engine, requests, device))
-                log(f"{name}: prefill {mode}: warm {_rate(warm)}, prefill {warm['prefill_seconds']:.1f} s, decode "
-                    f"{warm['decode_seconds']:.1f} s", t0)
-        except Exception as e:  # noqa: BLE001 - one mode's failure is a figure of the report
+                log(f"{name}: {label(mode, cost)}: warm {_rate(warm)}, prefill {warm['prefill_seconds']:.1f} s, "
+                    f"decode {warm['decode_seconds']:.1f} s, {warm['ms_per_decode_step']:.1f} ms per step", t0)
+        except Exception as e:  # noqa: BLE001 - one variant's failure is a figure of the report
             entry["error"] = f"{type(e).__name__}: {e}"
-            log(f"{name}: prefill {mode} FAILED {type(e).__name__}: {e}", t0)
+            log(f"{name}: {label(mode, cost)} FAILED {type(e).__name__}: {e}", t0)
             free_memory(device)
         finally:
             engine.decoder = first
@@ -373,7 +377,7 @@ def run_model(name: str, args, device, t0: float, deadline: float, reserve: floa
                            result)
     result["decode_path"] = engine.decode_path  # a capture that failed (in the smoke call too) shows here
     result["graph_failures_total"] = engine.decoder.stats.graph_failures
-    other_prefill_passes(name, engine, requests, args, device, t0, deadline, reserve, result)
+    variant_passes(name, engine, requests, args, device, t0, deadline, reserve, result)
     try:
         generate = generate_pass(name, engine, requests, spec, args, device, t0)
         result["generate"] = _public(generate)
@@ -440,10 +444,11 @@ def markdown(report: dict) -> str:
             continue
         if not SPECS[name].exactness_only:
             lines.append(_perf_row(name, r))
-        for mode, entry in list((r.get("static_by_prefill") or {}).items())[1:]:
+        for variant, entry in list((r.get("static_variants") or {}).items()):
             figures = [f"{k} {entry[k]['generated_tokens_per_second']:,.0f} tok/s (prefill "
-                       f"{entry[k]['prefill_seconds']:.1f} s)" for k in ("cold", "warm") if entry.get(k)]
-            paths.append(f"  - prefill {mode}: {entry.get('path', '?')}: " + ("; ".join(figures) or entry.get(
+                       f"{entry[k]['prefill_seconds']:.1f} s, {entry[k]['ms_per_decode_step']:.1f} ms a decode step)"
+                       for k in ("cold", "warm") if entry.get(k)]
+            paths.append(f"  - {variant}: {entry.get('path', '?')}: " + ("; ".join(figures) or entry.get(
                 "error", "not run")))
         for choice in r.get("decode_attention_choices", []):  # reports of a version that timed decode kernels
             paths.append(f"  - decode attention for queries {choice['query_shape']} over keys {choice['key_shape']}: "
@@ -494,6 +499,10 @@ def parse_args(argv):
     p.add_argument("--prefill", type=lambda v: v.split(","), default=["auto"],
                    help="the static decoder's prefill modes, comma-separated (auto, packed, padded): the first for "
                         "every figure, the others timed after it on the same engine (an A/B in one run)")
+    p.add_argument("--span-cost-keys", type=lambda v: [int(x) for x in v.split(",")], default=[8192],
+                   help="the decode steps' price of one more attention row span, in cache positions, comma-separated "
+                        "(a huge value: one span, the whole cache read; the first for every figure, the others "
+                        "timed after it)")
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="no exactness check and no profiles (timed passes and the generate baseline only)")
     p.add_argument("--seed", type=int, default=0)

@@ -61,3 +61,31 @@ def test_registered_with_the_sdpa_mask():
     assert register() == STATIC_ATTENTION
     assert AttentionInterface()[STATIC_ATTENTION] is static_attention
     assert AttentionMaskInterface()[STATIC_ATTENTION] is sdpa_mask
+
+
+def test_decode_in_row_spans_equals_attention_written_out():
+    """One query a row over a left-padded cache, the rows cut into spans that each attend from their own first
+    column (what the static decoder sets): the same as every row over every key, the reference here."""
+    from dflash_prep.regen.attention import decode_spans
+
+    torch.manual_seed(3)
+    first = [0, 3, 20, 21, 40]
+    q, k, v = torch.randn(5, 8, 1, 16), torch.randn(5, 2, 48, 16), torch.randn(5, 2, 48, 16)
+    mask = masks(5, 1, 48, first)
+    module = types.SimpleNamespace(num_key_value_groups=4, training=False, is_causal=True)
+    with decode_spans([(0, 2, 0), (2, 4, 16), (4, 5, 40)]):
+        out, _ = static_attention(module, q, k, v, mask, scaling=0.3)
+    assert torch.allclose(out.double(), reference(q, k, v, mask, 0.3), atol=2e-6)
+
+
+def test_decode_spans_follow_the_left_padding():
+    """plan_decode_spans: rows whose first real columns differ widely get spans of their own when the keys saved
+    pay for a span; a uniform batch stays one span; every span starts at its rows' smallest column, aligned."""
+    from dflash_prep.regen.attention import plan_decode_spans
+
+    keys = 4096 + 256
+    wide = [0] * 16 + [2000] * 100 + [3900] * 100  # 16 long prompts, then shorter ones
+    spans = plan_decode_spans(wide, keys, column_multiple=64, span_cost_keys=8192)
+    assert spans == [(0, 16, 0), (16, 116, 1984), (116, 216, 3840)]
+    assert plan_decode_spans([128] * 50, keys) == [(0, 50, 128)]
+    assert plan_decode_spans([5, 900], 1000, span_cost_keys=10 ** 9) == [(0, 2, 0)]  # a span costs more than any save

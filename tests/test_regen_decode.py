@@ -51,7 +51,8 @@ def padded(engine: TransformersEngine, prompts: list[list[int]]) -> tuple[torch.
                                                 pytest.param("demo", "longest-first", "padded", marks=pytest.mark.slow),
                                                 pytest.param("demo", "as-given", "padded", marks=pytest.mark.slow)])
 def test_chunked_prefill_and_per_row_limits_equal_generate_alone(name, order, prefill, llama_path):
-    """Five prompts of 3 to ~400 tokens in one batch, each row with its own new-token limit (2 to 12): every row's
+    """Five prompts of 3 to ~400 tokens in one batch, each row with its own new-token limit (2 to 12), the decode
+    steps' attention in row spans from each span's first real column: every row's
     ids equal `generate` on its prompt alone with that limit (up to and including the first end-of-sequence id),
     then padding to the batch's end. Padded prefill: forwards of 10 tokens at most (sorted longest first, as the
     engine cuts batches: forwards of the rows that have begun; in the given order: whole columns); packed prefill
@@ -64,7 +65,7 @@ def test_chunked_prefill_and_per_row_limits_equal_generate_alone(name, order, pr
         prompts.sort(key=len, reverse=True)
     limits = [12, 2, 7, 12, 5]
     decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, prefill_tokens=150 if prefill != "padded" else 10,
-                                 column_multiple=1, row_multiple=1, prefill=prefill)
+                                 column_multiple=1, row_multiple=1, prefill=prefill, span_cost_keys=0)
     # auto: packed for attention-only models; the hybrid's packed prefill runs when asked for
     assert decoder.packed_prefill == (prefill == "packed" or (prefill == "auto" and name == "llama"))
     ids, mask = padded(engine, prompts)
@@ -72,6 +73,7 @@ def test_chunked_prefill_and_per_row_limits_equal_generate_alone(name, order, pr
         out = decoder.generate(ids, mask, 12, [DEMO_EOS], row_new_tokens=limits).tolist()
     assert decoder.stats.decode_steps > 0 and decoder.stats.graph_captures == 0  # CPU: no capture
     assert decoder.stats.prompt_tokens_prefilled == sum(map(len, prompts))
+    assert decoder.stats.decode_spans >= 3  # the decode steps attended in row spans (free here: span cost 0)
     if decoder.packed_prefill:  # several packed forwards, each padded only to a fixed row length
         from dflash_prep.plan.planner import packed_row_lengths
 
@@ -149,7 +151,8 @@ def test_the_decode_path_names_the_family_and_the_gated_deltanet_kernel(llama_pa
     (the torch fallback here: flash-linear-attention is not installed on this machine)."""
     import importlib.util
 
-    assert engine_for("llama", llama_path).decode_path == "llama: static cache, eager steps, packed prefill"
+    assert engine_for("llama", llama_path).decode_path == ("llama: static cache, eager steps, attention in row spans, packed "
+                                                           "prefill")
     hybrid = engine_for("demo", llama_path, decoder="generate").decode_path
     assert hybrid.startswith("qwen3_5_text: HF generate (dynamic cache); Gated DeltaNet decode on ")
     assert ("flash-linear-attention's" in hybrid) == (importlib.util.find_spec("fla") is not None)

@@ -31,9 +31,11 @@ The loop, on a left-padded batch `input_ids [B, W]` with its `attention_mask [B,
   cache's filled prefix only (keys, values and mask cut at its last column: `_row_views`); columns are 64 x a power
   of two and rows 16 x a power of two (or the batch), a bounded set of shapes reused by every later batch, and a
   forward widens only while `prefill_fill` of what it computes is real (`_prefill_span`).
-- **Attention**: where the model's attention is `sdpa`, the padded prefill runs on regen/attention.py's function
-  (keys and values never repeated per query head; its docstring has the measurement) and the decode steps on
-  transformers' `sdpa`; a model on another implementation keeps it.
+- **Attention**: where the model's attention is `sdpa`, regen/attention.py's function runs: the padded prefill with
+  keys and values never repeated per query head (its docstring has the measurement), and the decode steps on
+  transformers' `sdpa` in row spans (`plan_decode_spans`: consecutive rows cut where their first real columns
+  differ, each span attending from its own first column on, so the left padding of shorter rows is not read); a
+  model on another implementation keeps it.
 - **Decode step**: the model's forward on one token a row over static buffers (token, position, mask, cache), then,
   outside the step, the logits (float32, as `generate` takes them) through the batch's logits processors (the
   engine's: repetition penalty, warpers, the per-row seeded draw, which reads the step from the sequence length as it
@@ -55,7 +57,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_prep.regen.attention import STATIC_ATTENTION
+from dflash_prep.regen.attention import STATIC_ATTENTION, decode_spans, plan_decode_spans
 from dflash_prep.target.backoff import is_oom
 from dflash_prep.target.packing import PACKED_ATTENTION
 
@@ -76,6 +78,7 @@ class DecodeStats:
     prefill_forwards: int = 0
     prompt_tokens_prefilled: int = 0  # real prompt tokens
     prefill_computed_tokens: int = 0  # tokens the prefill forwards computed (padding included)
+    decode_spans: int = 0  # row spans the decode steps attended in (regen/attention.py), summed over batches
 
 
 class StaticCacheDecoder:
@@ -89,12 +92,14 @@ class StaticCacheDecoder:
     check_every: decode steps between checks that every row has finished.
     prefill: `packed` (whole prompts back to back, no padding: every token mixer full attention), `padded`
         (column chunks of the left-padded batch), `auto` (packed where it applies; `prefill_reason` says why not).
+    span_cost_keys: the price of one more row span in the decode steps' attention, in cache positions read
+        (regen/attention.py's `plan_decode_spans`).
     Raises ValueError for sizes < 1, an unknown `prefill`, or `packed` for a model it does not apply to.
     """
 
     def __init__(self, model, pad_token_id: int, *, prefill_tokens: int = 32768, cuda_graphs: bool = True,
                  check_every: int = 8, column_multiple: int = 64, row_multiple: int = 16, prefill_fill: float = 0.75,
-                 prefill: str = "auto"):
+                 prefill: str = "auto", span_cost_keys: int = 8192):
         if min(prefill_tokens, check_every, column_multiple, row_multiple) < 1:
             raise ValueError(f"prefill_tokens={prefill_tokens}, check_every={check_every}, column_multiple="
                              f"{column_multiple} and row_multiple={row_multiple} must be >= 1")
@@ -115,6 +120,7 @@ class StaticCacheDecoder:
         self.attention = decode_attention(model)
         self.model, self.pad_token_id = model, int(pad_token_id)
         self.prefill_tokens, self.check_every = prefill_tokens, check_every
+        self.span_cost_keys = span_cost_keys
         self.column_multiple, self.row_multiple = column_multiple, row_multiple
         self.prefill_fill = prefill_fill
         self.device = self.device_of(model)
@@ -130,7 +136,8 @@ class StaticCacheDecoder:
         """The decode path in words (for the log and the benchmark)."""
         steps = "static cache + CUDA graph" if self.cuda_graphs else "static cache, eager steps"
         prefill = "packed prefill" if self.packed_prefill else f"padded prefill ({self.prefill_reason})"
-        return f"{steps}, {prefill}"
+        spans = ", attention in row spans" if self.attention == STATIC_ATTENTION else ""
+        return f"{steps}{spans}, {prefill}"
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_tokens: int, stop_ids: list[int],
                  processors=None, row_new_tokens: list[int] | None = None) -> torch.Tensor:
@@ -163,13 +170,23 @@ class StaticCacheDecoder:
                 logits = self._prefill(sequences[:, :width], mask, positions, cache)
         t_decode = _now(device)
         self.stats.prefill_seconds += t_decode - t
-        with _attention_implementation(self.model, self.attention):
+        with _attention_implementation(self.model, self.attention), decode_spans(self._spans(mask, width, new_tokens)):
             done = self._decode(sequences, mask, positions, cache, logits, width, new_tokens, limits, stops,
                                 processors)
         self.stats.decode_seconds += _now(device) - t_decode
         self.stats.decode_steps += max(done - 1, 0)
         del cache
         return sequences[:, width:width + done]
+
+    def _spans(self, mask: torch.Tensor, width: int, new_tokens: int) -> list[tuple[int, int, int]] | None:
+        """The decode steps' row spans (regen/attention.py: each attends from its own first real column), or None
+        where our attention function does not run (the model on another implementation)."""
+        if self.attention != STATIC_ATTENTION:
+            return None
+        first_real = (width - mask[:, :width].sum(-1)).tolist()
+        spans = plan_decode_spans(first_real, width + new_tokens, span_cost_keys=self.span_cost_keys)
+        self.stats.decode_spans += len(spans)
+        return spans
 
     def _decode(self, sequences, mask, positions, cache, logits, width: int, new_tokens: int, limits, stops,
                 processors) -> int:
