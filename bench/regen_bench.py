@@ -200,8 +200,8 @@ def build_engine(name: str, spec: RegenSpec, kernels: str, args, device, t0: flo
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         engine = TransformersEngine(section, device, args.static_tokens_per_batch or spec.static_tokens_per_batch,
-                                    ignore_eos=True, cuda_graphs=args.cuda_graphs, prefill=args.prefill[0])
-        engine.decoder.span_cost_keys = args.span_cost_keys[0]
+                                    ignore_eos=True, cuda_graphs=args.cuda_graphs, prefill=args.prefill[0],
+                                    span_cost_keys=args.span_cost_keys[0])
         sync(device)
         text = engine.config.get_text_config() if hasattr(engine.config, "get_text_config") else engine.config
         result.update(build_seconds=time.perf_counter() - t, kernels=engine.kernels, decode_path=engine.decode_path,
@@ -270,7 +270,7 @@ def variant_passes(name, engine, requests, args, device, t0, deadline, reserve, 
 
     first = engine.decoder
     variants = [(p, c) for p in args.prefill for c in args.span_cost_keys]
-    label = lambda p, c: f"prefill {p}, span cost {c:,} keys"  # noqa: E731
+    label = lambda p, c: f"prefill {p}, " + ("no row spans" if c is None else f"span cost {c:,} keys")  # noqa: E731
     result["static_variants"] = {label(*variants[0]): {"path": first.path, **(result.get("static") or {})}}
     for mode, cost in variants[1:]:
         entry = result["static_variants"][label(mode, cost)] = {}
@@ -499,10 +499,10 @@ def parse_args(argv):
     p.add_argument("--prefill", type=lambda v: v.split(","), default=["auto"],
                    help="the static decoder's prefill modes, comma-separated (auto, packed, padded): the first for "
                         "every figure, the others timed after it on the same engine (an A/B in one run)")
-    p.add_argument("--span-cost-keys", type=lambda v: [int(x) for x in v.split(",")], default=[8192],
-                   help="the decode steps' price of one more attention row span, in cache positions, comma-separated "
-                        "(a huge value: one span, the whole cache read; the first for every figure, the others "
-                        "timed after it)")
+    p.add_argument("--span-cost-keys", type=lambda v: [None if x == "off" else int(x) for x in v.split(",")],
+                   default=[None], help="the decode steps' price of one more attention row span, in cache positions, "
+                                        "comma-separated, `off`: no spans (the default); the first for every figure, "
+                                        "the others timed after it")
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="no exactness check and no profiles (timed passes and the generate baseline only)")
     p.add_argument("--seed", type=int, default=0)

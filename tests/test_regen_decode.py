@@ -151,8 +151,7 @@ def test_the_decode_path_names_the_family_and_the_gated_deltanet_kernel(llama_pa
     (the torch fallback here: flash-linear-attention is not installed on this machine)."""
     import importlib.util
 
-    assert engine_for("llama", llama_path).decode_path == ("llama: static cache, eager steps, attention in row spans, packed "
-                                                           "prefill")
+    assert engine_for("llama", llama_path).decode_path == "llama: static cache, eager steps, packed prefill"
     hybrid = engine_for("demo", llama_path, decoder="generate").decode_path
     assert hybrid.startswith("qwen3_5_text: HF generate (dynamic cache); Gated DeltaNet decode on ")
     assert ("flash-linear-attention's" in hybrid) == (importlib.util.find_spec("fla") is not None)

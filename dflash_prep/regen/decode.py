@@ -33,9 +33,10 @@ The loop, on a left-padded batch `input_ids [B, W]` with its `attention_mask [B,
   forward widens only while `prefill_fill` of what it computes is real (`_prefill_span`).
 - **Attention**: where the model's attention is `sdpa`, regen/attention.py's function runs: the padded prefill with
   keys and values never repeated per query head (its docstring has the measurement), and the decode steps on
-  transformers' `sdpa` in row spans (`plan_decode_spans`: consecutive rows cut where their first real columns
-  differ, each span attending from its own first column on, so the left padding of shorter rows is not read); a
-  model on another implementation keeps it.
+  transformers' `sdpa`, in row spans when `span_cost_keys` is set (`plan_decode_spans`: consecutive rows cut where
+  their first real columns differ, each span attending from its own first column on, so the left padding of
+  shorter rows is not read; not yet measured on a GPU, so off by default); a model on another implementation
+  keeps it.
 - **Decode step**: the model's forward on one token a row over static buffers (token, position, mask, cache), then,
   outside the step, the logits (float32, as `generate` takes them) through the batch's logits processors (the
   engine's: repetition penalty, warpers, the per-row seeded draw, which reads the step from the sequence length as it
@@ -93,13 +94,14 @@ class StaticCacheDecoder:
     prefill: `packed` (whole prompts back to back, no padding: every token mixer full attention), `padded`
         (column chunks of the left-padded batch), `auto` (packed where it applies; `prefill_reason` says why not).
     span_cost_keys: the price of one more row span in the decode steps' attention, in cache positions read
-        (regen/attention.py's `plan_decode_spans`).
+        (regen/attention.py's `plan_decode_spans`; 8,192 is its reasoned value), or None: no spans, every row
+        reads the whole cache. Off by default until a GPU run measures the spans (exact on the CPU: the tests).
     Raises ValueError for sizes < 1, an unknown `prefill`, or `packed` for a model it does not apply to.
     """
 
     def __init__(self, model, pad_token_id: int, *, prefill_tokens: int = 32768, cuda_graphs: bool = True,
                  check_every: int = 8, column_multiple: int = 64, row_multiple: int = 16, prefill_fill: float = 0.75,
-                 prefill: str = "auto", span_cost_keys: int = 8192):
+                 prefill: str = "auto", span_cost_keys: int | None = None):
         if min(prefill_tokens, check_every, column_multiple, row_multiple) < 1:
             raise ValueError(f"prefill_tokens={prefill_tokens}, check_every={check_every}, column_multiple="
                              f"{column_multiple} and row_multiple={row_multiple} must be >= 1")
@@ -136,7 +138,8 @@ class StaticCacheDecoder:
         """The decode path in words (for the log and the benchmark)."""
         steps = "static cache + CUDA graph" if self.cuda_graphs else "static cache, eager steps"
         prefill = "packed prefill" if self.packed_prefill else f"padded prefill ({self.prefill_reason})"
-        spans = ", attention in row spans" if self.attention == STATIC_ATTENTION else ""
+        spans = ", attention in row spans" if self.attention == STATIC_ATTENTION and self.span_cost_keys is not None \
+            else ""
         return f"{steps}{spans}, {prefill}"
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_tokens: int, stop_ids: list[int],
@@ -181,7 +184,7 @@ class StaticCacheDecoder:
     def _spans(self, mask: torch.Tensor, width: int, new_tokens: int) -> list[tuple[int, int, int]] | None:
         """The decode steps' row spans (regen/attention.py: each attends from its own first real column), or None
         where our attention function does not run (the model on another implementation)."""
-        if self.attention != STATIC_ATTENTION:
+        if self.attention != STATIC_ATTENTION or self.span_cost_keys is None:
             return None
         first_real = (width - mask[:, :width].sum(-1)).tolist()
         spans = plan_decode_spans(first_real, width + new_tokens, span_cost_keys=self.span_cost_keys)

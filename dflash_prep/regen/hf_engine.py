@@ -150,8 +150,8 @@ class TransformersEngine:
     kernels: `model.kernels` to apply (target/kernels.py); None: the section's.
     chat_template: the template text replacing the tokenizer's own (`data.chat_template`, read), or None.
     decoder: `static` (regen/decode.py: static cache, the decode step a CUDA graph on CUDA when `cuda_graphs`,
-        prefill in forwards of `prefill_tokens` tokens at most, packed or padded as `prefill` says: decode.py) or
-        `generate` (HF `generate`, the reference path).
+        prefill in forwards of `prefill_tokens` tokens at most, packed or padded as `prefill` says, decode attention
+        in row spans when `span_cost_keys` is set: decode.py) or `generate` (HF `generate`, the reference path).
     Batches are formed within one `answer` call: give it many requests (thousands) for full batches.
     Raises RecipeError (model, tokenizer or kernels that cannot be loaded), ValueError (a budget or batch size < 1).
     """
@@ -160,7 +160,7 @@ class TransformersEngine:
                  max_batch_size: int = 256, *, length_multiple: int = 64,
                  ignore_eos: bool = False, kernels=None, decoder: str = "static",
                  prefill_tokens: int = 32768, cuda_graphs: bool = True, chat_template: str | None = None,
-                 prefill: str = "auto"):
+                 prefill: str = "auto", span_cost_keys: int | None = None):
         self.section, self.device = model, torch.device(device)
         if max_tokens_per_batch < 2 or max_batch_size < 1 or length_multiple < 1:
             raise ValueError(f"max_tokens_per_batch={max_tokens_per_batch}, max_batch_size={max_batch_size} and "
@@ -189,7 +189,8 @@ class TransformersEngine:
         if decoder not in DECODERS:
             raise ValueError(f"decoder={decoder!r}: one of {', '.join(DECODERS)}")
         self.decoder = None if decoder == "generate" else StaticCacheDecoder(
-            self.model, self.pad_token_id, prefill_tokens=prefill_tokens, cuda_graphs=cuda_graphs, prefill=prefill)
+            self.model, self.pad_token_id, prefill_tokens=prefill_tokens, cuda_graphs=cuda_graphs, prefill=prefill,
+            span_cost_keys=span_cost_keys)
         self.sizes, self.memory_limit_bytes = self._sizes() if self.decoder is not None else (None, None)
         log.info("regeneration engine: %s", self.decode_path)
 
