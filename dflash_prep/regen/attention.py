@@ -153,6 +153,15 @@ class _RepeatedMask:
             cls.source, cls.groups, cls.repeated = mask, groups, mask.repeat(1, 1, groups, 1)
         return cls.repeated
 
+    @classmethod
+    def release(cls) -> None:
+        cls.source, cls.groups, cls.repeated = None, 0, None
+
+
+def release_prefill_masks() -> None:
+    """Drop the last repeated prefill mask (a padded prefill's, up to a few hundred MB): called after a prefill."""
+    _RepeatedMask.release()
+
 
 def _prefill(query, key, value, mask, scale: float) -> torch.Tensor:
     """Several queries a row, with a mask -> [B, S, Hq, Dv]."""

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_prep.regen.attention import STATIC_ATTENTION, decode_spans, plan_decode_spans
+from dflash_prep.regen.attention import STATIC_ATTENTION, decode_spans, plan_decode_spans, release_prefill_masks
 from dflash_prep.target.backoff import is_oom
 from dflash_prep.target.packing import PACKED_ATTENTION
 
@@ -171,6 +171,7 @@ class StaticCacheDecoder:
                 logits = self._prefill_packed(sequences[:, :width], mask[:, :width], cache)
             else:
                 logits = self._prefill(sequences[:, :width], mask, positions, cache)
+                release_prefill_masks()
         t_decode = _now(device)
         self.stats.prefill_seconds += t_decode - t
         with _attention_implementation(self.model, self.attention), decode_spans(self._spans(mask, width, new_tokens)):
