@@ -105,12 +105,7 @@ class StaticCacheDecoder:
         if min(prefill_tokens, check_every, column_multiple, row_multiple) < 1:
             raise ValueError(f"prefill_tokens={prefill_tokens}, check_every={check_every}, column_multiple="
                              f"{column_multiple} and row_multiple={row_multiple} must be >= 1")
-        if prefill not in PREFILL_MODES:
-            raise ValueError(f"prefill={prefill!r}: one of {', '.join(PREFILL_MODES)}")
-        self.prefill_reason = "asked for" if prefill == "padded" else packed_prefill_blocker(
-            model, gated_deltanet=prefill == "packed")
-        if prefill == "packed" and self.prefill_reason is not None:
-            raise ValueError(f"packed prefill does not apply to this model: {self.prefill_reason}")
+        self.prefill_reason = _prefill_blocker(model, prefill)
         self.packed_prefill = self.prefill_reason is None
         # fla's Triton kernels autotune per new row length (~8 s each on the 27B hybrid): a hybrid's packed rows are
         # padded to a few fixed lengths; attention-only models run their exact lengths (torch's kernels, measured)
@@ -434,6 +429,19 @@ def packed_prefill_blocker(model, gated_deltanet: bool = True) -> str | None:
         elif "sliding_window" in mixer.features:
             return f"{mixer.class_name} has a sliding window"
     return None
+
+
+def _prefill_blocker(model, prefill: str) -> str | None:
+    """Why the decoder on `model` prefills padded (None: packed) for the `prefill` mode asked; ValueError for an
+    unknown mode, or `packed` where it does not apply."""
+    if prefill not in PREFILL_MODES:
+        raise ValueError(f"prefill={prefill!r}: one of {', '.join(PREFILL_MODES)}")
+    if prefill == "padded":
+        return "asked for"
+    reason = packed_prefill_blocker(model, gated_deltanet=prefill == "packed")
+    if prefill == "packed" and reason is not None:
+        raise ValueError(f"packed prefill does not apply to this model: {reason}")
+    return reason
 
 
 def _has_gated_deltanet(model) -> bool:
