@@ -247,3 +247,4 @@ def test_packed_prefill_of_odd_prompts_equals_generate_alone(name, llama_path):
         one_by_one = [decoder.generate(*padded(engine, [p]), 6, []).tolist()[0] for p in prompts]
     assert together == expected and one_by_one == expected
     assert decoder.stats.prefill_forwards == 2 + len(prompts)  # 260 alone, then 3 + 2 + 1 together; then 4 alone
+    assert engine.model.config._attn_implementation == "sdpa"  # the model is back on its own attention after
