@@ -36,8 +36,7 @@ def test_qwen_hybrid_sizes():
     assert sizes.state_bytes_per_row == 48 * (48 * 128 * 128 * 4 + conv)
 
 
-def brute_force(lengths, new, width_of, max_rows, budget, sizes, memory, row_spans=False):
-    """The cheapest cut by trying every one (row_spans: each row reads its own padded width, not its batch's)."""
+def brute_force(lengths, new, width_of, max_rows, budget, sizes, memory):
     best = None
     for k in range(len(lengths)):
         for points in itertools.combinations(range(1, len(lengths)), k):
@@ -49,8 +48,7 @@ def brute_force(lengths, new, width_of, max_rows, budget, sizes, memory, row_spa
                      for a, b in cuts if b - a > 1)
             if not ok:
                 continue
-            cost = sum(sizes.weights_bytes + (sum(width_of(n) + new for n in lengths[a:b]) if row_spans else
-                                              (b - a) * (width_of(lengths[a]) + new)) * sizes.kv_bytes_per_token
+            cost = sum(sizes.weights_bytes + (b - a) * (width_of(lengths[a]) + new) * sizes.kv_bytes_per_token
                        for a, b in cuts)
             if best is None or cost < best[0]:
                 best = (cost, cuts)
@@ -67,14 +65,7 @@ def test_the_cut_is_the_cheapest_under_the_limits(weights):
         assert [a for a, _ in cuts] == [0] + [b for _, b in cuts[:-1]] and cuts[-1][1] == len(lengths)
         cost = sum(weights + (b - a) * (width_of(lengths[a]) + 16) * 10 for a, b in cuts)
         assert cost == brute_force(lengths, 16, width_of, max_rows, budget, sizes, memory)[0]
-    # with row spans a row reads its own width: the cheapest cut under the same limits, by brute force again
-    for max_rows, budget, memory in ((4, 10**9, 10**12), (10, 3000, 10**12), (10, 10**9, 40_000)):
-        cuts = cut_batches(lengths, 16, width_of, max_rows, budget, sizes, memory, row_spans=True)
-        cost = sum(weights + sum(width_of(n) + 16 for n in lengths[a:b]) * 10 for a, b in cuts)
-        assert cost == brute_force(lengths, 16, width_of, max_rows, budget, sizes, memory, row_spans=True)[0]
     # heavy weights and room for all: one batch; light weights: a batch per width
     assert len(cut_batches(lengths, 16, width_of, 10, 10**9, ModelSizes(10**12, 10, 0, 0), None)) == 1
     assert len(cut_batches(lengths, 16, width_of, 10, 10**9, ModelSizes(1, 10, 0, 0), None)) == \
         len({width_of(n) for n in lengths})
-    # with row spans padding is not read: light weights no longer split the batch, only the limits do
-    assert len(cut_batches(lengths, 16, width_of, 10, 10**9, ModelSizes(1, 10, 0, 0), None, row_spans=True)) == 1

@@ -8,9 +8,7 @@ length (each batch re-reads the weights every step). Per decode step, in bytes r
 
     cost(batch) = weights_bytes + rows x (padded prompt + new tokens) x kv_bytes_per_token
 
-(with the decode attention in row spans, regen/attention.py, a row reads about its own padded width instead:
-`cut_batches(row_spans=True)`), and every batch runs the same `new_tokens` steps, so the cut that minimizes the
-sum over batches of that cost
+and every batch runs the same `new_tokens` steps, so the cut that minimizes the sum over batches of that cost
 minimizes decode time under this model (compute per row is the same whatever the cut; the Gated DeltaNet state of a
 row is read once a step in any batch). `cut_batches` finds it exactly by dynamic programming over the sorted list
 (cut points anywhere, O(n x max_batch_size)), under the limits: rows <= max_batch_size, rows x padded tokens <= the
@@ -77,16 +75,11 @@ class ModelSizes:
 
 
 def cut_batches(lengths: list[int], new_tokens: int, width_of, max_batch_size: int, max_tokens_per_batch: int,
-                sizes: ModelSizes | None, memory_limit_bytes: int | None,
-                row_spans: bool = False) -> list[tuple[int, int]]:
+                sizes: ModelSizes | None, memory_limit_bytes: int | None) -> list[tuple[int, int]]:
     """[(start, end)] index ranges of `lengths` (prompt tokens, sorted longest first) minimizing the sum of
     `cost(batch)` (module docstring) under the limits; width_of(prompt tokens) -> the padded width of a batch whose
     longest prompt has them. Without sizes (no model figures): consecutive batches filled to the limits. A prompt
-    alone always makes a batch (the caller rejected those over the token budget).
-
-    row_spans: the decode steps attend in row spans (regen/attention.py), so a row reads about its own width, not
-    the batch's: cost(batch) = weights_bytes + sum over its rows of (own padded width + new tokens) x KV bytes (the
-    spans' best case); memory still holds the batch's padded cache."""
+    alone always makes a batch (the caller rejected those over the token budget)."""
     n = len(lengths)
     price = sizes.weights_tokens() if sizes is not None else float("inf")
 
@@ -105,9 +98,6 @@ def cut_batches(lengths: list[int], new_tokens: int, width_of, max_batch_size: i
             cuts.append((start, end))
             start = end
         return cuts
-    own = [0]  # prefix sums of each row's own padded width + new tokens (what a row span reads of it)
-    for length in lengths:
-        own.append(own[-1] + width_of(length) + new_tokens)
     best = [0.0] + [float("inf")] * n  # best[j]: the cheapest cut of lengths[:j]
     back = [0] * (n + 1)
     for start in range(n):  # forward: a batch starting at `start` takes the width of lengths[start]
@@ -116,8 +106,7 @@ def cut_batches(lengths: list[int], new_tokens: int, width_of, max_batch_size: i
             rows = end - start
             if rows > 1 and not fits(rows, width):
                 break
-            read = own[end] - own[start] if row_spans else rows * (width + new_tokens)
-            cost = best[start] + price + read
+            cost = best[start] + price + rows * (width + new_tokens)
             if cost < best[end]:
                 best[end], back[end] = cost, start
     cuts, end = [], n

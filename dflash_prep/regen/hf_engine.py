@@ -277,8 +277,7 @@ class TransformersEngine:
         if self.decoder is not None and self.sizes is not None:
             ordered = sorted(prompts, key=lambda p: (-len(p.ids), p.index))
             cuts = cut_batches([len(p.ids) for p in ordered], new_tokens, lambda n: self._width(n, new_tokens),
-                               self.max_batch_size, budget, self.sizes, self.memory_limit_bytes,
-                               row_spans=self.decoder.span_cost_keys is not None)
+                               self.max_batch_size, budget, self.sizes, self.memory_limit_bytes)
             return [(ordered[a:b], self._width(len(ordered[a].ids), new_tokens)) for a, b in cuts]
         batches: list[tuple[list[_Prompt], int]] = []
         for prompt in sorted(prompts, key=lambda p: (-len(p.ids), p.index)):
