@@ -1,7 +1,7 @@
 """The static decoder's attention: one function registered in transformers' AttentionInterface for the decode steps
 and the padded prefill forwards of regen/decode.py, where the model's own attention is `sdpa`.
 
-Why our own, for the padded prefill only: transformers' `sdpa` path, given a mask (a padded batch), repeats every
+Why our own, for the padded prefill: transformers' `sdpa` path, given a mask (a padded batch), repeats every
 key and value per query head (`repeat_kv`: a copy) before SDPA. Measured on an H200 (bench/regen_bench.py's
 profile of one warm prefill): 870 of 3,256 device ms on the Llama-3.1-8B shape (128 rows, 55,770 prompt tokens),
 505 of 5,033 on the Qwen3.6-27B hybrid (64 rows); with this function the hybrid's copies took 259 of 4,747 ms. It
@@ -13,11 +13,11 @@ Decode steps (one query a row) go to transformers' `sdpa` function, in row spans
 (`decode_spans`): a left-padded batch's rows begin at different columns, and SDPA reads every key of the cache, the
 padding included, so the rows are cut into a few consecutive spans, each attending over the keys from its own first
 real column on (views of the cache: nothing copied; the keys before it are masked padding for every row of the span,
-so the result is the same). Everything else (no mask, softcap, position bias, sinks, output_attentions) goes to
-transformers' `sdpa` as it is. Measured for the decode step, and not kept: two batched GEMMs
-(scores q k^T in float32, softmax, p v) took 23.7 ms of an eager 8B step (128 rows x 1,792 positions) where SDPA's
-cuDNN kernel took 14.9, and 9.8 against 4.6 ms on the hybrid (64 rows x 1,664 positions); SDPA's memory-efficient
-kernel was not faster either when timed per call.
+so the result is the same; modelled on the 8B benchmark's lengths, 40-50% fewer positions read; not yet timed on a
+GPU, so the decoder leaves it off by default). Everything else (no mask, softcap, position bias, sinks,
+output_attentions) goes to transformers' `sdpa` as it is. Measured for the decode step, and not kept: two batched
+GEMMs (scores q k^T in float32, softmax, p v) took 23.7 ms of an eager 8B step (128 rows x 1,792 positions) where
+SDPA's cuDNN kernel took 14.9, and 9.8 against 4.6 ms on the hybrid (64 rows x 1,664 positions).
 
 Shapes: query [B, Hq, S, D], key [B, Hkv, L, D], value [B, Hkv, L, Dv], Hq a multiple of Hkv (the query heads of
 key/value head h are h * G .. h * G + G - 1, as transformers' `repeat_kv`); mask bool (True: attend) or additive
