@@ -248,3 +248,22 @@ def test_packed_prefill_of_odd_prompts_equals_generate_alone(name, llama_path):
     assert together == expected and one_by_one == expected
     assert decoder.stats.prefill_forwards == 2 + len(prompts)  # 260 alone, then 3 + 2 + 1 together; then 4 alone
     assert engine.model.config._attn_implementation == "sdpa"  # the model is back on its own attention after
+
+
+def test_progress_moves_as_rows_finish_within_a_batch(llama_path):
+    """One batch whose rows stop at different steps (a stop id the first prompt reaches at its 4th token), checks
+    every 2 steps: the engine's on_answered is called several times for that single batch, as rows finish, and
+    counts each request once."""
+    engine = engine_for("llama", llama_path, ignore_eos=True)
+    prompts = [prompt_ids(engine, m) for m in PROMPTS]
+    free = [alone(engine, p, new=12, eos=-1) for p in prompts]
+    stop_id = free[0][3]
+    engine.eos_token_ids = [stop_id]
+    engine.decoder.check_every = 2
+    calls = []
+    answers = engine.answer([make_request(m, seed=i, max_tokens=12) for i, m in enumerate(PROMPTS)],
+                            on_answered=calls.append)
+    assert engine.num_generate_calls == 1  # one batch
+    assert sum(calls) == len(PROMPTS) and len(calls) >= 2, calls
+    stopped = [f.index(stop_id) + 1 if stop_id in f else 12 for f in free]
+    assert [a.completion_tokens for a in answers] == stopped

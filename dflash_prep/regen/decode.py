@@ -47,7 +47,8 @@ The loop, on a left-padded batch `input_ids [B, W]` with its `attention_mask [B,
   code the GPU runs, less the capture.
 - **Stop**: per row at a stop id or after its own new-token limit; a finished row is masked, not removed (its later
   tokens are the padding id, as `generate` fills them; rows never read each other, so the others' answers do not
-  change); the loop ends when every row has finished (checked every `check_every` steps: a check syncs with the GPU).
+  change); the loop ends when every row has finished (checked every `check_every` steps: a check syncs with the GPU,
+  and tells `on_rows_done`, when set, how many more rows have finished: a progress bar moves within a batch).
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ class StaticCacheDecoder:
         self.model, self.pad_token_id = model, int(pad_token_id)
         self.prefill_tokens, self.check_every = prefill_tokens, check_every
         self.span_cost_keys = span_cost_keys
+        self.on_rows_done = None  # callable(n) or None: n more rows of the batch being decoded have finished
         self.column_multiple, self.row_multiple = column_multiple, row_multiple
         self.prefill_fill = prefill_fill
         self.device = self.device_of(model)
@@ -191,6 +193,7 @@ class StaticCacheDecoder:
                 processors) -> int:
         """The decode loop from the prefill's last logits, writing `sequences` -> the steps done."""
         batch, device = sequences.shape[0], sequences.device
+        self._reported = 0
         step_input = {"token": torch.empty((batch, 1), dtype=torch.long, device=device),
                       "position": positions[:, -1:].clone()}
         unfinished = torch.ones(batch, dtype=torch.bool, device=device)
@@ -216,10 +219,20 @@ class StaticCacheDecoder:
             step_input["token"].copy_(token[:, None])
             unfinished &= ~torch.isin(token, stops) & (limits > step + 1)
             done = step + 1
-            if done % self.check_every == 0 and not bool(unfinished.any()):
-                break
+            if done % self.check_every == 0:  # one sync: how many rows still run
+                running = int(unfinished.sum())
+                self._rows_done(batch - running)
+                if not running:
+                    break
+        self._rows_done(batch)
         del graph, step_fn
         return done
+
+    def _rows_done(self, finished: int) -> None:
+        """Report to `on_rows_done` the rows finished since the last report (`finished`: all finished so far)."""
+        if self.on_rows_done is not None and finished > self._reported:
+            self.on_rows_done(finished - self._reported)
+        self._reported = max(self._reported, finished)
 
     def _forward(self, step_input: dict, mask: torch.Tensor, cache) -> torch.Tensor:
         """One decode forward on the step's static buffers -> logits [B, V] (the model's dtype)."""

@@ -233,9 +233,10 @@ class TransformersEngine:
         return dict(self._identity)
 
     def answer(self, requests: list[Request], on_answered=None) -> list[Answer]:
-        """One Answer per request, in the requests' order; on_answered(n), if given, after each `generate` batch
-        (n: its requests). Raises ValueError for unsupported sampling parameters; a device error other than
-        out-of-memory propagates."""
+        """One Answer per request, in the requests' order; on_answered(n), if given, as n more are answered: with the
+        static decoder as its rows finish within a batch (at its checks), else after each `generate` batch; each
+        request counted once (rows redone after an out-of-memory split are not counted again). Raises ValueError
+        for unsupported sampling parameters; a device error other than out-of-memory propagates."""
         answers: list[Answer | None] = [None] * len(requests)
         groups: dict[tuple, list[_Prompt]] = {}
         for index, request in enumerate(requests):
@@ -248,10 +249,17 @@ class TransformersEngine:
             groups.setdefault(key, []).append(prompt)
         for (new_tokens, _), prompts in groups.items():
             for members, width in self._batches(prompts, new_tokens):
-                for prompt, ids in zip(members, self._run(members, width, new_tokens)):
+                progress = _BatchProgress(len(members), on_answered)
+                if self.decoder is not None:
+                    self.decoder.on_rows_done = progress.add
+                try:
+                    generated = self._run(members, width, new_tokens)
+                finally:
+                    if self.decoder is not None:
+                        self.decoder.on_rows_done = None
+                for prompt, ids in zip(members, generated):
                     answers[prompt.index] = self._answer_of(prompt, ids)
-                if on_answered is not None:
-                    on_answered(len(members))
+                progress.add(len(members))  # the rest: the batch is answered
         return answers
 
     def _sizes(self):
@@ -455,6 +463,20 @@ class TransformersEngine:
 
 
 DECODERS = ("static", "generate")
+
+
+class _BatchProgress:
+    """One batch's answered count for `on_answered`: reports pass on, capped at the batch's size (a sub-batch redone
+    after an out-of-memory split reports its rows again; they are not counted twice)."""
+
+    def __init__(self, size: int, on_answered):
+        self.size, self.reported, self.on_answered = size, 0, on_answered
+
+    def add(self, n: int) -> None:
+        n = min(n, self.size - self.reported)
+        if n > 0 and self.on_answered is not None:
+            self.reported += n
+            self.on_answered(n)
 
 
 def decode_path(config, decoder: StaticCacheDecoder | None, device=None) -> str:
