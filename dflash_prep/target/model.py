@@ -16,7 +16,7 @@ from dflash_prep.recipe.schema import ModelSection, RecipeError
 from dflash_prep.target.fp8_weights import block_fp8_format, from_pretrained_kwargs, install_scaled_mm
 from dflash_prep.target.layers import decoder_layers, find_decoder
 from dflash_prep.target.moe import apply_moe_experts
-from dflash_prep.target.sources import check_model_source
+from dflash_prep.target.sources import check_model_source, config_source, tokenizer_source
 from dflash_prep.target.norms import randomize_norm_gains
 
 log = logging.getLogger(__name__)
@@ -29,20 +29,19 @@ STORAGE_TORCH_DTYPES = {**DTYPES, "fp8_e4m3": torch.float8_e4m3fn}
 def load_tokenizer(section: ModelSection):
     from transformers import AutoTokenizer
 
-    key = "model.tokenizer" if section.tokenizer else "model.name_or_path"
-    check_model_source(section.tokenizer_path, key)
+    source, key = tokenizer_source(section)
+    check_model_source(source, key)
     try:
-        return AutoTokenizer.from_pretrained(section.tokenizer_path, trust_remote_code=section.trust_remote_code)
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=section.trust_remote_code)
     except (OSError, ValueError) as e:
-        raise RecipeError(f"recipe key `{key}` = {section.tokenizer_path!r}: cannot load a tokenizer ({e})") from None
+        raise RecipeError(f"recipe key `{key}` = {source!r}: cannot load a tokenizer ({e})") from None
 
 
 def load_config(section: ModelSection):
     """The model's config (no weights): used to resolve layer ids and validate before loading weights."""
     from transformers import AutoConfig
 
-    source = section.config or section.name_or_path
-    key = "model.config" if section.config else "model.name_or_path"
+    source, key = config_source(section)
     try:
         from huggingface_hub.errors import StrictDataclassError
     except ImportError:  # older huggingface_hub: configs are not validated on load

@@ -62,10 +62,18 @@ def _unreachable(endpoint: str) -> str | None:
     return None
 
 
+def config_source(section: ModelSection) -> tuple[str, str]:
+    """(where the model's config comes from, the recipe key that names it)."""
+    return (section.config, "model.config") if section.config else (section.name_or_path, "model.name_or_path")
+
+
+def tokenizer_source(section: ModelSection) -> tuple[str, str]:
+    """(where the tokenizer comes from, the recipe key that names it)."""
+    return section.tokenizer_path, "model.tokenizer" if section.tokenizer else "model.name_or_path"
+
+
 def check_model_sources(section: ModelSection) -> None:
     """`check_model_source` for the model's config source and its tokenizer's (the recipe keys that name them)."""
-    if section.config or section.name_or_path:
-        check_model_source(section.config or section.name_or_path,
-                           "model.config" if section.config else "model.name_or_path")
-    if section.tokenizer_path:
-        check_model_source(section.tokenizer_path, "model.tokenizer" if section.tokenizer else "model.name_or_path")
+    for source, key in (config_source(section), tokenizer_source(section)):
+        if source:
+            check_model_source(source, key)
