@@ -106,15 +106,17 @@ class StaticCacheDecoder:
         if min(prefill_tokens, check_every, column_multiple, row_multiple) < 1:
             raise ValueError(f"prefill_tokens={prefill_tokens}, check_every={check_every}, column_multiple="
                              f"{column_multiple} and row_multiple={row_multiple} must be >= 1")
+        self.device = next(model.parameters()).device
         self.prefill_reason = _prefill_blocker(model, prefill)
         self.packed_prefill = self.prefill_reason is None
         # fla's Triton kernels autotune per new row length (~8 s each on the 27B hybrid): a hybrid's packed rows are
         # padded to a few fixed lengths; attention-only models run their exact lengths (torch's kernels, measured)
         self.pad_packed_rows = self.packed_prefill and _has_gated_deltanet(model)
         if self.packed_prefill:  # Gated DeltaNet modules without fla's varlen kernels: once per prompt
-            from dflash_prep.target.packing import run_linear_attention_per_segment
+            from dflash_prep.target.packing import register_packed_attention, run_linear_attention_per_segment
 
-            run_linear_attention_per_segment(model, self.device_of(model).type)
+            register_packed_attention()
+            run_linear_attention_per_segment(model, self.device.type)
         self.attention = decode_attention(model)
         self.model, self.pad_token_id = model, int(pad_token_id)
         self.prefill_tokens, self.check_every = prefill_tokens, check_every
@@ -122,13 +124,8 @@ class StaticCacheDecoder:
         self.on_rows_done = None  # callable(n) or None: n more rows of the batch being decoded have finished
         self.column_multiple, self.row_multiple = column_multiple, row_multiple
         self.prefill_fill = prefill_fill
-        self.device = self.device_of(model)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.stats = DecodeStats()
-
-    @staticmethod
-    def device_of(model) -> torch.device:
-        return next(model.parameters()).device
 
     @property
     def path(self) -> str:
@@ -250,8 +247,7 @@ class StaticCacheDecoder:
         fixed lengths (planner.packed_row_lengths of `prefill_tokens`, and `column_multiple` x powers of two below
         them) with a tail segment of its own (never written to the cache): fla's kernels meet a handful of shapes,
         not one per forward (first-seen shapes cost Triton autotuning). The cache's length counters are then W, as
-        after a padded prefill: the decode steps go on
-        from there."""
+        after a padded prefill: the decode steps go on from there."""
         from dflash_prep.plan.planner import packed_row_lengths
 
         batch, width = input_ids.shape
@@ -475,17 +471,11 @@ def decode_attention(model) -> str:
 
 @contextlib.contextmanager
 def _attention_implementation(model, name: str):
-    """The model on attention implementation `name` while the block runs (transformers' set_attn_implementation),
-    then back on the one it had."""
+    """The model on attention implementation `name` (registered: the decoder registers its own at construction)
+    while the block runs (transformers' set_attn_implementation), then back on the one it had."""
     from dflash_prep.target.layers import find_decoder
 
     before = find_decoder(model).config._attn_implementation
-    if name == PACKED_ATTENTION:
-        from transformers import AttentionInterface
-
-        from dflash_prep.target.packing import varlen_attention
-
-        AttentionInterface.register(PACKED_ATTENTION, varlen_attention)
     if name != before:
         model.set_attn_implementation(name)
     try:
@@ -508,8 +498,8 @@ class _PackedPrefillCache:
     `lengths` tokens each), answering per prompt what transformers' static cache answers for a padded batch:
 
     - attention layers: keys and values [1, Hkv, T, D] (after RoPE) written into the static cache at
-      (rows[t], columns[t]) for prompt token t of the packed row (the tail is not written), and handed back unchanged, so the layer attends within
-      the packed row (varlen attention) as extraction does;
+      (rows[t], columns[t]) for prompt token t of the packed row (the tail is not written), and handed back
+      unchanged, so the layer attends within the packed row (varlen attention) as extraction does;
     - Gated DeltaNet layers: no previous state (None); the conv input [1, C, T] handed back unchanged (the conv runs
       per prompt: fla's kernel on `cu_seqlens`, or the module once per prompt: target/packing.py) and each prompt's
       last `conv_kernel_size` inputs (zeros before a shorter prompt's start, as the padded layout's masked padding

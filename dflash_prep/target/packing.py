@@ -467,20 +467,27 @@ def _per_segment(forward):
     return per_segment
 
 
+def register_packed_attention() -> str:
+    """Our packed-row attention function in transformers' AttentionInterface under PACKED_ATTENTION (idempotent)
+    -> the name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PACKED_ATTENTION, varlen_attention)
+    return PACKED_ATTENTION
+
+
 def use_packed_attention(model: nn.Module, device_type: str) -> dict:
     """Switch the loaded `model` to packed rows: our attention function, and the Gated DeltaNet modules per
     segment where fla's varlen kernels do not run (run_linear_attention_per_segment). Returns what was done (for
     the log). Raises ValueError when a token mixer of the model cannot be packed exactly (select_packing refuses
     such a model before it loads) and RuntimeError when transformers does not take the attention function."""
-    from transformers import AttentionInterface
-
     from dflash_prep.target.layers import find_decoder
 
     mixers = token_mixers(model)
     blockers = [f"{m.path} ({m.class_name}): {m.why_not}" for m in mixers if m.why_not]
     if blockers:
         raise ValueError(f"packed rows are not exact for this model: {blockers[0]}")
-    AttentionInterface.register(PACKED_ATTENTION, varlen_attention)
+    register_packed_attention()
     model.set_attn_implementation(PACKED_ATTENTION)
     if find_decoder(model).config._attn_implementation != PACKED_ATTENTION:
         raise RuntimeError(f"{type(model).__name__} did not take the attention implementation {PACKED_ATTENTION!r}")
