@@ -28,6 +28,8 @@ written out in float64 on the CPU, and the decoder's answers against `generate` 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 STATIC_ATTENTION = "regen_static"  # no "flash" or "sdpa" in the name: transformers reads such names by substring
@@ -49,15 +51,15 @@ def static_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     """AttentionInterface function (the module docstring gives shapes and what runs where)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    plain = (query.shape[2] == 1 or attention_mask is None or kwargs.get("softcap") is not None
-             or kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None
-             or kwargs.get("output_attentions") or (dropout and module.training)
-             or query.shape[1] % key.shape[1] or key.shape[1] != value.shape[1])
     spans = _DecodeSpans.spans
     if query.shape[2] == 1 and spans and spans[-1][1] == query.shape[0] and attention_mask is not None \
             and attention_mask.dim() == 4 and attention_mask.shape[-1] == key.shape[2]:
         return _decode_in_spans(module, query, key, value, attention_mask, spans, dropout=dropout, scaling=scaling,
                                 is_causal=is_causal, **kwargs), None
+    plain = (query.shape[2] == 1 or attention_mask is None or kwargs.get("softcap") is not None
+             or kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None
+             or kwargs.get("output_attentions") or (dropout and module.training)
+             or query.shape[1] % key.shape[1] or key.shape[1] != value.shape[1])
     if plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
@@ -71,19 +73,14 @@ class _DecodeSpans:
     spans: list[tuple[int, int, int]] | None = None
 
 
+@contextlib.contextmanager
 def decode_spans(spans: list[tuple[int, int, int]] | None):
-    """Context manager: decode steps attend per row span while it is open (the module docstring); None: whole."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def scope():
-        before, _DecodeSpans.spans = _DecodeSpans.spans, spans
-        try:
-            yield
-        finally:
-            _DecodeSpans.spans = before
-
-    return scope()
+    """Decode steps attend per row span while the block runs (the module docstring); None: whole."""
+    before, _DecodeSpans.spans = _DecodeSpans.spans, spans
+    try:
+        yield
+    finally:
+        _DecodeSpans.spans = before
 
 
 def _decode_in_spans(module, query, key, value, mask, spans, **kwargs) -> torch.Tensor:
