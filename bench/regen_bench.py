@@ -235,6 +235,12 @@ def _rate(figures: dict) -> str:
             f"{figures['batches']} batches)")
 
 
+def _warm_estimate(cold: dict) -> float:
+    """Seconds a warm pass takes, from the cold one's figures: about its decode and a fraction of its prefill (the
+    hybrid's cold prefill is mostly Triton autotuning of first-seen shapes)."""
+    return 1.5 * cold["decode_seconds"] + 0.5 * cold["prefill_seconds"] + 5
+
+
 def static_passes(name, engine, requests, args, device, t0, deadline, reserve, result) -> dict | None:
     """The static decoder's cold pass (then warm, time permitting) -> the cold pass's figures (with `_ids`), or
     None when it failed (the error in `result["errors"]`)."""
@@ -245,10 +251,8 @@ def static_passes(name, engine, requests, args, device, t0, deadline, reserve, r
             f"prompt tokens of {cold['prefill_computed_tokens']:,} computed), {cold['decode_spans']} decode row "
             f"spans, graph captures {cold['graph_captures']} (failed {cold['graph_failures']})", t0)
         result["static"] = {"cold": _public(cold), "warm": None}
-        # a warm pass costs about the cold one's decode and a fraction of its prefill (the cold prefill of the
-        # hybrid is mostly Triton autotuning of first-seen shapes)
-        warm_estimate = 1.5 * cold["decode_seconds"] + 0.5 * cold["prefill_seconds"] + 5
-        if args.warm and not SPECS[name].exactness_only and time.perf_counter() + warm_estimate < deadline - reserve:
+        if args.warm and not SPECS[name].exactness_only and \
+                time.perf_counter() + _warm_estimate(cold) < deadline - reserve:
             warm = engine_pass(engine, requests, device)
             result["static"]["warm"] = _public(warm)
             log(f"{name}: static warm pass {_rate(warm)}, {warm['ms_per_decode_step']:.1f} ms per decode step, prefill "
@@ -282,8 +286,7 @@ def variant_passes(name, engine, requests, args, device, t0, deadline, reserve, 
             entry["cold"] = _public(cold)
             log(f"{name}: {label(mode, cost)}: cold {_rate(cold)}, prefill {cold['prefill_seconds']:.1f} s "
                 f"({cold['prefill_forwards']} forwards), {cold['decode_spans']} decode row spans", t0)
-            warm_estimate = 1.5 * cold["decode_seconds"] + 0.5 * cold["prefill_seconds"] + 5
-            if args.warm and time.perf_counter() + warm_estimate < deadline - reserve:
+            if args.warm and time.perf_counter() + _warm_estimate(cold) < deadline - reserve:
                 warm = entry["warm"] = _public(engine_pass(engine, requests, device))
                 log(f"{name}: {label(mode, cost)}: warm {_rate(warm)}, prefill {warm['prefill_seconds']:.1f} s, "
                     f"decode {warm['decode_seconds']:.1f} s, {warm['ms_per_decode_step']:.1f} ms per step", t0)
@@ -336,8 +339,6 @@ def check_and_compare(name, engine, requests, static, generate, spec, device, t0
     texts = [a.content for a in static["_answers"]], [a.content for a in generate["_answers"]]
     result["same_text_static_vs_generate"] = sum(a == b for a, b in zip(*texts))
     result["same_text_compared"] = len(texts[1])
-    result["speedup_vs_generate"] = (static["generated_tokens_per_second"]
-                                     / generate["generated_tokens_per_second"])
     greedy, forced = check["greedy"], check["teacher_forced"]
     log(f"{name}: greedy vs generate alone ({greedy['tokens_each']} tokens of {greedy['prompts']} prompts): "
         f"static batches {greedy['static']['leading_tokens_equal']}, generate batches (control) "
@@ -381,11 +382,11 @@ def run_model(name: str, args, device, t0: float, deadline: float, reserve: floa
     try:
         generate = generate_pass(name, engine, requests, spec, args, device, t0)
         result["generate"] = _public(generate)
-        if static is not None and args.check:
-            check_and_compare(name, engine, requests, static, generate, spec, device, t0, result)
-        elif static is not None:
+        if static is not None:
             result["speedup_vs_generate"] = (static["generated_tokens_per_second"]
                                              / generate["generated_tokens_per_second"])
+        if static is not None and args.check:
+            check_and_compare(name, engine, requests, static, generate, spec, device, t0, result)
         result["status"] = "ok" if static is not None else "failed"
     except Exception as e:  # noqa: BLE001 - one model's failure is reported, the next model still runs
         result.update(status="failed")
@@ -450,9 +451,6 @@ def markdown(report: dict) -> str:
                        for k in ("cold", "warm") if entry.get(k)]
             paths.append(f"  - {variant}: {entry.get('path', '?')}: " + ("; ".join(figures) or entry.get(
                 "error", "not run")))
-        for choice in r.get("decode_attention_choices", []):  # reports of a version that timed decode kernels
-            paths.append(f"  - decode attention for queries {choice['query_shape']} over keys {choice['key_shape']}: "
-                         f"{choice['kernel']} (" + ", ".join(f"{k} {v:.3f} ms" for k, v in choice["ms"].items()) + ")")
         if r.get("check") is None:
             continue
         checks.append(_check_row(name, r))

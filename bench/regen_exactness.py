@@ -212,22 +212,29 @@ def decode_step_profile(engine, requests, rows: int, device, steps: int = 4, top
     ids, mask = padded_batch(prompts, engine.pad_token_id, engine.length_multiple, device)
     activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
     profiler = profile(activities=activities)
-    decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, prefill_tokens=engine.decoder.prefill_tokens,
-                                 cuda_graphs=False)
+    like = engine.decoder  # its prefill and decode attention, with eager steps
+    decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, prefill_tokens=like.prefill_tokens,
+                                 cuda_graphs=False, prefill="packed" if like.packed_prefill else "padded",
+                                 span_cost_keys=like.span_cost_keys)
     t = time.perf_counter()
     with torch.inference_mode():
         decoder.generate(ids, mask, steps + 3, [], LogitsProcessorList([_ProfileSteps(profiler, ids.shape[1], 1,
                                                                                        steps + 1)]))
-    kind = "cuda" if device.type == "cuda" else "cpu"
-    events = [e for e in profiler.key_averages()
-              if (e.device_type.name.lower() == kind if kind == "cuda" else True)]
-    self_us = (lambda e: e.self_device_time_total) if kind == "cuda" else (lambda e: e.self_cpu_time_total)
-    events.sort(key=self_us, reverse=True)
-    total = sum(self_us(e) for e in events) if kind == "cuda" else None
+    events, self_us, total = _events_by_self_time(profiler, device)
     return {"rows": len(prompts), "width": ids.shape[1], "steps": steps, "device_ms_per_step":
             None if total is None else total / 1e3 / steps,
             "top": [{"name": e.key[:120], "ms_per_step": self_us(e) / 1e3 / steps, "calls_per_step": e.count / steps}
                     for e in events[:top]], "seconds": time.perf_counter() - t}
+
+
+def _events_by_self_time(profiler, device) -> tuple[list, object, float | None]:
+    """(the profile's events by self time, most first: CUDA kernels on a GPU, CPU ops elsewhere; the self-time
+    function in us; the events' total device us, None on a CPU)."""
+    on_gpu = device.type == "cuda"
+    events = [e for e in profiler.key_averages() if not on_gpu or e.device_type.name.lower() == "cuda"]
+    self_us = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
+    events.sort(key=self_us, reverse=True)
+    return events, self_us, (sum(self_us(e) for e in events) if on_gpu else None)
 
 
 def prefill_profile(engine, requests, rows: int, device, top: int = 12) -> dict:
@@ -239,18 +246,15 @@ def prefill_profile(engine, requests, rows: int, device, top: int = 12) -> dict:
 
     prompts = sorted((engine.render(r) for r in requests[:rows]), key=len, reverse=True)
     ids, mask = padded_batch(prompts, engine.pad_token_id, engine.length_multiple, device)
-    kind = "cuda" if device.type == "cuda" else "cpu"
-    activities = [ProfilerActivity.CUDA] if kind == "cuda" else [ProfilerActivity.CPU]
+    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
     t = time.perf_counter()
     with torch.inference_mode(), profile(activities=activities) as profiler:
         engine.decoder.generate(ids, mask, 1, [])
-        if kind == "cuda":
+        if device.type == "cuda":
             torch.cuda.synchronize(device)
     wall = time.perf_counter() - t
-    events = [e for e in profiler.key_averages() if kind != "cuda" or e.device_type.name.lower() == "cuda"]
-    self_us = (lambda e: e.self_device_time_total) if kind == "cuda" else (lambda e: e.self_cpu_time_total)
-    events.sort(key=self_us, reverse=True)
+    events, self_us, total = _events_by_self_time(profiler, device)
     return {"rows": len(prompts), "width": ids.shape[1], "prompt_tokens": sum(map(len, prompts)),
-            "device_ms": sum(self_us(e) for e in events) / 1e3 if kind == "cuda" else None,
+            "device_ms": None if total is None else total / 1e3,
             "wall_seconds_profiled": wall,
             "top": [{"name": e.key[:120], "ms": self_us(e) / 1e3, "calls": e.count} for e in events[:top]]}
