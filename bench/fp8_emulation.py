@@ -23,26 +23,30 @@ from pathlib import Path
 
 import torch
 
-E4M3_MAX = 448.0
-DEMO_CONFIG = Path(__file__).resolve().parents[1] / "dflash_prep" / "demo" / "tiny-demo" / "model_config.json"
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script: `bench` and `dflash_prep` from this checkout
+    sys.path.insert(0, str(REPO))
+DEMO_CONFIG = REPO / "dflash_prep" / "demo" / "tiny-demo" / "model_config.json"
 
 
 def round_weight(w: torch.Tensor) -> torch.Tensor:
-    """[N, K] (multiples of 128) -> its e4m3 round trip per 128x128 block (scale = block amax / 448)."""
+    """[N, K] (multiples of 128) -> its e4m3 round trip per 128x128 block (targets_check's checkpoint quantizer)."""
+    from bench.targets_check import quantize_weight
+
     N, K = w.shape
-    b = w.float().reshape(N // 128, 128, K // 128, 128)
-    s = b.abs().amax(dim=(1, 3)).clamp(min=1e-30) / E4M3_MAX
-    q = (b / s[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
-    return (q * s[:, None, :, None]).reshape(N, K).to(w.dtype)
+    q, scale_inv = quantize_weight(w)
+    return (q.float().reshape(N // 128, 128, K // 128, 128) * scale_inv[:, None, :, None]).reshape(N, K).to(w.dtype)
 
 
 def round_input(_module, args):
-    """Forward pre-hook: the layer's input [..., K] rounded to e4m3 per token and 128 block."""
+    """Forward pre-hook: the layer's input [..., K] rounded to e4m3 per token and 128 block (the FP8 path's own
+    activation quantizer, fp8_weights.quantize_1x128)."""
+    from dflash_prep.target.fp8_weights import quantize_1x128
+
     x = args[0]
-    b = x.float().unflatten(-1, (-1, 128))
-    s = b.abs().amax(-1, keepdim=True).clamp(min=1e-12) / E4M3_MAX
-    q = (b / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * s
-    return (q.flatten(-2).to(x.dtype),)
+    q, scale = quantize_1x128(x.reshape(-1, x.shape[-1]))
+    rounded = (q.float().unflatten(-1, (-1, 128)) * scale.unsqueeze(-1)).flatten(-2)
+    return (rounded.reshape(x.shape).to(x.dtype),)
 
 
 def build(kind: str, width: int, layers: int):
