@@ -170,6 +170,8 @@ def format_description(f: dict) -> str:
 
 # ---------------------------------------------------------------------------------------------- progress
 RATE_WINDOW_SECONDS = 900
+
+
 def _last_run_started_at(out_dir) -> float | None:
     """When the latest run into `out_dir` claimed it (run_state.json's `runs`, unix seconds), or None."""
     try:

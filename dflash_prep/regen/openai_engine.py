@@ -20,8 +20,8 @@ response (vLLM) or on the choice (SGLang); SGLang's `matched_stop` names a stop 
 server that answers the probe with ids is asked for them on every request (`token_ids: "returned"`); one that
 refuses the fields (`transformers serve`: HTTP 422) or answers without ids is asked without them and the answers are
 text only (`token_ids: "none"`, in the engine's identity and the summary). The probe goes the way of every request
-(below): a server answering it HTTP 5xx decides nothing until it answers (or is confirmed broken, restarted or down). The probe's prompt is also what
-regen/template_check.py compares with the extraction's rendering.
+(below): a server answering it HTTP 5xx decides nothing until it answers (or is confirmed broken, restarted or
+down). The probe's prompt is also what regen/template_check.py compares with the extraction's rendering.
 
 Errors, per request:
 - HTTP 4xx other than 408 and 429 (a prompt longer than the context, a bad field, a template the row breaks):
