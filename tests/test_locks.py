@@ -17,7 +17,7 @@ from conftest import REPO, demo_overrides, raw_records
 
 from dflash_prep.commands.extract import EXIT_BAD_RECIPE, main
 from dflash_prep.commands.inspect import check_output
-from dflash_prep.store.locks import FileLock
+from dflash_prep.store.locks import LOCKS_DIR, FileLock, OutputBusyError, check_no_rank_writing, running_holders
 
 SETTINGS = {"data.max_samples": 24, "batching.num_workers": 0, "output.max_shard_bytes": "1MB"}
 
@@ -48,13 +48,9 @@ def test_a_second_lock_on_the_same_file_is_refused_until_released(tmp_path):
 SYS_EXIT = {"x86_64": 60, "aarch64": 93}.get(os.uname().machine)  # exit(2) of one thread, not the process
 
 
-@pytest.mark.skipif(SYS_EXIT is None or not Path("/proc").is_dir(), reason="Linux x86_64/aarch64 thread exit")
-def test_a_lock_whose_holder_is_exiting_is_taken_once_its_last_thread_ends(tmp_path):
-    """A process killed by SIGKILL is a zombie once its main thread ends; its flock is dropped only when its last
-    thread ends (a thread in a slow fsync delays that). Made real here: the holder's main thread ends by the exit
-    system call while another thread keeps the descriptor open for 1.5 s. A plain try_acquire is refused; the
-    lock taken for a run waits for the exit and succeeds; a holder that is alive is refused at once."""
-    path = tmp_path / "run.lock"
+def exiting_holder(path: Path) -> subprocess.Popen:
+    """A process holding `path` whose main thread has ended by the exit system call (a zombie, what SIGKILL leaves
+    first) while another thread keeps the descriptor open for 1.5 s more."""
     code = (f"import ctypes, os, sys, threading, time; sys.path.insert(0, {str(REPO)!r}); "
             f"from dflash_prep.store.locks import FileLock; assert FileLock({str(path)!r}).try_acquire(); "
             f"threading.Thread(target=lambda: (time.sleep(1.5), os._exit(0))).start(); "
@@ -66,6 +62,16 @@ def test_a_lock_whose_holder_is_exiting_is_taken_once_its_last_thread_ends(tmp_p
         assert time.time() < deadline
         time.sleep(0.01)
     assert Path(f"/proc/{proc.pid}/task").is_dir() and len(os.listdir(f"/proc/{proc.pid}/task")) == 2
+    return proc
+
+
+@pytest.mark.skipif(SYS_EXIT is None or not Path("/proc").is_dir(), reason="Linux x86_64/aarch64 thread exit")
+def test_a_lock_whose_holder_is_exiting_is_taken_once_its_last_thread_ends(tmp_path):
+    """A process killed by SIGKILL is a zombie once its main thread ends; its flock is dropped only when its last
+    thread ends (a thread in a slow fsync delays that). Made real here (`exiting_holder`). A plain try_acquire is
+    refused; the lock taken for a run waits for the exit and succeeds; a holder that is alive is refused at once."""
+    path = tmp_path / "run.lock"
+    proc = exiting_holder(path)
     lock = FileLock(path)
     assert not lock.try_acquire()  # the zombie's other thread still holds it
     start = time.monotonic()
@@ -79,6 +85,29 @@ def test_a_lock_whose_holder_is_exiting_is_taken_once_its_last_thread_ends(tmp_p
         start = time.monotonic()
         assert not FileLock(path).try_acquire_after_exit(wait_seconds=20)
         assert time.monotonic() - start < 1
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+@pytest.mark.skipif(SYS_EXIT is None or not Path("/proc").is_dir(), reason="Linux x86_64/aarch64 thread exit")
+def test_a_rank_lock_whose_holder_is_exiting_does_not_refuse_the_resume(tmp_path):
+    """The resume right after a launcher and its workers were killed: a worker's rank lock still held by its last
+    thread is waited out, not reported as "still running"; a live holder of a rank lock is refused."""
+    out = tmp_path / "out"
+    (out / LOCKS_DIR).mkdir(parents=True)
+    path = out / LOCKS_DIR / "rank-00001.lock"
+    proc = exiting_holder(path)
+    assert FileLock(path).held_elsewhere()
+    check_no_rank_writing(out)  # waits for the exit instead of raising
+    assert not FileLock(path).held_elsewhere() and running_holders(out) == {}
+    proc.wait(timeout=10)
+
+    alive = hold_lock(path)
+    try:
+        with pytest.raises(OutputBusyError, match=f"rank-00001 of an earlier run .* is still running \\(pid {alive.pid} "):
+            check_no_rank_writing(out)
+        assert list(running_holders(out)) == ["rank-00001"]
     finally:
         alive.kill()
         alive.wait()

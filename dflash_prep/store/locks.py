@@ -154,6 +154,17 @@ class FileLock:
         finally:
             os.close(fd)
 
+    def held_after_exit(self, wait_seconds: float = EXITING_HOLDER_WAIT_SECONDS) -> bool:
+        """`held_elsewhere`, waiting up to `wait_seconds` while the holder is a process of this host that is
+        exiting (see `try_acquire_after_exit`: a killed worker's flock outlives its zombie by its last thread)."""
+        deadline = time.monotonic() + wait_seconds
+        while self.held_elsewhere():
+            pid = self._holder_pid_here()
+            if pid is None or _pid_alive(pid) or time.monotonic() >= deadline:
+                return True
+            time.sleep(0.05)
+        return False
+
     def try_acquire_after_exit(self, wait_seconds: float = EXITING_HOLDER_WAIT_SECONDS) -> bool:
         """`try_acquire`, waiting up to `wait_seconds` while the lock's holder is a process of this host that is
         exiting: a process killed by SIGKILL shows as a zombie as soon as its main thread ends, but its files (and
@@ -731,7 +742,7 @@ def check_no_rank_writing(out_dir: Path, run_id: str | None = None) -> None:
     folder = Path(out_dir) / LOCKS_DIR
     for path in sorted(folder.glob("rank-*.lock")) if folder.is_dir() else []:
         probe = FileLock(path)
-        if probe.held_elsewhere():
+        if probe.held_after_exit():
             raise OutputBusyError(
                 f"{path.stem} of an earlier run into {out_dir} is still running ({probe.holder()}), e.g. a "
                 f"worker left behind when its launcher was killed: stop it, then re-run this command to resume")
@@ -755,7 +766,7 @@ def running_holders(out_dir: Path) -> dict[str, str]:
     held = {}
     for path in sorted(folder.glob("*.lock")) if folder.is_dir() else []:
         lock = FileLock(path)
-        if lock.held_elsewhere():
+        if lock.held_after_exit():
             held[path.stem] = lock.holder()
     for name, record in _live_leases(out_dir).items():
         held.setdefault(name, record.describe() if record.damaged else f"pid {record.get('pid')} on {record.get('host')}")
