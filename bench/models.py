@@ -42,6 +42,17 @@ MODELS = {
     "llama3.1-8b": ModelSpec("llama3.1-8b.json", (1, 15, 28), "EAGLE-3 for L=32", "bfloat16",
                              num_samples=3000, per_sample_max_seconds=45, fixed_batch_max_seconds=60,
                              dflash_max_tokens=800_000),
+    # Qwen3-8B: 40 KB per token (5 x 4096 x bf16): 800k tokens = 32.8 GB.
+    "qwen3-8b": ModelSpec("qwen3-8b.json", (1, 9, 17, 25, 33), "DFlash k=5 for L=36", "bfloat16",
+                          num_samples=3000, per_sample_max_seconds=45, fixed_batch_max_seconds=60,
+                          dflash_max_tokens=800_000),
+    # MoE (issue: experts at engine speed): 20 KB per token (5 x 2048 x bf16); weights 61 GB / 69 GB in bf16.
+    "qwen3-30b-a3b": ModelSpec("qwen3-30b-a3b.json", (1, 12, 23, 34, 45), "DFlash k=5 for L=48", "bfloat16",
+                               num_samples=3000, per_sample_max_seconds=45, fixed_batch_max_seconds=60,
+                               dflash_max_tokens=800_000),
+    "qwen3.6-35b-a3b": ModelSpec("qwen3.6-35b-a3b.json", (1, 10, 19, 28, 37), "DFlash k=5 for L=40", "bfloat16",
+                                 num_samples=3000, per_sample_max_seconds=45, fixed_batch_max_seconds=60,
+                                 dflash_max_tokens=800_000),
     # CPU-sized (seconds): used by tests/test_bench.py. 8 layers each.
     "tiny-qwen3.5": ModelSpec("tiny-qwen3.5.json", (1, 2, 3, 4, 5), "DFlash k=5 for L=8", "float32",
                               num_samples=24, per_sample_max_seconds=120, fixed_batch_max_seconds=120,
@@ -57,17 +68,22 @@ def model_info(config, layer_ids: list[int]) -> dict:
     from transformers import AutoModelForCausalLM
 
     from dflash_prep.target.layers import decoder_layers, find_decoder
+    from dflash_prep.target.model import active_params, experts_per_token
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     layers = decoder_layers(find_decoder(model))
     per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    top_k = experts_per_token(config)
+    active = [active_params(layer, top_k) for layer in layers]  # what a token runs through (MoE: its experts)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     info = {"model_type": text.model_type, "architecture": type(model).__name__,
             "num_hidden_layers": len(layers), "hidden_size": int(text.hidden_size),
             "vocab_size": int(text.vocab_size), "params_total": sum(p.numel() for p in model.parameters()),
             "decoder_params_all_layers": sum(per_layer),
             "decoder_params_needed": sum(per_layer[: max(layer_ids) + 1]),
+            "decoder_params_active_needed": sum(active[: max(layer_ids) + 1]),
+            "decoder_params_active_all_layers": sum(active),
             "layers_needed": max(layer_ids) + 1, "per_layer_params": per_layer}
     del model
     return info

@@ -170,7 +170,7 @@ def run_fixed_batch(ctx: Ctx, out_dir: Path, repeat_of: dict | None = None) -> d
 
 def baseline_result(ctx: Ctx, log: BatchLog, loop_s: float, build_s: float, stopped_by: str,
                     checksum: float) -> dict:
-    params = ctx.info["decoder_params_all_layers"]  # the full CausalLM runs every decoder layer
+    params = ctx.info["decoder_params_active_all_layers"]  # the full CausalLM runs every decoder layer
     steady_s = loop_s - log.first_shape_batch_seconds
     steady_tokens = log.real_tokens - log.first_shape_real_tokens
     return {

@@ -39,14 +39,18 @@ from bench.device_round import CONFIGS, REPO, SCENARIOS, TOKENIZER, Round, scena
 def _bench(r: Round, model: str, out_dir: Path, *args: str) -> list[str]:
     """bench/run_bench.py on `model` (a tiny one on the CPU in a dry run), results in RESULTS_DIR."""
     if r.dry:
-        model = {"qwen3.6-27b": "tiny-qwen3.5", "llama3.1-8b": "tiny-llama"}.get(model, model)
+        model = TINY.get(model, model)
         args = (*args, "--device", "cpu", "--num-samples", "24")
     return r.python("bench/run_bench.py", "--results-dir", r.results, "--model", model, "--out-dir", out_dir, *args)
 
 
+# The CPU stand-ins of a dry run: a tiny model of the same token mixers (the MoE shapes' plumbing is the dense one's)
+TINY = {"qwen3.6-27b": "tiny-qwen3.5", "llama3.1-8b": "tiny-llama", "qwen3-8b": "tiny-llama",
+        "qwen3-30b-a3b": "tiny-llama", "qwen3.6-35b-a3b": "tiny-qwen3.5"}
+
+
 def _tiny(model_list: str) -> str:
-    return ",".join({"qwen3.6-27b": "tiny-qwen3.5", "llama3.1-8b": "tiny-llama"}.get(m, m)
-                    for m in model_list.split(","))
+    return ",".join(TINY.get(m, m) for m in model_list.split(","))
 
 
 # -------------------------------------------------------------------------------------------------- scenarios
@@ -197,6 +201,22 @@ def _filesystem(path: Path) -> str:
     found = subprocess.run(["findmnt", "-n", "-o", "FSTYPE", "--target", str(path)], capture_output=True, text=True)
     fs = found.stdout.strip().splitlines()[0] if found.returncode == 0 and found.stdout.strip() else "unknown"
     return f"{fs} filesystem: " + ("memory, not a disk" if fs in ("tmpfs", "ramfs") else "a disk, not /dev/shm")
+
+
+@scenario("shapes", 1, "every target shape `plan` must predict, one after the other in one run, each cold then warm "
+          "with the defaults (packed rows, model.kernels auto): the Llama-3.1-8B baseline, Qwen3-8B, the Qwen3-30B-A3B MoE "
+          "and the Qwen3.6-35B-A3B hybrid MoE; then plan_check.py on every committed report and these",
+          deadline_seconds=570, models="llama3.1-8b,qwen3-8b,qwen3-30b-a3b,qwen3.6-35b-a3b:the benchmark models",
+          tokens="400000:real tokens of each run", seconds="130:the limit of each model's run")
+def shapes(r: Round) -> None:
+    out = (r.work if r.dry else shm_or_tmp(40)) / "bench-out"
+    tokens = ["--dflash-max-tokens", r.opt("tokens")] if not r.dry else []
+    for model in r.opt("models").split(","):
+        r.step(f"bench-{model}", int(r.opt("seconds")), _bench(r, model, out, "--modes", "dflash_prep,dflash_prep_warm",
+                                                              *tokens))
+    # the plan of each job against what it measured (CPU arithmetic: the committed reports are references too)
+    r.step("plan-check", 120, r.python("bench/plan_check.py", "--results-dir", "bench/results", "--results-dir",
+                                       r.results, "--check-dir", r.results, "--json", r.results / "plan_check.json"))
 
 
 @scenario("round", 2, "one benchmark round on 2 GPUs at once: the 27B hybrid on GPU 0, the 8B shape on GPU 1, each as "

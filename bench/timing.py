@@ -196,7 +196,7 @@ class DflashTimings:
 # ----------------------------------------------------------------------------------------------- rates
 def finish_result(ctx, res: dict, gemm: dict) -> dict:
     """Derived figures, the same formulas for every mode (`ctx`: a bench.context.Ctx; only its model info's
-    `decoder_params_needed` is read)."""
+    `decoder_params_active_needed` is read: the parameters a token runs through, an MoE's active experts)."""
     loop = res["loop_seconds"]
     real, padded = res["num_real_tokens"], res["num_padded_tokens"]
     tps = real / loop if loop > 0 else None
@@ -204,10 +204,11 @@ def finish_result(ctx, res: dict, gemm: dict) -> dict:
     res["samples_per_second"] = res["num_samples"] / loop if loop > 0 else None
     res["padding_efficiency"] = real / padded if padded else None
     flops = gemm["flops_per_second"]
-    # MFU = 2 x params of the executed decoder layers x real tok/s / measured GEMM rate (lm_head not counted)
+    # MFU = 2 x params a token runs through in the executed decoder layers x real tok/s / measured GEMM rate
+    # (lm_head not counted; an MoE counts its active experts)
     res["mfu"] = 2 * res["decoder_params_executed"] * tps / flops if tps else None
     # ... and over the layers the capture needs (same numerator in every mode: comparable useful work)
-    res["mfu_needed_layers"] = 2 * ctx.info["decoder_params_needed"] * tps / flops if tps else None
+    res["mfu_needed_layers"] = 2 * ctx.info["decoder_params_active_needed"] * tps / flops if tps else None
     steady = res.get("tokens_per_second_excl_first_shapes")
     res["mfu_excl_first_shapes"] = 2 * res["decoder_params_executed"] * steady / flops if steady else None
     res["write_gb_per_second"] = res["bytes_written"] / loop / GB if loop > 0 else None

@@ -197,6 +197,32 @@ def test_plan_of_a_benchmarked_model_uses_its_figure(config, layers, expected, t
     assert gpu["throughput"]["tokens_per_second"] == pytest.approx(packed_figure) and packed_figure != expected
 
 
+def test_a_moe_report_is_scaled_by_the_parameters_a_token_runs_through(tmp_path):
+    """A benchmark report of the Qwen3-30B-A3B shape (bench/configs/qwen3-30b-a3b.json: 48 layers, hidden 2048,
+    32 q / 4 kv heads of 128, 128 experts of width 768, 8 per token) planned again for the same layers: the same
+    model's figure unscaled. Its per-token count (layers 0-45 for DFlash k=5: ids up to 45) is made by hand from the
+    config; scaling by the weights the GPU holds (~11x more) would predict ~11x its tok/s."""
+    H, heads, kv, D, E, k, I_e, layers = 2048, 32, 4, 128, 128, 8, 768, 46
+    per_layer = H * heads * D + 2 * H * kv * D + heads * D * H + 2 * D + 2 * H + E * H + k * 3 * I_e * H
+    held = per_layer + (E - k) * 3 * I_e * H
+    report = {"report_version": 1, "complete": True, "model": "qwen3-30b-a3b", "timestamp": "20270101-000000",
+              "settings": {"dtype": "bfloat16"}, "environment": {"gpu": "H200"},
+              "model_info": {"model_type": "qwen3_moe", "hidden_size": H, "num_hidden_layers": 48,
+                             "decoder_params_needed": layers * held, "decoder_params_active_needed": layers * per_layer},
+              "modes": {"dflash_prep_warm": {"status": "ok", "tokens_per_second": 31360.0, "padding_efficiency": 1.0,
+                                             "summary": {"packing": {"packed": True}}}}}
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "qwen3-30b-a3b-20270101-000000.json").write_text(json.dumps(report))
+    recipe = load_recipe(None, [f"output.dir={tmp_path / 'out'}", "data.max_samples=20", "model.dtype=bfloat16",
+                                f"model.config={REPO}/bench/configs/qwen3-30b-a3b.json", "layers.preset=dflash",
+                                "layers.num_layers=5"])
+    plan = make_run_plan(recipe, num_gpus=1, gpu_memory_bytes=141 * 10**9, bench_dir=tmp_path / "bench")
+    t = plan["throughput"]
+    assert plan["layer_ids"][-1] == layers - 1 and plan["decoder_params_run"] == layers * per_layer
+    assert t["source"] == "same model" and t["scaled_by_decoder_params"] == pytest.approx(1.0)
+    assert t["tokens_per_second"] == pytest.approx(31360.0)
+
+
 def test_cli_prints_the_plan_and_its_json(capsys, planned_and_run):
     plan, _, _ = planned_and_run
     args = ["--set", "output.dir=/nonexistent/never-written"] + [a for kv in BASE for a in ("--set", kv)]

@@ -233,11 +233,14 @@ def drop_layers_after(model: nn.Module, last_needed_layer: int) -> int:
     return min(keep, len(layers))
 
 
-def decoder_params_in(model: nn.Module, num_layers: int | None = None) -> int:
-    """Parameters of the first `num_layers` decoder layers (all when None): the weights they hold."""
+def decoder_params_in(model: nn.Module, num_layers: int | None = None, active: bool = False) -> int:
+    """Parameters of the first `num_layers` decoder layers (all when None): the weights they hold, or with
+    `active` those a token runs through (`active_params`: routed experts at num_experts_per_tok / num_experts;
+    the same count for a dense model), the count FLOPs per token and MFU are 2 x of."""
     layers = decoder_layers(find_decoder(model))
     chosen = list(layers)[: num_layers if num_layers is not None else len(layers)]
-    return sum(p.numel() for layer in chosen for p in layer.parameters())
+    top_k = experts_per_token(model.config) if active else None
+    return sum(active_params(layer, top_k) for layer in chosen)
 
 
 def experts_per_token(config) -> int | None:

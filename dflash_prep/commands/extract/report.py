@@ -30,7 +30,7 @@ def rank_report(run, model, writer: AsyncShardWriter, loop) -> dict:
         "write_seconds": writer.write_seconds,
         "num_writer_threads": len(writer.writers), "peak_pending_bytes": writer.peak_pending_bytes,
         "bytes_written": writer.bytes_written, "shards_committed": len(writer.committed),
-        "decoder_params_run": decoder_params_in(model),
+        "decoder_params_run": decoder_params_in(model, active=True),  # per token (MoE: active experts)
         "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated(run.device) if run.device.type == "cuda" else None,
         "num_failed": len(writer.failed),
         "failed": dict(sorted(Counter(f["reason"] for f in writer.failed).items())),
