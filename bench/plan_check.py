@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--results-dir", action="append", default=None,
                    help="a folder of reports (repeatable; default bench/results): all are references")
-    p.add_argument("--reports", default="*.json", help="glob of the reports to check")
+    p.add_argument("--reports", default="*.json", help="globs of the reports to check, comma-separated")
     p.add_argument("--check-dir", default=None, help="check only the reports of this folder (default: of every folder)")
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args(argv)
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     folders = [Path(f) for f in (args.results_dir or [BENCH_DIR / "results"])]
     reports = [found for folder in folders for found in plannable_reports(folder)]
     wanted = {p for folder in ([Path(args.check_dir)] if args.check_dir else folders)
-              for p, _ in plannable_reports(folder, args.reports)}
+              for glob in args.reports.split(",") for p, _ in plannable_reports(folder, glob)}
     with tempfile.TemporaryDirectory() as tmp:
         rows = [check_report(p, r, reports, Path(tmp)) for p, r in reports if p in wanted]
     print(render(rows))
