@@ -104,7 +104,6 @@ def predicted_seconds(recipe, report: dict, bench_dir: Path) -> dict:
     ref = (p["throughput"] or {}).get("reference") or {}
     return {"seconds": wall.get("seconds"), "warmup_seconds": wall.get("warmup_seconds"),
             "tokens_per_second": p["throughput"].get("tokens_per_second"), "source": p["throughput"].get("source"),
-            "basis": p["throughput"].get("basis"),
             "reference": Path(ref["file"]).name if ref.get("file") else None,
             "num_real_tokens": p["num_tokens"], "num_shapes": p["num_shapes"], "packed": p["packing"].get("packed")}
 
