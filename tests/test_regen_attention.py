@@ -73,7 +73,22 @@ def test_decode_in_row_spans_equals_attention_written_out():
     q, k, v = torch.randn(5, 8, 1, 16), torch.randn(5, 2, 48, 16), torch.randn(5, 2, 48, 16)
     mask = masks(5, 1, 48, first)
     module = types.SimpleNamespace(num_key_value_groups=4, training=False, is_causal=True)
-    with decode_spans([(0, 2, 0), (2, 4, 16), (4, 5, 40)]):
+    with decode_spans([(0, 2, 0), (2, 4, 16), (4, 5, 40)], 48):
+        out, _ = static_attention(module, q, k, v, mask, scaling=0.3)
+    assert torch.allclose(out.double(), reference(q, k, v, mask, 0.3), atol=2e-6)
+
+
+def test_a_sliding_window_layer_attends_whole_under_row_spans():
+    """The same spans, cut for a cache of 48 positions, while a sliding-window layer of the same model runs: its
+    keys are a rolling buffer of one window (24 columns, not positions), with a mask of its own; its rows attend
+    over the whole buffer (cutting it at the spans' columns would leave the last row no key at all)."""
+    from dflash_prep.regen.attention import decode_spans
+
+    torch.manual_seed(4)
+    q, k, v = torch.randn(5, 8, 1, 16), torch.randn(5, 2, 24, 16), torch.randn(5, 2, 24, 16)
+    mask = masks(5, 1, 24, [0, 0, 2, 3, 10])
+    module = types.SimpleNamespace(num_key_value_groups=4, training=False, is_causal=True)
+    with decode_spans([(0, 2, 0), (2, 4, 16), (4, 5, 40)], 48):
         out, _ = static_attention(module, q, k, v, mask, scaling=0.3)
     assert torch.allclose(out.double(), reference(q, k, v, mask, 0.3), atol=2e-6)
 

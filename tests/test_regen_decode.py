@@ -267,3 +267,37 @@ def test_progress_moves_as_rows_finish_within_a_batch(llama_path):
     assert sum(calls) == len(PROMPTS) and len(calls) >= 2, calls
     stopped = [f.index(stop_id) + 1 if stop_id in f else 12 for f in free]
     assert [a.completion_tokens for a in answers] == stopped
+
+
+def test_rows_redone_after_an_out_of_memory_split_and_rejected_requests_are_counted_once(llama_path):
+    """Six prompts of one length and one over the token budget (rejected), checks every step, the first prompt's
+    answer ending at its first token (a stop id no other answer holds); a CUDA out-of-memory error on the third
+    decode step of the 6-row batch. Reported, as it happens: the rejected request, the first row (finished before the
+    error), nothing when the half [0, 3) finishes that row again, its other 2 rows, then the 3 of [3, 6): 7 in all,
+    each request once, and the answers those of `generate` alone."""
+    engine = engine_for("llama", llama_path, ignore_eos=True)
+    questions = [user(f"Question {i}: why is the sky blue?") for i in range(6)]
+    assert len({len(prompt_ids(engine, m)) for m in questions}) == 1
+    free = [alone(engine, prompt_ids(engine, m), new=12, eos=-1) for m in questions]
+    stop_id = free[0][0]
+    assert all(stop_id not in f for f in free[1:])
+    engine.eos_token_ids, engine.decoder.check_every = [stop_id], 1
+    steps = {"decode": 0}
+
+    def out_of_memory(module, args, kwargs):
+        ids = kwargs["input_ids"]
+        if ids.shape == (6, 1):
+            steps["decode"] += 1
+            if steps["decode"] == 3:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+
+    hook = engine.model.register_forward_pre_hook(out_of_memory, with_kwargs=True)
+    calls = []
+    try:
+        answers = engine.answer([make_request(m, max_tokens=12) for m in questions]
+                                + [make_request(user("word " * 9000), max_tokens=12)], on_answered=calls.append)
+    finally:
+        hook.remove()
+    assert engine.num_ooms == 1 and answers[-1].rejected is not None
+    assert calls == [1, 1, 2, 3]
+    assert [a.completion_token_ids for a in answers[:6]] == [free[0][:1]] + free[1:]

@@ -52,8 +52,10 @@ def static_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     spans = _DecodeSpans.spans
-    if query.shape[2] == 1 and spans and spans[-1][1] == query.shape[0] and attention_mask is not None \
-            and attention_mask.dim() == 4 and attention_mask.shape[-1] == key.shape[2]:
+    # spans only over a layer whose keys are the whole cache: a sliding-window layer's keys are a rolling buffer of
+    # one window, whose columns are not the positions the spans were cut at
+    if query.shape[2] == 1 and spans and spans[-1][1] == query.shape[0] and key.shape[2] == _DecodeSpans.keys \
+            and attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[-1] == key.shape[2]:
         return _decode_in_spans(module, query, key, value, attention_mask, spans, dropout=dropout, scaling=scaling,
                                 is_causal=is_causal, **kwargs), None
     plain = (query.shape[2] == 1 or attention_mask is None or kwargs.get("softcap") is not None
@@ -68,19 +70,23 @@ def static_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
 
 
 class _DecodeSpans:
-    """The row spans of the batch being decoded: [(first row, end row, first key column)], set by `decode_spans`."""
+    """The row spans of the batch being decoded: [(first row, end row, first key column)], and the key columns of
+    the cache they were cut for (its positions), set by `decode_spans`."""
 
     spans: list[tuple[int, int, int]] | None = None
+    keys: int | None = None
 
 
 @contextlib.contextmanager
-def decode_spans(spans: list[tuple[int, int, int]] | None):
-    """Decode steps attend per row span while the block runs (the module docstring); None: whole."""
-    before, _DecodeSpans.spans = _DecodeSpans.spans, spans
+def decode_spans(spans: list[tuple[int, int, int]] | None, keys: int | None = None):
+    """Decode steps attend per row span while the block runs (the module docstring), in the layers whose keys are
+    `keys` columns (the cache's positions; a sliding-window layer's shorter buffer attends whole); None: whole."""
+    before = _DecodeSpans.spans, _DecodeSpans.keys
+    _DecodeSpans.spans, _DecodeSpans.keys = spans, keys
     try:
         yield
     finally:
-        _DecodeSpans.spans = before
+        _DecodeSpans.spans, _DecodeSpans.keys = before
 
 
 def _decode_in_spans(module, query, key, value, mask, spans, **kwargs) -> torch.Tensor:

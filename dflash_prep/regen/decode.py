@@ -168,7 +168,8 @@ class StaticCacheDecoder:
                 release_prefill_masks()
         t_decode = _now(device)
         self.stats.prefill_seconds += t_decode - t
-        with _attention_implementation(self.model, self.attention), decode_spans(self._spans(mask, width, new_tokens)):
+        spans = self._spans(mask, width, new_tokens)
+        with _attention_implementation(self.model, self.attention), decode_spans(spans, width + new_tokens):
             done = self._decode(sequences, mask, positions, cache, logits, width, new_tokens, limits, stops,
                                 processors)
         self.stats.decode_seconds += _now(device) - t_decode

@@ -247,13 +247,16 @@ class TransformersEngine:
                 continue
             key = (prompt.new_tokens, json.dumps(request.sampling, sort_keys=True))
             groups.setdefault(key, []).append(prompt)
+        rejected = sum(a is not None for a in answers)
+        if rejected and on_answered is not None:  # answered too (a counted skip), as the OpenAI engine counts them
+            on_answered(rejected)
         for (new_tokens, _), prompts in groups.items():
             for members, width in self._batches(prompts, new_tokens):
                 progress = _BatchProgress(len(members), on_answered)
                 if self.decoder is not None:
                     self.decoder.on_rows_done = progress.add
                 try:
-                    generated = self._run(members, width, new_tokens)
+                    generated = self._run(members, width, new_tokens, progress)
                 finally:
                     if self.decoder is not None:
                         self.decoder.on_rows_done = None
@@ -343,18 +346,24 @@ class TransformersEngine:
                                    f"max_tokens_per_batch={self.max_tokens_per_batch}", prompt_tokens=n)
         return _Prompt(index, request, ids, new_tokens)
 
-    def _run(self, prompts: list[_Prompt], width: int, new_tokens: int) -> list[list[int] | None]:
-        """Generated ids per prompt (None: out of memory even alone), splitting on out-of-memory errors."""
+    def _run(self, prompts: list[_Prompt], width: int, new_tokens: int,
+             progress: _BatchProgress | None = None) -> list[list[int] | None]:
+        """Generated ids per prompt (None: out of memory even alone), splitting on out-of-memory errors (the rows
+        an attempt that ran out of memory reported are credited against the redone rows' reports: `progress`)."""
         padded = width + new_tokens
         rows = max(1, (self.token_cap or len(prompts) * padded) // padded)  # a batch planned before the last OOM
         todo = [(a, min(a + rows, len(prompts))) for a in range(0, len(prompts), rows)][::-1]  # a stack
         results: list[list[int] | None] = [None] * len(prompts)
         while todo:
             a, b = todo.pop()
+            if progress is not None:
+                progress.begin_attempt()
             out = self._attempt(prompts[a:b], width, new_tokens)
             if out is not None:
                 results[a:b] = out
                 continue
+            if progress is not None:
+                progress.attempt_failed()
             self.num_ooms += 1
             if b - a == 1:
                 log.warning("a request of %d prompt tokens + %d new tokens does not fit in memory even alone",
@@ -466,16 +475,30 @@ DECODERS = ("static", "generate")
 
 
 class _BatchProgress:
-    """One batch's answered count for `on_answered`: reports pass on, capped at the batch's size (a sub-batch redone
-    after an out-of-memory split reports its rows again; they are not counted twice)."""
+    """One batch's answered count for `on_answered`, each row counted once: reports pass on, capped at the batch's
+    size. The rows an attempt reported before it ran out of memory are redone by the sub-batches of its split, which
+    report them again: those reports pay back that credit first and are not passed on (a bar shows them once)."""
 
     def __init__(self, size: int, on_answered):
         self.size, self.reported, self.on_answered = size, 0, on_answered
+        self.in_attempt = 0  # passed on during the attempt running now
+        self.credit = 0  # passed on by attempts that then ran out of memory, not yet reported again
+
+    def begin_attempt(self) -> None:
+        self.in_attempt = 0
+
+    def attempt_failed(self) -> None:
+        self.credit += self.in_attempt
+        self.in_attempt = 0
 
     def add(self, n: int) -> None:
-        n = min(n, self.size - self.reported)
+        paid = min(n, self.credit)
+        self.credit -= paid
+        self.in_attempt += paid  # still this attempt's rows, should it fail too
+        n = min(n - paid, self.size - self.reported)
         if n > 0 and self.on_answered is not None:
             self.reported += n
+            self.in_attempt += n
             self.on_answered(n)
 
 

@@ -304,7 +304,8 @@ class _Spec:
 
 
 # keywords transformers' decoders pass along that change nothing in a packed row's attention
-_IGNORED_KWARGS = frozenset({*FLASH_KWARGS, "position_ids", "output_attentions", "use_cache", "cache_position"})
+_IGNORED_KWARGS = frozenset({*FLASH_KWARGS, "position_ids", "output_attentions", "use_cache", "cache_position",
+                             "output_router_logits", "output_hidden_states"})  # the MoE block's outputs, not attention's
 
 
 def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
