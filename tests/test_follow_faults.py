@@ -168,3 +168,43 @@ def test_a_batch_committed_by_two_runs_is_read_once(tmp_path):
     twice = sorted({s for s in ids if ids.count(s) > 1})
     assert not twice, f"yielded twice: {twice}"
     assert len(ids) == NUM_SAMPLES and set(ids) == {s for r in committed(out) for s in r["sample_ids"]}
+
+
+def test_a_late_commit_in_an_index_that_sorts_first_is_not_read_twice(tmp_path):
+    """The same plan batch committed twice: first at t=100 by the run that later froze (its rank's index
+    `rank-00001.jsonl`), then at t=200 by the run that took over, into `rank-00000.jsonl`, which sorts first. Consumer
+    0 of 2 polls between the two commits and reads the first record (its shard); consumer 1 polls once after both
+    and owns the second record's shard: it meets both in one poll and must take the earlier commit as the batch's
+    first, leaving its own shard's copies out. Index lines and the run's layout only: the follower yields shards
+    without opening them."""
+    from dflash_prep.consume.follow import consumer_of, follow_shards
+
+    out = tmp_path / "out"
+    (out / "index").mkdir(parents=True)
+    (out / "run_state.json").write_text(json.dumps({"identity": {"layer_ids": [1], "hidden_size": 8,
+                                                                 "dtype": "bfloat16"}}))
+    first = next(f"shards/rank-00001/shard-{n:06d}.tar" for n in range(100)
+                 if consumer_of(f"shards/rank-00001/shard-{n:06d}.tar", 2) == 0)
+    second = next(f"shards/rank-00000/shard-{n:06d}.tar" for n in range(100)
+                  if consumer_of(f"shards/rank-00000/shard-{n:06d}.tar", 2) == 1)
+    samples = [f"s{i}" for i in range(4)]
+
+    def line(path: str, at: float, fence: int) -> str:
+        return json.dumps({"path": path, "num_samples": 4, "num_tokens": 40, "num_bytes": 1000, "sha256": path,
+                           "batch_ids": [7], "sample_ids": samples, "committed_at": at, "fence": fence}) + "\n"
+
+    def read_until_quiet(consumer: int) -> list[str]:
+        got = []
+        try:
+            for shard, _, wanted in follow_shards(out, consumer, 2, poll_seconds=0.05, timeout_seconds=0.5,
+                                                  unheld_timeout_seconds=None):
+                assert wanted is None  # the whole shard (nothing of it was read before)
+                got.append(shard.rel_path)
+        except TimeoutError:
+            pass
+        return got
+
+    (out / "index" / "rank-00001.jsonl").write_text(line(first, 100.0, 1))
+    assert read_until_quiet(0) == [first]
+    (out / "index" / "rank-00000.jsonl").write_text(line(second, 200.0, 2))
+    assert read_until_quiet(1) == []
