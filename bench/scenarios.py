@@ -429,7 +429,10 @@ def _fp8_extractions(r: Round, ckpt: Path, samples: int) -> None:
         out = where / f"targets-{name}"
         rc = r.step(name, 150, r.extract(out, *common, f"model.fp8_weights={mode}"))
         if rc == 0 and mode == "auto":
-            r.step("verify-fp8", 120, r.verify(out, "--num-samples", "8", "--seed", "0"))
+            # the FP8 model alone (the pipeline's invariant), then the dequantized twin (the format's own error)
+            r.step("verify-fp8", 120, r.verify(out, "--num-samples", "8", "--seed", "0", "--json"))
+            r.step("verify-fp8-dequantized", 120, r.verify(out, "--num-samples", "4", "--seed", "0",
+                                                            "--fp8-reference", "dequantized", "--json"))
         r.keep(out, name)
 
 

@@ -189,6 +189,13 @@ def test_fp8_checkpoint_extracts_and_verifies_on_cpu(checkpoint, tmp_path):
                            "4", "--seed", "0"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "verify: OK" in proc.stdout + proc.stderr
+    # Either FP8 reference on a CPU output: it did not run as FP8 (dequantized on load), so neither applies.
+    proc = subprocess.run([sys.executable, "-m", "dflash_prep.commands.cli", "verify", str(out), "--num-samples",
+                           "2", "--fp8-reference", "dequantized", "--json", "--skip-hash"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["ok"] and report["fp8_reference"] is None
 
 
 def test_block_fp8_linear_keeps_packed_rows_apart():

@@ -16,8 +16,8 @@ at run time, which an offline machine cannot. On a GPU, `install_scaled_mm` puts
 PyTorch's own block-scaled GEMM (`torch.nn.functional.scaled_mm`, activations BlockWise1x128, weights
 BlockWise128x128; cuBLAS, nothing downloaded): the states are the FP8 model's, never a silently dequantized one's.
 On a CPU (no FP8 GEMM) transformers dequantizes the weights on load; the log says so once. `model.fp8_weights:
-dequantize` loads the same checkpoint dequantized on a GPU too: the reference `verify` compares an FP8 extraction
-with (within `FP8_COMPUTE_TOLERANCE`), and the bf16 side of an A/B.
+dequantize` loads the same checkpoint dequantized on a GPU too: the bf16 side of an A/B, and the reference of
+`verify --fp8-reference dequantized` (within `FP8_COMPUTE_TOLERANCE`; by default `verify` re-runs the FP8 model).
 
 A `quantization_config` of any other kind (another method, block size, scale format, static activation scales)
 is refused (RecipeError, exit code 2) before anything is loaded.
@@ -38,8 +38,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BLOCK = 128
 # verify's allowance (relative error to each layer's max |value|) for an FP8 run against the same checkpoint's
-# dequantized reference, on top of the stored and compute dtypes' own (and verify's noise-floor widening still
-# applies): e4m3 activations round each element by up to 2^-4 (relative), and the rounding of every projection adds
+# dequantized reference (`verify --fp8-reference dequantized`), on top of the stored and compute dtypes' own (and
+# verify's noise-floor widening still applies): e4m3 activations round each element by up to 2^-4 (relative), and the rounding of every projection adds
 # up along the residual stream. Measured on the CPU with the activation rounding emulated (tests/test_fp8_weights.py,
 # a random 4-layer Llama of hidden size 256): 0.033, 0.041, 0.050, 0.060 after layers 1-4, about +0.009 a layer:
 # random weights deeper than ~8 layers pass on their noise floor only. bench/targets_check.py measures the GPU's

@@ -30,6 +30,10 @@ def build_parser(prog: str = "dflash-prep verify") -> argparse.ArgumentParser:
                         "tolerance only)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key of OUT/recipe.resolved.yaml (e.g. a moved model path)")
+    p.add_argument("--fp8-reference", choices=("fp8", "dequantized"), default="fp8",
+                   help="for an output extracted from a block-FP8 checkpoint run as FP8: re-run the samples through "
+                        "the same FP8 model (default: within the compute dtype's tolerance) or through the checkpoint "
+                        "dequantized (within the FP8 allowance more: the format's own error)")
     p.add_argument("--skip-hash", action="store_true", help="skip re-hashing the shards (values only)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p
@@ -71,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet = args.json
     try:
         report = verify(args.out, args.num_samples, args.seed, args.overrides, args.device, args.tolerance,
-                        check_shards=not args.skip_hash, noise_floor=args.noise_floor,
+                        check_shards=not args.skip_hash, noise_floor=args.noise_floor, fp8_reference=args.fp8_reference,
                         log=(lambda *a: None) if quiet else (lambda *a: print(*a, flush=True)), progress=not quiet)
     except CannotVerify as e:
         print(f"error: cannot verify: {e}", file=sys.stderr)

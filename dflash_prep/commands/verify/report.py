@@ -38,6 +38,7 @@ class VerifyReport:
     noise_floor_measured: bool = True  # False with --no-noise-floor (no padded-batch reference)
     widen: bool = True  # False when --tolerance was given: the tolerance is used as given
     noise: list[NoiseResult] = field(default_factory=list)
+    fp8_reference: str | None = None  # an FP8 run's reference: "fp8" (the FP8 model alone) or "dequantized"; else None
 
     @property
     def failures(self) -> list[LayerResult]:
@@ -92,7 +93,8 @@ class VerifyReport:
                 "integrity_problems": self.integrity_problems, "worst_by_layer": self.worst_by_layer(),
                 "failures": [r.__dict__ for r in self.failures], "results": [r.__dict__ for r in self.results],
                 "noise": [n.__dict__ for n in self.noise],
-                "seconds": self.seconds, "kernels": self.kernels, "reference": self.reference}
+                "seconds": self.seconds, "kernels": self.kernels, "reference": self.reference,
+                "fp8_reference": self.fp8_reference}
 
 
 def _worst(a: float, b: float) -> float:

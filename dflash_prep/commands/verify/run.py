@@ -52,11 +52,17 @@ def _recipe_layer_ids(section, num_layers: int) -> list[int]:
 
 def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: list[str] | None = None,
            device: str | None = None, tolerance: float | None = None, check_shards: bool = True,
-           log=print, progress: bool = False, noise_floor: bool = True, widen: bool | None = None) -> VerifyReport:
+           log=print, progress: bool = False, noise_floor: bool = True, widen: bool | None = None,
+           fp8_reference: str = "fp8") -> VerifyReport:
     """Run the checks of the package docstring; raises `CannotVerify` when they cannot run.
 
     `noise_floor=False` skips the padded-batch reference (the fixed tolerance only). `widen` (default: when no
-    `tolerance` is given) lets a layer pass up to NOISE_FLOOR_FACTOR x its measured noise floor."""
+    `tolerance` is given) lets a layer pass up to NOISE_FLOOR_FACTOR x its measured noise floor. `fp8_reference`,
+    for an extraction that ran a block-FP8 checkpoint as FP8 (FP8_REFERENCES): "fp8" (default) re-runs each sample
+    alone through the same FP8 model, within the compute dtype's tolerance (the extraction's own invariant: its
+    batches and packing change nothing); "dequantized" through the same checkpoint dequantized, within
+    FP8_COMPUTE_TOLERANCE more (how far the FP8 model is from its bf16 twin: on random weights the format's error
+    exceeds that allowance, bench/fp8_emulation.py)."""
     from dflash_prep.consume.export import sample_ids_by_shard
     from dflash_prep.consume.shard_format import OutputLayout, shards_of
 
@@ -76,8 +82,10 @@ def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: 
                            f"{made_on} (--device {made_on})")
 
     tol = tolerance if tolerance is not None else tolerance_for(manifest["dtype"], recipe.model.dtype)
+    if fp8_reference not in FP8_REFERENCES:
+        raise CannotVerify(f"fp8 reference {fp8_reference!r}: one of {', '.join(FP8_REFERENCES)}")
     fp8_run = _ran_as_fp8(recipe, config, made_on)
-    if fp8_run:  # the reference is the same checkpoint dequantized; the FP8 activations' rounding is allowed for
+    if fp8_run and fp8_reference == "dequantized":  # the FP8 activations' rounding is allowed for
         from dataclasses import replace
 
         from dflash_prep.target.fp8_weights import FP8_COMPUTE_TOLERANCE
@@ -87,7 +95,8 @@ def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: 
     shards = shards_of(out_dir, manifest)
     report = VerifyReport(str(out_dir), manifest["dtype"], recipe.model.dtype, tol, seed, [],
                           is_main_process=state is None or state.is_main_process, noise_floor_measured=noise_floor,
-                          widen=noise_floor and (tolerance is None if widen is None else widen))
+                          widen=noise_floor and (tolerance is None if widen is None else widen),
+                          fp8_reference=fp8_reference if fp8_run else None)
     # Under a tensor-parallel reference the shards are hashed after the forwards, by the main process alone: the
     # other processes would otherwise wait in the forward's first collective while a large output is read.
     hash_first = check_shards and replica is None
@@ -98,7 +107,7 @@ def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: 
     report.sample_ids = chosen
     log(f"verify: {len(chosen)} sample(s) drawn with seed {seed}: {', '.join(chosen)}")
     log(f"verify: tolerance {tol:.3g} (relative to each layer's max |value|; stored {manifest['dtype']}, "
-        f"computed in {recipe.model.dtype}{'; an FP8 run against its dequantized checkpoint' if fp8_run else ''}); "
+        f"computed in {recipe.model.dtype}{FP8_REFERENCE_WORDS[fp8_reference] if fp8_run else ''}); "
         f"{_noise_floor_policy(report)}")
     hint_parallelism(out_dir, recipe, replica, dev, log)
     model = reference_model(recipe, config, dev, report, log, manifest.get("kernels"), replica)
@@ -177,9 +186,15 @@ def _noise_floor_policy(report: VerifyReport) -> str:
             f"used up to {NOISE_FLOOR_CAP:g})")
 
 
+FP8_REFERENCES = ("fp8", "dequantized")
+FP8_REFERENCE_WORDS = {"fp8": "; an FP8 run against the same FP8 model, each sample alone",
+                       "dequantized": "; an FP8 run against its dequantized checkpoint"}
+
+
 def _ran_as_fp8(recipe, config, made_on: str | None) -> bool:
     """The extraction ran a block-FP8 checkpoint as FP8 (a CUDA extraction with `model.fp8_weights: auto`): its
-    reference is then the same checkpoint dequantized (fp8_weights.py), within FP8_COMPUTE_TOLERANCE more."""
+    reference is then the FP8 model alone, or (`fp8_reference="dequantized"`) the same checkpoint dequantized
+    (fp8_weights.py) within FP8_COMPUTE_TOLERANCE more."""
     from dflash_prep.target.fp8_weights import block_fp8_format
 
     return (recipe.model.fp8_weights == "auto" and made_on in (None, "cuda")
