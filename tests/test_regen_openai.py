@@ -318,3 +318,26 @@ def test_a_server_down_among_several_leaves_its_share_to_the_others(server, tmp_
     assert regenerate_main(regen_args(server, data, out, **{"regenerate.base_urls": f"[{dead}]"})) == 1
     (error,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert "no server answers" in error and not list((out / "index").glob("*.jsonl"))
+
+
+def test_the_client_drops_idle_connections_before_the_server_closes_them(server):
+    """The real server's keep-alive, measured: one request on a raw HTTP/1.1 connection, then the time until the
+    server closes it. The engine's client reuses an idle connection only for less than that (a request sent on a
+    connection the server is closing fails as a connection error, counted toward the server being down)."""
+    import http.client
+    import time
+
+    from dflash_prep.regen.openai_engine import KEEPALIVE_EXPIRY_SECONDS, _Server
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("GET", "/v1/models")
+    response = conn.getresponse()
+    response.read()
+    assert response.status == 200 and response.getheader("connection", "keep-alive").lower() != "close"
+    t0 = time.monotonic()
+    assert conn.sock.recv(1) == b""  # blocks until the server closes the idle connection
+    closed_after = time.monotonic() - t0
+    conn.close()
+    client = _Server(server.base_url, "EMPTY", 30.0).client
+    expiry = client._client._transport._pool._keepalive_expiry  # httpx's pool: the only place the value lives
+    assert expiry == KEEPALIVE_EXPIRY_SECONDS and expiry < closed_after - 1.0, (expiry, closed_after)

@@ -69,6 +69,26 @@ STANDARD_SAMPLING = ("temperature", "top_p", "presence_penalty", "frequency_pena
 MAX_BACKOFF_SECONDS = 60.0
 SERVER_ERROR_BREAKER = 8  # at least this many HTTP 500 rejections in a row (and 2 x the concurrency): broken server
 PROBE_IDLE_SECONDS = 1.0  # a worker idle this long probes its server when it holds rejected requests
+# How long the client keeps an idle connection for reuse: below the 5 s after which uvicorn (vLLM's, SGLang's and
+# transformers serve's HTTP server) closes one. The client's default is those same 5 s, so a request sent on a
+# connection idle about that long can meet the server's close and fail as a connection error, which counts toward
+# the server being down.
+KEEPALIVE_EXPIRY_SECONDS = 2.0
+
+
+def _http_client():
+    """The openai client's own HTTP client (its defaults: connection limits, redirects) with idle connections
+    dropped after KEEPALIVE_EXPIRY_SECONDS; None (the client's default) where the openai package does not expose
+    its limits."""
+    import openai
+
+    try:
+        from openai._constants import DEFAULT_CONNECTION_LIMITS as limits
+    except ImportError:
+        return None
+    return openai.DefaultHttpxClient(limits=type(limits)(
+        max_connections=limits.max_connections, max_keepalive_connections=limits.max_keepalive_connections,
+        keepalive_expiry=KEEPALIVE_EXPIRY_SECONDS))
 
 
 class _Server:
@@ -78,7 +98,8 @@ class _Server:
         import openai
 
         self.base_url = base_url
-        self.client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout_seconds, max_retries=0)
+        self.client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout_seconds, max_retries=0,
+                                    http_client=_http_client())
         self.down: str | None = None  # why, once down
         self.held: list[_Job] = []  # requests rejected with HTTP 5xx, waiting for another answer of this server
         self.errors_in_a_row = 0  # HTTP 5xx rejections since its last answer
