@@ -127,7 +127,7 @@ def check_report(path: Path, report: dict, reports: list[tuple[Path, dict]], tmp
            "other_models": predicted_seconds(recipe, report, others)}
     for key in ("same_model", "other_models"):
         s = row[key]["seconds"]
-        row[key]["ratio"] = s / cold["loop_seconds"] if s else None
+        row[key]["ratio"] = s / cold["loop_seconds"] if s and cold["loop_seconds"] > 0 else None
     shutil.rmtree(work, ignore_errors=True)
     return row
 

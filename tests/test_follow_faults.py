@@ -170,23 +170,26 @@ def test_a_batch_committed_by_two_runs_is_read_once(tmp_path):
     assert len(ids) == NUM_SAMPLES and set(ids) == {s for r in committed(out) for s in r["sample_ids"]}
 
 
-def test_a_late_commit_in_an_index_that_sorts_first_is_not_read_twice(tmp_path):
-    """The same plan batch committed twice: first at t=100 by the run that later froze (its rank's index
-    `rank-00001.jsonl`), then at t=200 by the run that took over, into `rank-00000.jsonl`, which sorts first. Consumer
-    0 of 2 polls between the two commits and reads the first record (its shard); consumer 1 polls once after both
-    and owns the second record's shard: it meets both in one poll and must take the earlier commit as the batch's
-    first, leaving its own shard's copies out. Index lines and the run's layout only: the follower yields shards
-    without opening them."""
+@pytest.mark.parametrize("where", ["two rank files", "one rank file, the late host's clock behind"])
+def test_a_batch_committed_twice_and_met_in_one_poll_is_not_read_twice(where, tmp_path):
+    """The same plan batch committed twice: first by one run, then by another (a run that froze past its lease
+    committing late, or the run that took over). Two rank files: the first commit at t=100 into `rank-00001.jsonl`,
+    the second at t=200 into `rank-00000.jsonl`, which sorts first. One rank file (both runs' rank 0): the second
+    line stamped 150 by a host whose clock is behind, though it landed after the one stamped 200. Consumer 0 of 2
+    polls between the two commits and reads the first record's shard; consumer 1 polls once after both and owns the
+    second record's shard: it must meet the first commit first, leaving its own shard's copies out. Index lines and
+    the run's layout only: the follower yields shards without opening them."""
     from dflash_prep.consume.follow import consumer_of, follow_shards
 
     out = tmp_path / "out"
     (out / "index").mkdir(parents=True)
     (out / "run_state.json").write_text(json.dumps({"identity": {"layer_ids": [1], "hidden_size": 8,
                                                                  "dtype": "bfloat16"}}))
-    first = next(f"shards/rank-00001/shard-{n:06d}.tar" for n in range(100)
-                 if consumer_of(f"shards/rank-00001/shard-{n:06d}.tar", 2) == 0)
-    second = next(f"shards/rank-00000/shard-{n:06d}.tar" for n in range(100)
-                  if consumer_of(f"shards/rank-00000/shard-{n:06d}.tar", 2) == 1)
+    one_file = where.startswith("one")
+    first_rank, second_rank = ("rank-00000", "rank-00000") if one_file else ("rank-00001", "rank-00000")
+    first = next(p for n in range(100) if consumer_of(p := f"shards/{first_rank}/shard-{n:06d}.tar", 2) == 0)
+    second = next(p for n in range(100) if consumer_of(p := f"shards/{second_rank}/shard-{n:06d}.tar", 2) == 1
+                  and p != first)
     samples = [f"s{i}" for i in range(4)]
 
     def line(path: str, at: float, fence: int) -> str:
@@ -204,7 +207,9 @@ def test_a_late_commit_in_an_index_that_sorts_first_is_not_read_twice(tmp_path):
             pass
         return got
 
-    (out / "index" / "rank-00001.jsonl").write_text(line(first, 100.0, 1))
+    with open(out / "index" / f"{first_rank}.jsonl", "a") as f:
+        f.write(line(first, 200.0 if one_file else 100.0, 2 if one_file else 1))
     assert read_until_quiet(0) == [first]
-    (out / "index" / "rank-00000.jsonl").write_text(line(second, 200.0, 2))
+    with open(out / "index" / f"{second_rank}.jsonl", "a") as f:
+        f.write(line(second, 150.0 if one_file else 200.0, 1 if one_file else 2))
     assert read_until_quiet(1) == []

@@ -196,6 +196,16 @@ def test_fp8_checkpoint_extracts_and_verifies_on_cpu(checkpoint, tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     report = json.loads(proc.stdout)
     assert report["ok"] and report["fp8_reference"] is None
+    # The same output as a CUDA run writes it (its rank reports carry a GPU memory peak: made on a GPU, as FP8),
+    # verified here, where no FP8 GEMM runs: the default reference falls back to the dequantized checkpoint, with the
+    # FP8 allowance, and says so.
+    for done in (out / "index").glob("rank-*.done.json"):
+        done.write_text(json.dumps({**json.loads(done.read_text()), "peak_gpu_memory_bytes": 1}))
+    proc = subprocess.run([sys.executable, "-m", "dflash_prep.commands.cli", "verify", str(out), "--num-samples",
+                           "2", "--json", "--skip-hash"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["fp8_reference"] == "dequantized" and report["tolerance"] > FP8_COMPUTE_TOLERANCE
 
 
 def test_block_fp8_linear_keeps_packed_rows_apart():

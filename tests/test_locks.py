@@ -108,6 +108,14 @@ def test_a_rank_lock_whose_holder_is_exiting_does_not_refuse_the_resume(tmp_path
         with pytest.raises(OutputBusyError, match=f"rank-00001 of an earlier run .* is still running \\(pid {alive.pid} "):
             check_no_rank_writing(out)
         assert list(running_holders(out)) == ["rank-00001"]
+        # A live holder whose file names a pid this host does not show (a process in another PID namespace under
+        # the same host name: two containers of one pod): refused at once, not waited for as if exiting.
+        path.write_text(f"{os.uname().nodename} 4000000\n")
+        assert not Path("/proc/4000000").exists()
+        start = time.monotonic()
+        with pytest.raises(OutputBusyError, match="is still running \\(pid 4000000 "):
+            check_no_rank_writing(out)
+        assert list(running_holders(out)) == ["rank-00001"] and time.monotonic() - start < 2
     finally:
         alive.kill()
         alive.wait()

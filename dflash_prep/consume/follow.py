@@ -15,10 +15,11 @@ A follower polls the output (a local folder or an object-store URL) every `poll_
   shard holds them (the superseded file is read after the indexes, so a redone record is never seen without it);
 - a plan batch held by two committed records (a run frozen past its lease committed it late beside the run that took
   over; the store keeps the later run's at the end) is read from the one committed first: a consumer meets the
-  records new in a poll in commit order (`committed_at`), so the first it meets is the one any consumer that polled
-  between the two commits saw alone, and every consumer that has met it leaves the second's copies out. Left open:
-  two hosts whose clocks differ by more than the time between the two commits (the earlier commit then carries the
-  later time) can still have two consumers each read one;
+  records new in a poll in commit order (`committed_now`: line order within a rank's file, commit time across
+  files), so the first it meets is the one any consumer that polled between the two commits saw alone, and every
+  consumer that has met it leaves the second's copies out. Left open: two records in two rank files written by
+  hosts whose clocks differ by more than the time between the two commits can still have two consumers each read
+  one;
 - before the manifest exists, the samples are decoded with the layout the run recorded when it claimed the output
   (`run_state.json`: layer ids, hidden size, storage dtype, final layer); the follower waits for that file;
 - it ends when `OUT/manifest.json` appears: the shards it lists and the follower has not read yet are read, then the
@@ -79,14 +80,22 @@ def _complete_records(index) -> list[ShardRecord]:
 
 def committed_now(out_dir) -> list[ShardRecord]:
     """The shards the rank indexes commit at this moment: every complete, readable line of every
-    `index/rank-*.jsonl`, in file and line order (reading stops at a file's first bad line, as `read_committed`)."""
-    records, seen = [], set()
+    `index/rank-*.jsonl` (reading stops at a file's first bad line, as `read_committed`), in commit order: within a
+    file its line order (appends: the order they landed, whatever the clocks of the hosts that wrote them said),
+    across files by commit time (`committed_at`; a line without a usable one goes with the line before it). Of two
+    records of one plan batch a consumer meets in one poll, the first is then the one any consumer that polled
+    between the two commits saw alone, and read."""
+    ordered, seen = [], set()
     for index in sorted((out_dir / INDEX_DIR).glob("rank-*.jsonl"), key=str):
+        latest = -math.inf  # the file's commit time so far: its lines stay in their order
         for record in _complete_records(index):
+            at = record.committed_at
+            if isinstance(at, (int, float)) and not isinstance(at, bool) and math.isfinite(at):
+                latest = max(latest, float(at))
             if record.path not in seen:
                 seen.add(record.path)
-                records.append(record)
-    return records
+                ordered.append((latest, record))
+    return [record for _, record in sorted(ordered, key=lambda item: item[0])]  # stable: ties keep file order
 
 
 def superseded_now(out_dir) -> list[ShardRecord]:
@@ -141,15 +150,6 @@ def _without_batches_read(record: ShardRecord, wanted: frozenset[str] | None | b
     log.warning("%s: %d sample(s) of %s were read from another run's shard already (a run that lost its lease "
                 "committed them too): not read twice", out_dir, len(mine & seen), record.path)
     return frozenset(left) if left else False
-
-
-def in_commit_order(news: list[tuple[ShardInfo, ShardRecord]]) -> list[tuple[ShardInfo, ShardRecord]]:
-    """The shards new in one poll, in the order they were committed (`committed_at`; a stable sort: lines without
-    it, of older versions, keep their index order). Of two records of one plan batch that a consumer meets in one
-    poll, the earlier commit is the one it takes as first: the record a consumer that polled between the two
-    commits saw alone, and yielded. Index order (by rank file) would put the later one first when its rank's file
-    sorts first, and both would be yielded, by two consumers."""
-    return sorted(news, key=lambda item: item[1].committed_at if item[1].committed_at is not None else -math.inf)
 
 
 def output_held(out_dir) -> bool:
@@ -277,7 +277,7 @@ def follow_shards(out_dir, consumer: int, num_consumers: int, poll_seconds: floa
             log.warning("%s: %s; looking again in %g s", out_dir, e, poll_seconds)
             manifest, shards, records, superseded = None, [], [], []
         owners = sample_owners(superseded, num_consumers)
-        news = in_commit_order([(s, r) for s, r in zip(shards, records) if (s.rel_path, s.sha256) not in done])
+        news = [(s, r) for s, r in zip(shards, records) if (s.rel_path, s.sha256) not in done]
         for shard, record in news:
             done.add((shard.rel_path, shard.sha256))
             wanted = wanted_of(record.sample_ids, shard.rel_path, owners, consumer, num_consumers)

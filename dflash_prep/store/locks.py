@@ -156,11 +156,12 @@ class FileLock:
 
     def held_after_exit(self, wait_seconds: float = EXITING_HOLDER_WAIT_SECONDS) -> bool:
         """`held_elsewhere`, waiting up to `wait_seconds` while the holder is a process of this host that is
-        exiting (see `try_acquire_after_exit`: a killed worker's flock outlives its zombie by its last thread)."""
+        exiting (a zombie: see `try_acquire_after_exit`; a killed worker's flock outlives its main thread by its last
+        thread). A holder named by a pid that runs, or that this host does not show, is answered at once."""
         deadline = time.monotonic() + wait_seconds
         while self.held_elsewhere():
             pid = self._holder_pid_here()
-            if pid is None or _pid_alive(pid) or time.monotonic() >= deadline:
+            if pid is None or not _is_zombie(pid) or time.monotonic() >= deadline:
                 return True
             time.sleep(0.05)
         return False
@@ -173,7 +174,7 @@ class FileLock:
         deadline = time.monotonic() + wait_seconds
         while not self.try_acquire():
             pid = self._holder_pid_here()
-            if pid is None or _pid_alive(pid) or time.monotonic() >= deadline:
+            if pid is None or not _is_zombie(pid) or time.monotonic() >= deadline:
                 return False
             time.sleep(0.05)
         return True
@@ -217,6 +218,17 @@ def _same_file(fd: int, path: Path) -> bool:
         return False
     own = os.fstat(fd)
     return (own.st_dev, own.st_ino) == (st.st_dev, st.st_ino)
+
+
+def _is_zombie(pid: int) -> bool:
+    """Whether process `pid` of this host is a zombie (killed, its main thread ended, not yet reaped): the one state
+    in which a flock it held can still be held by its last threads. A pid with no process here (gone, or a holder
+    in another PID namespace under the same host name) or a live one is not; nor is any pid without /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError, ValueError):
+        return False
 
 
 def _pid_alive(pid: int) -> bool:

@@ -65,6 +65,7 @@ def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: 
     exceeds that allowance, bench/fp8_emulation.py)."""
     from dflash_prep.consume.export import sample_ids_by_shard
     from dflash_prep.consume.shard_format import OutputLayout, shards_of
+    from dflash_prep.target.fp8_weights import fp8_gemm_available
 
     t0 = time.perf_counter()
     out_dir = as_location(out_dir)  # a folder, or an object-store URL (recipe/location.py)
@@ -85,6 +86,10 @@ def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: 
     if fp8_reference not in FP8_REFERENCES:
         raise CannotVerify(f"fp8 reference {fp8_reference!r}: one of {', '.join(FP8_REFERENCES)}")
     fp8_run = _ran_as_fp8(recipe, config, made_on)
+    if fp8_run and fp8_reference == "fp8" and not fp8_gemm_available(dev):
+        log(f"verify: {dev} has no block-scaled FP8 GEMM (a GPU of compute capability 9.0 has): the reference is the "
+            f"checkpoint dequantized, within the FP8 allowance (as --fp8-reference dequantized)")
+        fp8_reference = "dequantized"
     if fp8_run and fp8_reference == "dequantized":  # the FP8 activations' rounding is allowed for
         from dataclasses import replace
 
