@@ -34,7 +34,7 @@ from bench.outputs import dir_bytes, fixed_batch_path, read_samples, written_ids
 from bench.profiling import kernel_profile, synchronizing_calls
 from bench.samples import write_pretokenized
 from bench.timing import BatchLog, DflashTimings, finish_result, free_memory, peak_memory, sync
-from dflash_prep.recipe.schema import recipe_from_dict
+from dflash_prep.recipe.schema import recipe_from_dict, set_dotted
 
 ALL_MODES = ("per_sample", "fixed_batch", "dflash_prep", "per_sample_warm", "fixed_batch_warm", "dflash_prep_warm",
              "dflash_prep_variant", "dflash_prep_variant_warm", "dflash_prep_profile", "dflash_prep_fresh")
@@ -202,11 +202,7 @@ def dflash_recipe(ctx: Ctx, data_path: Path, out_dir: Path, extra_overrides: lis
         "seed": ctx.args.seed,
     }
     for key, value in list(ctx.args.dflash_overrides) + list(extra_overrides or []):
-        node = raw
-        *parents, last = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = value
+        set_dotted(raw, key, value)
     return recipe_from_dict(raw)
 
 

@@ -44,14 +44,10 @@ GOAL_RATIO = 0.15  # issue: plan within 15% of the measured time on every benchm
 def plannable_reports(results_dir: Path, pattern: str = "*.json") -> list[tuple[Path, dict]]:
     """(path, report) of every complete benchmark report whose cold dflash_prep mode ran and whose sample draw is
     recorded."""
+    from dflash_prep.commands.plan import benchmark_reports
+
     out = []
-    for path in sorted(results_dir.glob(pattern)):
-        try:
-            report = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if not isinstance(report, dict) or report.get("report_version") != 1 or not report.get("complete"):
-            continue
+    for path, report in benchmark_reports(results_dir, pattern):
         cold = (report.get("modes") or {}).get("dflash_prep") or {}
         if cold.get("status") != "ok" or not (report.get("settings") or {}).get("samples"):
             continue
@@ -63,9 +59,7 @@ def plannable_reports(results_dir: Path, pattern: str = "*.json") -> list[tuple[
 
 def job_recipe(report: dict, work: Path):
     """The recipe of the report's cold dflash_prep mode, its rows written as parquet under `work`."""
-    import yaml
-
-    from dflash_prep.recipe.schema import recipe_from_dict
+    from dflash_prep.recipe.schema import parse_overrides, recipe_from_dict, set_dotted
 
     settings, spec = report["settings"], MODELS[report["model"]]
     draw = settings["samples"]
@@ -83,14 +77,8 @@ def job_recipe(report: dict, work: Path):
         "batching": {"max_tokens_per_batch": int(settings["max_tokens_per_batch"])},
         "output": {"dir": str(work / "out"), "dtype": settings.get("storage_dtype", "bfloat16")},
     }
-    for item in settings.get("dflash_overrides") or []:  # as the report records them: "KEY=VALUE"
-        key, text = item.split("=", 1)
-        key, value = key.strip(), yaml.safe_load(text)
-        node = raw
-        *parents, last = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = value
+    for key, value in parse_overrides(settings.get("dflash_overrides")):  # recorded as "KEY=VALUE"
+        set_dotted(raw, key, value)
     return recipe_from_dict(raw)
 
 

@@ -86,18 +86,26 @@ def shard_sizes(record_bytes_in_order: list[list[int]], max_shard_bytes: int, nu
 
 
 # ------------------------------------------------------------------------------------------ throughput
+def benchmark_reports(results_dir: Path, pattern: str = "*.json") -> list[tuple[Path, dict]]:
+    """(path, report) of each complete benchmark report (bench/run_bench.py's JSON, version 1) in `results_dir`
+    matching `pattern`, in name order; files that do not read as one are passed over."""
+    found = []
+    for path in sorted(Path(results_dir).glob(pattern)):
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(report, dict) and report.get("report_version") == 1 and report.get("complete"):
+            found.append((path, report))
+    return found
+
+
 def bench_references(results_dir: Path = BENCH_RESULTS_DIR, packed: bool = False) -> list[dict]:
     """The warm dflash-prep figure of the newest complete benchmark report per (model, compute dtype), among the
     runs of the planned layout: packed rows (`packed`: what `batching.packing: auto` runs on GPUs where exact) or
     padded batches (a packed run's figure is not a padded run's, nor the reverse)."""
     best: dict[tuple, dict] = {}
-    for path in sorted(Path(results_dir).glob("*.json")):
-        try:
-            report = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if not isinstance(report, dict) or report.get("report_version") != 1 or not report.get("complete"):
-            continue
+    for path, report in benchmark_reports(results_dir):
         mode = (report.get("modes") or {}).get(BENCH_MODE) or {}
         info = report.get("model_info") or {}
         if mode.get("status") != "ok" or not mode.get("tokens_per_second") or not info.get("decoder_params_needed"):

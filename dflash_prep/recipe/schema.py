@@ -758,7 +758,8 @@ def _override_path(value: str) -> str:
     return value
 
 
-def _set_dotted(raw: dict, key: str, value: Any) -> None:
+def set_dotted(raw: dict, key: str, value: Any) -> None:
+    """`raw["a"]["b"] = value` for key "a.b" (sections made as needed); RecipeError when a part is not a section."""
     parts = key.split(".")
     node = raw
     for part in parts[:-1]:
@@ -809,7 +810,7 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
             value = _override_path(value)
         elif tuple(key.split(".")) in _PATH_KEYS and isinstance(value, list):  # data.path as a list
             value = [_override_path(v) if isinstance(v, str) else v for v in value]
-        _set_dotted(raw, key, value)
+        set_dotted(raw, key, value)
     if isinstance(raw.get("output"), dict) and isinstance(raw["output"].get("dir"), str) \
             and not is_remote(raw["output"]["dir"]):  # a URL is never a local path (recipe/location.py)
         raw["output"]["dir"] = str(local_path(raw["output"]["dir"]).expanduser().resolve())

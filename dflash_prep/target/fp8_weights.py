@@ -39,9 +39,10 @@ FP8_MAX = 448.0
 BLOCK = 128
 # verify's allowance (relative error to each layer's max |value|) for an FP8 run against the same checkpoint's
 # dequantized reference (`verify --fp8-reference dequantized`), on top of the stored and compute dtypes' own (and
-# verify's noise-floor widening still applies): e4m3 activations round each element by up to 2^-4 (relative), and the rounding of every projection adds
-# up along the residual stream. Measured on the CPU with the activation rounding emulated (tests/test_fp8_weights.py,
-# a random 4-layer Llama of hidden size 256): 0.033, 0.041, 0.050, 0.060 after layers 1-4, about +0.009 a layer:
+# verify's noise-floor widening still applies): e4m3 activations round each element by up to 2^-4 (relative), and
+# the rounding of every projection adds up along the residual stream. Measured on the CPU with the activation
+# rounding emulated (tests/test_fp8_weights.py, a random 4-layer Llama of hidden size 256): 0.033, 0.041, 0.050,
+# 0.060 after layers 1-4, about +0.009 a layer:
 # random weights deeper than ~8 layers pass on their noise floor only. bench/targets_check.py measures the GPU's
 # figure (cuBLAS, the 27B shape: 0.13 after one layer, 0.41 after 16), and bench/fp8_emulation.py shows that figure
 # is the format's on random weights (the same emulation at hidden 2048: a hybrid 0.12 after one layer, 0.32 after

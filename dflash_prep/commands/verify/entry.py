@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from dflash_prep.commands.verify.report import CannotVerify, finite_or_null, format_report
-from dflash_prep.commands.verify.run import verify
+from dflash_prep.commands.verify.run import FP8_REFERENCES, verify
 from dflash_prep.recipe.location import one_line_store_errors
 
 
@@ -30,7 +30,7 @@ def build_parser(prog: str = "dflash-prep verify") -> argparse.ArgumentParser:
                         "tolerance only)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key of OUT/recipe.resolved.yaml (e.g. a moved model path)")
-    p.add_argument("--fp8-reference", choices=("fp8", "dequantized"), default="fp8",
+    p.add_argument("--fp8-reference", choices=FP8_REFERENCES, default="fp8",
                    help="for an output extracted from a block-FP8 checkpoint run as FP8: re-run the samples through "
                         "the same FP8 model (default: within the compute dtype's tolerance) or through the checkpoint "
                         "dequantized (within the FP8 allowance more: the format's own error)")

@@ -65,7 +65,7 @@ def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: 
     exceeds that allowance, bench/fp8_emulation.py)."""
     from dflash_prep.consume.export import sample_ids_by_shard
     from dflash_prep.consume.shard_format import OutputLayout, shards_of
-    from dflash_prep.target.fp8_weights import fp8_gemm_available
+    from dflash_prep.target.fp8_weights import FP8_COMPUTE_TOLERANCE, fp8_gemm_available
 
     t0 = time.perf_counter()
     out_dir = as_location(out_dir)  # a folder, or an object-store URL (recipe/location.py)
@@ -92,8 +92,6 @@ def verify(out_dir: str | Path, num_samples: int = 8, seed: int = 0, overrides: 
         fp8_reference = "dequantized"
     if fp8_run and fp8_reference == "dequantized":  # the FP8 activations' rounding is allowed for
         from dataclasses import replace
-
-        from dflash_prep.target.fp8_weights import FP8_COMPUTE_TOLERANCE
 
         recipe = replace(recipe, model=replace(recipe.model, fp8_weights="dequantize"))
         tol = tol if tolerance is not None else tol + FP8_COMPUTE_TOLERANCE
