@@ -207,17 +207,20 @@ def _filesystem(path: Path) -> str:
           "with the defaults (packed rows, model.kernels auto): the Llama-3.1-8B baseline, Qwen3-8B, the Qwen3-30B-A3B MoE "
           "and the Qwen3.6-35B-A3B hybrid MoE; then plan_check.py on every committed report and these",
           deadline_seconds=570, models="llama3.1-8b,qwen3-8b,qwen3-30b-a3b,qwen3.6-35b-a3b:the benchmark models",
-          tokens="400000:real tokens of each run", seconds="125:the limit of each model's run (Qwen3-8B: 1.5x)",
+          tokens="400000:real tokens of each run", seconds="125:the limit of each model's run (with a variant: 1.5x)",
           qwen3_kernels="liger_rms_norm,liger_swiglu,liger_rope:Qwen3-8B's variant, A/B against `auto` (eager for "
-                        "qwen3 until measured faster; empty: no variant)")
+                        "qwen3 until measured faster; empty: no variant)",
+          moe_hybrid_kernels="liger_rms_norm,fla_conv,fla_gated_norm:the Qwen3.6-35B-A3B's variant, A/B against "
+                             "`auto` (eager for qwen3_5_moe until measured faster; empty: no variant)")
 def shapes(r: Round) -> None:
     out = (r.work if r.dry else shm_or_tmp(40)) / "bench-out"
     tokens = ["--dflash-max-tokens", r.opt("tokens")] if not r.dry else []
+    variants = {"qwen3-8b": r.opt("qwen3_kernels"), "qwen3.6-35b-a3b": r.opt("moe_hybrid_kernels")}
     for model in r.opt("models").split(","):
         modes, seconds = ["--modes", "dflash_prep,dflash_prep_warm"], int(r.opt("seconds"))
-        if model == "qwen3-8b" and r.opt("qwen3_kernels") and not r.dry:  # the fused kernels' speed (CUDA only)
+        if variants.get(model) and not r.dry:  # the fused kernels' speed (CUDA only)
             modes = ["--modes", "dflash_prep,dflash_prep_warm,dflash_prep_variant,dflash_prep_variant_warm",
-                     "--variant-set", f"model.kernels=[{r.opt('qwen3_kernels')}]"]
+                     "--variant-set", f"model.kernels=[{variants[model]}]"]
             seconds = int(seconds * 1.5)
         r.step(f"bench-{model}", seconds, _bench(r, model, out, *modes, *tokens))
     # the plan of each job against what it measured (CPU arithmetic: the committed reports are references too)
@@ -384,7 +387,7 @@ def faults(r: Round) -> None:
           "Qwen3.6-27B-shaped slice built on the device, its FP8 linear layer vs emulation, its forward as FP8 vs "
           "dequantized (tok/s, per-layer error); the Qwen3-30B-A3B-shaped MoE slice with each experts "
           "implementation; then extractions of the FP8 checkpoint both ways on the same rows and verify of the FP8 one; "
-          "liger's Qwen3 kernels vs eager in fp32 (kernels_check.py)",
+          "liger's Qwen3 kernels and the hybrid MoE's Gated DeltaNet kernels vs eager in fp32 (kernels_check.py)",
           deadline_seconds=540, layers="16:decoder layers of the 27B slice", moe_layers="8:layers of the MoE slice",
           samples="1000:pre-tokenized rows of each extraction (0: no extractions)")
 def targets(r: Round) -> None:
@@ -404,6 +407,11 @@ def targets(r: Round) -> None:
     r.step("kernels-qwen3", 120, r.python("bench/kernels_check.py", "--models", "qwen3-8b", "--kernels",
                                           "liger_rms_norm,liger_swiglu,liger_rope", "--json",
                                           r.results / "kernels_check_qwen3.json"), gpu_only=True)
+    # the hybrid MoE's Gated DeltaNet kernels (qwen3_5's, on its own modules): 3 Gated DeltaNet + 1 attention layer
+    r.step("kernels-qwen3.6-35b-a3b", 150, r.python("bench/kernels_check.py", "--models", "qwen3.6-35b-a3b", "--layers",
+                                                    "4", "--kernels", "liger_rms_norm,fla_conv,fla_gated_norm",
+                                                    "--json", r.results / "kernels_check_qwen3_5_moe.json"),
+           gpu_only=True)
 
 
 def _fp8_extractions(r: Round, ckpt: Path, samples: int) -> None:

@@ -117,6 +117,7 @@ def fake_libraries(monkeypatch):
     fake fla is never taken for the real one by transformers' own import-time checks)."""
     import transformers.models.llama.modeling_llama  # noqa: F401
     import transformers.models.qwen3_5.modeling_qwen3_5  # noqa: F401
+    import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe  # noqa: F401
 
     CALLS.clear()
     liger_transformers = _module(
@@ -124,7 +125,9 @@ def fake_libraries(monkeypatch):
         apply_liger_kernel_to_llama=_fake_apply("transformers.models.llama.modeling_llama", 0.0,
                                                 ["LlamaRMSNorm", "LlamaMLP"]),
         apply_liger_kernel_to_qwen3_5=_fake_apply("transformers.models.qwen3_5.modeling_qwen3_5", 1.0,
-                                                  ["Qwen3_5RMSNorm", "Qwen3_5MLP"]))
+                                                  ["Qwen3_5RMSNorm", "Qwen3_5MLP"]),
+        apply_liger_kernel_to_qwen3_5_moe=_fake_apply("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", 1.0,
+                                                      ["Qwen3_5MoeRMSNorm", "Qwen3_5MoeExperts"]))
     fakes = {"liger_kernel": _module("liger_kernel"), "liger_kernel.transformers": liger_transformers,
              "liger_kernel.transformers.rope": _module("liger_kernel.transformers.rope", liger_rotary_pos_emb=fake_rope),
              "fla": _module("fla"), "fla.modules": _module("fla.modules"),
@@ -171,6 +174,44 @@ def test_qwen3_kernels_apply_when_listed_and_auto_waits_for_their_measurement(fa
     assert listed.names == ("liger_rms_norm", "liger_swiglu", "liger_rope")
     with pytest.raises(RecipeError, match="do not apply"):
         select_kernels(["fla_conv"], config, "cuda")
+
+
+def test_the_hybrid_moe_gets_the_gated_deltanet_kernels_when_listed_never_a_swiglu_over_its_experts(fake_libraries):
+    from bench.families import family_config
+
+    config = family_config("qwen3_5_moe", "tiny")
+    auto = select_kernels("auto", config, "cuda")
+    assert auto.names == () and "not measured on a GPU yet" in auto.reason, auto
+    with pytest.raises(RecipeError, match="do not apply"):  # liger's swiglu there swaps the routed experts' class
+        select_kernels(["liger_swiglu"], config, "cuda")
+    names = ("liger_rms_norm", "fla_conv", "fla_gated_norm")
+    assert select_kernels(list(names), config, "cuda").names == names
+    modeling = sys.modules["transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"]
+    module_before = dict(vars(modeling))
+    eager, fused = build(config), build(config)
+    layer_ids = [0, 1, 3]
+    assert drop_layers_after(fused, layer_ids[-1]) == 4  # as the extraction: truncate, then the kernels
+    apply_kernels(fused, KernelChoice(names, names, config.model_type))
+    (applied,) = fake_libraries["apply"]
+    assert applied["model"] is fused and applied["swiglu"] is False and applied["rms_norm"] is True
+    assert {k: v for k, v in vars(modeling).items() if v is not module_before.get(k)} == {}
+    samples = _samples([29, 6, 17])
+    batch = collate(samples, 32, 0)
+    CALLS.clear()
+    with LayerCapture(fused, layer_ids, storage_dtype=torch.float32) as cap:
+        out = cap.run(batch.input_ids, batch.attention_mask, batch.position_ids, batch.flat_index)
+    calls = {k: len(v) for k, v in CALLS.items()}
+    H, start = config.hidden_size, 0
+    for sample in samples:
+        n = len(sample.input_ids)
+        ref = _alone_states(eager, sample)
+        for slot, layer in enumerate(layer_ids):
+            got = out.hidden_states_NK[start:start + n, slot * H:(slot + 1) * H]
+            assert (got - ref[layer + 1][0]).abs().max().item() <= 1e-5, f"layer {layer}"
+        start += n
+    gated_deltanet = sum(t == "linear_attention" for t in config.layer_types[:4])
+    assert calls["conv"] == gated_deltanet and calls["gated_norm"] == gated_deltanet
+    assert "swiglu" not in calls
 
 
 def test_auto_on_a_tensor_parallel_replica_is_eager_and_a_list_is_applied_as_asked(fake_libraries):

@@ -4,11 +4,11 @@ Named kernels (each replaces one piece of transformers' eager forward on the loa
 
 | name | library | replaces | architectures |
 |---|---|---|---|
-| `liger_rms_norm` | liger-kernel | RMSNorm (decoder layers, final norm; Qwen3.5, Qwen3: also q/k norms) by one Triton kernel | llama, qwen3_5, qwen3* |
+| `liger_rms_norm` | liger-kernel | RMSNorm (decoder layers, final norm; Qwen3.5, Qwen3: also q/k norms) by one Triton kernel | llama, qwen3_5, qwen3*, qwen3_5_moe* |
 | `liger_swiglu` | liger-kernel | `silu(gate) * up` of the MLPs by one Triton kernel | llama, qwen3_5, qwen3* (silu MLPs) |
 | `liger_rope` | liger-kernel | the rotary embedding of q and k | llama, qwen3* |
-| `fla_conv` | flash-linear-attention | transformers' torch fallback of the Gated DeltaNet causal conv (`conv_depthwise2d`) by fla's Triton `causal_conv1d` | qwen3_5 |
-| `fla_gated_norm` | flash-linear-attention | the Gated DeltaNet output norm (`Qwen3_5RMSNormGated`: RMSNorm, weight, times silu(z)), ten eager element-wise kernels through fp32 copies, by fla's one Triton `rms_norm_gated` | qwen3_5 |
+| `fla_conv` | flash-linear-attention | transformers' torch fallback of the Gated DeltaNet causal conv (`conv_depthwise2d`) by fla's Triton `causal_conv1d` | qwen3_5, qwen3_5_moe* |
+| `fla_gated_norm` | flash-linear-attention | the Gated DeltaNet output norm (`Qwen3_5RMSNormGated`: RMSNorm, weight, times silu(z)), ten eager element-wise kernels through fp32 copies, by fla's one Triton `rms_norm_gated` | qwen3_5, qwen3_5_moe* |
 
 `auto` (the default): on CUDA, every kernel of the architecture's row above (all measured exact and faster on an
 H200: bench/RESULTS.md), except for the architectures marked * (`AUTO_NOT_MEASURED`: applied when listed, eager
@@ -58,9 +58,15 @@ ARCHITECTURES = {
 ARCHITECTURES["qwen3_5_text"] = ARCHITECTURES["qwen3_5"]
 ARCHITECTURES["qwen3"] = ("transformers.models.qwen3.modeling_qwen3", ("liger_rms_norm", "liger_swiglu", "liger_rope"),
                           "apply_liger_kernel_to_qwen3")
+# The hybrid MoE (Qwen3.5/3.6-A3B): the same Gated DeltaNet and norm modules as qwen3_5. No `liger_swiglu`: liger's
+# SwiGLU patch for it swaps the routed experts' class, which `model.moe_experts` owns (target/moe.py).
+ARCHITECTURES["qwen3_5_moe"] = ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+                                ("liger_rms_norm", "fla_conv", "fla_gated_norm"), "apply_liger_kernel_to_qwen3_5_moe")
+ARCHITECTURES["qwen3_5_moe_text"] = ARCHITECTURES["qwen3_5_moe"]
 # Architectures whose kernels apply when listed but that `auto` leaves eager until they are measured exact and
-# faster on a GPU (bench/kernels_check.py --models qwen3-8b --kernels ..., the `targets` scenario runs it).
-AUTO_NOT_MEASURED = {"qwen3"}
+# faster on a GPU (bench/kernels_check.py --models qwen3-8b --kernels ..., the `targets` scenario runs it; the
+# `shapes` scenario's variants measure the speed).
+AUTO_NOT_MEASURED = {"qwen3", "qwen3_5_moe", "qwen3_5_moe_text"}
 LIBRARIES = {"liger": ("liger_kernel", "liger-kernel"), "fla": ("fla", "flash-linear-attention")}
 
 
