@@ -79,6 +79,10 @@ def job_recipe(report: dict, work: Path):
     }
     for key, value in parse_overrides(settings.get("dflash_overrides")):  # recorded as "KEY=VALUE"
         set_dotted(raw, key, value)
+    # the kernels the measured run applied (today's `auto` may apply others)
+    applied = ((report["modes"]["dflash_prep"].get("summary") or {}).get("kernels") or {}).get("applied")
+    if applied is not None:
+        raw["model"]["kernels"] = list(applied) or "eager"
     return recipe_from_dict(raw)
 
 
@@ -93,6 +97,8 @@ def predicted_seconds(recipe, report: dict, bench_dir: Path) -> dict:
     return {"seconds": wall.get("seconds"), "warmup_seconds": wall.get("warmup_seconds"),
             "tokens_per_second": p["throughput"].get("tokens_per_second"), "source": p["throughput"].get("source"),
             "reference": Path(ref["file"]).name if ref.get("file") else None,
+            "reference_mode": ref.get("mode"), "reference_kernels": list(ref.get("kernels") or ()),
+            "kernels": list(p["kernels"]),
             "num_real_tokens": p["num_tokens"], "num_shapes": p["num_shapes"], "packed": p["packing"].get("packed")}
 
 

@@ -150,14 +150,16 @@ def _results_md_headlines() -> dict[str, int]:
 def test_default_tokens_per_second_is_the_benchmark_headline():
     """The headline is the default's figure on GPUs (`batching.packing: auto` packs there); padded batches keep
     their own figures (CPU planning, `batching.packing: false`)."""
-    refs = {r["model"]: r for r in bench_references(packed=True) if r["compute_dtype"] == "bfloat16"}
+    newest_first = sorted(bench_references(packed=True), key=lambda r: r["timestamp"])
+    refs = {r["model"]: r for r in newest_first if r["compute_dtype"] == "bfloat16"}  # the newest of each model
     headline = _results_md_headlines()
-    assert headline == {"qwen3.6-27b": 11415, "llama3.1-8b": 44382}
+    assert headline == {"qwen3.6-27b": 11415, "llama3.1-8b": 41824}
     for model, figure in headline.items():
         assert round(refs[model]["tokens_per_second"]) == figure
-    padded = {r["model"]: round(r["tokens_per_second"]) for r in bench_references(packed=False)
+    padded = {r["model"]: round(r["tokens_per_second"]) for r in sorted(bench_references(packed=False),
+                                                                         key=lambda r: r["timestamp"])
               if r["compute_dtype"] == "bfloat16"}
-    assert padded == {"qwen3.6-27b": 9130, "llama3.1-8b": 41677}
+    assert padded == {"qwen3.6-27b": 9130, "llama3.1-8b": 41677, "qwen3.6-35b-a3b": 30965}
 
 
 @pytest.mark.parametrize("config,layers,expected", [
@@ -195,6 +197,58 @@ def test_plan_of_a_benchmarked_model_uses_its_figure(config, layers, expected, t
     packed_figure = {r["model"]: r["tokens_per_second"] for r in bench_references(packed=True)
                      if r["compute_dtype"] == "bfloat16"}[config.removesuffix(".json")]
     assert gpu["throughput"]["tokens_per_second"] == pytest.approx(packed_figure) and packed_figure != expected
+
+
+def _report(model: str, model_type: str, hidden: int, layers: int, params: int, stamp: str, modes: dict) -> dict:
+    return {"report_version": 1, "complete": True, "model": model, "timestamp": stamp,
+            "settings": {"dtype": "bfloat16"}, "environment": {"gpu": "H200"},
+            "model_info": {"model_type": model_type, "hidden_size": hidden, "num_hidden_layers": layers,
+                           "decoder_params_needed": params}, "modes": modes}
+
+
+def _warm(tok_s: float, kernels: list[str], overrides: list[str] | None = None) -> dict:
+    return {"status": "ok", "tokens_per_second": tok_s, "padding_efficiency": 1.0, "variant_overrides": overrides,
+            "summary": {"packing": {"packed": True}, "kernels": {"applied": kernels}}}
+
+
+def test_plan_takes_the_same_models_run_with_its_kernels_and_else_a_model_of_its_kind(tmp_path):
+    """References by hand: a Qwen3-8B-shaped report with an eager pass and a liger variant pass, a dense 8B of
+    another family and an MoE whose active parameter count is nearer the planned model's than the dense one's."""
+    from transformers import AutoConfig
+
+    from dflash_prep.commands.plan import choose_reference
+
+    liger = ["liger_rms_norm", "liger_swiglu", "liger_rope"]
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    reports = {
+        "qwen3-8b-20270101-000000": _report("qwen3-8b", "qwen3", 4096, 36, 6_500_000_000, "20270101-000000", {
+            "dflash_prep_warm": _warm(30000.0, []),
+            "dflash_prep_variant_warm": _warm(37000.0, liger, [f"model.kernels=[{','.join(liger)}]"])}),
+        "other-20270101-000000": _report("qwen3-8b", "qwen3", 4096, 36, 6_500_000_000, "20270102-000000", {
+            "dflash_prep_variant_warm": _warm(99000.0, liger, ["batching.packing=false"])}),  # not a kernels-only A/B
+        "llama-20270101-000000": _report("llama3.1-8b", "llama", 4096, 32, 6_300_000_000, "20270101-000000", {
+            "dflash_prep_warm": _warm(41000.0, liger)}),
+        "moe-20270101-000000": _report("qwen3-30b-a3b", "qwen3_moe", 2048, 48, 6_600_000_000, "20270101-000000", {
+            "dflash_prep_warm": _warm(39000.0, [])}),
+    }
+    for name, report in reports.items():
+        (bench / f"{name}.json").write_text(json.dumps(report))
+    refs = bench_references(bench, packed=True)
+    assert sorted((r["model"], r["kernels"], r["tokens_per_second"]) for r in refs) == [
+        ("llama3.1-8b", tuple(liger), 41000.0), ("qwen3-30b-a3b", (), 39000.0),
+        ("qwen3-8b", (), 30000.0), ("qwen3-8b", tuple(liger), 37000.0)]
+    qwen3 = AutoConfig.for_model("qwen3", hidden_size=4096, num_hidden_layers=36)
+    ref, why = choose_reference(refs, qwen3, 6_500_000_000, "bfloat16", tuple(liger))
+    assert why == "same model" and ref["tokens_per_second"] == 37000.0
+    ref, why = choose_reference(refs, qwen3, 6_500_000_000, "bfloat16", ())
+    assert why == "same model" and ref["tokens_per_second"] == 30000.0
+    mistral = AutoConfig.for_model("mistral", hidden_size=4096, num_hidden_layers=32)  # dense, not benchmarked
+    ref, why = choose_reference(refs, mistral, 6_600_000_000, "bfloat16", ())
+    assert why == "nearest benchmarked model" and ref["model"] in ("qwen3-8b", "llama3.1-8b") and ref["kernels"] == ()
+    hybrid_moe = AutoConfig.for_model("qwen3_5_moe_text")
+    ref, why = choose_reference(refs, hybrid_moe, 6_600_000_000, "bfloat16", ())
+    assert why == "nearest benchmarked model of another kind (no moe hybrid model benchmarked)", why
 
 
 def test_a_moe_report_is_scaled_by_the_parameters_a_token_runs_through(tmp_path):

@@ -100,35 +100,52 @@ def benchmark_reports(results_dir: Path, pattern: str = "*.json") -> list[tuple[
     return found
 
 
+# (cold mode, warm mode) pairs of a report; the variant pair counts only where its overrides change model.kernels
+BENCH_MODE_PAIRS = (("dflash_prep", BENCH_MODE), ("dflash_prep_variant", "dflash_prep_variant_warm"))
+
+
 def bench_references(results_dir: Path = BENCH_RESULTS_DIR, packed: bool = False) -> list[dict]:
-    """The warm dflash-prep figure of the newest complete benchmark report per (model, compute dtype), among the
-    runs of the planned layout: packed rows (`packed`: what `batching.packing: auto` runs on GPUs where exact) or
-    padded batches (a packed run's figure is not a padded run's, nor the reverse)."""
+    """The warm dflash-prep figure of the newest complete benchmark report per (model, compute dtype, kernels),
+    among the runs of the planned layout: packed rows (`packed`: what `batching.packing: auto` runs on GPUs where
+    exact) or padded batches (a packed run's figure is not a padded run's, nor the reverse). A report's variant
+    modes are a reference of their own where they differ from the base modes only in `model.kernels`."""
     best: dict[tuple, dict] = {}
     for path, report in benchmark_reports(results_dir):
-        mode = (report.get("modes") or {}).get(BENCH_MODE) or {}
-        info = report.get("model_info") or {}
-        if mode.get("status") != "ok" or not mode.get("tokens_per_second") or not info.get("decoder_params_needed"):
-            continue
-        if bool(((mode.get("summary") or {}).get("packing") or {}).get("packed")) != packed:
-            continue
-        cold = (report.get("modes") or {}).get("dflash_prep") or {}
-        ref = {
-            "model": report.get("model"), "file": str(path), "timestamp": str(report.get("timestamp", "")),
-            "mode": BENCH_MODE, "tokens_per_second": float(mode["tokens_per_second"]),
-            "compute_dtype": (report.get("settings") or {}).get("dtype"),
-            "gpu": (report.get("environment") or {}).get("gpu"),
-            "model_type": info.get("model_type"), "hidden_size": info.get("hidden_size"),
-            "num_hidden_layers": info.get("num_hidden_layers"),
-            # per token: an MoE report's active count (older reports of dense models have only the held count)
-            "decoder_params_needed": int(info.get("decoder_params_active_needed") or info["decoder_params_needed"]),
-            "padding_efficiency": mode.get("padding_efficiency"),
-            "seconds_per_new_shape": _warmup_per_shape(cold, mode),
-        }
-        key = (ref["model"], ref["compute_dtype"])
-        if key not in best or ref["timestamp"] > best[key]["timestamp"]:
-            best[key] = ref
-    return sorted(best.values(), key=lambda r: (r["model"] or "", r["compute_dtype"] or ""))
+        for cold_name, warm_name in BENCH_MODE_PAIRS:
+            ref = _reference(path, report, cold_name, warm_name, packed)
+            if ref is None:
+                continue
+            key = (ref["model"], ref["compute_dtype"], ref["kernels"])
+            if key not in best or ref["timestamp"] > best[key]["timestamp"]:
+                best[key] = ref
+    return sorted(best.values(), key=lambda r: (r["model"] or "", r["compute_dtype"] or "", r["kernels"]))
+
+
+def _reference(path: Path, report: dict, cold_name: str, warm_name: str, packed: bool) -> dict | None:
+    """One reference from a report's (cold, warm) modes, or None where the warm mode did not run, ran the other
+    layout, or is a variant that changed more than the kernels."""
+    modes = report.get("modes") or {}
+    mode, info = modes.get(warm_name) or {}, report.get("model_info") or {}
+    if mode.get("status") != "ok" or not mode.get("tokens_per_second") or not info.get("decoder_params_needed"):
+        return None
+    if bool(((mode.get("summary") or {}).get("packing") or {}).get("packed")) != packed:
+        return None
+    overrides = mode.get("variant_overrides") or []
+    if cold_name != "dflash_prep" and not all(str(o).startswith("model.kernels=") for o in overrides):
+        return None
+    return {
+        "model": report.get("model"), "file": str(path), "timestamp": str(report.get("timestamp", "")),
+        "mode": warm_name, "tokens_per_second": float(mode["tokens_per_second"]),
+        "compute_dtype": (report.get("settings") or {}).get("dtype"),
+        "gpu": (report.get("environment") or {}).get("gpu"),
+        "model_type": info.get("model_type"), "hidden_size": info.get("hidden_size"),
+        "num_hidden_layers": info.get("num_hidden_layers"),
+        "kernels": tuple(((mode.get("summary") or {}).get("kernels") or {}).get("applied") or ()),
+        # per token: an MoE report's active count (older reports of dense models have only the held count)
+        "decoder_params_needed": int(info.get("decoder_params_active_needed") or info["decoder_params_needed"]),
+        "padding_efficiency": mode.get("padding_efficiency"),
+        "seconds_per_new_shape": _warmup_per_shape(modes.get(cold_name) or {}, mode),
+    }
 
 
 def _warmup_per_shape(cold: dict, warm: dict) -> float | None:
@@ -145,8 +162,27 @@ def _warmup_per_shape(cold: dict, warm: dict) -> float | None:
     return first / cold["first_shape_batches"]
 
 
-def choose_reference(refs: list[dict], config, params: int | None, compute_dtype: str) -> tuple[dict | None, str]:
-    """(reference, why): the benchmark of this very model if any, else the nearest in decoder parameters."""
+def architecture_kind(config) -> str:
+    """What sets a model's speed beyond its parameter count: routed experts or dense MLPs, Gated DeltaNet layers
+    or attention only ("moe hybrid", "dense attention", ...). `config`: a transformers config or a model type."""
+    if isinstance(config, str):
+        from transformers import CONFIG_MAPPING
+
+        try:
+            config = CONFIG_MAPPING[config]()
+        except (KeyError, ValueError, TypeError):
+            return "unknown"
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    experts = max(int(getattr(text, name, 0) or 0) for name in ("num_experts", "num_local_experts", "n_routed_experts"))
+    hybrid = "linear_attention" in (getattr(text, "layer_types", None) or ())
+    return f"{'moe' if experts > 1 else 'dense'} {'hybrid' if hybrid else 'attention'}"
+
+
+def choose_reference(refs: list[dict], config, params: int | None, compute_dtype: str,
+                     kernels: tuple[str, ...] | None = None) -> tuple[dict | None, str]:
+    """(reference, why): the benchmark of this very model if any (the one whose kernels differ least from
+    `kernels`, the kernels the planned run applies; the newest on a tie), else the nearest in decoder parameters
+    among the benchmarked models of the same `architecture_kind`, else among all (said: "of another kind")."""
     from dflash_prep.target.layers import num_decoder_layers
     from dflash_prep.target.model import hidden_size_of
 
@@ -157,15 +193,22 @@ def choose_reference(refs: list[dict], config, params: int | None, compute_dtype
             and r["hidden_size"] == hidden_size_of(config) and r["num_hidden_layers"] == num_decoder_layers(config)]
     if params is None and not same:
         return None, "the model's decoder parameters could not be counted and no benchmark is of this model"
-    pool = same or refs
+    kind = architecture_kind(config)
+    of_kind = [r for r in refs if architecture_kind(r["model_type"] or "") == kind]
+    pool = sorted(same or of_kind or refs, key=lambda r: r["timestamp"], reverse=True)  # newest first on ties
     pool = sorted(pool, key=lambda r: (r["compute_dtype"] != compute_dtype,
+                                       len(set(r.get("kernels") or ()) ^ set(kernels)) if kernels is not None else 0,
                                        abs(math.log(r["decoder_params_needed"] / max(params or 1, 1)))))
     ref = pool[0]
     ratio = ref["decoder_params_needed"] / max(params or 1, 1)
     if not same and not 1 / BENCH_MAX_PARAM_RATIO <= ratio <= BENCH_MAX_PARAM_RATIO:
         return None, (f"no benchmark within {BENCH_MAX_PARAM_RATIO:g}x of this model's {format_count(params)} decoder "
                       f"parameters (nearest: {ref['model']}, {format_count(ref['decoder_params_needed'])})")
-    return ref, "same model" if same else "nearest benchmarked model"
+    if same:
+        return ref, "same model"
+    if of_kind:
+        return ref, "nearest benchmarked model"
+    return ref, f"nearest benchmarked model of another kind (no {kind} model benchmarked)"
 
 
 # ------------------------------------------------------------------------------------------ histogram
@@ -271,6 +314,7 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
         "samples": data.samples,
         **_batch_figures(stats),
         "packing": packing.record(), "shapes": _shape_counts(plan),
+        "kernels": list(planned_kernels(recipe, config)) if device["type"] == "cuda" else [],
         "max_tokens_per_batch": recipe.batching.max_tokens_per_batch, "max_tokens_per_batch_auto": budget_how,
         "max_tokens_per_row": packed_row_budget(recipe.batching) if packing.packed else None,
         "stored_plan": _stored_plan(Path(recipe.output.dir), lengths),
@@ -319,15 +363,23 @@ def plan_device(gpu: bool, gpu_memory_bytes: int | None, local_gpu_memory_bytes:
     return {"type": "cpu", "why": "this machine has no GPU; --gpu plans the GPU run"}
 
 
+def planned_kernels(recipe: Recipe, config) -> tuple[str, ...]:
+    """The kernels the run applies on a GPU: `auto` as the GPU install applies it (kernels.auto_kernels_on_gpu),
+    none for `eager`, else the list."""
+    from dflash_prep.target.kernels import auto_kernels_on_gpu
+
+    kernels = recipe.model.kernels
+    return auto_kernels_on_gpu(config) if kernels == "auto" else () if kernels == "eager" else tuple(kernels)
+
+
 def plan_packing(recipe: Recipe, config, for_gpus: bool):
     """`batching.packing` as the run would resolve it (packing.select_packing): on GPUs (`for_gpus`: this machine
     has one, or --gpu-memory-gb was given) with `model.kernels: auto` taken as the GPU install applies it
-    (`pip install -e ".[gpu]"`: flash-linear-attention, so `fla_conv`), which a machine without a GPU cannot
-    check; on the CPU as the CPU run would."""
+    (`pip install -e ".[gpu]"`: the architecture's measured kernels, kernels.auto_kernels_on_gpu), which a machine
+    without a GPU cannot check; on the CPU as the CPU run would."""
     from dflash_prep.target.packing import select_packing
 
-    kernels = recipe.model.kernels
-    names = ("fla_conv",) if kernels == "auto" else () if kernels == "eager" else tuple(kernels)
+    names = planned_kernels(recipe, config)
     return select_packing(recipe.batching.packing, config, "cuda" if for_gpus else "cpu", names, assume_fla=for_gpus,
                           several_gpus=recipe.model.gpus_per_replica > 1, compute_dtype=recipe.model.dtype)
 
@@ -391,7 +443,8 @@ def _throughput(recipe: Recipe, config, params: int | None, tokens_per_second: f
     """tokens/s per GPU: given, or the nearest benchmarked model's (runs of the same layout: `packed` rows or
     padded batches) scaled by decoder parameters run per token."""
     ref, why = (None, "given with --tokens-per-second") if tokens_per_second else (
-        choose_reference(bench_references(bench_dir, packed), config, params, recipe.model.dtype)
+        choose_reference(bench_references(bench_dir, packed), config, params, recipe.model.dtype,
+                         planned_kernels(recipe, config))
         if bench_dir is not None else (None, "no benchmark folder"))
     throughput: dict = {"tokens_per_second": tokens_per_second, "source": why, "reference": ref}
     if ref is not None:
@@ -547,8 +600,9 @@ def format_plan(p: dict) -> str:
     t = p["throughput"]
     if t["tokens_per_second"]:
         ref = t.get("reference")
+        kernels = ", ".join(ref.get("kernels") or ()) or "eager" if ref else None
         src = (f"{Path(ref['file']).name} ({ref['mode']}, {ref['tokens_per_second']:,.0f} tok/s on {ref['gpu']}, "
-               f"{ref['compute_dtype']}; {t['source']}"
+               f"{ref['compute_dtype']}, kernels {kernels}; {t['source']}"
                + (f", scaled x{t['scaled_by_decoder_params']:.3f} by decoder FLOPs/token" if
                   abs(t['scaled_by_decoder_params'] - 1) > 1e-9 else "") + ")") if ref else t["source"]
         unit, units, hours = (("GPU", "GPU(s)", "GPU-hours") if device["type"] == "cuda" else

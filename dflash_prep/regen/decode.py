@@ -54,6 +54,7 @@ The loop, on a left-padded batch `input_ids [B, W]` with its `attention_mask [B,
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from dataclasses import dataclass
 
@@ -119,6 +120,7 @@ class StaticCacheDecoder:
             run_linear_attention_per_segment(model, self.device.type)
         self.attention = decode_attention(model)
         self.model, self.pad_token_id = model, int(pad_token_id)
+        self.cache_keyword = cache_keyword(model)
         self.prefill_tokens, self.check_every = prefill_tokens, check_every
         self.span_cost_keys = span_cost_keys
         self.on_rows_done = None  # callable(n) or None: n more rows of the batch being decoded have finished
@@ -235,7 +237,7 @@ class StaticCacheDecoder:
     def _forward(self, step_input: dict, mask: torch.Tensor, cache) -> torch.Tensor:
         """One decode forward on the step's static buffers -> logits [B, V] (the model's dtype)."""
         out = self.model(input_ids=step_input["token"], attention_mask=mask, position_ids=step_input["position"],
-                         cache=cache, use_cache=True, logits_to_keep=1)
+                         use_cache=True, logits_to_keep=1, **{self.cache_keyword: cache})
         return out.logits[:, -1, :]
 
     def _prefill_packed(self, input_ids: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
@@ -296,10 +298,10 @@ class StaticCacheDecoder:
         positions = torch.cat([within, torch.arange(tail)])
         rows, columns, positions, bounds = (x.to(self.device) for x in (rows, columns, positions, bounds))
         ids = torch.cat([input_ids[rows, columns], input_ids.new_full((tail,), self.pad_token_id)])
+        packed_cache = _PackedPrefillCache(cache, rows, columns, input_ids.shape[0], first_row, lengths,
+                                           tail_tokens=tail)
         out = self.model(input_ids=ids[None], position_ids=positions[None], attention_mask=None,
-                         cache=_PackedPrefillCache(cache, rows, columns, input_ids.shape[0], first_row, lengths,
-                                                   tail_tokens=tail),
-                         use_cache=True, logits_to_keep=bounds[1:len(lengths) + 1] - 1,
+                         use_cache=True, **{self.cache_keyword: packed_cache}, logits_to_keep=bounds[1:len(lengths) + 1] - 1,
                          **flash_kwargs(bounds.to(torch.int32), max(max(lengths), tail)))
         return out.logits[0]
 
@@ -322,7 +324,8 @@ class StaticCacheDecoder:
             end, rows = self._prefill_span(first_real, start, width, prefix_ok)
             with _row_views(cache, rows if rows < batch else None, end if start > 0 else None):
                 out = self.model(input_ids=input_ids[:rows, start:end], attention_mask=mask[:rows, :end],
-                                 position_ids=positions[:rows, start:end], cache=cache, use_cache=True,
+                                 position_ids=positions[:rows, start:end], use_cache=True,
+                                 **{self.cache_keyword: cache},
                                  logits_to_keep=1)
             self.stats.prefill_forwards += 1
             self.stats.prefill_computed_tokens += rows * (end - start)
@@ -452,6 +455,13 @@ def _prefill_blocker(model, prefill: str) -> str | None:
     if prefill == "packed" and reason is not None:
         raise ValueError(f"packed prefill does not apply to this model: {reason}")
     return reason
+
+
+def cache_keyword(model) -> str:
+    """The keyword the model's forward takes its cache by: `cache` (transformers >= 5.24) or `past_key_values`
+    (earlier 5.x, where an unknown `cache` keyword would reach the attention functions)."""
+    parameters = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in parameters or "past_key_values" not in parameters else "past_key_values"
 
 
 def _has_gated_deltanet(model) -> bool:
