@@ -385,39 +385,43 @@ def faults(r: Round) -> None:
 
 @scenario("targets", 1, "FP8 checkpoints and MoE experts (bench/targets_check.py): a random block-FP8 checkpoint of a "
           "Qwen3.6-27B-shaped slice built on the device, its FP8 linear layer vs emulation, its forward as FP8 vs "
-          "dequantized (tok/s, per-layer error); the Qwen3-30B-A3B-shaped MoE slice with each experts "
-          "implementation; then extractions of the FP8 checkpoint both ways on the same rows and verify of the FP8 one; "
-          "liger's Qwen3 kernels and the hybrid MoE's Gated DeltaNet kernels vs eager in fp32 (kernels_check.py)",
+          "dequantized (tok/s, per-layer error); extractions of that checkpoint both ways on the same rows (both "
+          "warmed up first) and verify of the FP8 one; the Qwen3-30B-A3B-shaped MoE slice with each experts "
+          "implementation; the hybrid MoE's Gated DeltaNet kernels vs eager in fp32 (kernels_check.py)",
           deadline_seconds=540, layers="16:decoder layers of the 27B slice", moe_layers="8:layers of the MoE slice",
-          samples="1000:pre-tokenized rows of each extraction (0: no extractions)")
+          samples="1000:pre-tokenized rows of each extraction (0: no extractions)",
+          parts="fp8,moe,kernels:what runs, in this order (fp8: the checkpoint, its extractions and verify; moe: the "
+                "experts implementations; kernels: the fp32 check of the kernels `auto` still waits for)")
 def targets(r: Round) -> None:
-    ckpt = r.work / "fp8-checkpoint"
+    parts = set(r.opt("parts").split(","))
     tiny = ["--tiny"] if r.dry else []
-    layers = [] if r.dry else ["--layers", r.opt("layers")]
-    built = r.step("fp8-check", 230, r.python("bench/targets_check.py", "fp8", "--checkpoint", ckpt, "--json",
-                                               r.results / "targets_fp8.json", *tiny, *layers))
-    moe_layers = [] if r.dry else ["--layers", r.opt("moe_layers")]
-    r.step("moe-check", 210, r.python("bench/targets_check.py", "moe", "--json", r.results / "targets_moe.json",
-                                      *tiny, *moe_layers))
-    samples = 40 if r.dry else int(r.opt("samples"))
-    if built == 0 and samples:
-        _fp8_extractions(r, ckpt, samples)
-    shutil.rmtree(ckpt, ignore_errors=True)
-    # liger's kernels for Qwen3 (applied when listed; `auto` waits for this figure): fused vs eager in fp32
-    r.step("kernels-qwen3", 120, r.python("bench/kernels_check.py", "--models", "qwen3-8b", "--kernels",
-                                          "liger_rms_norm,liger_swiglu,liger_rope", "--json",
-                                          r.results / "kernels_check_qwen3.json"), gpu_only=True)
-    # the hybrid MoE's Gated DeltaNet kernels (qwen3_5's, on its own modules): 3 Gated DeltaNet + 1 attention layer
-    r.step("kernels-qwen3.6-35b-a3b", 150, r.python("bench/kernels_check.py", "--models", "qwen3.6-35b-a3b", "--layers",
-                                                    "4", "--kernels", "liger_rms_norm,fla_conv,fla_gated_norm",
-                                                    "--json", r.results / "kernels_check_qwen3_5_moe.json"),
-           gpu_only=True)
+    if "fp8" in parts:
+        ckpt = r.work / "fp8-checkpoint"
+        layers = [] if r.dry else ["--layers", r.opt("layers")]
+        built = r.step("fp8-check", 230, r.python("bench/targets_check.py", "fp8", "--checkpoint", ckpt, "--json",
+                                                   r.results / "targets_fp8.json", *tiny, *layers))
+        samples = 40 if r.dry else int(r.opt("samples"))
+        if built == 0 and samples:
+            _fp8_extractions(r, ckpt, samples)
+        shutil.rmtree(ckpt, ignore_errors=True)
+    if "moe" in parts:
+        moe_layers = [] if r.dry else ["--layers", r.opt("moe_layers")]
+        r.step("moe-check", 210, r.python("bench/targets_check.py", "moe", "--json", r.results / "targets_moe.json",
+                                          *tiny, *moe_layers))
+    if "kernels" in parts:
+        # the hybrid MoE's Gated DeltaNet kernels (qwen3_5's, on its own modules): 3 Gated DeltaNet + 1 attention
+        # layer; fla's kernels autotune for each sample length run alone (~8 s each): the longest step here
+        r.step("kernels-qwen3.6-35b-a3b", 300, r.python(
+            "bench/kernels_check.py", "--models", "qwen3.6-35b-a3b", "--layers", "4", "--kernels",
+            "liger_rms_norm,fla_conv,fla_gated_norm", "--json", r.results / "kernels_check_qwen3_5_moe.json"),
+            gpu_only=True)
 
 
 def _fp8_extractions(r: Round, ckpt: Path, samples: int) -> None:
     """The FP8 checkpoint extracted dequantized (bf16 GEMMs) then as FP8, on the same pre-tokenized rows (DFlash
-    k=3, fp8 storage, outputs in memory where it fits), then `verify` of the FP8 output against the dequantized
-    checkpoint."""
+    k=3, fp8 storage, outputs in memory where it fits), each after a warm-up on the same rows (the Triton cache
+    filled for every row shape, the FP8 activation quantization compiled), then `verify` of the FP8 output: the
+    same FP8 model alone, then the dequantized twin."""
     data = r.work / "fp8-rows.parquet"
     vocab = 1024 if r.dry else 248320
     r.step("fp8-rows", 60, r.python("-c", "import sys; from pathlib import Path; from bench.samples import "
@@ -429,19 +433,19 @@ def _fp8_extractions(r: Round, ckpt: Path, samples: int) -> None:
     common = ["model.config=null", f"model.name_or_path={ckpt}", f"model.tokenizer={TOKENIZER}",
               f"data.path={data}", "data.max_length=4096", "layers.num_layers=3", "output.dtype=fp8_e4m3",
               "model.dtype=" + ("float32" if r.dry else "bfloat16"), f"model.triton_cache_dir={r.work / 'triton'}"]
-    # not measured: fills the Triton cache (flash-linear-attention's kernels) so that neither measured run pays it
-    r.step("extract-warmup", 120, r.extract(where / "targets-warmup", *common, "model.fp8_weights=dequantize",
-                                            "data.max_samples=32"))
-    shutil.rmtree(where / "targets-warmup", ignore_errors=True)
-    for name, mode in (("extract-dequantized", "dequantize"), ("extract-fp8", "auto")):
-        out = where / f"targets-{name}"
-        rc = r.step(name, 150, r.extract(out, *common, f"model.fp8_weights={mode}"))
+    for name, mode in (("dequantized", "dequantize"), ("fp8", "auto")):
+        # not measured: the same rows once (every row shape's Triton kernels autotuned and cached, the FP8 path's
+        # compiled quantization), so that neither measured run pays it
+        r.step(f"warmup-{name}", 150, r.extract(where / "targets-warmup", *common, f"model.fp8_weights={mode}"))
+        shutil.rmtree(where / "targets-warmup", ignore_errors=True)
+        out = where / f"targets-extract-{name}"
+        rc = r.step(f"extract-{name}", 150, r.extract(out, *common, f"model.fp8_weights={mode}"))
         if rc == 0 and mode == "auto":
             # the FP8 model alone (the pipeline's invariant), then the dequantized twin (the format's own error)
             r.step("verify-fp8", 120, r.verify(out, "--num-samples", "8", "--seed", "0", "--json"))
             r.step("verify-fp8-dequantized", 120, r.verify(out, "--num-samples", "4", "--seed", "0",
                                                             "--fp8-reference", "dequantized", "--json"))
-        r.keep(out, name)
+        r.keep(out, f"extract-{name}")
 
 
 # ----------------------------------------------------------------------------------------------------- main

@@ -228,6 +228,21 @@ def test_block_fp8_linear_keeps_packed_rows_apart():
     assert [m.why_not is not None for m in token_mixers(nn.Sequential(Unknown()))] == [True]
 
 
+def test_a_block_fp8_layer_counts_its_weights_as_the_linear_layer_it_replaces():
+    """The FLOPs per token (the benchmark's MFU, plan's figures) count the FP8 layer's weights, held as buffers,
+    unpadded (300 x 200 here: blocks of 128 pad it to 384 x 256), as the bf16 twin's parameters."""
+    from torch import nn
+
+    from dflash_prep.target.fp8_weights import BlockFP8Linear
+    from dflash_prep.target.model import active_params
+
+    layer = BlockFP8Linear(torch.zeros(300, 200).to(torch.float8_e4m3fn), torch.ones(3, 2), torch.zeros(300))
+    twin = nn.Linear(200, 300)
+    for top_k in (None, 2):  # dense count, and the active-parameter walk an MoE count takes
+        assert active_params(nn.Sequential(nn.LayerNorm(200), layer), top_k) == 300 * 200 + 300 + 2 * 200
+        assert active_params(nn.Sequential(nn.LayerNorm(200), twin), top_k) == 300 * 200 + 300 + 2 * 200
+
+
 def test_the_fp8_emulation_bench_runs_and_rounds(tmp_path):
     """bench/fp8_emulation.py on a small width: both stacks report one error per layer, nonzero (the rounding
     happened) and far from O(1) (the hooks round, not replace)."""

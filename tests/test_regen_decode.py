@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEMO
+from conftest import DEMO, tiny_llama_config
 from test_regen_hf_engine import (DEMO_EOS, PROMPTS, SAMPLING, alone, llama_config, make_request, prompt_ids,
                                   section, user)
 
@@ -301,3 +301,25 @@ def test_rows_redone_after_an_out_of_memory_split_and_rejected_requests_are_coun
     assert engine.num_ooms == 1 and answers[-1].rejected is not None
     assert calls == [1, 1, 2, 3]
     assert [a.completion_token_ids for a in answers[:6]] == [free[0][:1]] + free[1:]
+
+
+def test_the_cache_goes_by_the_name_the_models_forward_takes():
+    """transformers 5.24 names the forward's cache `cache`; 5.17 names it `past_key_values` and passes an unknown
+    `cache=` on to the attention functions (the packed one refused it: every batch failed on such a GPU machine).
+    The real model of this install, and a forward of the older signature."""
+    import inspect
+
+    from transformers import AutoModelForCausalLM
+
+    from dflash_prep.regen.decode import cache_keyword
+
+    model = AutoModelForCausalLM.from_config(tiny_llama_config())
+    installed = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    assert cache_keyword(model) == installed
+
+    class Older(torch.nn.Module):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                    use_cache=None, **kwargs):
+            return None
+
+    assert cache_keyword(Older()) == "past_key_values"

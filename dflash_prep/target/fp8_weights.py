@@ -165,6 +165,11 @@ class BlockFP8Linear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
         self._kp, self._l = Kp, L
 
+    def weights_in_buffers(self) -> int:
+        """The weights this layer holds as buffers, not parameters (N x K, plus the bias): what a parameter count
+        (model.active_params, the MFU's and plan's FLOPs per token) counts for it."""
+        return self.in_features * self.out_features + (self.bias.numel() if self.bias is not None else 0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torch.nn.functional import ScalingType, scaled_mm
 

@@ -256,8 +256,8 @@ def active_params(module: nn.Module, top_k: int | None) -> int:
     transformers' fused [E, ...] expert weights, or a ModuleList named `experts`) count top_k / E. Shared experts,
     routers and everything else count fully. `top_k` None: all parameters."""
     if not top_k:
-        return sum(p.numel() for p in module.parameters())
-    total = sum(p.numel() for p in module.parameters(recurse=False))
+        return sum(_own_params(m) for m in module.modules())
+    total = _own_params(module)
     for name, child in module.named_children():
         E = _num_routed_experts(name, child)
         if E:
@@ -265,6 +265,13 @@ def active_params(module: nn.Module, top_k: int | None) -> int:
         else:
             total += active_params(child, top_k)
     return total
+
+
+def _own_params(module: nn.Module) -> int:
+    """The module's own parameters, and the weights a quantized layer holds as buffers (fp8_weights.BlockFP8Linear:
+    `weights_in_buffers`, its unpadded weight and bias) that a token runs through all the same."""
+    held = getattr(module, "weights_in_buffers", None)
+    return sum(p.numel() for p in module.parameters(recurse=False)) + (held() if callable(held) else 0)
 
 
 def _num_routed_experts(name: str, module: nn.Module) -> int | None:
