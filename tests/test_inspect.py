@@ -178,3 +178,22 @@ def test_a_damaged_manifest_or_plan_is_one_line_naming_the_file(copy, tmp_path, 
     assert str(plan) in err and "damaged" in err
     assert main([str(tmp_path / "nowhere")]) == 2
     assert "no such folder" in capsys.readouterr().err
+
+
+def test_progress_of_an_unfinished_output_ignores_commit_times_that_are_not_numbers(copy, capsys):
+    """An unfinished output (no manifest) whose index lines carry a `committed_at` another tool or a hand wrote as
+    text, null or a boolean: the progress report counts every committed sample and leaves those times out of its
+    rate, rather than failing on them."""
+    (copy / "manifest.json").unlink()
+    index = copy / "index" / "rank-00000.jsonl"
+    lines = [json.loads(line) for line in index.read_text().splitlines()]
+    assert len(lines) >= 3
+    for line, stamp in zip(lines, ["2026-12-02T10:00:00", None, True]):
+        line["committed_at"] = stamp
+    index.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    code = main([str(copy), "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0 and "Traceback" not in err, err
+    report = json.loads(out)
+    assert report["finished"] is False and report["num_samples"] == NUM_ROWS and report["committed_batches"] == len(lines)
+    assert report["samples_per_second_recent"] is None or report["samples_per_second_recent"] > 0

@@ -182,6 +182,13 @@ def _last_run_started_at(out_dir) -> float | None:
     return float(started) if isinstance(started, (int, float)) else None
 
 
+def _commit_time(record) -> float | None:
+    """A record's `committed_at` as unix seconds, None where absent or not a number (an index edited by hand or
+    written by another tool: progress figures leave it out rather than fail on it)."""
+    t = record.committed_at
+    return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else None
+
+
 def describe_progress(out_dir: str | Path) -> dict | None:
     """How far the run of an output without a manifest got, and whether a process runs into it now.
 
@@ -205,7 +212,7 @@ def describe_progress(out_dir: str | Path) -> dict | None:
         entry["samples"] += r.num_samples
         entry["tokens"] += r.num_tokens
     if is_remote_path(out_dir):  # an object store: the last commit's own time; the live leases (store/lease.py)
-        last = max((r.committed_at for r in committed if r.committed_at), default=None)
+        last = max((t for t in (_commit_time(r) for r in committed) if t), default=None)
         running = _live_leases(out_dir)
     else:
         indexes = list(index_dir.glob("rank-*.jsonl")) if index_dir.is_dir() else []
@@ -214,7 +221,7 @@ def describe_progress(out_dir: str | Path) -> dict | None:
     # Rate over the commits of the last RATE_WINDOW_SECONDS (all ranks), and the ETA of a running job. The window
     # ends now for a running job, at the last commit for an interrupted one (its rate must not decay while idle).
     now = time.time()
-    stamps = [r.committed_at for r in committed if r.committed_at is not None]
+    stamps = [t for t in (_commit_time(r) for r in committed) if t is not None]
     end = now if running or not stamps else max(stamps)
     rate = eta = None
     started = _last_run_started_at(out_dir)
@@ -223,13 +230,13 @@ def describe_progress(out_dir: str | Path) -> dict | None:
         # so a span from the first commit in the window can be a fraction of a second and the rate thousands of
         # samples per second; the work of those commits was done since the run started.
         start = max(started, end - RATE_WINDOW_SECONDS)
-        done = sum(r.num_samples + len(r.failed) for r in committed if r.committed_at and r.committed_at > start)
+        done = sum(r.num_samples + len(r.failed) for r in committed if (_commit_time(r) or 0) > start)
         rate = done / (end - start) if done else None
     else:  # an output whose run_state.json does not say when its run started: between the window's commits
-        recent = [r for r in committed if r.committed_at is not None and r.committed_at >= end - RATE_WINDOW_SECONDS]
+        recent = [r for r in committed if (_commit_time(r) or -1.0) >= end - RATE_WINDOW_SECONDS]
         if len(recent) >= 2:
-            first = min(r.committed_at for r in recent)
-            done = sum(r.num_samples + len(r.failed) for r in recent if r.committed_at > first)
+            first = min(_commit_time(r) for r in recent)
+            done = sum(r.num_samples + len(r.failed) for r in recent if _commit_time(r) > first)
             rate = done / (end - first) if end > first else None
     if rate and running and planned:
         left = planned["num_samples"] - sum(r.num_samples + len(r.failed) for r in committed)
