@@ -242,6 +242,17 @@ def test_a_block_fp8_layer_counts_its_weights_as_the_linear_layer_it_replaces():
         assert active_params(nn.Sequential(nn.LayerNorm(200), layer), top_k) == 300 * 200 + 300 + 2 * 200
         assert active_params(nn.Sequential(nn.LayerNorm(200), twin), top_k) == 300 * 200 + 300 + 2 * 200
 
+    class Block(nn.Module):  # routed experts as a ModuleList of FP8 layers: a token runs top_k of the 4
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.ModuleList(BlockFP8Linear(torch.zeros(300, 200).to(torch.float8_e4m3fn),
+                                                        torch.ones(3, 2), None) for _ in range(4))
+
+    assert active_params(Block(), 2) == 2 * 300 * 200 and active_params(Block(), None) == 4 * 300 * 200
+    tied = nn.Sequential(nn.Linear(200, 200, bias=False), nn.Linear(200, 200, bias=False))
+    tied[1].weight = tied[0].weight  # one weight run twice: held once
+    assert active_params(tied, None) == 200 * 200
+
 
 def test_the_fp8_emulation_bench_runs_and_rounds(tmp_path):
     """bench/fp8_emulation.py on a small width: both stacks report one error per layer, nonzero (the rounding

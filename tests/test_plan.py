@@ -248,7 +248,55 @@ def test_plan_takes_the_same_models_run_with_its_kernels_and_else_a_model_of_its
     assert why == "nearest benchmarked model" and ref["model"] in ("qwen3-8b", "llama3.1-8b") and ref["kernels"] == ()
     hybrid_moe = AutoConfig.for_model("qwen3_5_moe_text")
     ref, why = choose_reference(refs, hybrid_moe, 6_600_000_000, "bfloat16", ())
-    assert why == "nearest benchmarked model of another kind (no moe hybrid model benchmarked)", why
+    assert why.startswith("nearest benchmarked model of another kind (no moe hybrid model"), why
+    # the size bound first: a model of the same kind 5x away gives way to one of another kind within 4x, and a
+    # model whose kernels match gives way to a nearer one (the kernels break ties of size only)
+    far_moe = {**next(r for r in refs if r["model"] == "qwen3-30b-a3b"), "decoder_params_needed": 33_000_000_000}
+    others = [r for r in refs if r["model"] != "qwen3-30b-a3b"] + [far_moe]
+    ref, why = choose_reference(others, AutoConfig.for_model("mixtral"), 6_600_000_000, "bfloat16", ())
+    assert ref is not None and ref["model"] != "qwen3-30b-a3b" and "of another kind" in why, (ref, why)
+    ref, why = choose_reference(refs, mistral, 20_000_000_000, "bfloat16", tuple(liger))
+    assert ref is not None and why == "nearest benchmarked model", (ref, why)
+    ref, why = choose_reference(refs, mistral, 60_000_000_000, "bfloat16", ())
+    assert ref is None and "no benchmark within 4x" in why
+
+
+def test_odd_benchmark_reports_are_left_out_or_read_for_what_they_say(tmp_path):
+    """Reports written by hand or by another tool: fields of the wrong type leave the mode out (never a traceback
+    from plan); unknown kernels are not taken for eager; a variant with no recorded overrides is not a kernels-only
+    A/B; a report without a timestamp is the oldest; a model type transformers cannot build is of kind unknown."""
+    from transformers import AutoConfig
+
+    from dflash_prep.commands.plan import choose_reference
+
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    good = _report("qwen3-8b", "qwen3", 4096, 36, 6_500_000_000, "20270101-000000", {
+        "dflash_prep_warm": _warm(30000.0, [])})
+    odd = {
+        "no-time": {**_report("qwen3-8b", "qwen3", 4096, 36, 6_500_000_000, None, {
+            "dflash_prep_warm": _warm(1000.0, [])})},
+        "bad-kernels": _report("qwen3-8b", "qwen3", 4096, 36, 6_500_000_000, "20270103-000000", {
+            "dflash_prep_warm": {**_warm(2000.0, []), "summary": {"packing": {"packed": True},
+                                                                  "kernels": {"applied": 7}}},
+            "dflash_prep_variant_warm": _warm(3000.0, [["x"]], [5])}),
+        "no-overrides": _report("qwen3-8b", "qwen3", 4096, 36, 6_500_000_000, "20270104-000000", {
+            "dflash_prep_variant_warm": _warm(4000.0, ["liger_rms_norm"], [])}),
+        "strange-type": _report("strange", "gemma4_assistant", 4096, 36, 6_400_000_000, "20270105-000000", {
+            "dflash_prep_warm": _warm(5000.0, []), "dflash_prep": [1]}),
+        "not-a-mode": {**good, "modes": {"dflash_prep_warm": [1], "dflash_prep_variant_warm": "x"}},
+    }
+    (bench / "good-20270101-000000.json").write_text(json.dumps(good))
+    for name, report in odd.items():
+        (bench / f"{name}-20270101-000000.json").write_text(json.dumps(report))
+    refs = bench_references(bench, packed=True)
+    assert sorted(((r["model"], r["kernels"], r["tokens_per_second"]) for r in refs), key=repr) == [
+        ("qwen3-8b", (), 30000.0), ("qwen3-8b", None, 2000.0), ("strange", (), 5000.0)], refs
+    qwen3 = AutoConfig.for_model("qwen3", hidden_size=4096, num_hidden_layers=36)
+    ref, why = choose_reference(refs, qwen3, 6_500_000_000, "bfloat16", ())
+    assert why == "same model" and ref["tokens_per_second"] == 30000.0, "known eager kernels beat unknown ones"
+    ref, why = choose_reference(refs, AutoConfig.for_model("mistral"), 6_400_000_000, "bfloat16", ())
+    assert ref is not None and ref["model"] == "qwen3-8b", (ref, why)  # the odd type is of kind unknown
 
 
 def test_a_moe_report_is_scaled_by_the_parameters_a_token_runs_through(tmp_path):
@@ -306,6 +354,26 @@ def test_cli_prints_the_plan_and_its_json(capsys, planned_and_run):
     assert "500 real tok/s per CPU process" in text and "on 2 CPU process(es)" in text and "GPU(s)" not in text
     assert main(["--set", "batching.max_batch_size=0"]) == 2  # a bad recipe: error naming the key, exit 2
     assert "batching.max_batch_size" in capsys.readouterr().err
+
+
+def test_plan_names_the_kernels_the_gpu_run_applies_and_refuses_a_list_the_run_refuses(capsys, tmp_path):
+    """The 8B shape planned for GPUs: `auto` is liger's three kernels on one GPU and none on a tensor-parallel
+    replica (as the extraction chooses), a list that does not apply to the architecture is the extraction's own
+    RecipeError (exit 2, one line), and a GPU memory that is not a finite positive size is refused."""
+    base = ["--set", f"output.dir={tmp_path / 'out'}", "--set", "data.max_samples=20", "--set",
+            f"model.config={REPO}/bench/configs/llama3.1-8b.json", "--set", "model.dtype=bfloat16",
+            "--gpu-memory-gb", "141"]
+    assert main(base + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kernels"] == ["liger_rms_norm", "liger_swiglu", "liger_rope"]
+    assert main(base + ["--set", "model.gpus_per_replica=2", "--num-gpus", "2", "--json"]) == 0
+    tp = json.loads(capsys.readouterr().out)
+    assert tp["replicas"]["parallelism"] == "tensor_parallel" and tp["kernels"] == [], tp["replicas"]
+    assert main(base + ["--set", "model.kernels=[fla_conv]"]) == 2
+    err = capsys.readouterr().err
+    assert "model.kernels" in err and "do not apply" in err and err.count("\n") == 1, err
+    for bad in ("inf", "-5", "0"):
+        assert main(base[:-2] + ["--gpu-memory-gb", bad]) == 2
+        assert capsys.readouterr().err.startswith("error: --gpu-memory-gb must be a finite number > 0")
 
 
 def test_auto_budget_is_sized_for_the_gpu_memory_given(capsys):

@@ -323,3 +323,13 @@ def test_the_cache_goes_by_the_name_the_models_forward_takes():
             return None
 
     assert cache_keyword(Older()) == "past_key_values"
+
+    class Wrapper(torch.nn.Module):  # a forward that names neither (a wrapper, a compiled module): the install's
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args, **kwargs):
+            return self.inner(*args, **kwargs)
+
+    assert cache_keyword(Wrapper(model)) == installed

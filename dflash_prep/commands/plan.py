@@ -108,7 +108,8 @@ def bench_references(results_dir: Path = BENCH_RESULTS_DIR, packed: bool = False
     """The warm dflash-prep figure of the newest complete benchmark report per (model, compute dtype, kernels),
     among the runs of the planned layout: packed rows (`packed`: what `batching.packing: auto` runs on GPUs where
     exact) or padded batches (a packed run's figure is not a padded run's, nor the reverse). A report's variant
-    modes are a reference of their own where they differ from the base modes only in `model.kernels`."""
+    modes are a reference of their own where they differ from the base modes only in `model.kernels`. `kernels`:
+    the names the mode applied, None where its report does not say (older reports)."""
     best: dict[tuple, dict] = {}
     for path, report in benchmark_reports(results_dir):
         for cold_name, warm_name in BENCH_MODE_PAIRS:
@@ -118,34 +119,59 @@ def bench_references(results_dir: Path = BENCH_RESULTS_DIR, packed: bool = False
             key = (ref["model"], ref["compute_dtype"], ref["kernels"])
             if key not in best or ref["timestamp"] > best[key]["timestamp"]:
                 best[key] = ref
-    return sorted(best.values(), key=lambda r: (r["model"] or "", r["compute_dtype"] or "", r["kernels"]))
+    return sorted(best.values(), key=lambda r: (r["model"], str(r["compute_dtype"]), repr(r["kernels"])))
+
+
+def _dict(value) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def _applied_kernels(mode: dict) -> tuple[str, ...] | None:
+    """The kernels a benchmark mode applied (its summary's `kernels.applied`), None where not a list of names."""
+    applied = _dict(_dict(_dict(mode.get("summary")).get("kernels"))).get("applied")
+    if isinstance(applied, list) and all(isinstance(k, str) for k in applied):
+        return tuple(applied)
+    return None
+
+
+def _kernels_only_variant(mode: dict) -> bool:
+    """A variant mode that changed `model.kernels` and nothing else (its recorded `--variant-set` overrides)."""
+    overrides = mode.get("variant_overrides")
+    overrides = [overrides] if isinstance(overrides, str) else overrides
+    return (isinstance(overrides, list) and bool(overrides)
+            and all(isinstance(o, str) and o.startswith("model.kernels=") for o in overrides))
 
 
 def _reference(path: Path, report: dict, cold_name: str, warm_name: str, packed: bool) -> dict | None:
     """One reference from a report's (cold, warm) modes, or None where the warm mode did not run, ran the other
-    layout, or is a variant that changed more than the kernels."""
-    modes = report.get("modes") or {}
-    mode, info = modes.get(warm_name) or {}, report.get("model_info") or {}
-    if mode.get("status") != "ok" or not mode.get("tokens_per_second") or not info.get("decoder_params_needed"):
+    layout, is a variant that changed more than the kernels, or its figures are not numbers."""
+    modes, info = _dict(report.get("modes")), _dict(report.get("model_info"))
+    mode = _dict(modes.get(warm_name))
+    tok_s, params = mode.get("tokens_per_second"), info.get("decoder_params_active_needed") or \
+        info.get("decoder_params_needed")
+    if mode.get("status") != "ok" or not _positive(tok_s) or not _positive(params):
         return None
-    if bool(((mode.get("summary") or {}).get("packing") or {}).get("packed")) != packed:
+    if bool(_dict(_dict(mode.get("summary")).get("packing")).get("packed")) != packed:
         return None
-    overrides = mode.get("variant_overrides") or []
-    if cold_name != "dflash_prep" and not all(str(o).startswith("model.kernels=") for o in overrides):
+    if cold_name != "dflash_prep" and not _kernels_only_variant(mode):
         return None
     return {
-        "model": report.get("model"), "file": str(path), "timestamp": str(report.get("timestamp", "")),
-        "mode": warm_name, "tokens_per_second": float(mode["tokens_per_second"]),
-        "compute_dtype": (report.get("settings") or {}).get("dtype"),
-        "gpu": (report.get("environment") or {}).get("gpu"),
+        "model": str(report.get("model")), "file": str(path), "timestamp": str(report.get("timestamp") or ""),
+        "mode": warm_name, "tokens_per_second": float(tok_s),
+        "compute_dtype": _dict(report.get("settings")).get("dtype"),
+        "gpu": _dict(report.get("environment")).get("gpu"),
         "model_type": info.get("model_type"), "hidden_size": info.get("hidden_size"),
         "num_hidden_layers": info.get("num_hidden_layers"),
-        "kernels": tuple(((mode.get("summary") or {}).get("kernels") or {}).get("applied") or ()),
+        "kernels": _applied_kernels(mode),
         # per token: an MoE report's active count (older reports of dense models have only the held count)
-        "decoder_params_needed": int(info.get("decoder_params_active_needed") or info["decoder_params_needed"]),
+        "decoder_params_needed": int(params),
         "padding_efficiency": mode.get("padding_efficiency"),
-        "seconds_per_new_shape": _warmup_per_shape(modes.get(cold_name) or {}, mode),
+        "seconds_per_new_shape": _warmup_per_shape(_dict(modes.get(cold_name)), mode),
     }
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
 def _warmup_per_shape(cold: dict, warm: dict) -> float | None:
@@ -154,35 +180,46 @@ def _warmup_per_shape(cold: dict, warm: dict) -> float | None:
     whole time would count their compute twice (once in tokens / warm tokens/s): 25 padded shapes of the 8B shape
     took 26.2 s cold and 18.5 s warm, 0.31 s a shape of warm-up, not 1.05. Reports without the warm pass's figure:
     the cold batches' whole time."""
-    if cold.get("status") != "ok" or not cold.get("first_shape_batches"):
+    batches, first = cold.get("first_shape_batches"), cold.get("first_shape_seconds")
+    if cold.get("status") != "ok" or not _positive(batches) or not isinstance(first, (int, float)):
         return None
-    first = cold["first_shape_seconds"]
-    if warm.get("first_shape_seconds") is not None:
+    if isinstance(warm.get("first_shape_seconds"), (int, float)):
         first = max(first - warm["first_shape_seconds"], 0.0)
-    return first / cold["first_shape_batches"]
+    return first / batches
 
 
 def architecture_kind(config) -> str:
     """What sets a model's speed beyond its parameter count: routed experts or dense MLPs, Gated DeltaNet layers
-    or attention only ("moe hybrid", "dense attention", ...). `config`: a transformers config or a model type."""
+    or attention only ("moe hybrid", "dense attention", ...); "unknown" where the config cannot say. `config`: a
+    transformers config, or a model type (its default config)."""
     if isinstance(config, str):
-        from transformers import CONFIG_MAPPING
-
-        try:
-            config = CONFIG_MAPPING[config]()
-        except (KeyError, ValueError, TypeError):
-            return "unknown"
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    experts = max(int(getattr(text, name, 0) or 0) for name in ("num_experts", "num_local_experts", "n_routed_experts"))
-    hybrid = "linear_attention" in (getattr(text, "layer_types", None) or ())
+        return _kind_of_model_type(config)
+    try:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        experts = max(int(getattr(text, name, 0) or 0)
+                      for name in ("num_experts", "num_local_experts", "n_routed_experts"))
+        hybrid = "linear_attention" in (getattr(text, "layer_types", None) or ())
+    except Exception:  # noqa: BLE001 - a config class of any kind, built or read however it is
+        return "unknown"
     return f"{'moe' if experts > 1 else 'dense'} {'hybrid' if hybrid else 'attention'}"
+
+
+@functools.lru_cache(maxsize=None)
+def _kind_of_model_type(model_type: str) -> str:
+    from transformers import CONFIG_MAPPING
+
+    try:
+        return architecture_kind(CONFIG_MAPPING[model_type]())
+    except Exception:  # noqa: BLE001 - unknown model types and config classes that refuse their own defaults
+        return "unknown"
 
 
 def choose_reference(refs: list[dict], config, params: int | None, compute_dtype: str,
                      kernels: tuple[str, ...] | None = None) -> tuple[dict | None, str]:
     """(reference, why): the benchmark of this very model if any (the one whose kernels differ least from
     `kernels`, the kernels the planned run applies; the newest on a tie), else the nearest in decoder parameters
-    among the benchmarked models of the same `architecture_kind`, else among all (said: "of another kind")."""
+    (within BENCH_MAX_PARAM_RATIO) among the benchmarked models of the same `architecture_kind`, else among all
+    (said: "of another kind"); among other models the kernels break ties of size only."""
     from dflash_prep.target.layers import num_decoder_layers
     from dflash_prep.target.model import hidden_size_of
 
@@ -191,24 +228,33 @@ def choose_reference(refs: list[dict], config, params: int | None, compute_dtype
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     same = [r for r in refs if r["model_type"] == getattr(text, "model_type", None)
             and r["hidden_size"] == hidden_size_of(config) and r["num_hidden_layers"] == num_decoder_layers(config)]
-    if params is None and not same:
-        return None, "the model's decoder parameters could not be counted and no benchmark is of this model"
-    kind = architecture_kind(config)
-    of_kind = [r for r in refs if architecture_kind(r["model_type"] or "") == kind]
-    pool = sorted(same or of_kind or refs, key=lambda r: r["timestamp"], reverse=True)  # newest first on ties
-    pool = sorted(pool, key=lambda r: (r["compute_dtype"] != compute_dtype,
-                                       len(set(r.get("kernels") or ()) ^ set(kernels)) if kernels is not None else 0,
-                                       abs(math.log(r["decoder_params_needed"] / max(params or 1, 1)))))
-    ref = pool[0]
-    ratio = ref["decoder_params_needed"] / max(params or 1, 1)
-    if not same and not 1 / BENCH_MAX_PARAM_RATIO <= ratio <= BENCH_MAX_PARAM_RATIO:
-        return None, (f"no benchmark within {BENCH_MAX_PARAM_RATIO:g}x of this model's {format_count(params)} decoder "
-                      f"parameters (nearest: {ref['model']}, {format_count(ref['decoder_params_needed'])})")
+
+    def kernel_gap(r: dict) -> int:
+        if kernels is None:
+            return 0
+        return len(set(r["kernels"]) ^ set(kernels)) if r["kernels"] is not None else 1 + len(kernels)
+
+    def size_gap(r: dict) -> float:
+        return abs(math.log(r["decoder_params_needed"] / max(params or 1, 1)))
+
+    newest_first = sorted(refs, key=lambda r: r["timestamp"], reverse=True)  # stable: newest wins a tie
     if same:
-        return ref, "same model"
+        pool = [r for r in newest_first if r in same]
+        return min(pool, key=lambda r: (r["compute_dtype"] != compute_dtype, kernel_gap(r))), "same model"
+    if params is None:
+        return None, "the model's decoder parameters could not be counted and no benchmark is of this model"
+    near = [r for r in newest_first if size_gap(r) <= math.log(BENCH_MAX_PARAM_RATIO)]
+    if not near:
+        nearest = min(refs, key=size_gap)
+        return None, (f"no benchmark within {BENCH_MAX_PARAM_RATIO:g}x of this model's {format_count(params)} decoder "
+                      f"parameters (nearest: {nearest['model']}, {format_count(nearest['decoder_params_needed'])})")
+    kind = architecture_kind(config)
+    of_kind = [r for r in near if architecture_kind(r["model_type"] or "") == kind]
+    ref = min(of_kind or near, key=lambda r: (r["compute_dtype"] != compute_dtype, round(size_gap(r), 2),
+                                               kernel_gap(r)))
     if of_kind:
         return ref, "nearest benchmarked model"
-    return ref, f"nearest benchmarked model of another kind (no {kind} model benchmarked)"
+    return ref, f"nearest benchmarked model of another kind (no {kind} model benchmarked within the size)"
 
 
 # ------------------------------------------------------------------------------------------ histogram
@@ -280,11 +326,14 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
     check_data_verdict(data, recipe.data)  # the extraction's own stop: nothing kept, or too much skipped
     cols = data.kept.select_columns(["sample_id", "source_row", "source_id", "num_tokens"]).to_dict()
     lengths = [int(n) for n in cols["num_tokens"]]
-    packing = plan_packing(recipe, config, device["type"] == "cuda")
+    from dflash_prep.target.replica import TENSOR_PARALLEL
+
+    replicas = _replicas(recipe, config, num_gpus)
+    tensor_parallel = replicas["parallelism"] == TENSOR_PARALLEL
+    packing = plan_packing(recipe, config, device["type"] == "cuda", tensor_parallel)
     plan = make_plan(lengths, recipe, packed=packing.packed)
     stats = plan_stats(plan)
 
-    replicas = _replicas(recipe, config, num_gpus)
     last_needed = num_layers - 1 if recipe.layers.capture_final != "none" else layer_ids[-1]
     params = decoder_params_run(recipe.model, config, last_needed)
     # the extraction's own split (same cost numbers), so the shards replayed per rank are the run's
@@ -293,7 +342,8 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
                                 functools.partial(cost_model.cost_of, lengths=lengths))
     disk = _disk_figures(recipe, plan, shares, cols, lengths, layer_ids, hidden_size, stats["num_real_tokens"])
     _bill_each_dtype(disk, storage_rate, price_per_gb_month)
-    throughput = _throughput(recipe, config, params, tokens_per_second, bench_dir, packing.packed) \
+    kernels = planned_kernels(recipe, config, tensor_parallel) if device["type"] == "cuda" else ()
+    throughput = _throughput(recipe, config, params, tokens_per_second, bench_dir, packing.packed, kernels) \
         if device["type"] == "cuda" or tokens_per_second else NO_CPU_FIGURE
     if throughput["tokens_per_second"]:
         replicas["tokens_per_second_per_replica"] = throughput["tokens_per_second"] * replicas["computing_gpus"]
@@ -314,7 +364,7 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
         "samples": data.samples,
         **_batch_figures(stats),
         "packing": packing.record(), "shapes": _shape_counts(plan),
-        "kernels": list(planned_kernels(recipe, config)) if device["type"] == "cuda" else [],
+        "kernels": list(kernels),
         "max_tokens_per_batch": recipe.batching.max_tokens_per_batch, "max_tokens_per_batch_auto": budget_how,
         "max_tokens_per_row": packed_row_budget(recipe.batching) if packing.packed else None,
         "stored_plan": _stored_plan(Path(recipe.output.dir), lengths),
@@ -363,23 +413,26 @@ def plan_device(gpu: bool, gpu_memory_bytes: int | None, local_gpu_memory_bytes:
     return {"type": "cpu", "why": "this machine has no GPU; --gpu plans the GPU run"}
 
 
-def planned_kernels(recipe: Recipe, config) -> tuple[str, ...]:
-    """The kernels the run applies on a GPU: `auto` as the GPU install applies it (kernels.auto_kernels_on_gpu),
-    none for `eager`, else the list."""
-    from dflash_prep.target.kernels import auto_kernels_on_gpu
+def planned_kernels(recipe: Recipe, config, tensor_parallel: bool = False) -> tuple[str, ...]:
+    """The kernels the run applies on a GPU: `auto` as the GPU install applies it (kernels.auto_kernels_on_gpu;
+    none on a tensor-parallel replica), none for `eager`, else the list (RecipeError, as the run, for a name the
+    architecture has no patch for)."""
+    from dflash_prep.target.kernels import auto_kernels_on_gpu, check_listed_kernels
 
     kernels = recipe.model.kernels
-    return auto_kernels_on_gpu(config) if kernels == "auto" else () if kernels == "eager" else tuple(kernels)
+    if kernels == "auto":
+        return auto_kernels_on_gpu(config, tensor_parallel)
+    return () if kernels == "eager" else check_listed_kernels(tuple(kernels), config)
 
 
-def plan_packing(recipe: Recipe, config, for_gpus: bool):
+def plan_packing(recipe: Recipe, config, for_gpus: bool, tensor_parallel: bool = False):
     """`batching.packing` as the run would resolve it (packing.select_packing): on GPUs (`for_gpus`: this machine
     has one, or --gpu-memory-gb was given) with `model.kernels: auto` taken as the GPU install applies it
     (`pip install -e ".[gpu]"`: the architecture's measured kernels, kernels.auto_kernels_on_gpu), which a machine
     without a GPU cannot check; on the CPU as the CPU run would."""
     from dflash_prep.target.packing import select_packing
 
-    names = planned_kernels(recipe, config)
+    names = planned_kernels(recipe, config, tensor_parallel)
     return select_packing(recipe.batching.packing, config, "cuda" if for_gpus else "cpu", names, assume_fla=for_gpus,
                           several_gpus=recipe.model.gpus_per_replica > 1, compute_dtype=recipe.model.dtype)
 
@@ -439,12 +492,11 @@ def _bill_each_dtype(disk: dict, rate: dict | None, price_per_gb_month: float | 
 
 
 def _throughput(recipe: Recipe, config, params: int | None, tokens_per_second: float | None,
-                bench_dir: Path | None, packed: bool) -> dict:
+                bench_dir: Path | None, packed: bool, kernels: tuple[str, ...] = ()) -> dict:
     """tokens/s per GPU: given, or the nearest benchmarked model's (runs of the same layout: `packed` rows or
     padded batches) scaled by decoder parameters run per token."""
     ref, why = (None, "given with --tokens-per-second") if tokens_per_second else (
-        choose_reference(bench_references(bench_dir, packed), config, params, recipe.model.dtype,
-                         planned_kernels(recipe, config))
+        choose_reference(bench_references(bench_dir, packed), config, params, recipe.model.dtype, kernels)
         if bench_dir is not None else (None, "no benchmark folder"))
     throughput: dict = {"tokens_per_second": tokens_per_second, "source": why, "reference": ref}
     if ref is not None:
@@ -753,6 +805,8 @@ def main(argv: list[str] | None = None) -> int:
         import datasets
 
         datasets.disable_progress_bars()
+        if args.gpu_memory_gb is not None and not (math.isfinite(args.gpu_memory_gb) and args.gpu_memory_gb > 0):
+            raise ValueError(f"--gpu-memory-gb must be a finite number > 0, got {args.gpu_memory_gb:g}")
         recipe = load_recipe(args.recipe, args.overrides)
         if args.show_sample is not None:
             print(show_sample(recipe, args.show_sample) + "\n", flush=True)

@@ -459,9 +459,22 @@ def _prefill_blocker(model, prefill: str) -> str | None:
 
 def cache_keyword(model) -> str:
     """The keyword the model's forward takes its cache by: `cache` (transformers >= 5.24) or `past_key_values`
-    (earlier 5.x, where an unknown `cache` keyword would reach the attention functions)."""
-    parameters = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in parameters or "past_key_values" not in parameters else "past_key_values"
+    (earlier 5.x, where an unknown `cache` keyword would reach the attention functions). A forward that names
+    neither (a wrapper's `*args, **kwargs`, a compiled module) follows the installed transformers' own decoders."""
+    for forward in (model.forward, _installed_decoder_forward()):
+        parameters = inspect.signature(forward).parameters
+        if "cache" in parameters:
+            return "cache"
+        if "past_key_values" in parameters:
+            return "past_key_values"
+    return "cache"
+
+
+def _installed_decoder_forward():
+    """The forward of a decoder of the installed transformers (Llama's), whose signature names the cache keyword."""
+    from transformers.models.llama.modeling_llama import LlamaForCausalLM
+
+    return LlamaForCausalLM.forward
 
 
 def _has_gated_deltanet(model) -> bool:

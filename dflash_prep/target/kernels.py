@@ -118,11 +118,24 @@ def _supported(config) -> tuple[str | None, list[str]]:
     return model_type, supported
 
 
-def auto_kernels_on_gpu(config) -> tuple[str, ...]:
-    """The kernels `auto` applies to a model of `config` on one CUDA GPU with the `gpu` extra installed (what `plan`
-    assumes of the GPU machine it cannot see), in KERNEL_NAMES order."""
+def auto_kernels_on_gpu(config, tensor_parallel: bool = False) -> tuple[str, ...]:
+    """The kernels `auto` applies to a model of `config` on CUDA with the `gpu` extra installed (what `plan`
+    assumes of the GPU machine it cannot see), in KERNEL_NAMES order; none on a tensor-parallel replica."""
     model_type, supported = _supported(config)
-    return () if model_type in AUTO_NOT_MEASURED else tuple(k for k in KERNEL_NAMES if k in supported)
+    if tensor_parallel or model_type in AUTO_NOT_MEASURED:
+        return ()
+    return tuple(k for k in KERNEL_NAMES if k in supported)
+
+
+def check_listed_kernels(asked, config) -> tuple[str, ...]:
+    """`model.kernels` given as a list: the names in KERNEL_NAMES order, or RecipeError (naming the key) for a name
+    the architecture has no patch for."""
+    model_type, supported = _supported(config)
+    bad = [k for k in asked if k not in supported]
+    if bad:
+        raise RecipeError(f"recipe key `model.kernels` = {list(asked)}: {bad} do not apply to model type "
+                          f"{model_type!r} (its kernels: {supported or 'none, use eager'})")
+    return tuple(k for k in KERNEL_NAMES if k in asked)
 
 
 def select_kernels(requested, config, device_type: str, tensor_parallel: bool = False) -> KernelChoice:
@@ -154,10 +167,7 @@ def select_kernels(requested, config, device_type: str, tensor_parallel: bool = 
         return KernelChoice("auto", names, model_type, reason,
                             {LIBRARIES[lib][1]: v for lib, v in versions.items() if v is not None})
     asked = tuple(requested)
-    bad = [k for k in asked if k not in supported]
-    if bad:
-        raise RecipeError(f"recipe key `model.kernels` = {list(asked)}: {bad} do not apply to model type "
-                          f"{model_type!r} (its kernels: {supported or 'none, use eager'})")
+    check_listed_kernels(asked, config)
     if device_type != "cuda":
         raise RecipeError(f"recipe key `model.kernels` = {list(asked)}: fused kernels need a CUDA device, this run "
                           f"is on {device_type}; use `auto` (eager here) or `eager`")

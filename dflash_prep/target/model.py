@@ -256,15 +256,22 @@ def active_params(module: nn.Module, top_k: int | None) -> int:
     transformers' fused [E, ...] expert weights, or a ModuleList named `experts`) count top_k / E. Shared experts,
     routers and everything else count fully. `top_k` None: all parameters."""
     if not top_k:
-        return sum(_own_params(m) for m in module.modules())
+        return _held_params(module)
     total = _own_params(module)
     for name, child in module.named_children():
         E = _num_routed_experts(name, child)
         if E:
-            total += sum(p.numel() for p in child.parameters()) * min(top_k, E) // E
+            total += _held_params(child) * min(top_k, E) // E
         else:
             total += active_params(child, top_k)
     return total
+
+
+def _held_params(module: nn.Module) -> int:
+    """Every parameter under `module` once (a tied one counted once), and the weights its quantized layers hold
+    as buffers (`_own_params`)."""
+    return sum(p.numel() for p in module.parameters()) + sum(_own_params(m) - sum(
+        p.numel() for p in m.parameters(recurse=False)) for m in module.modules())
 
 
 def _own_params(module: nn.Module) -> int:
