@@ -29,8 +29,9 @@ MEMORY_FRACTION = 0.85  # of the memory free after the weights: allocator fragme
 
 @dataclass(frozen=True)
 class ModelSizes:
-    """weights_bytes: all parameters. kv_bytes_per_token: one token of every full-attention layer's keys and
-    values. state_bytes_per_row: one row's linear-attention (Gated DeltaNet) conv and recurrent states.
+    """weights_bytes: all parameters (and quantized layers' weight buffers). kv_bytes_per_token: one token of
+    every full-attention layer's keys and values. state_bytes_per_row: one row's linear-attention (Gated DeltaNet)
+    conv and recurrent states.
     repeat_bytes_per_token: a prefill forward's keys and values repeated per query head (transformers' SDPA with a
     mask), one attention layer at a time, per token of the attended prefix and row."""
 
@@ -43,7 +44,10 @@ class ModelSizes:
     def of(cls, model, config) -> ModelSizes:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         dtype_bytes = next(model.parameters()).element_size()
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        # and the buffers of quantized layers: an FP8 checkpoint's linear layers hold their weights and scales as
+        # buffers (fp8_weights.BlockFP8Linear: `weights_in_buffers`)
+        quantized = [b for m in model.modules() if hasattr(m, "weights_in_buffers") for b in m.buffers(recurse=False)]
+        weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *quantized))
         layers = int(text.num_hidden_layers)
         types = list(getattr(text, "layer_types", None) or [])[:layers]
         if not types and getattr(text, "full_attention_interval", None):
