@@ -249,6 +249,7 @@ def test_plan_takes_the_same_models_run_with_its_kernels_and_else_a_model_of_its
     hybrid_moe = AutoConfig.for_model("qwen3_5_moe_text")
     ref, why = choose_reference(refs, hybrid_moe, 6_600_000_000, "bfloat16", ())
     assert why.startswith("nearest benchmarked model of another kind (no moe hybrid model"), why
+    assert ref["model"] == "qwen3-30b-a3b", "routed experts weigh more than the token mixer: the MoE, not a dense"
     # the size bound first: a model of the same kind 5x away gives way to one of another kind within 4x, and a
     # model whose kernels match gives way to a nearer one (the kernels break ties of size only)
     far_moe = {**next(r for r in refs if r["model"] == "qwen3-30b-a3b"), "decoder_params_needed": 33_000_000_000}
