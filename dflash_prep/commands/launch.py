@@ -197,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: dflash-prep launch: {e}", file=sys.stderr)
         return EXIT_REFUSED
     except SystemExit as e:  # the `--quiet` path of accelerate's simple launcher: sys.exit(1)
+        if e.code in (128 + signal.SIGTERM, 128 + signal.SIGINT):
+            # accelerate >= 1.16 answers a SIGTERM to its launcher itself (it stops the script's processes, then
+            # exits 128 + the signal, in place of torch elastic's SignalException): the same orderly stop
+            return EXIT_STOPPED
         return e.code if isinstance(e.code, int) else EXIT_STOPPED
     finally:
         signal.signal(signal.SIGINT, previous)
