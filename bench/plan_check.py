@@ -59,6 +59,7 @@ def plannable_reports(results_dir: Path, pattern: str = "*.json") -> list[tuple[
 
 def job_recipe(report: dict, work: Path):
     """The recipe of the report's cold dflash_prep mode, its rows written as parquet under `work`."""
+    from dflash_prep.commands.plan import applied_kernels
     from dflash_prep.recipe.schema import parse_overrides, recipe_from_dict, set_dotted
 
     settings, spec = report["settings"], MODELS[report["model"]]
@@ -80,7 +81,7 @@ def job_recipe(report: dict, work: Path):
     for key, value in parse_overrides(settings.get("dflash_overrides")):  # recorded as "KEY=VALUE"
         set_dotted(raw, key, value)
     # the kernels the measured run applied (today's `auto` may apply others)
-    applied = ((report["modes"]["dflash_prep"].get("summary") or {}).get("kernels") or {}).get("applied")
+    applied = applied_kernels(report["modes"]["dflash_prep"])
     if applied is not None:
         raw["model"]["kernels"] = list(applied) or "eager"
     return recipe_from_dict(raw)

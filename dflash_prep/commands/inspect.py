@@ -211,8 +211,9 @@ def describe_progress(out_dir: str | Path) -> dict | None:
         entry["shards"] += 1
         entry["samples"] += r.num_samples
         entry["tokens"] += r.num_tokens
+    timed = [(t, r) for r in committed if (t := _commit_time(r)) is not None]  # (unix seconds, record)
     if is_remote_path(out_dir):  # an object store: the last commit's own time; the live leases (store/lease.py)
-        last = max((t for t in (_commit_time(r) for r in committed) if t), default=None)
+        last = max((t for t, _ in timed if t), default=None)
         running = _live_leases(out_dir)
     else:
         indexes = list(index_dir.glob("rank-*.jsonl")) if index_dir.is_dir() else []
@@ -221,8 +222,7 @@ def describe_progress(out_dir: str | Path) -> dict | None:
     # Rate over the commits of the last RATE_WINDOW_SECONDS (all ranks), and the ETA of a running job. The window
     # ends now for a running job, at the last commit for an interrupted one (its rate must not decay while idle).
     now = time.time()
-    stamps = [t for t in (_commit_time(r) for r in committed) if t is not None]
-    end = now if running or not stamps else max(stamps)
+    end = now if running or not timed else max(t for t, _ in timed)
     rate = eta = None
     started = _last_run_started_at(out_dir)
     if started is not None and end > started:
@@ -230,13 +230,13 @@ def describe_progress(out_dir: str | Path) -> dict | None:
         # so a span from the first commit in the window can be a fraction of a second and the rate thousands of
         # samples per second; the work of those commits was done since the run started.
         start = max(started, end - RATE_WINDOW_SECONDS)
-        done = sum(r.num_samples + len(r.failed) for r in committed if (_commit_time(r) or 0) > start)
+        done = sum(r.num_samples + len(r.failed) for t, r in timed if t > start)
         rate = done / (end - start) if done else None
     else:  # an output whose run_state.json does not say when its run started: between the window's commits
-        recent = [r for r in committed if (_commit_time(r) or -1.0) >= end - RATE_WINDOW_SECONDS]
+        recent = [(t, r) for t, r in timed if t >= end - RATE_WINDOW_SECONDS]
         if len(recent) >= 2:
-            first = min(_commit_time(r) for r in recent)
-            done = sum(r.num_samples + len(r.failed) for r in recent if _commit_time(r) > first)
+            first = min(t for t, _ in recent)
+            done = sum(r.num_samples + len(r.failed) for t, r in recent if t > first)
             rate = done / (end - first) if end > first else None
     if rate and running and planned:
         left = planned["num_samples"] - sum(r.num_samples + len(r.failed) for r in committed)

@@ -126,7 +126,7 @@ def _dict(value) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def _applied_kernels(mode: dict) -> tuple[str, ...] | None:
+def applied_kernels(mode: dict) -> tuple[str, ...] | None:
     """The kernels a benchmark mode applied (its summary's `kernels.applied`), None where not a list of names."""
     applied = _dict(_dict(_dict(mode.get("summary")).get("kernels"))).get("applied")
     if isinstance(applied, list) and all(isinstance(k, str) for k in applied):
@@ -162,7 +162,7 @@ def _reference(path: Path, report: dict, cold_name: str, warm_name: str, packed:
         "gpu": _dict(report.get("environment")).get("gpu"),
         "model_type": info.get("model_type"), "hidden_size": info.get("hidden_size"),
         "num_hidden_layers": info.get("num_hidden_layers"),
-        "kernels": _applied_kernels(mode),
+        "kernels": applied_kernels(mode),
         # per token: an MoE report's active count (older reports of dense models have only the held count)
         "decoder_params_needed": int(params),
         "padding_efficiency": mode.get("padding_efficiency"),
@@ -341,8 +341,8 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
     from dflash_prep.target.replica import TENSOR_PARALLEL
 
     replicas = _replicas(recipe, config, num_gpus)
-    tensor_parallel = replicas["parallelism"] == TENSOR_PARALLEL
-    packing = plan_packing(recipe, config, device["type"] == "cuda", tensor_parallel)
+    gpu_kernels = planned_kernels(recipe, config, replicas["parallelism"] == TENSOR_PARALLEL)
+    packing = plan_packing(recipe, config, device["type"] == "cuda", gpu_kernels)
     plan = make_plan(lengths, recipe, packed=packing.packed)
     stats = plan_stats(plan)
 
@@ -354,7 +354,7 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
                                 functools.partial(cost_model.cost_of, lengths=lengths))
     disk = _disk_figures(recipe, plan, shares, cols, lengths, layer_ids, hidden_size, stats["num_real_tokens"])
     _bill_each_dtype(disk, storage_rate, price_per_gb_month)
-    kernels = planned_kernels(recipe, config, tensor_parallel) if device["type"] == "cuda" else ()
+    kernels = gpu_kernels if device["type"] == "cuda" else ()
     throughput = _throughput(recipe, config, params, tokens_per_second, bench_dir, packing.packed, kernels) \
         if device["type"] == "cuda" or tokens_per_second else NO_CPU_FIGURE
     if throughput["tokens_per_second"]:
@@ -437,14 +437,13 @@ def planned_kernels(recipe: Recipe, config, tensor_parallel: bool = False) -> tu
     return () if kernels == "eager" else check_listed_kernels(tuple(kernels), config)
 
 
-def plan_packing(recipe: Recipe, config, for_gpus: bool, tensor_parallel: bool = False):
+def plan_packing(recipe: Recipe, config, for_gpus: bool, names: tuple[str, ...]):
     """`batching.packing` as the run would resolve it (packing.select_packing): on GPUs (`for_gpus`: this machine
-    has one, or --gpu-memory-gb was given) with `model.kernels: auto` taken as the GPU install applies it
-    (`pip install -e ".[gpu]"`: the architecture's measured kernels, kernels.auto_kernels_on_gpu), which a machine
-    without a GPU cannot check; on the CPU as the CPU run would."""
+    has one, or --gpu-memory-gb was given) with the kernels `names` the GPU run applies (`planned_kernels`: with
+    `model.kernels: auto`, as the GPU install applies it), which a machine without a GPU cannot check; on the CPU
+    as the CPU run would."""
     from dflash_prep.target.packing import select_packing
 
-    names = planned_kernels(recipe, config, tensor_parallel)
     return select_packing(recipe.batching.packing, config, "cuda" if for_gpus else "cpu", names, assume_fla=for_gpus,
                           several_gpus=recipe.model.gpus_per_replica > 1, compute_dtype=recipe.model.dtype)
 

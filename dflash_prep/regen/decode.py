@@ -301,7 +301,8 @@ class StaticCacheDecoder:
         packed_cache = _PackedPrefillCache(cache, rows, columns, input_ids.shape[0], first_row, lengths,
                                            tail_tokens=tail)
         out = self.model(input_ids=ids[None], position_ids=positions[None], attention_mask=None,
-                         use_cache=True, **{self.cache_keyword: packed_cache}, logits_to_keep=bounds[1:len(lengths) + 1] - 1,
+                         use_cache=True, logits_to_keep=bounds[1:len(lengths) + 1] - 1,
+                         **{self.cache_keyword: packed_cache},
                          **flash_kwargs(bounds.to(torch.int32), max(max(lengths), tail)))
         return out.logits[0]
 
@@ -324,9 +325,8 @@ class StaticCacheDecoder:
             end, rows = self._prefill_span(first_real, start, width, prefix_ok)
             with _row_views(cache, rows if rows < batch else None, end if start > 0 else None):
                 out = self.model(input_ids=input_ids[:rows, start:end], attention_mask=mask[:rows, :end],
-                                 position_ids=positions[:rows, start:end], use_cache=True,
-                                 **{self.cache_keyword: cache},
-                                 logits_to_keep=1)
+                                 position_ids=positions[:rows, start:end], use_cache=True, logits_to_keep=1,
+                                 **{self.cache_keyword: cache})
             self.stats.prefill_forwards += 1
             self.stats.prefill_computed_tokens += rows * (end - start)
             logits, start = out.logits[:, -1, :], end
@@ -461,8 +461,8 @@ def cache_keyword(model) -> str:
     """The keyword the model's forward takes its cache by: `cache` (transformers >= 5.24) or `past_key_values`
     (earlier 5.x, where an unknown `cache` keyword would reach the attention functions). A forward that names
     neither (a wrapper's `*args, **kwargs`, a compiled module) follows the installed transformers' own decoders."""
-    for forward in (model.forward, _installed_decoder_forward()):
-        parameters = inspect.signature(forward).parameters
+    for forward in (model.forward, None):
+        parameters = inspect.signature(forward or _installed_decoder_forward()).parameters
         if "cache" in parameters:
             return "cache"
         if "past_key_values" in parameters:

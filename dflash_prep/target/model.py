@@ -269,16 +269,20 @@ def active_params(module: nn.Module, top_k: int | None) -> int:
 
 def _held_params(module: nn.Module) -> int:
     """Every parameter under `module` once (a tied one counted once), and the weights its quantized layers hold
-    as buffers (`_own_params`)."""
-    return sum(p.numel() for p in module.parameters()) + sum(_own_params(m) - sum(
-        p.numel() for p in m.parameters(recurse=False)) for m in module.modules())
+    as buffers (`_buffer_weights`)."""
+    return sum(p.numel() for p in module.parameters()) + sum(_buffer_weights(m) for m in module.modules())
 
 
 def _own_params(module: nn.Module) -> int:
-    """The module's own parameters, and the weights a quantized layer holds as buffers (fp8_weights.BlockFP8Linear:
-    `weights_in_buffers`, its unpadded weight and bias) that a token runs through all the same."""
+    """The module's own parameters and the weights it holds as buffers (`_buffer_weights`)."""
+    return sum(p.numel() for p in module.parameters(recurse=False)) + _buffer_weights(module)
+
+
+def _buffer_weights(module: nn.Module) -> int:
+    """The weights a quantized layer holds as buffers, not parameters, that a token runs through all the same
+    (fp8_weights.BlockFP8Linear: `weights_in_buffers`, its unpadded weight and bias); 0 for any other module."""
     held = getattr(module, "weights_in_buffers", None)
-    return sum(p.numel() for p in module.parameters(recurse=False)) + (held() if callable(held) else 0)
+    return held() if callable(held) else 0
 
 
 def _num_routed_experts(name: str, module: nn.Module) -> int | None:
