@@ -442,3 +442,25 @@ def test_the_progress_hears_of_each_batch_as_it_ends(llama_path):
     answers = engine.answer([make_request(user("How far is the moon?"), seed=i) for i in range(7)],
                             on_answered=heard.append)
     assert heard == [2, 2, 2, 1] and len(answers) == 7
+
+
+def test_row_spans_let_the_cost_model_merge_batches_with_the_same_answers(llama_path):
+    """The decode cost model (regen/batch_sizing.py, run on CUDA) set on a CPU engine, its weights priced at 600 cache
+    positions: a ~400-token prompt and eleven short ones are two batches when every row reads the whole cache (the
+    long prompt's width would pad eleven rows) and one when the decode steps attend in row spans (the short rows
+    read from their own columns); the answers of both equal generate alone."""
+    from dflash_prep.regen.batch_sizing import ModelSizes
+
+    messages = [user("word " * 380)] + [user(f"Question {i}?") for i in range(11)]
+    requests = [make_request(m, seed=i) for i, m in enumerate(messages)]
+    rows = {}
+    for spans in (None, 64):
+        engine = TransformersEngine(section(llama_path), CPU, 1 << 20, span_cost_keys=spans)
+        engine.sizes, engine.memory_limit_bytes = ModelSizes(600, 1, 0, 0), 10**9
+        with recorded_generate(engine) as calls:
+            answers = engine.answer(requests)
+        rows[spans] = [c["rows"] for c in calls]
+        for m, answer in zip(messages, answers):
+            assert answer.content == engine.tokenizer.decode(
+                [t for t in alone(engine, prompt_ids(engine, m)) if t != DEMO_EOS], skip_special_tokens=True)
+    assert rows == {None: [1, 11], 64: [12]}

@@ -33,6 +33,8 @@ import contextlib
 import torch
 
 STATIC_ATTENTION = "regen_static"  # no "flash" or "sdpa" in the name: transformers reads such names by substring
+SPAN_COLUMN_MULTIPLE = 64  # a span's first key column is a multiple of it (aligned for the kernels)
+MAX_DECODE_SPANS = 8  # row spans a decode step attends in at most (one SDPA call a layer each)
 
 
 def register() -> str:
@@ -102,8 +104,8 @@ def _decode_in_spans(module, query, key, value, mask, spans, **kwargs) -> torch.
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
-def plan_decode_spans(first_real: list[int], keys: int, column_multiple: int = 64, max_spans: int = 8,
-                      span_cost_keys: int = 8192) -> list[tuple[int, int, int]]:
+def plan_decode_spans(first_real: list[int], keys: int, column_multiple: int = SPAN_COLUMN_MULTIPLE,
+                      max_spans: int = MAX_DECODE_SPANS, span_cost_keys: int = 8192) -> list[tuple[int, int, int]]:
     """The row spans of a batch (rows in their order; row r's first real key column `first_real[r]`) that minimize
     the keys read per decode step, sum over spans of rows x (keys - its first column), plus `span_cost_keys` per
     span (one more small SDPA call a layer: ~10 us of GPU time, about what 8,192 positions of an 8B's cache take

@@ -138,6 +138,18 @@ class StaticCacheDecoder:
             else ""
         return f"{steps}{spans}, {prefill}"
 
+    @property
+    def prefill_copies_keys(self) -> bool:
+        """Whether a prefill forward copies keys and values per query head (the padded prefill on an attention
+        implementation other than ours, e.g. transformers' eager): what the batch sizing holds memory for."""
+        return not self.packed_prefill and self.attention != STATIC_ATTENTION
+
+    @property
+    def spans_cost_keys(self) -> int | None:
+        """The price of a row span the decode steps attend in (`span_cost_keys`), None where they attend without
+        spans (unset, or the model on an attention implementation other than ours): what the batch cut prices."""
+        return self.span_cost_keys if self.attention == STATIC_ATTENTION else None
+
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_tokens: int, stop_ids: list[int],
                  processors=None, row_new_tokens: list[int] | None = None) -> torch.Tensor:
         """-> the new ids [B, n] (long, on the model's device, n <= new_tokens: fewer when every row stopped), a
@@ -182,7 +194,7 @@ class StaticCacheDecoder:
     def _spans(self, mask: torch.Tensor, width: int, new_tokens: int) -> list[tuple[int, int, int]] | None:
         """The decode steps' row spans (regen/attention.py: each attends from its own first real column), or None
         where our attention function does not run (the model on another implementation)."""
-        if self.attention != STATIC_ATTENTION or self.span_cost_keys is None:
+        if self.spans_cost_keys is None:
             return None
         first_real = (width - mask[:, :width].sum(-1)).tolist()
         spans = plan_decode_spans(first_real, width + new_tokens, span_cost_keys=self.span_cost_keys)

@@ -74,6 +74,7 @@ What it does with a `Request` (engine.py), step by step:
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import json
@@ -282,13 +283,17 @@ class TransformersEngine:
     def _batches(self, prompts: list[_Prompt], new_tokens: int) -> list[tuple[list[_Prompt], int]]:
         """[(prompts, padded prompt width)]: longest first, consecutive, each under the budget (the learned one
         too); for the static decoder cut where the decode cost model says (regen/batch_sizing.py: weights read
-        per batch against padded cache read per row) within the budget and device memory. A prompt alone always
-        fits: `_prepare` rejected those over the budget."""
+        per batch against the cache a row reads: its padded width, or from its own column when the decode steps
+        attend in row spans) within the budget and device memory. A prompt alone always fits: `_prepare` rejected
+        those over the budget."""
         budget = min(self.max_tokens_per_batch, self.token_cap or self.max_tokens_per_batch)
         if self.decoder is not None and self.sizes is not None:
             ordered = sorted(prompts, key=lambda p: (-len(p.ids), p.index))
+            sizes = self.sizes if self.decoder.prefill_copies_keys else \
+                dataclasses.replace(self.sizes, repeat_bytes_per_token=0)
             cuts = cut_batches([len(p.ids) for p in ordered], new_tokens, lambda n: self._width(n, new_tokens),
-                               self.max_batch_size, budget, self.sizes, self.memory_limit_bytes)
+                               self.max_batch_size, budget, sizes, self.memory_limit_bytes,
+                               span_cost_keys=self.decoder.spans_cost_keys)
             return [(ordered[a:b], self._width(len(ordered[a].ids), new_tokens)) for a, b in cuts]
         batches: list[tuple[list[_Prompt], int]] = []
         for prompt in sorted(prompts, key=lambda p: (-len(p.ids), p.index)):
