@@ -51,6 +51,8 @@ import bench  # noqa: E402, F401 - sets PYTORCH_CUDA_ALLOC_CONF before torch is 
 from bench.context import environment  # noqa: E402
 from bench.models import CONFIG_DIR, TOKENIZER_DIR  # noqa: E402
 from bench.timing import free_memory, peak_memory, sync  # noqa: E402
+from dflash_prep.regen.attention import DEFAULT_SPAN_COST_KEYS  # noqa: E402
+from dflash_prep.regen.decode import KEY_LIMIT_GRAPHS  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -201,7 +203,7 @@ def build_engine(name: str, spec: RegenSpec, kernels: str, args, device, t0: flo
             torch.cuda.reset_peak_memory_stats(device)
         engine = TransformersEngine(section, device, args.static_tokens_per_batch or spec.static_tokens_per_batch,
                                     ignore_eos=True, cuda_graphs=args.cuda_graphs, prefill=args.prefill[0],
-                                    span_cost_keys=args.span_cost_keys[0])
+                                    span_cost_keys=args.span_cost_keys[0], key_limit_graphs=args.key_limit_graphs[0])
         sync(device)
         text = engine.config.get_text_config() if hasattr(engine.config, "get_text_config") else engine.config
         result.update(build_seconds=time.perf_counter() - t, kernels=engine.kernels, decode_path=engine.decode_path,
@@ -267,32 +269,34 @@ def static_passes(name, engine, requests, args, device, t0, deadline, reserve, r
 
 def variant_passes(name, engine, requests, args, device, t0, deadline, reserve, result) -> None:
     """The static decoder again (cold, then warm) for each further variant, every (`--prefill` mode,
-    `--span-cost-keys` value) pair after the first, on the same engine and prompts, into
+    `--span-cost-keys` value, `--key-limit-graphs` value) after the first, on the same engine and prompts, into
     result["static_variants"][variant]; the engine's first decoder restored after. A variant that does not apply
     to the model (ValueError) or fails is recorded, not raised."""
     from dflash_prep.regen.decode import StaticCacheDecoder
 
     first = engine.decoder
-    variants = [(p, c) for p in args.prefill for c in args.span_cost_keys]
-    label = lambda p, c: f"prefill {p}, " + ("no row spans" if c is None else f"span cost {c:,} keys")  # noqa: E731
+    variants = [(p, c, g) for p in args.prefill for c in args.span_cost_keys for g in args.key_limit_graphs]
+    label = lambda p, c, g: (f"prefill {p}, " + ("no row spans" if c is None else f"span cost {c:,} keys")  # noqa: E731
+                             + f", {g} key limit{'s' if g > 1 else ''}")
     result["static_variants"] = {label(*variants[0]): {"path": first.path, **(result.get("static") or {})}}
-    for mode, cost in variants[1:]:
-        entry = result["static_variants"][label(mode, cost)] = {}
+    for mode, cost, graphs in variants[1:]:
+        entry = result["static_variants"][label(mode, cost, graphs)] = {}
         try:
             engine.decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, prefill_tokens=first.prefill_tokens,
-                                                cuda_graphs=args.cuda_graphs, prefill=mode, span_cost_keys=cost)
+                                                cuda_graphs=args.cuda_graphs, prefill=mode, span_cost_keys=cost,
+                                                key_limit_graphs=graphs)
             entry["path"] = engine.decoder.path
             cold = engine_pass(engine, requests, device)
             entry["cold"] = _public(cold)
-            log(f"{name}: {label(mode, cost)}: cold {_rate(cold)}, prefill {cold['prefill_seconds']:.1f} s "
+            log(f"{name}: {label(mode, cost, graphs)}: cold {_rate(cold)}, prefill {cold['prefill_seconds']:.1f} s "
                 f"({cold['prefill_forwards']} forwards), {cold['decode_spans']} decode row spans", t0)
             if args.warm and time.perf_counter() + _warm_estimate(cold) < deadline - reserve:
                 warm = entry["warm"] = _public(engine_pass(engine, requests, device))
-                log(f"{name}: {label(mode, cost)}: warm {_rate(warm)}, prefill {warm['prefill_seconds']:.1f} s, "
+                log(f"{name}: {label(mode, cost, graphs)}: warm {_rate(warm)}, prefill {warm['prefill_seconds']:.1f} s, "
                     f"decode {warm['decode_seconds']:.1f} s, {warm['ms_per_decode_step']:.1f} ms per step", t0)
         except Exception as e:  # noqa: BLE001 - one variant's failure is a figure of the report
             entry["error"] = f"{type(e).__name__}: {e}"
-            log(f"{name}: {label(mode, cost)} FAILED {type(e).__name__}: {e}", t0)
+            log(f"{name}: {label(mode, cost, graphs)} FAILED {type(e).__name__}: {e}", t0)
             free_memory(device)
         finally:
             engine.decoder = first
@@ -498,9 +502,14 @@ def parse_args(argv):
                    help="the static decoder's prefill modes, comma-separated (auto, packed, padded): the first for "
                         "every figure, the others timed after it on the same engine (an A/B in one run)")
     p.add_argument("--span-cost-keys", type=lambda v: [None if x == "off" else int(x) for x in v.split(",")],
-                   default=[None], help="the decode steps' price of one more attention row span, in cache positions, "
-                                        "comma-separated, `off`: no spans (the default); the first for every figure, "
-                                        "the others timed after it")
+                   default=[DEFAULT_SPAN_COST_KEYS],
+                   help="the decode steps' price of one more attention row span, in cache positions, comma-separated, "
+                        f"`off`: no spans (default: the engine's, {DEFAULT_SPAN_COST_KEYS}); the first for every "
+                        "figure, the others timed after it")
+    p.add_argument("--key-limit-graphs", type=lambda v: [int(x) for x in v.split(",")], default=[KEY_LIMIT_GRAPHS],
+                   help="the decode steps' key limits a batch (1: every step reads the whole cache; default: the "
+                        f"engine's, {KEY_LIMIT_GRAPHS}), comma-separated; the first for every figure, the others timed "
+                        "after it")
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="no exactness check and no profiles (timed passes and the generate baseline only)")
     p.add_argument("--seed", type=int, default=0)

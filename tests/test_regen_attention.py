@@ -78,6 +78,29 @@ def test_decode_in_row_spans_equals_attention_written_out():
     assert torch.allclose(out.double(), reference(q, k, v, mask, 0.3), atol=2e-6)
 
 
+@pytest.mark.parametrize("spans", [[(0, 5, 0)], [(0, 2, 0), (2, 4, 16), (4, 5, 32)]])
+def test_decode_keys_end_at_the_key_limit(spans):
+    """A decode step at cache position 35 of 48 (its mask hides the columns from 36 on, as the causal mask does) with
+    the key limit at 40: the same as attention written out over the whole cache, and the columns from 40 on are
+    never read (NaN there would poison the output: a masked NaN value still multiplies a zero weight)."""
+    from dflash_prep.regen.attention import decode_key_limit, decode_spans
+
+    torch.manual_seed(5)
+    q, k, v = torch.randn(5, 8, 1, 16), torch.randn(5, 2, 48, 16), torch.randn(5, 2, 48, 16)
+    mask = masks(5, 1, 48, [0, 3, 20, 21, 34])
+    mask[..., 36:] = False
+    expected = reference(q, k, v, mask, 0.3)
+    k[:, :, 40:], v[:, :, 40:] = float("nan"), float("nan")
+    module = types.SimpleNamespace(num_key_value_groups=4, training=False, is_causal=True)
+    with decode_spans(spans, 48):
+        decode_key_limit(40)
+        out, _ = static_attention(module, q, k, v, mask, scaling=0.3)
+        decode_key_limit(None)
+        whole, _ = static_attention(module, q, k, v, mask, scaling=0.3)
+    assert torch.allclose(out.double(), expected, atol=2e-6)
+    assert torch.isnan(whole).any()  # the same step without the limit reads them
+
+
 def test_a_sliding_window_layer_attends_whole_under_row_spans():
     """The same spans, cut for a cache of 48 positions, while a sliding-window layer of the same model runs: its
     keys are a rolling buffer of one window (24 columns, not positions), with a mask of its own; its rows attend

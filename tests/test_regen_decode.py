@@ -56,7 +56,7 @@ def test_chunked_prefill_and_per_row_limits_equal_generate_alone(name, order, pr
     ids equal `generate` on its prompt alone with that limit (up to and including the first end-of-sequence id),
     then padding to the batch's end. Padded prefill: forwards of 10 tokens at most (sorted longest first, as the
     engine cuts batches: forwards of the rows that have begun; in the given order: whole columns); packed prefill
-    (`auto` on the Llama-style model, `packed` on the hybrid): whole prompts back to back, 150 tokens a forward at
+    (`auto` or `packed`): whole prompts back to back, 150 tokens a forward at
     most (the longest alone), on the hybrid with each prompt's Gated DeltaNet conv and recurrent states written to
     its row (the module runs once per prompt here)."""
     engine = engine_for(name, llama_path, decoder="generate")
@@ -66,8 +66,9 @@ def test_chunked_prefill_and_per_row_limits_equal_generate_alone(name, order, pr
     limits = [12, 2, 7, 12, 5]
     decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, prefill_tokens=150 if prefill != "padded" else 10,
                                  column_multiple=1, row_multiple=1, prefill=prefill, span_cost_keys=0)
-    # auto: packed for attention-only models; the hybrid's packed prefill runs when asked for
-    assert decoder.packed_prefill == (prefill == "packed" or (prefill == "auto" and name == "llama"))
+    # auto: packed for attention-only models and for the hybrid (its Gated DeltaNet layers keep their states in the
+    # cache on this transformers)
+    assert decoder.packed_prefill == (prefill != "padded")
     ids, mask = padded(engine, prompts)
     with torch.inference_mode():
         out = decoder.generate(ids, mask, 12, [DEMO_EOS], row_new_tokens=limits).tolist()
@@ -151,7 +152,8 @@ def test_the_decode_path_names_the_family_and_the_gated_deltanet_kernel(llama_pa
     (the torch fallback here: flash-linear-attention is not installed on this machine)."""
     import importlib.util
 
-    assert engine_for("llama", llama_path).decode_path == "llama: static cache, eager steps, packed prefill"
+    assert engine_for("llama", llama_path).decode_path == \
+        "llama: static cache, eager steps, attention in row spans, keys read to each step's limit, packed prefill"
     hybrid = engine_for("demo", llama_path, decoder="generate").decode_path
     assert hybrid.startswith("qwen3_5_text: HF generate (dynamic cache); Gated DeltaNet decode on ")
     assert ("flash-linear-attention's" in hybrid) == (importlib.util.find_spec("fla") is not None)
@@ -333,3 +335,23 @@ def test_the_cache_goes_by_the_name_the_models_forward_takes():
             return self.inner(*args, **kwargs)
 
     assert cache_keyword(Wrapper(model)) == installed
+
+
+@pytest.mark.parametrize("new_tokens,graphs,multiple", [(256, 8, 64), (2048, 8, 64), (12, 8, 1), (100, 1, 64),
+                                                        (5, 3, 64)])
+def test_the_key_limits_cover_every_step_in_few_blocks(new_tokens, graphs, multiple, llama_path):
+    """A step attends the positions before width + step: its limit is at least that, a multiple of the column
+    multiple past the width (or the cache's end), never past the cache's end, non-decreasing, and a batch's steps
+    use at most `key_limit_graphs` distinct limits (1: the cache's end throughout)."""
+    engine = engine_for("llama", llama_path, decoder="generate")
+    decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, column_multiple=multiple,
+                                 key_limit_graphs=graphs)
+    width = 1000
+    limits = [decoder._key_limit(step, width, new_tokens) for step in range(1, new_tokens)]
+    assert all(width + step <= limit <= width + new_tokens for step, limit in zip(range(1, new_tokens), limits))
+    assert all((limit - width) % multiple == 0 or limit == width + new_tokens for limit in limits)
+    assert limits == sorted(limits) and len(set(limits)) <= graphs
+    if graphs == 1:
+        assert set(limits) <= {width + new_tokens}
+    if (new_tokens, graphs, multiple) == (256, 8, 64):  # the 8B benchmark's: blocks of 64 columns
+        assert sorted(set(limits)) == [1064, 1128, 1192, 1256]

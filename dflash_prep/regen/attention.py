@@ -35,6 +35,7 @@ import torch
 STATIC_ATTENTION = "regen_static"  # no "flash" or "sdpa" in the name: transformers reads such names by substring
 SPAN_COLUMN_MULTIPLE = 64  # a span's first key column is a multiple of it (aligned for the kernels)
 MAX_DECODE_SPANS = 8  # row spans a decode step attends in at most (one SDPA call a layer each)
+DEFAULT_SPAN_COST_KEYS = 8192  # a span's price in cache positions (plan_decode_spans); measured: bench/RESULTS.md
 
 
 def register() -> str:
@@ -72,40 +73,54 @@ def static_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
 
 
 class _DecodeSpans:
-    """The row spans of the batch being decoded: [(first row, end row, first key column)], and the key columns of
-    the cache they were cut for (its positions), set by `decode_spans`."""
+    """The row spans of the batch being decoded: [(first row, end row, first key column)], the key columns of the
+    cache they were cut for (its positions), set by `decode_spans`, and the column the steps' keys end at
+    (exclusive; None: the cache's end), set by `decode_key_limit`."""
 
     spans: list[tuple[int, int, int]] | None = None
     keys: int | None = None
+    limit: int | None = None
 
 
 @contextlib.contextmanager
 def decode_spans(spans: list[tuple[int, int, int]] | None, keys: int | None = None):
     """Decode steps attend per row span while the block runs (the module docstring), in the layers whose keys are
     `keys` columns (the cache's positions; a sliding-window layer's shorter buffer attends whole); None: whole."""
-    before = _DecodeSpans.spans, _DecodeSpans.keys
-    _DecodeSpans.spans, _DecodeSpans.keys = spans, keys
+    before = _DecodeSpans.spans, _DecodeSpans.keys, _DecodeSpans.limit
+    _DecodeSpans.spans, _DecodeSpans.keys, _DecodeSpans.limit = spans, keys, None
     try:
         yield
     finally:
-        _DecodeSpans.spans, _DecodeSpans.keys = before
+        _DecodeSpans.spans, _DecodeSpans.keys, _DecodeSpans.limit = before
+
+
+def decode_key_limit(limit: int | None) -> None:
+    """The decode steps under `decode_spans` read the keys before column `limit` only (None: up to the cache's
+    end). The caller guarantees every position the steps attend lies before it: the columns from `limit` on are
+    ones no step has written yet, which the causal mask hides anyway (so the result is the same), but which the
+    attention kernel would read. Set before each eager step or CUDA-graph capture that should use it (a captured
+    step keeps the limit it was captured with)."""
+    _DecodeSpans.limit = limit
 
 
 def _decode_in_spans(module, query, key, value, mask, spans, **kwargs) -> torch.Tensor:
-    """[B, Hq, 1, D] ... -> [B, 1, Hq, Dv]: each span's rows against the keys from its first column on."""
+    """[B, Hq, 1, D] ... -> [B, 1, Hq, Dv]: each span's rows against the keys from its first column on, up to the
+    steps' key limit."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    limit = _DecodeSpans.limit or key.shape[2]
     outs = []
     for first, end, column in spans:
         rows_mask = mask[first:end] if mask.shape[0] > 1 else mask
-        out, _ = sdpa_attention_forward(module, query[first:end], key[first:end, :, column:],
-                                        value[first:end, :, column:], rows_mask[..., column:], **kwargs)
+        out, _ = sdpa_attention_forward(module, query[first:end], key[first:end, :, column:limit],
+                                        value[first:end, :, column:limit], rows_mask[..., column:limit], **kwargs)
         outs.append(out)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
 def plan_decode_spans(first_real: list[int], keys: int, column_multiple: int = SPAN_COLUMN_MULTIPLE,
-                      max_spans: int = MAX_DECODE_SPANS, span_cost_keys: int = 8192) -> list[tuple[int, int, int]]:
+                      max_spans: int = MAX_DECODE_SPANS,
+                      span_cost_keys: int = DEFAULT_SPAN_COST_KEYS) -> list[tuple[int, int, int]]:
     """The row spans of a batch (rows in their order; row r's first real key column `first_real[r]`) that minimize
     the keys read per decode step, sum over spans of rows x (keys - its first column), plus `span_cost_keys` per
     span (one more small SDPA call a layer: ~10 us of GPU time, about what 8,192 positions of an 8B's cache take

@@ -18,31 +18,33 @@ The loop, on a left-padded batch `input_ids [B, W]` with its `attention_mask [B,
   what is not written yet). Attention never sees padding and the Gated DeltaNet layers zero padded positions before
   their convolution and recurrence (transformers' `create_recurrent_attention_mask`), so a row's tokens are the ones
   its prompt gets alone (tests: greedy equals `generate` on each prompt alone, token for token, in float32).
-- **Prefill, packed** where every token mixer is full attention (`packed_prefill_blocker`): the rows' prompts
-  without their padding, back to back in packed rows of about `prefill_tokens` tokens (whole prompts), through the
-  model as extraction runs packed rows (positions from 0 per prompt, torch's varlen FlashAttention within each:
-  target/packing.py); each layer's keys and values are written into the static cache where the padded layout has
-  them (`_PackedPrefillCache`). No padding is computed and no mask is built. Measured reason (H200, 8B shape, the
-  padded prefill below): 17k prompt tok/s, against 33k+ tok/s for the same model's packed extraction forwards.
-- **Prefill, padded** otherwise (the Gated DeltaNet hybrids: a packed forward does not keep each prompt's conv and
-  recurrent states), chunked by columns: forwards of about `prefill_tokens` tokens fill the cache in order (activation
-  memory is bounded by it, not by the batch); a forward runs only the rows that hold a real token in its columns
-  (a prefix of a batch sorted longest first), so left padding costs little prefill compute, and attends over the
-  cache's filled prefix only (keys, values and mask cut at its last column: `_row_views`); columns are 64 x a power
-  of two and rows 16 x a power of two (or the batch), a bounded set of shapes reused by every later batch, and a
-  forward widens only while `prefill_fill` of what it computes is real (`_prefill_span`).
+- **Prefill, packed** where every token mixer is full attention or a Gated DeltaNet layer that keeps its states in
+  the cache (`packed_prefill_blocker`): the rows' prompts without their padding, back to back in packed rows of
+  about `prefill_tokens` tokens (whole prompts), through the model as extraction runs packed rows (positions from 0
+  per prompt, torch's varlen FlashAttention and fla's varlen kernels within each: target/packing.py); each layer's
+  keys and values, or each prompt's conv and recurrent states, are written into the static cache where the padded
+  layout has them (`_PackedPrefillCache`). No padding is computed and no mask is built. Measured reason (H200): the
+  8B shape's prefill 17k prompt tok/s padded, 42k packed; the 27B hybrid's 5.7 s padded, 2.8 s packed.
+- **Prefill, padded** otherwise (sliding-window attention, whose static cache rolls; a Gated DeltaNet layer on an
+  older transformers), chunked by columns: forwards of about `prefill_tokens` tokens fill the cache in order
+  (activation memory is bounded by it, not by the batch); a forward runs only the rows that hold a real token in
+  its columns (a prefix of a batch sorted longest first), so left padding costs little prefill compute, and attends
+  over the cache's filled prefix only (keys, values and mask cut at its last column: `_row_views`); columns are 64
+  x a power of two and rows 16 x a power of two (or the batch), a bounded set of shapes reused by every later
+  batch, and a forward widens only while `prefill_fill` of what it computes is real (`_prefill_span`).
 - **Attention**: where the model's attention is `sdpa`, regen/attention.py's function runs: the padded prefill with
   keys and values never repeated per query head (its docstring has the measurement), and the decode steps on
-  transformers' `sdpa`, in row spans when `span_cost_keys` is set (`plan_decode_spans`: consecutive rows cut where
-  their first real columns differ, each span attending from its own first column on, so the left padding of
-  shorter rows is not read; not yet measured on a GPU, so off by default); a model on another implementation
-  keeps it.
+  transformers' `sdpa` in row spans (`plan_decode_spans`: consecutive rows cut where their first real columns
+  differ, each span attending from its own first column on, so the left padding of shorter rows is not read), each
+  step's keys ending at a limit that grows with the steps (`_key_limit`: the cache's columns no step has written
+  yet are not read); a model on another implementation keeps it.
 - **Decode step**: the model's forward on one token a row over static buffers (token, position, mask, cache), then,
   outside the step, the logits (float32, as `generate` takes them) through the batch's logits processors (the
   engine's: repetition penalty, warpers, the per-row seeded draw, which reads the step from the sequence length as it
   does under `generate`) and the argmax. On CUDA with `cuda_graphs`, the first step runs eagerly on a side stream
   (kernels chosen and autotuned for its shapes), is captured there as a `torch.cuda.CUDAGraph` and replayed for
-  every later step; a capture that fails (an operation that syncs with the host) is logged once and the engine
+  every later step of the same key limit (a new limit: a new eager step and capture, at most `key_limit_graphs` a
+  batch); a capture that fails (an operation that syncs with the host) is logged once and the engine
   decodes eagerly. On the CPU the same loop runs with the step called directly: the code the tests check is the
   code the GPU runs, less the capture.
 - **Stop**: per row at a stop id or after its own new-token limit; a finished row is masked, not removed (its later
@@ -60,13 +62,15 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_prep.regen.attention import STATIC_ATTENTION, decode_spans, plan_decode_spans, release_prefill_masks
+from dflash_prep.regen.attention import (DEFAULT_SPAN_COST_KEYS, STATIC_ATTENTION, decode_key_limit, decode_spans,
+                                         plan_decode_spans, release_prefill_masks)
 from dflash_prep.target.backoff import is_oom
 from dflash_prep.target.packing import PACKED_ATTENTION
 
 log = logging.getLogger("dflash_prep")
 
 PREFILL_MODES = ("auto", "packed", "padded")
+KEY_LIMIT_GRAPHS = 8  # key limits (CUDA graphs) of one batch's decode steps at most: each capture costs an eager step
 
 
 @dataclass
@@ -96,17 +100,22 @@ class StaticCacheDecoder:
     prefill: `packed` (whole prompts back to back, no padding: every token mixer full attention), `padded`
         (column chunks of the left-padded batch), `auto` (packed where it applies; `prefill_reason` says why not).
     span_cost_keys: the price of one more row span in the decode steps' attention, in cache positions read
-        (regen/attention.py's `plan_decode_spans`; 8,192 is its reasoned value), or None: no spans, every row
-        reads the whole cache. Off by default until a GPU run measures the spans (exact on the CPU: the tests).
+        (regen/attention.py's `plan_decode_spans`; default DEFAULT_SPAN_COST_KEYS, measured on one H200: the 8B
+        benchmark's 256 x 256 from 6,077 to 7,657 generated tok/s warm, the engine's batch cut pricing the spans
+        too), or None: no spans, every row reads the cache from column 0.
+    key_limit_graphs: the decode steps' attention reads the keys only up to a limit that grows with the steps,
+        in at most this many blocks (one CUDA graph each: `_key_limit`); 1: every step reads to the cache's end.
     Raises ValueError for sizes < 1, an unknown `prefill`, or `packed` for a model it does not apply to.
     """
 
     def __init__(self, model, pad_token_id: int, *, prefill_tokens: int = 32768, cuda_graphs: bool = True,
                  check_every: int = 8, column_multiple: int = 64, row_multiple: int = 16, prefill_fill: float = 0.75,
-                 prefill: str = "auto", span_cost_keys: int | None = None):
-        if min(prefill_tokens, check_every, column_multiple, row_multiple) < 1:
+                 prefill: str = "auto", span_cost_keys: int | None = DEFAULT_SPAN_COST_KEYS,
+                 key_limit_graphs: int = KEY_LIMIT_GRAPHS):
+        if min(prefill_tokens, check_every, column_multiple, row_multiple, key_limit_graphs) < 1:
             raise ValueError(f"prefill_tokens={prefill_tokens}, check_every={check_every}, column_multiple="
-                             f"{column_multiple} and row_multiple={row_multiple} must be >= 1")
+                             f"{column_multiple}, row_multiple={row_multiple} and key_limit_graphs={key_limit_graphs} "
+                             "must be >= 1")
         self.device = next(model.parameters()).device
         self.prefill_reason = _prefill_blocker(model, prefill)
         self.packed_prefill = self.prefill_reason is None
@@ -123,6 +132,7 @@ class StaticCacheDecoder:
         self.cache_keyword = cache_keyword(model)
         self.prefill_tokens, self.check_every = prefill_tokens, check_every
         self.span_cost_keys = span_cost_keys
+        self.key_limit_graphs = key_limit_graphs
         self.on_rows_done = None  # callable(n) or None: n more rows of the batch being decoded have finished
         self.column_multiple, self.row_multiple = column_multiple, row_multiple
         self.prefill_fill = prefill_fill
@@ -134,9 +144,10 @@ class StaticCacheDecoder:
         """The decode path in words (for the log and the benchmark)."""
         steps = "static cache + CUDA graph" if self.cuda_graphs else "static cache, eager steps"
         prefill = "packed prefill" if self.packed_prefill else f"padded prefill ({self.prefill_reason})"
-        spans = ", attention in row spans" if self.attention == STATIC_ATTENTION and self.span_cost_keys is not None \
-            else ""
-        return f"{steps}{spans}, {prefill}"
+        ours = self.attention == STATIC_ATTENTION
+        spans = ", attention in row spans" if ours and self.span_cost_keys is not None else ""
+        limits = ", keys read to each step's limit" if ours and self.key_limit_graphs > 1 else ""
+        return f"{steps}{spans}{limits}, {prefill}"
 
     @property
     def prefill_copies_keys(self) -> bool:
@@ -185,35 +196,43 @@ class StaticCacheDecoder:
         spans = self._spans(mask, width, new_tokens)
         with _attention_implementation(self.model, self.attention), decode_spans(spans, width + new_tokens):
             done = self._decode(sequences, mask, positions, cache, logits, width, new_tokens, limits, stops,
-                                processors)
+                                processors, spans is not None)
         self.stats.decode_seconds += _now(device) - t_decode
         self.stats.decode_steps += max(done - 1, 0)
         del cache
         return sequences[:, width:width + done]
 
     def _spans(self, mask: torch.Tensor, width: int, new_tokens: int) -> list[tuple[int, int, int]] | None:
-        """The decode steps' row spans (regen/attention.py: each attends from its own first real column), or None
+        """The decode steps' row spans (regen/attention.py: each attends from its own first real column; without
+        `span_cost_keys` one span of every row from column 0, which still ends at the steps' key limit), or None
         where our attention function does not run (the model on another implementation)."""
-        if self.spans_cost_keys is None:
+        if self.attention != STATIC_ATTENTION:
             return None
+        if self.span_cost_keys is None:
+            return [(0, mask.shape[0], 0)]
         first_real = (width - mask[:, :width].sum(-1)).tolist()
         spans = plan_decode_spans(first_real, width + new_tokens, span_cost_keys=self.span_cost_keys)
         self.stats.decode_spans += len(spans)
         return spans
 
     def _decode(self, sequences, mask, positions, cache, logits, width: int, new_tokens: int, limits, stops,
-                processors) -> int:
-        """The decode loop from the prefill's last logits, writing `sequences` -> the steps done."""
+                processors, key_limits: bool) -> int:
+        """The decode loop from the prefill's last logits, writing `sequences` -> the steps done. key_limits: the
+        steps read the keys up to their own limit (`_key_limit`), one CUDA graph per limit."""
         batch, device = sequences.shape[0], sequences.device
         self._reported = 0
         step_input = {"token": torch.empty((batch, 1), dtype=torch.long, device=device),
                       "position": positions[:, -1:].clone()}
         unfinished = torch.ones(batch, dtype=torch.bool, device=device)
-        step_fn, graph = None, None
+        step_fn, graph, key_limit = None, None, None
         done = 0
         for step in range(new_tokens):
             if step > 0:  # the previous token goes in: one forward of one token a row
                 step_input["position"].add_(1)
+                if key_limits and self._key_limit(step, width, new_tokens) != key_limit:
+                    key_limit = self._key_limit(step, width, new_tokens)
+                    decode_key_limit(key_limit)
+                    step_fn, graph = None, None  # a step reading further: captured anew
                 if step_fn is None:
                     if self.cuda_graphs:
                         logits, step_fn, graph = self._first_step_and_capture(step_input, mask, cache)
@@ -239,6 +258,17 @@ class StaticCacheDecoder:
         self._rows_done(batch)
         del graph, step_fn
         return done
+
+    def _key_limit(self, step: int, width: int, new_tokens: int) -> int:
+        """The key column a decode step's attention ends at (exclusive): step `step` (>= 1) attends the positions
+        before width + step; the limit rounds that up to a block of columns (a multiple of `column_multiple`), so a batch's steps
+        use at most `key_limit_graphs` limits (one CUDA graph each; 1: the cache's end for every step), never past
+        the cache's end. Why: the steps otherwise
+        read every not-yet-written column of the cache (masked): on the 8B benchmark (256 new tokens, a row's
+        cache about 620 positions from its span's column on), ~128 of them a row a step on average."""
+        block = max(self.column_multiple, -(-new_tokens // (self.key_limit_graphs * self.column_multiple))
+                    * self.column_multiple)
+        return min(width + new_tokens, width + -(-step // block) * block)
 
     def _rows_done(self, finished: int) -> None:
         """Report to `on_rows_done` the rows finished since the last report (`finished`: all finished so far)."""
@@ -426,9 +456,10 @@ def packed_prefill_blocker(model, gated_deltanet: bool = True) -> str | None:
     one packed rows keep exact (target/mixers.py): attention without a sliding window (a static cache's window
     layer rolls its keys: the padded layout is what it holds), or, with `gated_deltanet`, a Gated DeltaNet layer
     that reads and writes its states through transformers' cache calls (`CACHE_CALLS`, found in its forward's
-    source: what `_PackedPrefillCache` answers per prompt). `prefill: auto` passes gated_deltanet=False: the hybrid's
-    packed prefill is exact on the CPU (tests) but its GPU path (fla's varlen kernels writing per-prompt states)
-    has no GPU check yet, so it runs when asked for (`packed`)."""
+    source: what `_PackedPrefillCache` answers per prompt; transformers >= 5.24). gated_deltanet=False: such layers
+    block it. `prefill: auto` packs the hybrids too: measured on one H200 (the 27B hybrid, 64 prompts x 128 new
+    tokens) 1,091 generated tok/s warm against 777 padded, prefill 2.8 s against 5.7 s, cold 350 against 80
+    (fewer first-seen shapes for fla's kernels to tune)."""
     import inspect
 
     from dflash_prep.target.mixers import ATTENTION, GATED_DELTANET, token_mixers
@@ -463,7 +494,7 @@ def _prefill_blocker(model, prefill: str) -> str | None:
         raise ValueError(f"prefill={prefill!r}: one of {', '.join(PREFILL_MODES)}")
     if prefill == "padded":
         return "asked for"
-    reason = packed_prefill_blocker(model, gated_deltanet=prefill == "packed")
+    reason = packed_prefill_blocker(model)
     if prefill == "packed" and reason is not None:
         raise ValueError(f"packed prefill does not apply to this model: {reason}")
     return reason

@@ -96,8 +96,9 @@ from transformers import (
 from dflash_prep.data.chat import ChatRenderer
 from dflash_prep.data.conversation import prompt_conversation
 from dflash_prep.recipe.schema import ModelSection
+from dflash_prep.regen.attention import DEFAULT_SPAN_COST_KEYS
 from dflash_prep.regen.batch_sizing import MEMORY_FRACTION, ModelSizes, cut_batches
-from dflash_prep.regen.decode import StaticCacheDecoder
+from dflash_prep.regen.decode import KEY_LIMIT_GRAPHS, StaticCacheDecoder
 from dflash_prep.regen.engine import FINISH_LENGTH, FINISH_STOP, FINISH_TOOL_CALLS, Answer, Request
 from dflash_prep.target.backoff import is_oom
 from dflash_prep.target.model import (
@@ -152,7 +153,7 @@ class TransformersEngine:
     chat_template: the template text replacing the tokenizer's own (`data.chat_template`, read), or None.
     decoder: `static` (regen/decode.py: static cache, the decode step a CUDA graph on CUDA when `cuda_graphs`,
         prefill in forwards of `prefill_tokens` tokens at most, packed or padded as `prefill` says, decode attention
-        in row spans when `span_cost_keys` is set: decode.py) or `generate` (HF `generate`, the reference path).
+        in row spans when `span_cost_keys` is set, up to `key_limit_graphs` key limits a batch: decode.py) or `generate` (HF `generate`, the reference path).
     Batches are formed within one `answer` call: give it many requests (thousands) for full batches.
     Raises RecipeError (model, tokenizer or kernels that cannot be loaded), ValueError (a budget or batch size < 1).
     """
@@ -161,7 +162,8 @@ class TransformersEngine:
                  max_batch_size: int = 256, *, length_multiple: int = 64,
                  ignore_eos: bool = False, kernels=None, decoder: str = "static",
                  prefill_tokens: int = 32768, cuda_graphs: bool = True, chat_template: str | None = None,
-                 prefill: str = "auto", span_cost_keys: int | None = None):
+                 prefill: str = "auto", span_cost_keys: int | None = DEFAULT_SPAN_COST_KEYS,
+                 key_limit_graphs: int = KEY_LIMIT_GRAPHS):
         self.section, self.device = model, torch.device(device)
         if max_tokens_per_batch < 2 or max_batch_size < 1 or length_multiple < 1:
             raise ValueError(f"max_tokens_per_batch={max_tokens_per_batch}, max_batch_size={max_batch_size} and "
@@ -191,7 +193,7 @@ class TransformersEngine:
             raise ValueError(f"decoder={decoder!r}: one of {', '.join(DECODERS)}")
         self.decoder = None if decoder == "generate" else StaticCacheDecoder(
             self.model, self.pad_token_id, prefill_tokens=prefill_tokens, cuda_graphs=cuda_graphs, prefill=prefill,
-            span_cost_keys=span_cost_keys)
+            span_cost_keys=span_cost_keys, key_limit_graphs=key_limit_graphs)
         self.sizes, self.memory_limit_bytes = self._sizes() if self.decoder is not None else (None, None)
         log.info("regeneration engine: %s", self.decode_path)
 
