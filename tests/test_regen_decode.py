@@ -355,3 +355,55 @@ def test_the_key_limits_cover_every_step_in_few_blocks(new_tokens, graphs, multi
         assert set(limits) <= {width + new_tokens}
     if (new_tokens, graphs, multiple) == (256, 8, 64):  # the 8B benchmark's: blocks of 64 columns
         assert sorted(set(limits)) == [1064, 1128, 1192, 1256]
+
+
+def test_decoders_in_two_threads_keep_their_own_spans_and_key_limits(llama_path):
+    """Two decoders (two copies of the tiny Llama) in two threads on batches of one shape: thread A stops at its 70th
+    decode step (past its first key limit, width + 64) while thread B runs its first steps (B's limit is width +
+    64), then both go on. Each row of both equals `generate` alone with a stop id no answer reaches (the spans and the
+    key limit are each thread's own: read across threads, A's later steps lost the keys past B's limit), and no
+    span or limit is left set once both have ended."""
+    import copy
+    import threading
+    import time
+
+    from dflash_prep.regen.attention import _DecodeSpans
+
+    engine = engine_for("llama", llama_path, decoder="generate")
+    prompts = [prompt_ids(engine, m) for m in PROMPTS][:4]
+    expected = [alone(engine, p, new=129, eos=-1) for p in prompts]
+    models = {"a": engine.model, "b": copy.deepcopy(engine.model)}
+    b_may_start, steps, out = threading.Event(), {"a": 0}, {}
+
+    def pause_a(module, args, kwargs):
+        if kwargs["input_ids"].shape[1] == 1:
+            steps["a"] += 1
+            if steps["a"] == 70:
+                b_may_start.set()
+                time.sleep(0.3)
+
+    def slow_b(module, args, kwargs):
+        if kwargs["input_ids"].shape[1] == 1:
+            time.sleep(0.02)
+
+    hooks = [models["a"].register_forward_pre_hook(pause_a, with_kwargs=True),
+             models["b"].register_forward_pre_hook(slow_b, with_kwargs=True)]
+
+    def decode(name):
+        if name == "b":
+            b_may_start.wait(60)
+        decoder = StaticCacheDecoder(models[name], engine.pad_token_id)
+        with torch.inference_mode():
+            out[name] = decoder.generate(*padded(engine, prompts), 129, []).tolist()
+
+    try:
+        threads = [threading.Thread(target=decode, args=(name,)) for name in ("a", "b")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        for h in hooks:
+            h.remove()
+    assert out["a"] == expected and out["b"] == expected
+    assert (_DecodeSpans.spans, _DecodeSpans.keys, _DecodeSpans.limit) == (None, None, None)
