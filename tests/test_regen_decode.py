@@ -52,11 +52,12 @@ def padded(engine: TransformersEngine, prompts: list[list[int]]) -> tuple[torch.
                                                 pytest.param("demo", "as-given", "padded", marks=pytest.mark.slow)])
 def test_chunked_prefill_and_per_row_limits_equal_generate_alone(name, order, prefill, llama_path):
     """Five prompts of 3 to ~400 tokens in one batch, each row with its own new-token limit (2 to 12), the decode
-    steps' attention in row spans from each span's first real column: every row's
+    steps' attention in row spans from each span's first real column, their keys up to limits that grow with the
+    steps (6 limits of 2 columns here): every row's
     ids equal `generate` on its prompt alone with that limit (up to and including the first end-of-sequence id),
     then padding to the batch's end. Padded prefill: forwards of 10 tokens at most (sorted longest first, as the
     engine cuts batches: forwards of the rows that have begun; in the given order: whole columns); packed prefill
-    (`auto` or `packed`): whole prompts back to back, 150 tokens a forward at
+    (`auto` on the Llama-style model, `packed` on the hybrid): whole prompts back to back, 150 tokens a forward at
     most (the longest alone), on the hybrid with each prompt's Gated DeltaNet conv and recurrent states written to
     its row (the module runs once per prompt here)."""
     engine = engine_for(name, llama_path, decoder="generate")
@@ -65,10 +66,10 @@ def test_chunked_prefill_and_per_row_limits_equal_generate_alone(name, order, pr
         prompts.sort(key=len, reverse=True)
     limits = [12, 2, 7, 12, 5]
     decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, prefill_tokens=150 if prefill != "padded" else 10,
-                                 column_multiple=1, row_multiple=1, prefill=prefill, span_cost_keys=0)
-    # auto: packed for attention-only models and for the hybrid (its Gated DeltaNet layers keep their states in the
-    # cache on this transformers)
-    assert decoder.packed_prefill == (prefill != "padded")
+                                 column_multiple=1, row_multiple=1, prefill=prefill, span_cost_keys=0,
+                                 key_limit_graphs=8)
+    # auto: packed for attention-only models; the hybrid's packed prefill runs when asked for
+    assert decoder.packed_prefill == (prefill == "packed" or (prefill == "auto" and name == "llama"))
     ids, mask = padded(engine, prompts)
     with torch.inference_mode():
         out = decoder.generate(ids, mask, 12, [DEMO_EOS], row_new_tokens=limits).tolist()
@@ -153,7 +154,7 @@ def test_the_decode_path_names_the_family_and_the_gated_deltanet_kernel(llama_pa
     import importlib.util
 
     assert engine_for("llama", llama_path).decode_path == \
-        "llama: static cache, eager steps, attention in row spans, keys read to each step's limit, packed prefill"
+        "llama: static cache, eager steps, attention in row spans, packed prefill"
     hybrid = engine_for("demo", llama_path, decoder="generate").decode_path
     assert hybrid.startswith("qwen3_5_text: HF generate (dynamic cache); Gated DeltaNet decode on ")
     assert ("flash-linear-attention's" in hybrid) == (importlib.util.find_spec("fla") is not None)
@@ -392,7 +393,7 @@ def test_decoders_in_two_threads_keep_their_own_spans_and_key_limits(llama_path)
     def decode(name):
         if name == "b":
             b_may_start.wait(60)
-        decoder = StaticCacheDecoder(models[name], engine.pad_token_id)
+        decoder = StaticCacheDecoder(models[name], engine.pad_token_id, key_limit_graphs=8)
         with torch.inference_mode():
             out[name] = decoder.generate(*padded(engine, prompts), 129, []).tolist()
 

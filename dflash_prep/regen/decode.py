@@ -18,26 +18,28 @@ The loop, on a left-padded batch `input_ids [B, W]` with its `attention_mask [B,
   what is not written yet). Attention never sees padding and the Gated DeltaNet layers zero padded positions before
   their convolution and recurrence (transformers' `create_recurrent_attention_mask`), so a row's tokens are the ones
   its prompt gets alone (tests: greedy equals `generate` on each prompt alone, token for token, in float32).
-- **Prefill, packed** where every token mixer is full attention or a Gated DeltaNet layer that keeps its states in
-  the cache (`packed_prefill_blocker`): the rows' prompts without their padding, back to back in packed rows of
-  about `prefill_tokens` tokens (whole prompts), through the model as extraction runs packed rows (positions from 0
-  per prompt, torch's varlen FlashAttention and fla's varlen kernels within each: target/packing.py); each layer's
-  keys and values, or each prompt's conv and recurrent states, are written into the static cache where the padded
-  layout has them (`_PackedPrefillCache`). No padding is computed and no mask is built. Measured reason (H200): the
-  8B shape's prefill 17k prompt tok/s padded, 42k packed; the 27B hybrid's 5.7 s padded, 2.8 s packed.
-- **Prefill, padded** otherwise (sliding-window attention, whose static cache rolls; a Gated DeltaNet layer on an
-  older transformers), chunked by columns: forwards of about `prefill_tokens` tokens fill the cache in order
-  (activation memory is bounded by it, not by the batch); a forward runs only the rows that hold a real token in
-  its columns (a prefix of a batch sorted longest first), so left padding costs little prefill compute, and attends
-  over the cache's filled prefix only (keys, values and mask cut at its last column: `_row_views`); columns are 64
-  x a power of two and rows 16 x a power of two (or the batch), a bounded set of shapes reused by every later
-  batch, and a forward widens only while `prefill_fill` of what it computes is real (`_prefill_span`).
+- **Prefill, packed** where every token mixer is full attention (`packed_prefill_blocker`), and for the Gated
+  DeltaNet hybrids when asked for (`prefill="packed"`: their layers keep their states in the cache on transformers
+  >= 5.24): the rows' prompts without their padding, back to back in packed rows of about `prefill_tokens` tokens
+  (whole prompts), through the model as extraction runs packed rows (positions from 0 per prompt, torch's varlen
+  FlashAttention and fla's varlen kernels within each: target/packing.py); each layer's keys and values, or each
+  prompt's conv and recurrent states, are written into the static cache where the padded layout has them
+  (`_PackedPrefillCache`). No padding is computed and no mask is built. Measured reason (H200): the 8B shape's
+  prefill 17k prompt tok/s padded, 42k packed; the 27B hybrid's 5.7 s padded, 2.8 s packed.
+- **Prefill, padded** otherwise (the Gated DeltaNet hybrids unless asked: their packed path has no GPU exactness
+  check yet; sliding-window attention, whose static cache rolls), chunked by columns: forwards of about
+  `prefill_tokens` tokens fill the cache in order (activation memory is bounded by it, not by the batch); a forward
+  runs only the rows that hold a real token in its columns (a prefix of a batch sorted longest first), so left
+  padding costs little prefill compute, and attends over the cache's filled prefix only (keys, values and mask cut
+  at its last column: `_row_views`); columns are 64 x a power of two and rows 16 x a power of two (or the batch), a
+  bounded set of shapes reused by every later batch, and a forward widens only while `prefill_fill` of what it
+  computes is real (`_prefill_span`).
 - **Attention**: where the model's attention is `sdpa`, regen/attention.py's function runs: the padded prefill with
   keys and values never repeated per query head (its docstring has the measurement), and the decode steps on
   transformers' `sdpa` in row spans (`plan_decode_spans`: consecutive rows cut where their first real columns
-  differ, each span attending from its own first column on, so the left padding of shorter rows is not read), each
-  step's keys ending at a limit that grows with the steps (`_key_limit`: the cache's columns no step has written
-  yet are not read); a model on another implementation keeps it.
+  differ, each span attending from its own first column on, so the left padding of shorter rows is not read), with
+  `key_limit_graphs` > 1 each step's keys ending at a limit that grows with the steps (`_key_limit`: the cache's
+  columns no step has written yet are not read); a model on another implementation keeps it.
 - **Decode step**: the model's forward on one token a row over static buffers (token, position, mask, cache), then,
   outside the step, the logits (float32, as `generate` takes them) through the batch's logits processors (the
   engine's: repetition penalty, warpers, the per-row seeded draw, which reads the step from the sequence length as it
@@ -70,7 +72,7 @@ from dflash_prep.target.packing import PACKED_ATTENTION
 log = logging.getLogger("dflash_prep")
 
 PREFILL_MODES = ("auto", "packed", "padded")
-KEY_LIMIT_GRAPHS = 8  # key limits (CUDA graphs) of one batch's decode steps at most: each capture costs an eager step
+KEY_LIMIT_GRAPHS = 1  # key limits (CUDA graphs) of one batch's decode steps by default: 1, the cache's end (8 measured slower)
 
 
 @dataclass
@@ -104,7 +106,10 @@ class StaticCacheDecoder:
         benchmark's 256 x 256 from 6,077 to 7,657 generated tok/s warm, the engine's batch cut pricing the spans
         too), or None: no spans, every row reads the cache from column 0.
     key_limit_graphs: the decode steps' attention reads the keys only up to a limit that grows with the steps,
-        in at most this many blocks (one CUDA graph each: `_key_limit`); 1: every step reads to the cache's end.
+        in at most this many blocks (one CUDA graph each: `_key_limit`); 1 (the default): every step reads to the
+        cache's end. Measured on one H200 (the 8B benchmark, 256 x 256): 8 limits 7,449 generated tok/s warm and
+        6,094 cold against 7,626 and 7,533 with 1 (each new limit's eager step and capture cost more than the
+        unwritten columns saved); long answers, where those columns are most of a row's cache, are not measured.
     Raises ValueError for sizes < 1, an unknown `prefill`, or `packed` for a model it does not apply to.
     """
 
@@ -457,9 +462,10 @@ def packed_prefill_blocker(model, gated_deltanet: bool = True) -> str | None:
     layer rolls its keys: the padded layout is what it holds), or, with `gated_deltanet`, a Gated DeltaNet layer
     that reads and writes its states through transformers' cache calls (`CACHE_CALLS`, found in its forward's
     source: what `_PackedPrefillCache` answers per prompt; transformers >= 5.24). gated_deltanet=False: such layers
-    block it. `prefill: auto` packs the hybrids too: measured on one H200 (the 27B hybrid, 64 prompts x 128 new
-    tokens) 1,091 generated tok/s warm against 777 padded, prefill 2.8 s against 5.7 s, cold 350 against 80
-    (fewer first-seen shapes for fla's kernels to tune)."""
+    block it, and `prefill: auto` passes it: the hybrid's packed prefill is exact on the CPU (tests) and faster on one
+    H200 (the 27B hybrid, 64 prompts x 128 new tokens: 1,091 generated tok/s warm against 777 padded, cold 350
+    against 80), but its GPU path (fla's varlen kernels writing each prompt's final states) has not passed the
+    benchmark's exactness check yet, so it runs when asked for (`packed`)."""
     import inspect
 
     from dflash_prep.target.mixers import ATTENTION, GATED_DELTANET, token_mixers
@@ -494,7 +500,7 @@ def _prefill_blocker(model, prefill: str) -> str | None:
         raise ValueError(f"prefill={prefill!r}: one of {', '.join(PREFILL_MODES)}")
     if prefill == "padded":
         return "asked for"
-    reason = packed_prefill_blocker(model)
+    reason = packed_prefill_blocker(model, gated_deltanet=prefill == "packed")
     if prefill == "packed" and reason is not None:
         raise ValueError(f"packed prefill does not apply to this model: {reason}")
     return reason
