@@ -161,7 +161,7 @@ class StaticCacheDecoder:
         return not self.packed_prefill and self.attention != STATIC_ATTENTION
 
     @property
-    def spans_cost_keys(self) -> int | None:
+    def span_cost_keys_in_use(self) -> int | None:
         """The price of a row span the decode steps attend in (`span_cost_keys`), None where they attend without
         spans (unset, or the model on an attention implementation other than ours): what the batch cut prices."""
         return self.span_cost_keys if self.attention == STATIC_ATTENTION else None

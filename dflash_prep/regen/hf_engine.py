@@ -295,7 +295,7 @@ class TransformersEngine:
                 dataclasses.replace(self.sizes, repeat_bytes_per_token=0)
             cuts = cut_batches([len(p.ids) for p in ordered], new_tokens, lambda n: self._width(n, new_tokens),
                                self.max_batch_size, budget, sizes, self.memory_limit_bytes,
-                               span_cost_keys=self.decoder.spans_cost_keys)
+                               span_cost_keys=self.decoder.span_cost_keys_in_use)
             return [(ordered[a:b], self._width(len(ordered[a].ids), new_tokens)) for a, b in cuts]
         batches: list[tuple[list[_Prompt], int]] = []
         for prompt in sorted(prompts, key=lambda p: (-len(p.ids), p.index)):
