@@ -100,3 +100,31 @@ def test_a_benchmark_far_from_the_model_in_parameters_gives_no_figure(tmp_path):
     near = regen_rate("transformers", None, "qwen3_5_text", 4_000_000_000, 2, tmp_path)
     assert near["generated_tokens_per_second"] == pytest.approx(9000.0 * 2 * 2)
     assert "nearest benchmarked model" in near["source"]
+
+
+def test_a_report_of_several_decoder_settings_gives_the_pass_of_the_engines_defaults(tmp_path, capsys):
+    """A report that timed the static decoder's settings one after another (bench/regen_bench.py's variants): the
+    rate is the pass that ran the engine's defaults (prefill auto, row spans at 8,192 keys, one key limit), not the
+    report's first; a newer report whose passes all ran other settings is passed over for an older one."""
+    model_type, params = demo_decoder_params()
+
+    def with_variants(first: str, passes: dict) -> dict:
+        e = entry(model_type, params, 1.0, 2.0)  # the first pass's own figures: those of passes[first]
+        e["static"] = {"cold": {"generated_tokens_per_second": passes[first][0]},
+                       "warm": {"generated_tokens_per_second": passes[first][1]}}
+        e["static_variants"] = {label: {"path": "...", "cold": {"generated_tokens_per_second": cold},
+                                        "warm": {"generated_tokens_per_second": warm}}
+                                for label, (cold, warm) in passes.items()}
+        return e
+
+    first = "prefill auto, span cost 8,192 keys, 8 key limits"
+    write_report(tmp_path / "regen-ab", {"demo-shape": with_variants(first, {
+        first: (600.0, 745.0), "prefill auto, span cost 8,192 keys, 1 key limit": (750.0, 762.0)})},
+        started="2026-12-03T08:00:00")
+    assert plan_json(capsys, "--bench-results", str(tmp_path))["generated_tokens_per_second"] == pytest.approx(762.0)
+    first = "prefill packed, no row spans"
+    write_report(tmp_path / "regen-other-settings", {"demo-shape": with_variants(first, {
+        first: (300.0, 1090.0), "prefill padded, no row spans": (80.0, 777.0)})}, started="2026-12-03T09:00:00")
+    r = plan_json(capsys, "--bench-results", str(tmp_path))
+    assert r["generated_tokens_per_second"] == pytest.approx(762.0)
+    assert r["rate_reference"]["file"].endswith("regen-ab/regen-bench.json")

@@ -4,7 +4,8 @@
   run together).
 - `engine: transformers` without one: the in-process engine's benchmark (bench/regen_bench.py, the committed
   `regen-bench.json` reports under the benchmark folder, GPU runs only; not its float32 slices, run for the
-  exactness check only): of each benchmark model's newest report,
+  exactness check only; in a report that timed several decoder settings, the pass of the engine's defaults, and
+  none where no pass ran them): of each benchmark model's newest report,
   the one of the same architecture (`model_type`) nearest in decoder parameters, else the nearest of any (within
   BENCH_MAX_PARAM_RATIO); its static decoder's warm pass (else its cold pass), scaled by decoder parameters
   (decoding reads every weight once a step: its rate goes as 1 / parameters), times the run's GPUs (one engine
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 BENCH_MAX_PARAM_RATIO = 4.0
@@ -34,7 +36,7 @@ def regen_bench_references(results_dir: Path | None) -> list[dict]:
             continue
         gpu = (report.get("environment") or {}).get("gpu") if isinstance(report, dict) else None
         for name, r in ((report.get("models") or {}).items() if gpu else ()):
-            static = r.get("static") or {}
+            static = _default_pass(r)
             figures, which = (static.get("warm"), "warm") if static.get("warm") else (static.get("cold"), "cold")
             if (r.get("status") != "ok" or not figures or not r.get("decoder_params") or not r.get("model_type")
                     or r.get("exactness_only")):  # a float32 slice run for the exactness check: no rate
@@ -45,6 +47,32 @@ def regen_bench_references(results_dir: Path | None) -> list[dict]:
                          "pass": which, "prompt_tokens_mean": (r.get("prompts") or {}).get("prompt_tokens_mean"),
                          "max_tokens": r.get("max_tokens"), "decode_path": r.get("decode_path")})
     return sorted(refs, key=lambda ref: ref["started"], reverse=True)
+
+
+# A variant's label in the benchmark's report (bench/regen_bench.py `variant_passes`): "prefill auto, span cost 8,192
+# keys, 1 key limit"; reports before key limits end after the spans ("prefill auto, no row spans")
+_VARIANT_LABEL = re.compile(r"prefill (\w+), (?:no row spans|span cost ([\d,]+) keys)(?:, (\d+) key limits?)?$")
+
+
+def _default_pass(model_entry: dict) -> dict:
+    """The static decoder's passes ({cold, warm}) that ran the engine's defaults: in a report of several variants
+    (an A/B of decoder settings), the one whose label says `prefill auto`, the default span price and key limits
+    (none matching: {}); else the report's own figures (one configuration, as the engine ran then)."""
+    from dflash_prep.regen.attention import DEFAULT_SPAN_COST_KEYS
+    from dflash_prep.regen.decode import KEY_LIMIT_GRAPHS
+
+    variants = model_entry.get("static_variants") or {}
+    if len(variants) < 2:
+        return model_entry.get("static") or {}
+    for label, entry in variants.items():
+        match = _VARIANT_LABEL.match(str(label))
+        if match is None:
+            continue
+        prefill, cost, graphs = match.group(1), match.group(2), int(match.group(3) or 1)
+        if prefill == "auto" and cost is not None and int(cost.replace(",", "")) == DEFAULT_SPAN_COST_KEYS \
+                and graphs == KEY_LIMIT_GRAPHS:
+            return entry if isinstance(entry, dict) else {}
+    return {}
 
 
 def regen_rate(engine: str, given: float | None, model_type: str | None, decoder_params: int | None,
