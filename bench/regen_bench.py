@@ -292,8 +292,8 @@ def variant_passes(name, engine, requests, args, device, t0, deadline, reserve, 
                 f"({cold['prefill_forwards']} forwards), {cold['decode_spans']} decode row spans", t0)
             if args.warm and time.perf_counter() + _warm_estimate(cold) < deadline - reserve:
                 warm = entry["warm"] = _public(engine_pass(engine, requests, device))
-                log(f"{name}: {label(mode, cost, graphs)}: warm {_rate(warm)}, prefill {warm['prefill_seconds']:.1f} s, "
-                    f"decode {warm['decode_seconds']:.1f} s, {warm['ms_per_decode_step']:.1f} ms per step", t0)
+                log(f"{name}: {label(mode, cost, graphs)}: warm {_rate(warm)}, prefill {warm['prefill_seconds']:.1f} "
+                    f"s, decode {warm['decode_seconds']:.1f} s, {warm['ms_per_decode_step']:.1f} ms per step", t0)
         except Exception as e:  # noqa: BLE001 - one variant's failure is a figure of the report
             entry["error"] = f"{type(e).__name__}: {e}"
             log(f"{name}: {label(mode, cost, graphs)} FAILED {type(e).__name__}: {e}", t0)

@@ -15,10 +15,11 @@ padding included, so the rows are cut into a few consecutive spans, each attendi
 real column on (views of the cache: nothing copied; the keys before it are masked padding for every row of the span,
 so the result is the same; on one H200 the 8B benchmark's 256 x 256 went from 6,077 to 7,657 generated tok/s warm
 with them, the batch cut pricing them too), each ending at the steps' key limit when the decoder sets one
-(`decode_key_limit`: the cache's columns no step has written yet are not read). Everything else (no mask, softcap, position bias, sinks,
-output_attentions) goes to transformers' `sdpa` as it is. Measured for the decode step, and not kept: two batched
-GEMMs (scores q k^T in float32, softmax, p v) took 23.7 ms of an eager 8B step (128 rows x 1,792 positions) where
-SDPA's cuDNN kernel took 14.9, and 9.8 against 4.6 ms on the hybrid (64 rows x 1,664 positions).
+(`decode_key_limit`: the cache's columns no step has written yet are not read). Everything else (no mask, softcap,
+position bias, sinks, output_attentions) goes to transformers' `sdpa` as it is. Measured for the decode step, and
+not kept: two batched GEMMs (scores q k^T in float32, softmax, p v) took 23.7 ms of an eager 8B step (128 rows x
+1,792 positions) where SDPA's cuDNN kernel took 14.9, and 9.8 against 4.6 ms on the hybrid (64 rows x 1,664
+positions).
 
 Shapes: query [B, Hq, S, D], key [B, Hkv, L, D], value [B, Hkv, L, Dv], Hq a multiple of Hkv (the query heads of
 key/value head h are h * G .. h * G + G - 1, as transformers' `repeat_kv`); mask bool (True: attend) or additive

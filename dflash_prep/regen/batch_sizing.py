@@ -142,7 +142,7 @@ def cut_batches(lengths: list[int], new_tokens: int, width_of, max_batch_size: i
 class _ReadCost:
     """A batch's cache positions read per decode step as its rows are added (sorted longest first), in the cost
     model's units: the whole cache a row without spans; with spans, each row from its own first column (rounded down
-    to the spans' column multiple) plus the spans' price (the module docstring's lower bound)."""
+    to the spans' column multiple) plus the spans' price (the module docstring's estimate)."""
 
     def __init__(self, keys: int, span_cost_keys: int | None):
         from dflash_prep.regen.attention import MAX_DECODE_SPANS, SPAN_COLUMN_MULTIPLE

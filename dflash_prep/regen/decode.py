@@ -72,7 +72,8 @@ from dflash_prep.target.packing import PACKED_ATTENTION
 log = logging.getLogger("dflash_prep")
 
 PREFILL_MODES = ("auto", "packed", "padded")
-KEY_LIMIT_GRAPHS = 1  # key limits (CUDA graphs) of one batch's decode steps by default: 1, the cache's end (8 measured slower)
+# key limits (CUDA graphs) of one batch's decode steps by default: 1, the cache's end (8 measured slower)
+KEY_LIMIT_GRAPHS = 1
 
 
 @dataclass
@@ -266,11 +267,12 @@ class StaticCacheDecoder:
 
     def _key_limit(self, step: int, width: int, new_tokens: int) -> int:
         """The key column a decode step's attention ends at (exclusive): step `step` (>= 1) attends the positions
-        before width + step; the limit rounds that up to a block of columns (a multiple of `column_multiple`), so a batch's steps
-        use at most `key_limit_graphs` limits (one CUDA graph each; 1: the cache's end for every step), never past
-        the cache's end. Why: the steps otherwise
-        read every not-yet-written column of the cache (masked): on the 8B benchmark (256 new tokens, a row's
-        cache about 620 positions from its span's column on), ~128 of them a row a step on average."""
+        before width + step; the limit rounds that up to a block of columns (a multiple of `column_multiple`), so a
+        batch's steps use at most `key_limit_graphs` limits (one CUDA graph each; 1: the cache's end for every
+        step), never past the cache's end. Why: the steps otherwise read every not-yet-written column of the cache
+        (masked): on the 8B benchmark (256 new tokens, a row's cache about 620 positions from its span's column
+        on), ~128 of them a row a step on average (not enough there to pay for the captures: the constructor's
+        docstring)."""
         block = max(self.column_multiple, -(-new_tokens // (self.key_limit_graphs * self.column_multiple))
                     * self.column_multiple)
         return min(width + new_tokens, width + -(-step // block) * block)
