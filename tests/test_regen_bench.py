@@ -54,3 +54,28 @@ def test_the_dry_run_measures_both_decoders_on_both_tiny_models(tmp_path):
         warm = report["models"][name]["static"]["warm"]
         assert ref["pass"] == "warm" and ref["generated_tokens_per_second"] == warm["generated_tokens_per_second"]
         assert ref["decoder_params"] == report["models"][name]["decoder_params"] > 0
+
+
+@pytest.mark.slow
+def test_plan_reads_the_pass_of_the_engines_defaults_from_the_benchmarks_own_variants(tmp_path):
+    """The benchmark timing the decoder's key limits as an A/B (`--key-limit-graphs 8,1`: the first pass 8 limits,
+    the variant 1, the engine's default): `plan` takes the variant's figure, as the benchmark labelled it."""
+    spec = importlib.util.spec_from_file_location("regen_bench", REPO / "bench" / "regen_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["regen_bench"] = module
+    spec.loader.exec_module(module)
+    report = module.main([str(tmp_path), "--dry-run", "--models", "tiny-llama", "--key-limit-graphs", "8,1",
+                          "--no-check"])
+    variants = report["models"]["tiny-llama"]["static_variants"]
+    assert len(variants) == 2
+    [default] = [entry for label, entry in variants.items() if label.endswith(", 1 key limit")]
+    from dflash_prep.commands.regen_rate import regen_bench_references
+
+    written = json.loads((tmp_path / "regen-bench.json").read_text())
+    written["environment"]["gpu"] = "NVIDIA H200"
+    (tmp_path / "gpu").mkdir()
+    (tmp_path / "gpu" / "regen-bench.json").write_text(json.dumps(written))
+    [ref] = regen_bench_references(tmp_path / "gpu")
+    assert ref["generated_tokens_per_second"] == default["warm"]["generated_tokens_per_second"]
+    assert ref["generated_tokens_per_second"] != report["models"]["tiny-llama"]["static"]["warm"][
+        "generated_tokens_per_second"]
