@@ -272,12 +272,11 @@ def variant_passes(name, engine, requests, args, device, t0, deadline, reserve, 
     `--span-cost-keys` value, `--key-limit-graphs` value) after the first, on the same engine and prompts, into
     result["static_variants"][variant]; the engine's first decoder restored after. A variant that does not apply
     to the model (ValueError) or fails is recorded, not raised."""
+    from dflash_prep.commands.regen_rate import variant_label as label
     from dflash_prep.regen.decode import StaticCacheDecoder
 
     first = engine.decoder
     variants = [(p, c, g) for p in args.prefill for c in args.span_cost_keys for g in args.key_limit_graphs]
-    label = lambda p, c, g: (f"prefill {p}, " + ("no row spans" if c is None else f"span cost {c:,} keys")  # noqa: E731
-                             + f", {g} key limit{'s' if g > 1 else ''}")
     result["static_variants"] = {label(*variants[0]): {"path": first.path, **(result.get("static") or {})}}
     for mode, cost, graphs in variants[1:]:
         entry = result["static_variants"][label(mode, cost, graphs)] = {}

@@ -49,8 +49,14 @@ def regen_bench_references(results_dir: Path | None) -> list[dict]:
     return sorted(refs, key=lambda ref: ref["started"], reverse=True)
 
 
-# A variant's label in the benchmark's report (bench/regen_bench.py `variant_passes`): "prefill auto, span cost 8,192
-# keys, 1 key limit"; reports before key limits end after the spans ("prefill auto, no row spans")
+def variant_label(prefill: str, span_cost_keys: int | None, key_limit_graphs: int) -> str:
+    """The label of a static decoder pass in the benchmark's report (bench/regen_bench.py `variant_passes`), e.g.
+    "prefill auto, span cost 8,192 keys, 1 key limit": what `_default_pass` reads back."""
+    spans = "no row spans" if span_cost_keys is None else f"span cost {span_cost_keys:,} keys"
+    return f"prefill {prefill}, {spans}, {key_limit_graphs} key limit{'s' if key_limit_graphs > 1 else ''}"
+
+
+# `variant_label`'s text; reports written before key limits end after the spans ("prefill auto, no row spans")
 _VARIANT_LABEL = re.compile(r"prefill (\w+), (?:no row spans|span cost ([\d,]+) keys)(?:, (\d+) key limits?)?$")
 
 

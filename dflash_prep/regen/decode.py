@@ -202,7 +202,7 @@ class StaticCacheDecoder:
         spans = self._spans(mask, width, new_tokens)
         with _attention_implementation(self.model, self.attention), decode_spans(spans, width + new_tokens):
             done = self._decode(sequences, mask, positions, cache, logits, width, new_tokens, limits, stops,
-                                processors, spans is not None)
+                                processors, spans is not None and self.key_limit_graphs > 1)
         self.stats.decode_seconds += _now(device) - t_decode
         self.stats.decode_steps += max(done - 1, 0)
         del cache
@@ -210,12 +210,13 @@ class StaticCacheDecoder:
 
     def _spans(self, mask: torch.Tensor, width: int, new_tokens: int) -> list[tuple[int, int, int]] | None:
         """The decode steps' row spans (regen/attention.py: each attends from its own first real column; without
-        `span_cost_keys` one span of every row from column 0, which still ends at the steps' key limit), or None
-        where our attention function does not run (the model on another implementation)."""
+        `span_cost_keys` but with key limits, one span of every row from column 0, which ends at the steps' key
+        limit), or None: every row reads the whole cache on transformers' `sdpa`, or our attention function does
+        not run (the model on another implementation)."""
         if self.attention != STATIC_ATTENTION:
             return None
         if self.span_cost_keys is None:
-            return [(0, mask.shape[0], 0)]
+            return [(0, mask.shape[0], 0)] if self.key_limit_graphs > 1 else None
         first_real = (width - mask[:, :width].sum(-1)).tolist()
         spans = plan_decode_spans(first_real, width + new_tokens, span_cost_keys=self.span_cost_keys)
         self.stats.decode_spans += len(spans)
@@ -235,8 +236,8 @@ class StaticCacheDecoder:
         for step in range(new_tokens):
             if step > 0:  # the previous token goes in: one forward of one token a row
                 step_input["position"].add_(1)
-                if key_limits and self._key_limit(step, width, new_tokens) != key_limit:
-                    key_limit = self._key_limit(step, width, new_tokens)
+                if key_limits and (wanted := self._key_limit(step, width, new_tokens)) != key_limit:
+                    key_limit = wanted
                     decode_key_limit(key_limit)
                     step_fn, graph = None, None  # a step reading further: captured anew
                 if step_fn is None:
