@@ -4,7 +4,6 @@ weights load (config, layer ids, replica, kernels, packing, token budget, tokeni
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from pathlib import Path
 
@@ -42,22 +41,18 @@ def start(recipe: Recipe) -> Run:
     # first, by every process: a collective
     peers = Peers(state, out_dir, recipe.output.peer_timeout_seconds, remote=remote)
     refuse_unsafe_output_dir(recipe)
-    created = _first_missing(out_dir)  # the outermost folder this run creates (None: out_dir exists)
+    setup_logging(out_dir, state.process_index, state.is_main_process)  # lines held until the claim: no file yet
+    log.info("dflash-prep %s: rank %d of %d on %s", __version__, state.process_index, state.num_processes,
+             state.device)
+    run = _checked_run(recipe, state, out_dir, t_start)
+    run.remote = remote
+    # Made only once every check passed: a refused job creates nothing. (Made before the checks and removed on a
+    # refusal, two ranks refusing at once raced: one removed the folder while the other was still making it.)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a parent that is a file, a read-only or virtual filesystem: no run can fix that
         raise RecipeError(f"recipe key `output.dir` = {str(out_dir)!r}: cannot create it ({e.strerror or e})") \
             from None
-    setup_logging(out_dir, state.process_index, state.is_main_process)
-    log.info("dflash-prep %s: rank %d of %d on %s", __version__, state.process_index, state.num_processes,
-             state.device)
-    try:
-        run = _checked_run(recipe, state, out_dir, t_start)
-        run.remote = remote
-    except Exception:
-        if created is not None:  # a refused job leaves no folder behind (the console said why)
-            _remove_if_only_logs(out_dir, created)
-        raise
     peers.processes_per_replica = run.replica.processes_per_replica
     run.peers = peers
     return run
@@ -72,36 +67,6 @@ def _remote_output(recipe: Recipe):
     staging = Path(recipe.output.staging_dir).expanduser() if recipe.output.staging_dir \
         else default_staging_dir(recipe.output.dir)
     return RemoteOutput(recipe.output.dir, recipe.output.storage_options, staging.resolve())
-
-
-def _first_missing(folder: Path) -> Path | None:
-    """The outermost of `folder` and its parents that does not exist (what mkdir(parents=True) creates), or None."""
-    missing = None
-    for p in [folder, *folder.parents]:
-        if p.exists():
-            return missing
-        missing = p
-    return missing
-
-
-def _remove_if_only_logs(out_dir: Path, created: Path) -> None:
-    """Delete `out_dir` when it holds nothing but what `start` made (the lock folder; logs of an older version): a run
-    refused before it claimed the folder; then the parents it created (`created`, outermost), left empty."""
-    from dflash_prep.store.locks import LOCKS_DIR
-
-    for h in list(log.handlers):  # the rank log file is inside
-        if isinstance(h, logging.FileHandler):
-            log.removeHandler(h)
-            h.close()
-    if out_dir.is_dir() and {p.name for p in out_dir.iterdir()} <= {"logs", LOCKS_DIR}:
-        shutil.rmtree(out_dir, ignore_errors=True)
-        parent = out_dir.parent
-        while parent != created.parent and parent.is_dir():
-            try:
-                parent.rmdir()  # refused when not empty (another run may be filling it meanwhile): then kept
-            except OSError:
-                break
-            parent = parent.parent
 
 
 def _checked_run(recipe: Recipe, state, out_dir: Path, t_start: float) -> Run:
