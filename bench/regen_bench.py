@@ -52,7 +52,7 @@ from bench.context import environment  # noqa: E402
 from bench.models import CONFIG_DIR, TOKENIZER_DIR  # noqa: E402
 from bench.timing import free_memory, peak_memory, sync  # noqa: E402
 from dflash_prep.regen.attention import DEFAULT_SPAN_COST_KEYS  # noqa: E402
-from dflash_prep.regen.decode import KEY_LIMIT_GRAPHS  # noqa: E402
+from dflash_prep.regen.decode import DECODE_KERNEL, KEY_LIMIT_GRAPHS  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -201,9 +201,10 @@ def build_engine(name: str, spec: RegenSpec, kernels: str, args, device, t0: flo
         t = time.perf_counter()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        prefill, cost, graphs, kernel = decoder_variants(args)[0]
         engine = TransformersEngine(section, device, args.static_tokens_per_batch or spec.static_tokens_per_batch,
-                                    ignore_eos=True, cuda_graphs=args.cuda_graphs, prefill=args.prefill[0],
-                                    span_cost_keys=args.span_cost_keys[0], key_limit_graphs=args.key_limit_graphs[0])
+                                    ignore_eos=True, cuda_graphs=args.cuda_graphs, prefill=prefill,
+                                    span_cost_keys=cost, key_limit_graphs=graphs, decode_kernel=kernel)
         sync(device)
         text = engine.config.get_text_config() if hasattr(engine.config, "get_text_config") else engine.config
         result.update(build_seconds=time.perf_counter() - t, kernels=engine.kernels, decode_path=engine.decode_path,
@@ -267,6 +268,14 @@ def static_passes(name, engine, requests, args, device, t0, deadline, reserve, r
         return None
 
 
+def decoder_variants(args) -> list[tuple]:
+    """[(prefill, span_cost_keys, key_limit_graphs, decode_kernel)] the static decoder runs, first to last: per
+    `--decode-kernel`, per `--prefill`, sdpa's every span price and key limit count (flex takes neither)."""
+    return [(p, c, g, k) for k in args.decode_kernel for p in args.prefill
+            for c, g in ([(c, g) for c in args.span_cost_keys for g in args.key_limit_graphs] if k == "sdpa"
+                         else [(None, 1)])]
+
+
 def variant_passes(name, engine, requests, args, device, t0, deadline, reserve, result) -> None:
     """The static decoder again (cold, then warm) for each further variant, every (`--prefill` mode,
     `--span-cost-keys` value, `--key-limit-graphs` value) after the first, on the same engine and prompts, into
@@ -276,26 +285,27 @@ def variant_passes(name, engine, requests, args, device, t0, deadline, reserve, 
     from dflash_prep.regen.decode import StaticCacheDecoder
 
     first = engine.decoder
-    variants = [(p, c, g) for p in args.prefill for c in args.span_cost_keys for g in args.key_limit_graphs]
+    variants = decoder_variants(args)
     result["static_variants"] = {label(*variants[0]): {"path": first.path, **(result.get("static") or {})}}
-    for mode, cost, graphs in variants[1:]:
-        entry = result["static_variants"][label(mode, cost, graphs)] = {}
+    for mode, cost, graphs, kernel in variants[1:]:
+        tag = label(mode, cost, graphs, kernel)
+        entry = result["static_variants"][tag] = {}
         try:
             engine.decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, prefill_tokens=first.prefill_tokens,
                                                 cuda_graphs=args.cuda_graphs, prefill=mode, span_cost_keys=cost,
-                                                key_limit_graphs=graphs)
+                                                key_limit_graphs=graphs, decode_kernel=kernel)
             entry["path"] = engine.decoder.path
             cold = engine_pass(engine, requests, device)
             entry["cold"] = _public(cold)
-            log(f"{name}: {label(mode, cost, graphs)}: cold {_rate(cold)}, prefill {cold['prefill_seconds']:.1f} s "
+            log(f"{name}: {tag}: cold {_rate(cold)}, prefill {cold['prefill_seconds']:.1f} s "
                 f"({cold['prefill_forwards']} forwards), {cold['decode_spans']} decode row spans", t0)
             if args.warm and time.perf_counter() + _warm_estimate(cold) < deadline - reserve:
                 warm = entry["warm"] = _public(engine_pass(engine, requests, device))
-                log(f"{name}: {label(mode, cost, graphs)}: warm {_rate(warm)}, prefill {warm['prefill_seconds']:.1f} "
+                log(f"{name}: {tag}: warm {_rate(warm)}, prefill {warm['prefill_seconds']:.1f} "
                     f"s, decode {warm['decode_seconds']:.1f} s, {warm['ms_per_decode_step']:.1f} ms per step", t0)
         except Exception as e:  # noqa: BLE001 - one variant's failure is a figure of the report
             entry["error"] = f"{type(e).__name__}: {e}"
-            log(f"{name}: {label(mode, cost, graphs)} FAILED {type(e).__name__}: {e}", t0)
+            log(f"{name}: {tag} FAILED {type(e).__name__}: {e}", t0)
             free_memory(device)
         finally:
             engine.decoder = first
@@ -509,6 +519,10 @@ def parse_args(argv):
                    help="the decode steps' key limits a batch (1: every step reads the whole cache; default: the "
                         f"engine's, {KEY_LIMIT_GRAPHS}), comma-separated; the first for every figure, the others timed "
                         "after it")
+    p.add_argument("--decode-kernel", type=lambda v: v.split(","), default=[DECODE_KERNEL],
+                   help="the decode steps' attention kernels, comma-separated (sdpa: transformers' function in row "
+                        f"spans; flex: PyTorch's flex attention, compiled; default: the engine's, {DECODE_KERNEL}); "
+                        "the first for every figure, the others timed after it")
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="no exactness check and no profiles (timed passes and the generate baseline only)")
     p.add_argument("--seed", type=int, default=0)

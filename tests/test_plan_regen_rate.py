@@ -104,8 +104,8 @@ def test_a_benchmark_far_from_the_model_in_parameters_gives_no_figure(tmp_path):
 
 def test_a_report_of_several_decoder_settings_gives_the_pass_of_the_engines_defaults(tmp_path, capsys):
     """A report that timed the static decoder's settings one after another (bench/regen_bench.py's variants): the
-    rate is the pass that ran the engine's defaults (prefill auto, row spans at 8,192 keys, one key limit), not the
-    report's first; a newer report whose passes all ran other settings is passed over for an older one."""
+    rate is the pass that ran the engine's defaults (prefill auto, sdpa in row spans at 8,192 keys, one key limit),
+    not the report's first nor a flex-attention pass; a newer report whose passes all ran other settings is passed over for an older one."""
     model_type, params = demo_decoder_params()
 
     def with_variants(first: str, passes: dict) -> dict:
@@ -119,7 +119,8 @@ def test_a_report_of_several_decoder_settings_gives_the_pass_of_the_engines_defa
 
     first = "prefill auto, span cost 8,192 keys, 8 key limits"
     write_report(tmp_path / "regen-ab", {"demo-shape": with_variants(first, {
-        first: (600.0, 745.0), "prefill auto, span cost 8,192 keys, 1 key limit": (750.0, 762.0)})},
+        first: (600.0, 745.0), "prefill auto, span cost 8,192 keys, 1 key limit": (750.0, 762.0),
+        "prefill auto, flex attention": (900.0, 950.0)})},  # flex: not the engine's default decode kernel
         started="2026-12-03T08:00:00")
     assert plan_json(capsys, "--bench-results", str(tmp_path))["generated_tokens_per_second"] == pytest.approx(762.0)
     first = "prefill packed, no row spans"

@@ -127,3 +127,37 @@ def test_decode_spans_follow_the_left_padding():
     assert spans == [(0, 16, 0), (16, 116, 1984), (116, 216, 3840)]
     assert plan_decode_spans([128] * 50, keys) == [(0, 50, 128)]
     assert plan_decode_spans([5, 900], 1000, span_cost_keys=10 ** 9) == [(0, 2, 0)]  # a span costs more than any save
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_flex_decode_reads_each_rows_keys_from_its_first_block_to_the_step(compiled):
+    """Decode steps on flex attention (FlexDecodeMask, what the static decoder sets with decode_kernel=flex) over a
+    left-padded cache of 520 columns, rows beginning at columns 0 to 250, the mask advanced from column 259 over
+    several steps: each step equals attention written out over the keys from the row's first real column to the
+    step's column. Compiled (PyTorch's fused kernel, which reads only the listed key blocks of 128 columns): NaN in
+    the blocks a row must not read (before its first real column's block, after the step's) leaves the output
+    finite, so the block lists are checked too; eager (the reference implementation the CPU decoder runs) reads every
+    column, so there the keys stay finite."""
+    from dflash_prep.regen.attention import FlexDecodeMask, flex_decode
+
+    torch.manual_seed(11)
+    first, keys = [0, 3, 130, 200, 250], 520
+    q, k, v = torch.randn(5, 8, 1, 16), torch.randn(5, 2, keys, 16), torch.randn(5, 2, keys, 16)
+    flex = FlexDecodeMask(torch.tensor(first), keys, 259, compiled=compiled)
+    module = types.SimpleNamespace(num_key_value_groups=4, training=False, is_causal=True)
+    for column in (260, 261, 383, 384, 385):
+        while int(flex.column) < column:
+            flex.advance()
+        mask = masks(5, 1, keys, first)
+        mask[..., column + 1:] = False
+        expected = reference(q, k, v, mask, 0.3)
+        k_read, v_read = k.clone(), v.clone()
+        if compiled:  # the blocks outside each row's range: never read
+            for row, f in enumerate(first):
+                for t in (k_read, v_read):
+                    t[row, :, :f // 128 * 128] = float("nan")
+                    t[row, :, (column // 128 + 1) * 128:] = float("nan")
+        with flex_decode(flex):
+            out, _ = static_attention(module, q, k_read, v_read, mask, scaling=0.3)
+        assert torch.allclose(out.double(), expected, atol=2e-6), column
+        assert flex.num_blocks.view(-1).tolist() == [column // 128 - f // 128 + 1 for f in first]

@@ -88,6 +88,36 @@ def test_chunked_prefill_and_per_row_limits_equal_generate_alone(name, order, pr
         assert set(out[row][len(expected):]) <= {engine.pad_token_id}
 
 
+@pytest.mark.parametrize("name,prefill", [("llama", "auto"), ("llama", "padded"), ("demo", "packed"),
+                                          pytest.param("demo", "padded", marks=pytest.mark.slow)])
+def test_flex_decode_equals_generate_alone(name, prefill, llama_path):
+    """The decode steps on flex attention (decode_kernel=flex: each row's keys from its own first real column to the
+    step's, PyTorch's reference implementation on the CPU): five prompts of 3 to ~400 tokens, longest first, each
+    row with its own new-token limit, every row's ids equal `generate` on its prompt alone, then padding; on the
+    hybrid its attention layers run flex, its Gated DeltaNet layers as ever. No row spans are planned for it."""
+    engine = engine_for(name, llama_path, decoder="generate")
+    prompts = sorted((prompt_ids(engine, m) for m in PROMPTS), key=len, reverse=True)
+    limits = [12, 2, 7, 12, 5]
+    decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, prefill_tokens=150 if prefill != "padded" else 40,
+                                 column_multiple=1, row_multiple=1, prefill=prefill, decode_kernel="flex")
+    assert decoder.flex and "flex attention from each row's first key" in decoder.path
+    assert decoder.span_cost_keys_in_use == 0  # the batch cut: each row priced from its own column
+    ids, mask = padded(engine, prompts)
+    with torch.inference_mode():
+        out = decoder.generate(ids, mask, 12, [DEMO_EOS], row_new_tokens=limits).tolist()
+    assert decoder.stats.decode_steps > 0 and decoder.stats.decode_spans == 0
+    for row, (p, limit) in enumerate(zip(prompts, limits)):
+        expected = alone(engine, p, new=limit)
+        assert out[row][:len(expected)] == expected
+        assert set(out[row][len(expected):]) <= {engine.pad_token_id}
+
+
+def test_an_unknown_decode_kernel_is_refused(llama_path):
+    engine = engine_for("llama", llama_path, decoder="generate")
+    with pytest.raises(ValueError, match="decode_kernel='flash': one of sdpa, flex"):
+        StaticCacheDecoder(engine.model, engine.pad_token_id, decode_kernel="flash")
+
+
 def test_a_stop_id_ends_its_row_only():
     """The tiny Llama with an end-of-sequence id its greedy answers reach at different steps: the batched loop stops
     each row there (padding after it) while the others go on exactly as alone."""

@@ -49,34 +49,42 @@ def regen_bench_references(results_dir: Path | None) -> list[dict]:
     return sorted(refs, key=lambda ref: ref["started"], reverse=True)
 
 
-def variant_label(prefill: str, span_cost_keys: int | None, key_limit_graphs: int) -> str:
+def variant_label(prefill: str, span_cost_keys: int | None, key_limit_graphs: int,
+                  decode_kernel: str = "sdpa") -> str:
     """The label of a static decoder pass in the benchmark's report (bench/regen_bench.py `variant_passes`), e.g.
-    "prefill auto, span cost 8,192 keys, 1 key limit": what `_default_pass` reads back."""
+    "prefill auto, span cost 8,192 keys, 1 key limit" or "prefill auto, flex attention" (spans and key limits do
+    not apply to it): what `_default_pass` reads back."""
+    if decode_kernel == "flex":
+        return f"prefill {prefill}, flex attention"
     spans = "no row spans" if span_cost_keys is None else f"span cost {span_cost_keys:,} keys"
     return f"prefill {prefill}, {spans}, {key_limit_graphs} key limit{'s' if key_limit_graphs > 1 else ''}"
 
 
 # `variant_label`'s text; reports written before key limits end after the spans ("prefill auto, no row spans")
-_VARIANT_LABEL = re.compile(r"prefill (\w+), (?:no row spans|span cost ([\d,]+) keys)(?:, (\d+) key limits?)?$")
+_VARIANT_LABEL = re.compile(r"prefill (\w+), (?:(flex attention)|no row spans|span cost ([\d,]+) keys)"
+                            r"(?:, (\d+) key limits?)?$")
 
 
 def _default_pass(model_entry: dict) -> dict:
     """The static decoder's passes ({cold, warm}) that ran the engine's defaults: in a report of several variants
-    (an A/B of decoder settings), the one whose label says `prefill auto`, the default span price and key limits
-    (none matching: {}); else the report's own figures (one configuration, as the engine ran then)."""
+    (an A/B of decoder settings), the one whose label says `prefill auto` and the default decode kernel (for sdpa,
+    the default span price and key limits) (none matching: {}); else the report's own figures (one configuration,
+    as the engine ran then)."""
     from dflash_prep.regen.attention import DEFAULT_SPAN_COST_KEYS
-    from dflash_prep.regen.decode import KEY_LIMIT_GRAPHS
+    from dflash_prep.regen.decode import DECODE_KERNEL, KEY_LIMIT_GRAPHS
 
     variants = model_entry.get("static_variants") or {}
     if len(variants) < 2:
         return model_entry.get("static") or {}
     for label, entry in variants.items():
         match = _VARIANT_LABEL.match(str(label))
-        if match is None:
+        if match is None or match.group(1) != "auto":
             continue
-        prefill, cost, graphs = match.group(1), match.group(2), int(match.group(3) or 1)
-        if prefill == "auto" and cost is not None and int(cost.replace(",", "")) == DEFAULT_SPAN_COST_KEYS \
-                and graphs == KEY_LIMIT_GRAPHS:
+        flex, cost, graphs = match.group(2) is not None, match.group(3), int(match.group(4) or 1)
+        default = (DECODE_KERNEL == "flex") if flex else (
+            DECODE_KERNEL == "sdpa" and cost is not None and int(cost.replace(",", "")) == DEFAULT_SPAN_COST_KEYS
+            and graphs == KEY_LIMIT_GRAPHS)
+        if default:
             return entry if isinstance(entry, dict) else {}
     return {}
 

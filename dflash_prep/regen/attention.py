@@ -21,6 +21,14 @@ not kept: two batched GEMMs (scores q k^T in float32, softmax, p v) took 23.7 ms
 1,792 positions) where SDPA's cuDNN kernel took 14.9, and 9.8 against 4.6 ms on the hybrid (64 rows x 1,664
 positions).
 
+Decode steps on flex attention instead (`flex_decode`, the decoder's `decode_kernel="flex"`): PyTorch's
+`flex_attention` with a block mask of each row's own key blocks, from its first real column's block to the block of
+the column being decoded (FlexDecodeMask), compiled on CUDA into PyTorch's flex-decoding kernel, which splits the
+keys across the SMs and reads only the listed blocks: neither a row's left padding nor the columns no step has
+written yet are read, with one CUDA graph for every step (the block counts grow in place between replays). Why it
+is a choice: the sdpa decode step above reads the cache at about 2 TB/s on one H200 (cuDNN's kernel, 14.9 ms for
+128 rows x 1,792 positions of the 8B shape), under half the memory's bandwidth; flex is not yet measured there.
+
 Shapes: query [B, Hq, S, D], key [B, Hkv, L, D], value [B, Hkv, L, Dv], Hq a multiple of Hkv (the query heads of
 key/value head h are h * G .. h * G + G - 1, as transformers' `repeat_kv`); mask bool (True: attend) or additive
 float, broadcastable to [B, 1, S, L] (transformers' `sdpa_mask`, which is registered under this name as well).
@@ -57,6 +65,10 @@ def static_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     """AttentionInterface function (the module docstring gives shapes and what runs where)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    flex = _DecodeSpans.flex
+    if flex is not None and query.shape[2] == 1 and query.shape[0] == flex.rows and key.shape[2] == flex.keys \
+            and not _needs_sdpa(module, query, key, value, dropout, kwargs):
+        return flex.attend(query, key, value, scaling), None
     spans = _DecodeSpans.spans
     # spans only over a layer whose keys are the whole cache: a sliding-window layer's keys are a rolling buffer of
     # one window, whose columns are not the positions the spans were cut at
@@ -64,15 +76,19 @@ def static_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
             and attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[-1] == key.shape[2]:
         return _decode_in_spans(module, query, key, value, attention_mask, spans, dropout=dropout, scaling=scaling,
                                 is_causal=is_causal, **kwargs), None
-    plain = (query.shape[2] == 1 or attention_mask is None or kwargs.get("softcap") is not None
-             or kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None
-             or kwargs.get("output_attentions") or (dropout and module.training)
-             or query.shape[1] % key.shape[1] or key.shape[1] != value.shape[1])
-    if plain:
+    if query.shape[2] == 1 or attention_mask is None or _needs_sdpa(module, query, key, value, dropout, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return _prefill(query, key, value, attention_mask, scale), None
+
+
+def _needs_sdpa(module, query, key, value, dropout, kwargs) -> bool:
+    """What only transformers' `sdpa` function runs as asked: softcap, position bias, sinks, attention weights,
+    dropout, query heads not a multiple of the key heads."""
+    return bool(kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
+                or kwargs.get("s_aux") is not None or kwargs.get("output_attentions") or (dropout and module.training)
+                or query.shape[1] % key.shape[1] or key.shape[1] != value.shape[1])
 
 
 class _DecodeSpansState(threading.local):
@@ -84,6 +100,7 @@ class _DecodeSpansState(threading.local):
     spans: list[tuple[int, int, int]] | None = None
     keys: int | None = None
     limit: int | None = None
+    flex: FlexDecodeMask | None = None  # set by `flex_decode`: the steps on flex attention instead
 
 
 _DecodeSpans = _DecodeSpansState()
@@ -123,6 +140,99 @@ def _decode_in_spans(module, query, key, value, mask, spans, **kwargs) -> torch.
                                         value[first:end, :, column:limit], rows_mask[..., column:limit], **kwargs)
         outs.append(out)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+FLEX_BLOCK_COLUMNS = 128  # key columns of a flex-attention block (its kernels' default block size)
+_flex_attention_compiled = None  # torch.compile(flex_attention), made once a process (dynamo guards per shape)
+
+
+class FlexDecodeMask:
+    """The decode steps of a left-padded batch on PyTorch's flex attention: each row reads only the key blocks from
+    its own first real column to the column being decoded, through a `BlockMask` whose per-row block counts grow in
+    place (`advance`), so one captured CUDA graph serves every step; a block's columns outside that range are masked
+    by the mask function (`kv >= first_real[b] and kv <= column`): the same keys transformers' mask lets through.
+    On CUDA the call is `torch.compile`d (PyTorch's flex-decoding kernel: the keys split across the GPU's SMs); on
+    the CPU it runs eagerly (PyTorch's reference implementation: the tests' path; `compiled=True` compiles there too).
+
+    first_real: [B] long, each row's first real key column (left padding before it), on the batch's device.
+    keys: the cache's key columns (the full attention layers' length); column: the last column already written (the
+    prompt's last, W - 1), the steps' first call attending one column further (`advance` before each step)."""
+
+    def __init__(self, first_real: torch.Tensor, keys: int, column: int, compiled: bool | None = None):
+        from torch.nn.attention.flex_attention import BlockMask
+
+        self.rows, self.keys = int(first_real.shape[0]), int(keys)
+        self.compiled = first_real.device.type == "cuda" if compiled is None else compiled
+        self.first_real = first_real.to(torch.long)
+        self.column = torch.full((1,), column, dtype=torch.long, device=first_real.device)
+        self.first_block = self.first_real // FLEX_BLOCK_COLUMNS
+        blocks = -(-self.keys // FLEX_BLOCK_COLUMNS)
+        offsets = torch.arange(blocks, device=first_real.device)
+        indices = (self.first_block[:, None] + offsets[None]).clamp(max=blocks - 1).to(torch.int32)
+        self.num_blocks = torch.zeros((self.rows, 1, 1), dtype=torch.int32, device=first_real.device)
+        first, last = self.first_real, self.column
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx >= first[b]) & (kv_idx <= last[0])
+
+        extra = {"compute_q_blocks": False} if "compute_q_blocks" in _parameters(BlockMask.from_kv_blocks) else {}
+        self.block_mask = BlockMask.from_kv_blocks(self.num_blocks, indices[:, None, None, :],
+                                                   BLOCK_SIZE=FLEX_BLOCK_COLUMNS, mask_mod=mask_mod,
+                                                   seq_lengths=(1, self.keys), **extra)
+
+    def advance(self) -> None:
+        """The next step attends one column further: its blocks counted anew, in place (device ops, no sync)."""
+        self.column.add_(1)
+        last_block = torch.div(self.column, FLEX_BLOCK_COLUMNS, rounding_mode="floor")
+        self.num_blocks.view(-1).copy_(last_block - self.first_block + 1)
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scaling: float | None) -> torch.Tensor:
+        """query [B, Hq, 1, D], key / value [B, Hkv, L, D] (L == keys) -> [B, 1, Hq, Dv]."""
+        out = _flex_attention(self.compiled)(query, key, value, block_mask=self.block_mask, scale=scaling,
+                                            enable_gqa=query.shape[1] != key.shape[1])
+        return out.transpose(1, 2).contiguous()
+
+
+def _flex_attention(compiled: bool):
+    """PyTorch's flex_attention, compiled (made once; dynamo recompiles per new shape, then marks the shapes that
+    changed dynamic) or the eager reference (which warns once that it is unfused: said in FlexDecodeMask)."""
+    global _flex_attention_compiled
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not compiled:
+        return _eager_flex_attention
+    if _flex_attention_compiled is None:
+        _flex_attention_compiled = torch.compile(flex_attention, fullgraph=True)
+    return _flex_attention_compiled
+
+
+def _eager_flex_attention(*args, **kwargs):
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        return flex_attention(*args, **kwargs)
+
+
+def _parameters(function) -> set[str]:
+    import inspect
+
+    return set(inspect.signature(function).parameters)
+
+
+@contextlib.contextmanager
+def flex_decode(mask: FlexDecodeMask | None):
+    """Decode steps (one query a row, a full-attention layer of `mask.keys` columns, `mask.rows` rows) on flex
+    attention with `mask` while the block runs; None: as without."""
+    before = _DecodeSpans.flex
+    _DecodeSpans.flex = mask
+    try:
+        yield
+    finally:
+        _DecodeSpans.flex = before
 
 
 def plan_decode_spans(first_real: list[int], keys: int, column_multiple: int = SPAN_COLUMN_MULTIPLE,

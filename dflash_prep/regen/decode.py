@@ -64,14 +64,17 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_prep.regen.attention import (DEFAULT_SPAN_COST_KEYS, STATIC_ATTENTION, decode_key_limit, decode_spans,
-                                         plan_decode_spans, release_prefill_masks)
+from dflash_prep.regen.attention import (DEFAULT_SPAN_COST_KEYS, STATIC_ATTENTION, FlexDecodeMask, decode_key_limit,
+                                         decode_spans, flex_decode, plan_decode_spans, release_prefill_masks)
 from dflash_prep.target.backoff import is_oom
 from dflash_prep.target.packing import PACKED_ATTENTION
 
 log = logging.getLogger("dflash_prep")
 
 PREFILL_MODES = ("auto", "packed", "padded")
+# the decode steps' attention kernel where the model's attention is `sdpa` (regen/attention.py)
+DECODE_KERNELS = ("sdpa", "flex")
+DECODE_KERNEL = "sdpa"  # the default: flex is not measured on a GPU yet
 # key limits (CUDA graphs) of one batch's decode steps by default: 1, the cache's end (8 measured slower)
 KEY_LIMIT_GRAPHS = 1
 
@@ -111,13 +114,20 @@ class StaticCacheDecoder:
         cache's end. Measured on one H200 (the 8B benchmark, 256 x 256): 8 limits 7,449 generated tok/s warm and
         6,094 cold against 7,626 and 7,533 with 1 (each new limit's eager step and capture cost more than the
         unwritten columns saved); long answers, where those columns are most of a row's cache, are not measured.
-    Raises ValueError for sizes < 1, an unknown `prefill`, or `packed` for a model it does not apply to.
+    decode_kernel: `sdpa` (transformers' function, in row spans as `span_cost_keys` says) or `flex` (PyTorch's flex
+        attention, compiled on CUDA: each row reads only the key blocks from its own first real column to the
+        step's, one CUDA graph for every step; `span_cost_keys` and `key_limit_graphs` then do not apply:
+        regen/attention.py's FlexDecodeMask). Either way only where the model's attention is `sdpa`.
+    Raises ValueError for sizes < 1, an unknown `prefill` or `decode_kernel`, or `packed` for a model it does not
+    apply to.
     """
 
     def __init__(self, model, pad_token_id: int, *, prefill_tokens: int = 32768, cuda_graphs: bool = True,
                  check_every: int = 8, column_multiple: int = 64, row_multiple: int = 16, prefill_fill: float = 0.75,
                  prefill: str = "auto", span_cost_keys: int | None = DEFAULT_SPAN_COST_KEYS,
-                 key_limit_graphs: int = KEY_LIMIT_GRAPHS):
+                 key_limit_graphs: int = KEY_LIMIT_GRAPHS, decode_kernel: str = DECODE_KERNEL):
+        if decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernel={decode_kernel!r}: one of {', '.join(DECODE_KERNELS)}")
         if min(prefill_tokens, check_every, column_multiple, row_multiple, key_limit_graphs) < 1:
             raise ValueError(f"prefill_tokens={prefill_tokens}, check_every={check_every}, column_multiple="
                              f"{column_multiple}, row_multiple={row_multiple} and key_limit_graphs={key_limit_graphs} "
@@ -139,6 +149,7 @@ class StaticCacheDecoder:
         self.prefill_tokens, self.check_every = prefill_tokens, check_every
         self.span_cost_keys = span_cost_keys
         self.key_limit_graphs = key_limit_graphs
+        self.decode_kernel = decode_kernel
         self.on_rows_done = None  # callable(n) or None: n more rows of the batch being decoded have finished
         self.column_multiple, self.row_multiple = column_multiple, row_multiple
         self.prefill_fill = prefill_fill
@@ -150,10 +161,17 @@ class StaticCacheDecoder:
         """The decode path in words (for the log and the benchmark)."""
         steps = "static cache + CUDA graph" if self.cuda_graphs else "static cache, eager steps"
         prefill = "packed prefill" if self.packed_prefill else f"padded prefill ({self.prefill_reason})"
+        if self.flex:
+            return f"{steps}, flex attention from each row's first key, {prefill}"
         ours = self.attention == STATIC_ATTENTION
         spans = ", attention in row spans" if ours and self.span_cost_keys is not None else ""
         limits = ", keys read to each step's limit" if ours and self.key_limit_graphs > 1 else ""
         return f"{steps}{spans}{limits}, {prefill}"
+
+    @property
+    def flex(self) -> bool:
+        """Whether the decode steps run on flex attention (`decode_kernel` flex, the model's attention ours)."""
+        return self.decode_kernel == "flex" and self.attention == STATIC_ATTENTION
 
     @property
     def prefill_copies_keys(self) -> bool:
@@ -165,6 +183,8 @@ class StaticCacheDecoder:
     def span_cost_keys_in_use(self) -> int | None:
         """The price of a row span the decode steps attend in (`span_cost_keys`), None where they attend without
         spans (unset, or the model on an attention implementation other than ours): what the batch cut prices."""
+        if self.flex:
+            return 0  # every row reads from its own first block: spans at no price, as many as there are columns
         return self.span_cost_keys if self.attention == STATIC_ATTENTION else None
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_tokens: int, stop_ids: list[int],
@@ -199,10 +219,12 @@ class StaticCacheDecoder:
                 release_prefill_masks()
         t_decode = _now(device)
         self.stats.prefill_seconds += t_decode - t
-        spans = self._spans(mask, width, new_tokens)
-        with _attention_implementation(self.model, self.attention), decode_spans(spans, width + new_tokens):
+        spans = None if self.flex else self._spans(mask, width, new_tokens)
+        flex = FlexDecodeMask(width - mask[:, :width].sum(-1), width + new_tokens, width - 1) if self.flex else None
+        with _attention_implementation(self.model, self.attention), decode_spans(spans, width + new_tokens), \
+                flex_decode(flex):
             done = self._decode(sequences, mask, positions, cache, logits, width, new_tokens, limits, stops,
-                                processors, spans is not None and self.key_limit_graphs > 1)
+                                processors, spans is not None and self.key_limit_graphs > 1, flex)
         self.stats.decode_seconds += _now(device) - t_decode
         self.stats.decode_steps += max(done - 1, 0)
         del cache
@@ -223,9 +245,10 @@ class StaticCacheDecoder:
         return spans
 
     def _decode(self, sequences, mask, positions, cache, logits, width: int, new_tokens: int, limits, stops,
-                processors, key_limits: bool) -> int:
+                processors, key_limits: bool, flex: FlexDecodeMask | None = None) -> int:
         """The decode loop from the prefill's last logits, writing `sequences` -> the steps done. key_limits: the
-        steps read the keys up to their own limit (`_key_limit`), one CUDA graph per limit."""
+        steps read the keys up to their own limit (`_key_limit`), one CUDA graph per limit. flex: the steps' flex
+        attention mask, advanced one column before each step (outside the CUDA graph, in place)."""
         batch, device = sequences.shape[0], sequences.device
         self._reported = 0
         step_input = {"token": torch.empty((batch, 1), dtype=torch.long, device=device),
@@ -236,6 +259,8 @@ class StaticCacheDecoder:
         for step in range(new_tokens):
             if step > 0:  # the previous token goes in: one forward of one token a row
                 step_input["position"].add_(1)
+                if flex is not None:
+                    flex.advance()
                 if key_limits and (wanted := self._key_limit(step, width, new_tokens)) != key_limit:
                     key_limit = wanted
                     decode_key_limit(key_limit)

@@ -98,7 +98,7 @@ from dflash_prep.data.conversation import prompt_conversation
 from dflash_prep.recipe.schema import ModelSection
 from dflash_prep.regen.attention import DEFAULT_SPAN_COST_KEYS
 from dflash_prep.regen.batch_sizing import MEMORY_FRACTION, ModelSizes, cut_batches
-from dflash_prep.regen.decode import KEY_LIMIT_GRAPHS, StaticCacheDecoder
+from dflash_prep.regen.decode import DECODE_KERNEL, KEY_LIMIT_GRAPHS, StaticCacheDecoder
 from dflash_prep.regen.engine import FINISH_LENGTH, FINISH_STOP, FINISH_TOOL_CALLS, Answer, Request
 from dflash_prep.target.backoff import is_oom
 from dflash_prep.target.model import (
@@ -153,7 +153,8 @@ class TransformersEngine:
     chat_template: the template text replacing the tokenizer's own (`data.chat_template`, read), or None.
     decoder: `static` (regen/decode.py: static cache, the decode step a CUDA graph on CUDA when `cuda_graphs`,
         prefill in forwards of `prefill_tokens` tokens at most, packed or padded as `prefill` says, decode attention
-        in row spans when `span_cost_keys` is set, up to `key_limit_graphs` key limits a batch: decode.py) or
+        in row spans when `span_cost_keys` is set, up to `key_limit_graphs` key limits a batch, or on flex attention
+        with `decode_kernel` flex: decode.py) or
         `generate` (HF `generate`, the reference path).
     Batches are formed within one `answer` call: give it many requests (thousands) for full batches.
     Raises RecipeError (model, tokenizer or kernels that cannot be loaded), ValueError (a budget or batch size < 1).
@@ -164,7 +165,7 @@ class TransformersEngine:
                  ignore_eos: bool = False, kernels=None, decoder: str = "static",
                  prefill_tokens: int = 32768, cuda_graphs: bool = True, chat_template: str | None = None,
                  prefill: str = "auto", span_cost_keys: int | None = DEFAULT_SPAN_COST_KEYS,
-                 key_limit_graphs: int = KEY_LIMIT_GRAPHS):
+                 key_limit_graphs: int = KEY_LIMIT_GRAPHS, decode_kernel: str = DECODE_KERNEL):
         self.section, self.device = model, torch.device(device)
         if max_tokens_per_batch < 2 or max_batch_size < 1 or length_multiple < 1:
             raise ValueError(f"max_tokens_per_batch={max_tokens_per_batch}, max_batch_size={max_batch_size} and "
@@ -194,7 +195,7 @@ class TransformersEngine:
             raise ValueError(f"decoder={decoder!r}: one of {', '.join(DECODERS)}")
         self.decoder = None if decoder == "generate" else StaticCacheDecoder(
             self.model, self.pad_token_id, prefill_tokens=prefill_tokens, cuda_graphs=cuda_graphs, prefill=prefill,
-            span_cost_keys=span_cost_keys, key_limit_graphs=key_limit_graphs)
+            span_cost_keys=span_cost_keys, key_limit_graphs=key_limit_graphs, decode_kernel=decode_kernel)
         self.sizes, self.memory_limit_bytes = self._sizes() if self.decoder is not None else (None, None)
         log.info("regeneration engine: %s", self.decode_path)
 
