@@ -215,7 +215,7 @@ def decode_step_profile(engine, requests, rows: int, device, steps: int = 4, top
     like = engine.decoder  # its prefill and decode attention, with eager steps
     decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, prefill_tokens=like.prefill_tokens,
                                  cuda_graphs=False, prefill="packed" if like.packed_prefill else "padded",
-                                 span_cost_keys=like.span_cost_keys)
+                                 span_cost_keys=like.span_cost_keys, decode_kernel=like.decode_kernel)
     t = time.perf_counter()
     with torch.inference_mode():
         decoder.generate(ids, mask, steps + 3, [], LogitsProcessorList([_ProfileSteps(profiler, ids.shape[1], 1,

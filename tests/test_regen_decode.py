@@ -438,3 +438,36 @@ def test_decoders_in_two_threads_keep_their_own_spans_and_key_limits(llama_path)
             h.remove()
     assert out["a"] == expected and out["b"] == expected
     assert (_DecodeSpans.spans, _DecodeSpans.keys, _DecodeSpans.limit) == (None, None, None)
+
+
+def test_a_flex_attention_failure_decodes_the_batch_again_on_sdpa(llama_path, monkeypatch, caplog):
+    """Flex attention failing in a decode step (its compile or kernel refusing a shape: raised here by the function
+    the decoder calls) costs the batch a second run from its prefill on sdpa, logged once, and later batches stay
+    on sdpa: every row's ids still equal `generate` alone."""
+    import logging
+
+    import dflash_prep.regen.attention as attention
+
+    engine = engine_for("llama", llama_path, decoder="generate")
+    prompts = sorted((prompt_ids(engine, m) for m in PROMPTS), key=len, reverse=True)
+    calls = []
+
+    def failing(compiled):
+        def attend(*args, **kwargs):
+            calls.append(1)
+            raise RuntimeError("flex attention: no kernel for this shape\nsecond line")
+        return attend
+
+    monkeypatch.setattr(attention, "_flex_attention", failing)
+    decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, decode_kernel="flex")
+    ids, mask = padded(engine, prompts)
+    with torch.inference_mode(), caplog.at_level(logging.WARNING, logger="dflash_prep"):
+        out = decoder.generate(ids, mask, 6, [DEMO_EOS]).tolist()
+        again = decoder.generate(ids, mask, 6, [DEMO_EOS]).tolist()
+    assert len(calls) == 1 and decoder.stats.flex_failures == 1 and not decoder.flex and out == again
+    warnings = [r.getMessage() for r in caplog.records if "flex attention failed" in r.getMessage()]
+    assert warnings == ["regeneration: the decode steps on flex attention failed (RuntimeError: flex attention: no "
+                        "kernel for this shape); decoding on sdpa in row spans from now on"]
+    for row, p in enumerate(prompts):
+        expected = alone(engine, p, new=6)
+        assert out[row][:len(expected)] == expected

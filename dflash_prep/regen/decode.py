@@ -88,6 +88,7 @@ class DecodeStats:
     decode_steps: int = 0
     graph_captures: int = 0
     graph_failures: int = 0
+    flex_failures: int = 0  # batches whose decode on flex attention failed and ran again on sdpa
     prefill_forwards: int = 0
     prompt_tokens_prefilled: int = 0  # real prompt tokens
     prefill_computed_tokens: int = 0  # tokens the prefill forwards computed (padding included)
@@ -195,7 +196,26 @@ class StaticCacheDecoder:
         input_ids / attention_mask: [B, W] long, left padded. new_tokens: steps at most. stop_ids: end-of-sequence
         ids (may be empty). processors: a transformers `LogitsProcessorList` called as under `generate`
         (`(sequences [B, W + step], scores [B, V] float32)`), or None. row_new_tokens: per-row limits (<= new_tokens),
-        default new_tokens for all. Raises what the model raises (an out-of-memory error included)."""
+        default new_tokens for all. Raises what the model raises (an out-of-memory error included). With
+        `decode_kernel` flex, a batch whose decode fails otherwise (flex attention's compile or kernel: a shape or
+        head size it cannot take) is logged once and run again from its prefill on sdpa, which this decoder keeps
+        from then on (`stats.flex_failures`)."""
+        if not self.flex:
+            return self._generate(input_ids, attention_mask, new_tokens, stop_ids, processors, row_new_tokens)
+        try:
+            return self._generate(input_ids, attention_mask, new_tokens, stop_ids, processors, row_new_tokens)
+        except Exception as e:  # noqa: BLE001 - flex attention's failure: the batch again on sdpa, said once
+            if is_oom(e):
+                raise  # the engine halves the batch
+            self.stats.flex_failures += 1
+            self.decode_kernel = "sdpa"
+            log.warning("regeneration: the decode steps on flex attention failed (%s: %s); decoding on sdpa in row "
+                        "spans from now on", type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+        return self._generate(input_ids, attention_mask, new_tokens, stop_ids, processors, row_new_tokens)
+
+    def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_tokens: int, stop_ids: list[int],
+                  processors, row_new_tokens: list[int] | None) -> torch.Tensor:
+        """`generate` on the decoder's current settings."""
         from transformers import StaticCache
 
         batch, width = input_ids.shape
