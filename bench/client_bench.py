@@ -2,7 +2,7 @@
 """The regeneration's client against a bare load loop: does `engine: openai` keep a server as busy as it can be?
 
     python bench/client_bench.py OUT.json [--requests 96] [--concurrency 8] [--max-tokens 16] [--rounds 2]
-        [--serve-args "--continuous-batching"]
+        [--serve-args "--continuous-batching"] [--server-cpus 0]
 
 One real `transformers serve` (CPU, float32) of the demo model's config with random weights (seeded) and the
 demo tokenizer, on a free loopback port; the same requests (one user message each, greedy, `max_tokens` new tokens)
@@ -56,13 +56,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: Path, port: int, log: Path, serve_args: list[str]) -> subprocess.Popen:
+def start_server(model: Path, port: int, log: Path, serve_args: list[str],
+                 cpus: set[int] | None = None) -> subprocess.Popen:
+    """`transformers serve` of `model` on `port`, on the CPUs `cpus` only (its torch threads as many) when given."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if cpus:
+        env["OMP_NUM_THREADS"] = str(len(cpus))
     serve = Path(sys.executable).parent / "transformers"
     with open(log, "ab") as out:
         proc = subprocess.Popen([str(serve), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
                                  "--device", "cpu", "--dtype", "float32", *serve_args], stdout=out,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     deadline = time.time() + 300
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -73,6 +78,15 @@ def start_server(model: Path, port: int, log: Path, serve_args: list[str]) -> su
         except OSError:
             time.sleep(0.3)
     raise RuntimeError("transformers serve did not answer")
+
+
+def _cpus(text: str) -> set[int]:
+    """"0", "0-3" or "0,2" -> the CPU numbers."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
 
 
 def prompts(n: int) -> list[str]:
@@ -159,11 +173,19 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--serve-args", default="")
+    parser.add_argument("--server-cpus", type=_cpus, default=None,
+                        help="CPUs the server runs on, e.g. 0 or 0-3 (default: all); the client then runs on the "
+                             "others, so that neither takes the other's cores (a small machine's noise)")
     args = parser.parse_args()
+    if args.server_cpus:
+        client_cpus = os.sched_getaffinity(0) - args.server_cpus
+        if not client_cpus:
+            parser.error(f"--server-cpus {sorted(args.server_cpus)} leaves the client no CPU")
+        os.sched_setaffinity(0, client_cpus)
     work = Path(tempfile.mkdtemp(prefix="client-bench-"))
     model = save_model(work / "model")
     port = free_port()
-    server = start_server(model, port, work / "serve.log", args.serve_args.split())
+    server = start_server(model, port, work / "serve.log", args.serve_args.split(), args.server_cpus)
     url, name = f"http://127.0.0.1:{port}/v1", str(model)
     texts = prompts(args.requests)
     methods = {"bare_async": bare_async, "bare_threads": bare_threads, "engine": engine,
@@ -187,6 +209,8 @@ def main() -> None:
               "model": "tiny-demo config, random weights", "requests": args.requests,
               "concurrency": args.concurrency, "max_tokens": args.max_tokens, "rounds": args.rounds,
               "cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "results": results,
+              "server_cpus": sorted(args.server_cpus) if args.server_cpus else None,
+              "client_cpus": sorted(os.sched_getaffinity(0)),
               "median_requests_per_second": median,
               "ratio_engine_to_bare_async": median["engine"] / median["bare_async"],
               "ratio_run_to_bare_async": median["run"] / median["bare_async"],
