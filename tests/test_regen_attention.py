@@ -145,7 +145,7 @@ def test_flex_decode_reads_each_rows_keys_from_its_first_block_to_the_step(compi
     q, k, v = torch.randn(5, 8, 1, 16), torch.randn(5, 2, keys, 16), torch.randn(5, 2, keys, 16)
     flex = FlexDecodeMask(torch.tensor(first), keys, 259, compiled=compiled)
     module = types.SimpleNamespace(num_key_value_groups=4, training=False, is_causal=True)
-    for column in (260, 261, 383, 384, 385):
+    for column in (260, 261, 383, 384, 385, 511, 512, 519):  # 512..519: the last block, 8 of its 128 columns
         while int(flex.column) < column:
             flex.advance()
         mask = masks(5, 1, keys, first)
