@@ -277,8 +277,8 @@ def decoder_variants(args) -> list[tuple]:
 
 
 def variant_passes(name, engine, requests, args, device, t0, deadline, reserve, result) -> None:
-    """The static decoder again (cold, then warm) for each further variant, every (`--prefill` mode,
-    `--span-cost-keys` value, `--key-limit-graphs` value) after the first, on the same engine and prompts, into
+    """The static decoder again (cold, then warm) for each further variant of `decoder_variants` (`--decode-kernel`,
+    `--prefill`, `--span-cost-keys`, `--key-limit-graphs`) after the first, on the same engine and prompts, into
     result["static_variants"][variant]; the engine's first decoder restored after. A variant that does not apply
     to the model (ValueError) or fails is recorded, not raised."""
     from dflash_prep.commands.regen_rate import variant_label as label

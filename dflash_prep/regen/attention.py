@@ -94,8 +94,9 @@ def _needs_sdpa(module, query, key, value, dropout, kwargs) -> bool:
 class _DecodeSpansState(threading.local):
     """The row spans of the batch being decoded: [(first row, end row, first key column)], the key columns of the
     cache they were cut for (its positions), set by `decode_spans`, and the column the steps' keys end at
-    (exclusive; None: the cache's end), set by `decode_key_limit`. Per thread: decoders in two threads of one
-    process (each engine answers in a worker thread) must not read each other's spans or limit."""
+    (exclusive; None: the cache's end), set by `decode_key_limit`; or the batch's flex-attention mask, set by
+    `flex_decode` (spans and limit then unused). Per thread: decoders in two threads of one process (each engine
+    answers in a worker thread) must not read each other's spans, limit or mask."""
 
     spans: list[tuple[int, int, int]] | None = None
     keys: int | None = None

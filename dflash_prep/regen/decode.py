@@ -200,17 +200,16 @@ class StaticCacheDecoder:
         `decode_kernel` flex, a batch whose decode fails otherwise (flex attention's compile or kernel: a shape or
         head size it cannot take) is logged once and run again from its prefill on sdpa, which this decoder keeps
         from then on (`stats.flex_failures`)."""
-        if not self.flex:
-            return self._generate(input_ids, attention_mask, new_tokens, stop_ids, processors, row_new_tokens)
-        try:
-            return self._generate(input_ids, attention_mask, new_tokens, stop_ids, processors, row_new_tokens)
-        except Exception as e:  # noqa: BLE001 - flex attention's failure: the batch again on sdpa, said once
-            if is_oom(e):
-                raise  # the engine halves the batch
-            self.stats.flex_failures += 1
-            self.decode_kernel = "sdpa"
-            log.warning("regeneration: the decode steps on flex attention failed (%s: %s); decoding on sdpa in row "
-                        "spans from now on", type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+        if self.flex:
+            try:
+                return self._generate(input_ids, attention_mask, new_tokens, stop_ids, processors, row_new_tokens)
+            except Exception as e:  # noqa: BLE001 - flex attention's failure: the batch again on sdpa, said once
+                if is_oom(e):
+                    raise  # the engine halves the batch
+                self.stats.flex_failures += 1
+                self.decode_kernel = "sdpa"
+                log.warning("regeneration: the decode steps on flex attention failed (%s: %s); decoding on sdpa in "
+                            "row spans from now on", type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
         return self._generate(input_ids, attention_mask, new_tokens, stop_ids, processors, row_new_tokens)
 
     def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_tokens: int, stop_ids: list[int],
@@ -240,7 +239,7 @@ class StaticCacheDecoder:
         t_decode = _now(device)
         self.stats.prefill_seconds += t_decode - t
         spans = None if self.flex else self._spans(mask, width, new_tokens)
-        flex = FlexDecodeMask(width - mask[:, :width].sum(-1), width + new_tokens, width - 1) if self.flex else None
+        flex = FlexDecodeMask(_first_real_columns(mask, width), width + new_tokens, width - 1) if self.flex else None
         with _attention_implementation(self.model, self.attention), decode_spans(spans, width + new_tokens), \
                 flex_decode(flex):
             done = self._decode(sequences, mask, positions, cache, logits, width, new_tokens, limits, stops,
@@ -259,7 +258,7 @@ class StaticCacheDecoder:
             return None
         if self.span_cost_keys is None:
             return [(0, mask.shape[0], 0)] if self.key_limit_graphs > 1 else None
-        first_real = (width - mask[:, :width].sum(-1)).tolist()
+        first_real = _first_real_columns(mask, width).tolist()
         spans = plan_decode_spans(first_real, width + new_tokens, span_cost_keys=self.span_cost_keys)
         self.stats.decode_spans += len(spans)
         return spans
@@ -413,7 +412,7 @@ class StaticCacheDecoder:
         order run whole. The 2D mask given to a forward ends at its last column: the Gated DeltaNet
         layers read the padding of the forward's own columns from its last columns."""
         batch, width = input_ids.shape
-        first_real = (width - mask[:, :width].sum(-1)).tolist()  # left padding: the row's first real column
+        first_real = _first_real_columns(mask, width).tolist()
         prefix_ok = all(a <= b for a, b in zip(first_real, first_real[1:]))
         logits, start = None, 0
         while start < width:
@@ -742,6 +741,11 @@ def _row_views(cache, rows: int | None, columns: int | None = None):
     finally:
         for holder, key, value in reversed(saved):
             holder[key] = value
+
+
+def _first_real_columns(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """[B] long: each left-padded row's first real column (its prompt's first token) from the 2D mask [B, >= W]."""
+    return width - mask[:, :width].sum(-1)
 
 
 def _now(device: torch.device) -> float:

@@ -154,8 +154,7 @@ class TransformersEngine:
     decoder: `static` (regen/decode.py: static cache, the decode step a CUDA graph on CUDA when `cuda_graphs`,
         prefill in forwards of `prefill_tokens` tokens at most, packed or padded as `prefill` says, decode attention
         in row spans when `span_cost_keys` is set, up to `key_limit_graphs` key limits a batch, or on flex attention
-        with `decode_kernel` flex: decode.py) or
-        `generate` (HF `generate`, the reference path).
+        with `decode_kernel` flex: decode.py) or `generate` (HF `generate`, the reference path).
     Batches are formed within one `answer` call: give it many requests (thousands) for full batches.
     Raises RecipeError (model, tokenizer or kernels that cannot be loaded), ValueError (a budget or batch size < 1).
     """
