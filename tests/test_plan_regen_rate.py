@@ -129,3 +129,23 @@ def test_a_report_of_several_decoder_settings_gives_the_pass_of_the_engines_defa
     r = plan_json(capsys, "--bench-results", str(tmp_path))
     assert r["generated_tokens_per_second"] == pytest.approx(762.0)
     assert r["rate_reference"]["file"].endswith("regen-ab/regen-bench.json")
+
+
+def test_a_newer_report_without_a_warm_pass_is_passed_over_for_a_warm_one(tmp_path, capsys):
+    """A newer report that ran the static decoder cold only (an exactness check's run: its first kernels' tuning in
+    the figure) gives way to an older report's warm pass; a report of the default settings with the prefill
+    labelled `packed` (what `auto` runs wherever packing applies) counts as the defaults' pass."""
+    model_type, params = demo_decoder_params()
+    older = entry(model_type, params, 350.0, 1091.0)
+    older["static_variants"] = {
+        "prefill packed, span cost 8,192 keys, 1 key limit": {"path": "...", **older["static"]},
+        "prefill padded, span cost 8,192 keys, 1 key limit": {"path": "...",
+                                                              "cold": {"generated_tokens_per_second": 80.0},
+                                                              "warm": {"generated_tokens_per_second": 777.0}}}
+    write_report(tmp_path / "regen-warm", {"demo-shape": older}, started="2026-12-03T07:00:00")
+    write_report(tmp_path / "regen-check", {"demo-shape": entry(model_type, params, 355.0, None)},
+                 started="2026-12-03T13:00:00")
+    r = plan_json(capsys, "--bench-results", str(tmp_path))
+    assert r["generated_tokens_per_second"] == pytest.approx(1091.0)
+    assert r["rate_reference"]["file"].endswith("regen-warm/regen-bench.json")
+    assert "static decoder warm pass" in r["rate_source"]

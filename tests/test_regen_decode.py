@@ -57,7 +57,7 @@ def test_chunked_prefill_and_per_row_limits_equal_generate_alone(name, order, pr
     ids equal `generate` on its prompt alone with that limit (up to and including the first end-of-sequence id),
     then padding to the batch's end. Padded prefill: forwards of 10 tokens at most (sorted longest first, as the
     engine cuts batches: forwards of the rows that have begun; in the given order: whole columns); packed prefill
-    (`auto` on the Llama-style model, `packed` on the hybrid): whole prompts back to back, 150 tokens a forward at
+    (`auto` or `packed`): whole prompts back to back, 150 tokens a forward at
     most (the longest alone), on the hybrid with each prompt's Gated DeltaNet conv and recurrent states written to
     its row (the module runs once per prompt here)."""
     engine = engine_for(name, llama_path, decoder="generate")
@@ -68,8 +68,8 @@ def test_chunked_prefill_and_per_row_limits_equal_generate_alone(name, order, pr
     decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, prefill_tokens=150 if prefill != "padded" else 10,
                                  column_multiple=1, row_multiple=1, prefill=prefill, span_cost_keys=0,
                                  key_limit_graphs=8)
-    # auto: packed for attention-only models; the hybrid's packed prefill runs when asked for
-    assert decoder.packed_prefill == (prefill == "packed" or (prefill == "auto" and name == "llama"))
+    # auto: packed on both (attention-only, and the hybrid whose Gated DeltaNet keeps its states in the cache)
+    assert decoder.packed_prefill == (prefill != "padded")
     ids, mask = padded(engine, prompts)
     with torch.inference_mode():
         out = decoder.generate(ids, mask, 12, [DEMO_EOS], row_new_tokens=limits).tolist()

@@ -5,7 +5,8 @@
 - `engine: transformers` without one: the in-process engine's benchmark (bench/regen_bench.py, the committed
   `regen-bench.json` reports under the benchmark folder, GPU runs only; not its float32 slices, run for the
   exactness check only; in a report that timed several decoder settings, the pass of the engine's defaults, and
-  none where no pass ran them): of each benchmark model's newest report,
+  none where no pass ran them): of each benchmark model's newest report with a warm pass (a long job's steady
+  state; a check run's cold pass alone carries its kernels' first autotuning), else its newest report,
   the one of the same architecture (`model_type`) nearest in decoder parameters, else the nearest of any (within
   BENCH_MAX_PARAM_RATIO); its static decoder's warm pass (else its cold pass), scaled by decoder parameters
   (decoding reads every weight once a step: its rate goes as 1 / parameters), times the run's GPUs (one engine
@@ -67,9 +68,10 @@ _VARIANT_LABEL = re.compile(r"prefill (\w+), (?:(flex attention)|no row spans|sp
 
 def _default_pass(model_entry: dict) -> dict:
     """The static decoder's passes ({cold, warm}) that ran the engine's defaults: in a report of several variants
-    (an A/B of decoder settings), the one whose label says `prefill auto` and the default decode kernel (for sdpa,
-    the default span price and key limits) (none matching: {}); else the report's own figures (one configuration,
-    as the engine ran then)."""
+    (an A/B of decoder settings), the one whose label says `prefill auto` or `prefill packed` (auto packs wherever
+    packing applies, and a packed pass runs only there) and the default decode kernel (for sdpa, the default span
+    price and key limits) (none matching: {}); else the report's own figures (one configuration, as the engine ran
+    then)."""
     from dflash_prep.regen.attention import DEFAULT_SPAN_COST_KEYS
     from dflash_prep.regen.decode import DECODE_KERNEL, KEY_LIMIT_GRAPHS
 
@@ -78,7 +80,7 @@ def _default_pass(model_entry: dict) -> dict:
         return model_entry.get("static") or {}
     for label, entry in variants.items():
         match = _VARIANT_LABEL.match(str(label))
-        if match is None or match.group(1) != "auto":
+        if match is None or match.group(1) not in ("auto", "packed"):
             continue
         flex, cost, graphs = match.group(2) is not None, match.group(3), int(match.group(4) or 1)
         default = (DECODE_KERNEL == "flex") if flex else (
@@ -101,7 +103,8 @@ def regen_rate(engine: str, given: float | None, model_type: str | None, decoder
                 "source": "no measured basis here: the rate is the servers'; pass --generated-tokens-per-second X "
                           "measured on them"}
     refs, seen = [], set()
-    for ref in regen_bench_references(results_dir):  # the newest report of each benchmark model
+    # the newest warm pass of each benchmark model, else its newest cold one (a stable sort keeps newest first)
+    for ref in sorted(regen_bench_references(results_dir), key=lambda r: r["pass"] != "warm"):
         if ref["model"] not in seen:
             seen.add(ref["model"])
             refs.append(ref)

@@ -27,7 +27,10 @@ the column being decoded (FlexDecodeMask), compiled on CUDA into PyTorch's flex-
 keys across the SMs and reads only the listed blocks: neither a row's left padding nor the columns no step has
 written yet are read, with one CUDA graph for every step (the block counts grow in place between replays). Why it
 is a choice: the sdpa decode step above reads the cache at about 2 TB/s on one H200 (cuDNN's kernel, 14.9 ms for
-128 rows x 1,792 positions of the 8B shape), under half the memory's bandwidth; flex is not yet measured there.
+128 rows x 1,792 positions of the 8B shape), under half the memory's bandwidth. Measured on that GPU, flex was
+exact and slower: 54.3 ms a step against 22.8 in row spans (the 8B's 256 rows), the profile showing inductor's main
+flex-attention template, not the decoding kernel, which inductor takes only for a static batch size (that process
+had compiled another batch size first, so dynamo had made the batch dynamic); not yet measured with it.
 
 Shapes: query [B, Hq, S, D], key [B, Hkv, L, D], value [B, Hkv, L, Dv], Hq a multiple of Hkv (the query heads of
 key/value head h are h * G .. h * G + G - 1, as transformers' `repeat_kv`); mask bool (True: attend) or additive

@@ -18,16 +18,15 @@ The loop, on a left-padded batch `input_ids [B, W]` with its `attention_mask [B,
   what is not written yet). Attention never sees padding and the Gated DeltaNet layers zero padded positions before
   their convolution and recurrence (transformers' `create_recurrent_attention_mask`), so a row's tokens are the ones
   its prompt gets alone (tests: greedy equals `generate` on each prompt alone, token for token, in float32).
-- **Prefill, packed** where every token mixer is full attention (`packed_prefill_blocker`), and for the Gated
-  DeltaNet hybrids when asked for (`prefill="packed"`: their layers keep their states in the cache on transformers
-  >= 5.24): the rows' prompts without their padding, back to back in packed rows of about `prefill_tokens` tokens
+- **Prefill, packed** where every token mixer is full attention or a Gated DeltaNet layer that keeps its states in
+  the cache (transformers >= 5.24; `packed_prefill_blocker`): the rows' prompts without their padding, back to back in packed rows of about `prefill_tokens` tokens
   (whole prompts), through the model as extraction runs packed rows (positions from 0 per prompt, torch's varlen
   FlashAttention and fla's varlen kernels within each: target/packing.py); each layer's keys and values, or each
   prompt's conv and recurrent states, are written into the static cache where the padded layout has them
   (`_PackedPrefillCache`). No padding is computed and no mask is built. Measured reason (H200): the 8B shape's
   prefill 17k prompt tok/s padded, 42k packed; the 27B hybrid's 5.7 s padded, 2.8 s packed.
-- **Prefill, padded** otherwise (the Gated DeltaNet hybrids unless asked: their packed path has no GPU exactness
-  check yet; sliding-window attention, whose static cache rolls), chunked by columns: forwards of about
+- **Prefill, padded** otherwise (sliding-window attention, whose static cache rolls; a Gated DeltaNet layer of an
+  earlier transformers; `prefill="padded"`), chunked by columns: forwards of about
   `prefill_tokens` tokens fill the cache in order (activation memory is bounded by it, not by the batch); a forward
   runs only the rows that hold a real token in its columns (a prefix of a batch sorted longest first), so left
   padding costs little prefill compute, and attends over the cache's filled prefix only (keys, values and mask cut
@@ -74,7 +73,7 @@ log = logging.getLogger("dflash_prep")
 PREFILL_MODES = ("auto", "packed", "padded")
 # the decode steps' attention kernel where the model's attention is `sdpa` (regen/attention.py)
 DECODE_KERNELS = ("sdpa", "flex")
-DECODE_KERNEL = "sdpa"  # the default: flex is not measured on a GPU yet
+DECODE_KERNEL = "sdpa"  # the default: flex measured 2.4x slower a step on one H200 (regen/attention.py)
 # key limits (CUDA graphs) of one batch's decode steps by default: 1, the cache's end (8 measured slower)
 KEY_LIMIT_GRAPHS = 1
 
@@ -503,16 +502,16 @@ class StaticCacheDecoder:
 CACHE_CALLS = ("get_conv_state(", "get_recurrent_state(", "update_conv_state(", "update_recurrent_state(")
 
 
-def packed_prefill_blocker(model, gated_deltanet: bool = True) -> str | None:
+def packed_prefill_blocker(model) -> str | None:
     """Why the packed prefill does not apply to `model` (a few words), or None. It applies when every token mixer is
     one packed rows keep exact (target/mixers.py): attention without a sliding window (a static cache's window
-    layer rolls its keys: the padded layout is what it holds), or, with `gated_deltanet`, a Gated DeltaNet layer
-    that reads and writes its states through transformers' cache calls (`CACHE_CALLS`, found in its forward's
-    source: what `_PackedPrefillCache` answers per prompt; transformers >= 5.24). gated_deltanet=False: such layers
-    block it, and `prefill: auto` passes it: the hybrid's packed prefill is exact on the CPU (tests) and faster on one
-    H200 (the 27B hybrid, 64 prompts x 128 new tokens: 1,091 generated tok/s warm against 777 padded, cold 350
-    against 80), but its GPU path (fla's varlen kernels writing each prompt's final states) has not passed the
-    benchmark's exactness check yet, so it runs when asked for (`packed`)."""
+    layer rolls its keys: the padded layout is what it holds), or a Gated DeltaNet layer that reads and writes its
+    states through transformers' cache calls (`CACHE_CALLS`, found in its forward's source: what
+    `_PackedPrefillCache` answers per prompt; transformers >= 5.24). The hybrid's packed prefill is exact on the CPU
+    (tests) and, on one H200, passed the benchmark's check (the 27B hybrid in float32: greedy tokens equal to
+    `generate` alone, teacher-forced logits within 1.8e-3 of a plain forward, as `generate`'s own batches) and ran
+    faster (64 prompts x 128 new tokens: 1,091 generated tok/s warm against 777 padded, cold 350 against 80):
+    bench/results/regen-20261203-hybrid-check/."""
     import inspect
 
     from dflash_prep.target.mixers import ATTENTION, GATED_DELTANET, token_mixers
@@ -523,8 +522,6 @@ def packed_prefill_blocker(model, gated_deltanet: bool = True) -> str | None:
     for mixer in mixers:
         if mixer.why_not:
             return f"{mixer.class_name}: {mixer.why_not}"
-        if mixer.kind == GATED_DELTANET and not gated_deltanet:
-            return f"{mixer.class_name}: packed prefill of Gated DeltaNet layers runs when asked for"
         if mixer.kind == GATED_DELTANET:
             try:
                 source = inspect.getsource(type(model.get_submodule(mixer.path)).forward)
@@ -547,7 +544,7 @@ def _prefill_blocker(model, prefill: str) -> str | None:
         raise ValueError(f"prefill={prefill!r}: one of {', '.join(PREFILL_MODES)}")
     if prefill == "padded":
         return "asked for"
-    reason = packed_prefill_blocker(model, gated_deltanet=prefill == "packed")
+    reason = packed_prefill_blocker(model)
     if prefill == "packed" and reason is not None:
         raise ValueError(f"packed prefill does not apply to this model: {reason}")
     return reason
