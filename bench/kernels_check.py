@@ -15,6 +15,13 @@ difference / max |value| of the eager states (the relative error `dflash-prep ve
   tf32 dots), the level the fused difference is judged against;
 - `fused_batched_vs_eager_alone`: the invariant as the extraction sees it with kernels on.
 
+On a MoE target (a sparse block's `gate` router, bench/routing.py) every forward after the eager batch is routed as
+the eager batch routed (each token to the same experts with the same weights): the top-k choice is discontinuous, so
+float32 noise flips the experts of tokens whose scores nearly tie and moves their states by O(0.1) (the Qwen3.6-35B-A3B
+slice without it: eager batched vs alone 0.14-0.21), which measures the routing, not the kernels. `routing` in the
+JSON counts the real tokens whose own choice differed: with the fused copy free (its warm-up forward), and with it
+pinned (the states compared), and for the samples alone.
+
 Asserted bound: `fused_vs_eager` <= 1e-3 on every layer (verify's fp32 tolerance; REFERENCE measured 6.4e-4 for
 liger + fla conv on the 27B slice). Exit code 1 when it is exceeded, 2 without CUDA or the kernel libraries.
 """
@@ -34,6 +41,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.routing import pin_routing, record_routing, routers  # noqa: E402
 from dflash_prep.plan.batches import SampleInfo, collate  # noqa: E402
 from dflash_prep.recipe.schema import ModelSection  # noqa: E402
 from dflash_prep.target.capture import LayerCapture  # noqa: E402
@@ -84,30 +92,51 @@ def check_model(model: str, num_layers: int, device: torch.device, tmp: Path, ke
                           np.ones(n, np.uint8)) for i, n in enumerate(LENGTHS)]
     batch = collate(samples, max(LENGTHS), 0)
     tensors = [t.to(device) for t in (batch.input_ids, batch.attention_mask, batch.position_ids, batch.flat_index)]
-    runs = {}
-    for name, m in (("eager", eager), ("fused", fused)):
-        with LayerCapture(m, layer_ids, storage_dtype=torch.float32) as cap:
-            cap.run(*tensors)  # first call: Triton compiles and autotunes
-            _sync(device)
-            t0 = time.perf_counter()
-            runs[name] = cap.run(*tensors).hidden_states_NK
-            _sync(device)
-            runs[f"{name}_seconds"] = time.perf_counter() - t0
+    real = tensors[1].flatten().bool()
+    runs, routing = {}, {"routers": len(routers(eager))}
+    with record_routing(eager) as reference:  # the eager batch's routing: every later forward's (a MoE target)
+        runs["eager"], runs["eager_seconds"] = _timed_capture(eager, layer_ids, tensors, device)
+    with pin_routing(fused, reference, real=real, pin=False) as free, \
+            LayerCapture(fused, layer_ids, storage_dtype=torch.float32) as cap:
+        cap.run(*tensors)  # first call, free: Triton compiles and autotunes
+        _sync(device)
+    with pin_routing(fused, reference, real=real) as pinned:
+        runs["fused"], runs["fused_seconds"] = _timed_capture(fused, layer_ids, tensors, device, warm=True)
+    routing.update(tokens=int(real.sum()), fused_free_rerouted=sum(free.values()),
+                   fused_pinned_rerouted=sum(pinned.values()))
+    layers = compare(eager, runs, samples, layer_ids, config.hidden_size, device, reference, batch.input_ids.shape[1],
+                     routing)
     return {"kernels": list(choice.names), "libraries": choice.libraries, "layer_ids": layer_ids,
             "lengths": LENGTHS, "fp32_forward_seconds": {k: runs[f"{k}_seconds"] for k in ("eager", "fused")},
-            "layers": compare(eager, runs, samples, layer_ids, config.hidden_size, device)}
+            "routing": routing, "layers": layers}
 
 
-def compare(eager, runs: dict, samples: list, layer_ids: list[int], H: int, device) -> dict:
-    """Per layer: the three relative errors of the module docstring (max over samples)."""
+def _timed_capture(model, layer_ids, tensors, device, warm: bool = False) -> tuple[torch.Tensor, float]:
+    """The captured states [N, k*H] of the batch through `model` and the seconds of that forward (after a first,
+    untimed one unless `warm`: Triton compiles and autotunes in it)."""
+    with LayerCapture(model, layer_ids, storage_dtype=torch.float32) as cap:
+        if not warm:
+            cap.run(*tensors)
+        _sync(device)
+        t0 = time.perf_counter()
+        states = cap.run(*tensors).hidden_states_NK
+        _sync(device)
+    return states, time.perf_counter() - t0
+
+
+def compare(eager, runs: dict, samples: list, layer_ids: list[int], H: int, device, reference: dict, T: int,
+            routing: dict) -> dict:
+    """Per layer: the three relative errors of the module docstring (max over samples); each sample alone routed as
+    its rows of the eager batch (`reference`, the batch right-padded to T), its own choices counted in `routing`."""
     out = {str(layer): {"fused_vs_eager": 0.0, "eager_batched_vs_alone": 0.0, "fused_batched_vs_eager_alone": 0.0}
            for layer in layer_ids}
-    start = 0
-    for s in samples:
+    start, routing["alone_pinned_rerouted"] = 0, 0
+    for b, s in enumerate(samples):
         n = len(s.input_ids)
-        with torch.inference_mode():
+        with torch.inference_mode(), pin_routing(eager, reference, rows=slice(b * T, b * T + n)) as rerouted:
             alone = find_decoder(eager)(input_ids=torch.from_numpy(s.input_ids.astype(np.int64))[None].to(device),
                                         use_cache=False, output_hidden_states=True).hidden_states
+        routing["alone_pinned_rerouted"] += sum(rerouted.values())
         for slot, layer in enumerate(layer_ids):
             cols = slice(slot * H, (slot + 1) * H)
             e, f = runs["eager"][start:start + n, cols], runs["fused"][start:start + n, cols]
@@ -141,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
             results["models"][model] = res
             print(f"{model}: kernels {res['kernels']} {res['libraries']}, fp32 forward eager "
                   f"{res['fp32_forward_seconds']['eager']:.3f}s, fused {res['fp32_forward_seconds']['fused']:.3f}s")
+            if res["routing"]["routers"]:
+                print("  routing held to the eager batch's; real tokens whose own choice differed (of "
+                      f"{res['routing']['tokens']} x {res['routing']['routers']} routers): " +
+                      ", ".join(f"{k} {v}" for k, v in res["routing"].items() if k.endswith("rerouted")))
             for layer, row in res["layers"].items():
                 print(f"  layer {layer:>2}: " + ", ".join(f"{k} {v:.2e}" for k, v in row.items()))
             if device.type == "cuda":
