@@ -161,3 +161,22 @@ def test_flex_decode_reads_each_rows_keys_from_its_first_block_to_the_step(compi
             out, _ = static_attention(module, q, k_read, v_read, mask, scaling=0.3)
         assert torch.allclose(out.double(), expected, atol=2e-6), column
         assert flex.num_blocks.view(-1).tolist() == [column // 128 - f // 128 + 1 for f in first]
+
+
+def test_compiled_flex_decode_serves_batches_of_several_shapes_in_one_process():
+    """The decoder's batches differ in rows and cache length; the compiled flex call (every shape static, one compile
+    each) answers each as attention written out over the row's keys from its first real column to the step's."""
+    from dflash_prep.regen.attention import FlexDecodeMask, flex_decode
+
+    torch.manual_seed(12)
+    module = types.SimpleNamespace(num_key_value_groups=4, training=False, is_causal=True)
+    for rows, keys in ((3, 300), (5, 300), (4, 340), (3, 300)):
+        first = torch.randint(0, 200, (rows,)).tolist()
+        q, k, v = torch.randn(rows, 8, 1, 16), torch.randn(rows, 2, keys, 16), torch.randn(rows, 2, keys, 16)
+        flex = FlexDecodeMask(torch.tensor(first), keys, 259, compiled=True)
+        flex.advance()
+        mask = masks(rows, 1, keys, first)
+        mask[..., 261:] = False
+        with flex_decode(flex):
+            out, _ = static_attention(module, q, k, v, mask, scaling=0.3)
+        assert torch.allclose(out.double(), reference(q, k, v, mask, 0.3), atol=2e-6), (rows, keys)

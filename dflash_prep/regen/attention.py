@@ -147,7 +147,7 @@ def _decode_in_spans(module, query, key, value, mask, spans, **kwargs) -> torch.
 
 
 FLEX_BLOCK_COLUMNS = 128  # key columns of a flex-attention block (its kernels' default block size)
-_flex_attention_compiled = None  # torch.compile(flex_attention), made once a process (dynamo guards per shape)
+_flex_attention_compiled = None  # torch.compile(flex_attention), made once a process (a compile per shape)
 
 
 class FlexDecodeMask:
@@ -199,15 +199,20 @@ class FlexDecodeMask:
 
 
 def _flex_attention(compiled: bool):
-    """PyTorch's flex_attention, compiled (made once; dynamo recompiles per new shape, then marks the shapes that
-    changed dynamic) or the eager reference (which warns once that it is unfused: said in FlexDecodeMask)."""
+    """PyTorch's flex_attention, compiled (made once) with every shape static, or the eager reference (which warns
+    once that it is unfused: said in FlexDecodeMask). Static: inductor's flex-decoding kernel (the keys split across
+    SMs) needs the batch and head counts static (its `_use_flex_decoding`), and dynamo makes a dimension dynamic once
+    it has seen two sizes of it (the profile of a process that had compiled two batch sizes showed the main
+    flex-attention kernel: 54 ms a step against 23 on sdpa, 8B shape, one H200); on the CPU that dynamic recompile
+    failed to build. The cost: a compile per batch shape, and past
+    dynamo's recompile limit (8 shapes a process) the call fails, so the decoder falls back to sdpa (logged)."""
     global _flex_attention_compiled
     from torch.nn.attention.flex_attention import flex_attention
 
     if not compiled:
         return _eager_flex_attention
     if _flex_attention_compiled is None:
-        _flex_attention_compiled = torch.compile(flex_attention, fullgraph=True)
+        _flex_attention_compiled = torch.compile(flex_attention, fullgraph=True, dynamic=False)
     return _flex_attention_compiled
 
 
