@@ -118,6 +118,23 @@ def test_an_unknown_decode_kernel_is_refused(llama_path):
         StaticCacheDecoder(engine.model, engine.pad_token_id, decode_kernel="flash")
 
 
+@pytest.mark.parametrize("kernel", ["sdpa", "flex"])
+def test_a_mask_that_is_not_left_padding_is_refused(kernel, llama_path):
+    """The decoder reads each row's prompt as one run of columns ending at the last: a right-padded row, a hole
+    inside a prompt or an empty prompt is refused before any forward (the same batch left padded runs)."""
+    engine = engine_for("llama", llama_path, decoder="generate")
+    decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, decode_kernel=kernel)
+    ids = torch.randint(3, 100, (2, 6))
+    for bad in ([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]], [[1, 1, 0, 1, 1, 1], [0, 1, 1, 1, 1, 1]],
+                [[0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]], [[0, 0, 2, 1, 1, 1], [1, 1, 1, 1, 1, 1]]):
+        with pytest.raises(ValueError, match="left padded"):
+            decoder.generate(ids, torch.tensor(bad), 2, [])
+    assert decoder.stats.decode_steps == 0 and decoder.stats.prompt_tokens_prefilled == 0
+    with torch.inference_mode():
+        out = decoder.generate(ids, torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]), 2, [])
+    assert out.shape == (2, 2)
+
+
 def test_a_stop_id_ends_its_row_only():
     """The tiny Llama with an end-of-sequence id its greedy answers reach at different steps: the batched loop stops
     each row there (padding after it) while the others go on exactly as alone."""

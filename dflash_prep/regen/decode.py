@@ -198,7 +198,12 @@ class StaticCacheDecoder:
         default new_tokens for all. Raises what the model raises (an out-of-memory error included). With
         `decode_kernel` flex, a batch whose decode fails otherwise (flex attention's compile or kernel: a shape or
         head size it cannot take) is logged once and run again from its prefill on sdpa, which this decoder keeps
-        from then on (`stats.flex_failures`)."""
+        from then on (`stats.flex_failures`). ValueError where a row of `attention_mask` is not left padding
+        then its prompt to the last column (zeros, then at least one one): the positions, the row spans and the flex
+        mask read each row's prompt as one run of columns ending at W - 1."""
+        if not _is_left_padded(attention_mask):
+            raise ValueError("attention_mask: every row must be left padded, its prompt running to the last "
+                             "column (zeros, then ones, at least one)")
         if self.flex:
             try:
                 return self._generate(input_ids, attention_mask, new_tokens, stop_ids, processors, row_new_tokens)
@@ -738,6 +743,12 @@ def _row_views(cache, rows: int | None, columns: int | None = None):
     finally:
         for holder, key, value in reversed(saved):
             holder[key] = value
+
+
+def _is_left_padded(mask: torch.Tensor) -> bool:
+    """Every row of the 2D mask [B, W] is zeros then ones, the last column one."""
+    m = mask.to(torch.long)
+    return bool((((m == 0) | (m == 1)).all() & (m[:, 1:] >= m[:, :-1]).all() & (m[:, -1] == 1).all()).item())
 
 
 def _first_real_columns(mask: torch.Tensor, width: int) -> torch.Tensor:
