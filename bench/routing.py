@@ -3,7 +3,8 @@
 A router's top-k choice is discontinuous: a difference far below a kernel check's bound upstream flips the experts
 of the tokens whose k-th and (k+1)-th router scores nearly tie, and a flipped token's state then moves by O(0.1).
 Measured on one H200 (`results/targets-20261203/`): the Qwen3.6-35B-A3B-shaped slice in float32, eager, batched
-against each sample alone, 0.14-0.21 relative, where the dense 27B slice gives 5.6e-4 to 1.0e-3. A check of
+against each sample alone, 0.14-0.21 relative, where the dense 27B slice gives 5.6e-4 to 1.0e-3 (flips the likely
+cause; the counts below tell). A check of
 kernels (or of batching) on such a model compares the computations only when every forward routes each token to
 the same experts with the same weights: the reference forward's routing is recorded (`record_routing`) and every
 other forward's routers answer with it (`pin_routing`), which also counts the tokens each router would have sent
