@@ -30,7 +30,8 @@ is a choice: the sdpa decode step above reads the cache at about 2 TB/s on one H
 128 rows x 1,792 positions of the 8B shape), under half the memory's bandwidth. Measured on that GPU, flex was
 exact and slower: 54.3 ms a step against 22.8 in row spans (the 8B's 256 rows), the profile showing inductor's main
 flex-attention template, not the decoding kernel, which inductor takes only for a static batch size (that process
-had compiled another batch size first, so dynamo had made the batch dynamic); not yet measured with it.
+had compiled another batch size first, so dynamo had made the batch dynamic). The call is now compiled with every
+shape static (`_flex_attention`), not yet measured so.
 
 Shapes: query [B, Hq, S, D], key [B, Hkv, L, D], value [B, Hkv, L, Dv], Hq a multiple of Hkv (the query heads of
 key/value head h are h * G .. h * G + G - 1, as transformers' `repeat_kv`); mask bool (True: attend) or additive
@@ -204,8 +205,8 @@ def _flex_attention(compiled: bool):
     SMs) needs the batch and head counts static (its `_use_flex_decoding`), and dynamo makes a dimension dynamic once
     it has seen two sizes of it (the profile of a process that had compiled two batch sizes showed the main
     flex-attention kernel: 54 ms a step against 23 on sdpa, 8B shape, one H200); on the CPU that dynamic recompile
-    failed to build. The cost: a compile per batch shape, and past
-    dynamo's recompile limit (8 shapes a process) the call fails, so the decoder falls back to sdpa (logged)."""
+    failed to build. The cost: a compile per batch shape, and past dynamo's recompile limit (8 shapes a process)
+    the call fails, so the decoder falls back to sdpa (logged)."""
     global _flex_attention_compiled
     from torch.nn.attention.flex_attention import flex_attention
 
