@@ -23,15 +23,16 @@ The loop, on a left-padded batch `input_ids [B, W]` with its `attention_mask [B,
   in packed rows of about `prefill_tokens` tokens (whole prompts), through the model as extraction runs packed rows
   (positions from 0 per prompt, torch's varlen FlashAttention and fla's varlen kernels within each:
   target/packing.py); each layer's keys and values, or each prompt's conv and recurrent states, are written into
-  the static cache where the padded layout has them (`_PackedPrefillCache`). No padding is computed and no mask is built. Measured reason (H200): the 8B shape's
-  prefill 17k prompt tok/s padded, 42k packed; the 27B hybrid's 5.7 s padded, 2.8 s packed.
+  the static cache where the padded layout has them (`_PackedPrefillCache`). No padding is computed and no mask is
+  built. Measured reason (H200): the 8B shape's prefill 17k prompt tok/s padded, 42k packed; the 27B hybrid's 5.7 s
+  padded, 2.8 s packed.
 - **Prefill, padded** otherwise (sliding-window attention, whose static cache rolls; a Gated DeltaNet layer of an
-  earlier transformers; `prefill="padded"`), chunked by columns: forwards of about `prefill_tokens` tokens fill the cache in order (activation memory is bounded by it, not by the batch); a forward
-  runs only the rows that hold a real token in its columns (a prefix of a batch sorted longest first), so left
-  padding costs little prefill compute, and attends over the cache's filled prefix only (keys, values and mask cut
-  at its last column: `_row_views`); columns are 64 x a power of two and rows 16 x a power of two (or the batch), a
-  bounded set of shapes reused by every later batch, and a forward widens only while `prefill_fill` of what it
-  computes is real (`_prefill_span`).
+  earlier transformers; `prefill="padded"`), chunked by columns: forwards of about `prefill_tokens` tokens fill the
+  cache in order (activation memory is bounded by it, not by the batch); a forward runs only the rows that hold a real
+  token in its columns (a prefix of a batch sorted longest first), so left padding costs little prefill compute, and
+  attends over the cache's filled prefix only (keys, values and mask cut at its last column: `_row_views`); columns
+  are 64 x a power of two and rows 16 x a power of two (or the batch), a bounded set of shapes reused by every later
+  batch, and a forward widens only while `prefill_fill` of what it computes is real (`_prefill_span`).
 - **Attention**: where the model's attention is `sdpa`, regen/attention.py's function runs: the padded prefill with
   keys and values never repeated per query head (its docstring has the measurement), and the decode steps on
   transformers' `sdpa` in row spans (`plan_decode_spans`: consecutive rows cut where their first real columns
