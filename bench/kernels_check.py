@@ -41,7 +41,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.routing import pin_routing, record_routing, routers  # noqa: E402
+from bench.routing import pin_routing, record_routing  # noqa: E402
 from dflash_prep.plan.batches import SampleInfo, collate  # noqa: E402
 from dflash_prep.recipe.schema import ModelSection  # noqa: E402
 from dflash_prep.target.capture import LayerCapture  # noqa: E402
@@ -93,9 +93,10 @@ def check_model(model: str, num_layers: int, device: torch.device, tmp: Path, ke
     batch = collate(samples, max(LENGTHS), 0)
     tensors = [t.to(device) for t in (batch.input_ids, batch.attention_mask, batch.position_ids, batch.flat_index)]
     real = tensors[1].flatten().bool()
-    runs, routing = {}, {"routers": len(routers(eager))}
+    runs = {}
     with record_routing(eager) as reference:  # the eager batch's routing: every later forward's (a MoE target)
         runs["eager"], runs["eager_seconds"] = _timed_capture(eager, layer_ids, tensors, device)
+    routing = {"routers": len(reference)}  # those the captured layers run (the capture stops at the last)
     with pin_routing(fused, reference, real=real, pin=False) as free, \
             LayerCapture(fused, layer_ids, storage_dtype=torch.float32) as cap:
         cap.run(*tensors)  # first call, free: Triton compiles and autotunes

@@ -25,9 +25,18 @@ from torch import nn
 
 
 def routers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every sparse MoE block's router in `model` (empty for a dense model)."""
+    """(name, module) of every sparse MoE block's router in `model` (empty for a dense model): a block's `gate` of a
+    `*Router` class (a plain linear gate returns only logits: no routing to record)."""
     return [(f"{name}.gate", m.gate) for name, m in model.named_modules()
-            if hasattr(m, "gate") and hasattr(m, "experts") and isinstance(m.gate, nn.Module)]
+            if hasattr(m, "gate") and hasattr(m, "experts") and type(m.gate).__name__.endswith("Router")]
+
+
+def _routing_of(name: str, output) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(router_logits, router_scores, router_indices) of a router's output; TypeError for another form."""
+    if not (isinstance(output, tuple) and len(output) == 3 and all(isinstance(t, torch.Tensor) for t in output)):
+        raise TypeError(f"{name}: a router's output is (router_logits, router_scores, router_indices) here, got "
+                        f"{type(output).__name__} of {len(output) if isinstance(output, tuple) else 1}")
+    return output
 
 
 @contextmanager
@@ -38,7 +47,8 @@ def record_routing(model: nn.Module):
 
     def keep(name):
         def hook(_module, _args, output):
-            recorded[name] = (output[1].detach().clone(), output[2].detach().clone())
+            _, scores, indices = _routing_of(name, output)
+            recorded[name] = (scores.detach().clone(), indices.detach().clone())
         return hook
 
     handles = [router.register_forward_hook(keep(name)) for name, router in routers(model)]
@@ -57,20 +67,21 @@ def pin_routing(model: nn.Module, reference: dict, rows: slice | None = None, re
     a right-padded batch, its tokens b x T .. b x T + n; None: all, the forward having the reference's shape).
     Yields {router name: number of this forward's real tokens (`real`: [N] bool, None: all) whose own top-k set
     differs from the reference's}, filled by each forward. RuntimeError when a forward's token count is not the
-    reference rows'."""
+    reference rows'. The counts are read from the device when the block ends (no sync inside a timed forward)."""
     rerouted: dict[str, int] = {}
+    counts: dict[str, torch.Tensor] = {}
 
     def answer(name):
         scores, indices = reference[name]
         scores, indices = (scores[rows], indices[rows]) if rows is not None else (scores, indices)
 
         def hook(_module, _args, output):
-            logits, own_scores, own_indices = output
+            logits, own_scores, own_indices = _routing_of(name, output)
             if own_indices.shape != indices.shape:
                 raise RuntimeError(f"{name}: {tuple(own_indices.shape)} routed tokens against the reference's "
                                    f"{tuple(indices.shape)}")
             differs = (own_indices.sort(dim=-1).values != indices.sort(dim=-1).values).any(dim=-1)
-            rerouted[name] = int((differs if real is None else differs & real.to(differs.device)).sum())
+            counts[name] = (differs if real is None else differs & real.to(differs.device)).sum()
             if not pin:
                 return None
             return logits, scores.to(own_scores.dtype), indices
@@ -82,3 +93,4 @@ def pin_routing(model: nn.Module, reference: dict, rows: slice | None = None, re
     finally:
         for h in handles:
             h.remove()
+        rerouted.update({name: int(count) for name, count in counts.items()})

@@ -163,6 +163,7 @@ def test_flex_decode_reads_each_rows_keys_from_its_first_block_to_the_step(compi
         assert flex.num_blocks.view(-1).tolist() == [column // 128 - f // 128 + 1 for f in first]
 
 
+@pytest.mark.slow
 def test_compiled_flex_decode_serves_batches_of_several_shapes_in_one_process():
     """The decoder's batches differ in rows and cache length; the compiled flex call (every shape static, one compile
     each) answers each as attention written out over the row's keys from its first real column to the step's."""

@@ -277,6 +277,12 @@ def test_requests_that_cannot_run_are_rejected_with_a_reason_and_the_others_answ
     expected = alone(engine, prompt_ids(engine, near_end), new=64 - n_near)
     assert answers[4].rejected is None and answers[4].completion_tokens == len(expected) < NEW
     assert answers[4].finish_reason == ("stop" if expected[-1] == DEMO_EOS else "length")
+    # a template that renders nothing for one conversation: that row is rejected, the others answered
+    silent = TransformersEngine(llama.section, CPU, 8192, chat_template=(
+        "{% if messages[0].content != 'nothing' %}{{ messages[0].content }}{% endif %}"))
+    empty, said = silent.answer([make_request(user("nothing")), make_request(user("Hi"))])
+    assert empty.rejected == "the chat template rendered an empty prompt" and said.rejected is None
+    assert said.completion_tokens > 0
     small = TransformersEngine(llama.section, CPU, 64)
     n = len(prompt_ids(small, user("word " * 20)))
     over, fits = small.answer([make_request(user("word " * 20), max_tokens=65 - n), make_request(user("Hi"))])

@@ -91,3 +91,14 @@ def test_a_forward_of_another_token_count_than_the_reference_rows_is_refused():
         _states(model, ids, mask)
     with pin_routing(model, reference, rows=slice(0, 5)), pytest.raises(RuntimeError, match="routed tokens"):
         _states(model, ids[:1, :6])
+
+
+def test_a_router_that_returns_another_form_is_refused_by_name():
+    """A router whose output is not (router_logits, router_scores, router_indices) (here the first one made to
+    return its logits alone, as a plain linear gate does) is refused with its name rather than read wrongly."""
+    model = _model("qwen3_moe")
+    name, first = routers(model)[0]
+    first.register_forward_hook(lambda _m, _a, output: output[0])
+    ids, mask = _batch(model.config.vocab_size)
+    with record_routing(model), pytest.raises(TypeError, match=f"{name}: a router's output is"):
+        _states(model, ids, mask)

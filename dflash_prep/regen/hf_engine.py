@@ -341,6 +341,8 @@ class TransformersEngine:
         except Exception as e:  # noqa: BLE001 - jinja's TemplateError, raise_exception, a bad message: this row only
             return Answer(rejected=f"chat template failed: {type(e).__name__}: {' '.join(str(e).split())}")
         n = len(ids)
+        if n == 0:  # a template that renders nothing for it: no token to continue from
+            return Answer(rejected="the chat template rendered an empty prompt", prompt_tokens=0)
         if request.max_tokens < 1:
             return Answer(rejected=f"max_tokens must be >= 1, got {request.max_tokens}", prompt_tokens=n)
         new_tokens = request.max_tokens
