@@ -4,11 +4,10 @@ A router's top-k choice is discontinuous: a difference far below a kernel check'
 of the tokens whose k-th and (k+1)-th router scores nearly tie, and a flipped token's state then moves by O(0.1).
 Measured on one H200 (`results/targets-20261203/`): the Qwen3.6-35B-A3B-shaped slice in float32, eager, batched
 against each sample alone, 0.14-0.21 relative, where the dense 27B slice gives 5.6e-4 to 1.0e-3 (flips the likely
-cause; the counts below tell). A check of
-kernels (or of batching) on such a model compares the computations only when every forward routes each token to
-the same experts with the same weights: the reference forward's routing is recorded (`record_routing`) and every
-other forward's routers answer with it (`pin_routing`), which also counts the tokens each router would have sent
-elsewhere (the routing's own sensitivity, reported beside the states' errors).
+cause; the counts below tell). A check of kernels (or of batching) on such a model compares the computations only
+when every forward routes each token to the same experts with the same weights: the reference forward's routing is
+recorded (`record_routing`) and every other forward's routers answer with it (`pin_routing`), which also counts the
+tokens each router would have sent elsewhere (the routing's own sensitivity, reported beside the states' errors).
 
 Routers here are transformers' convention for sparse MoE blocks (Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next, Mixtral,
 OLMoE, ... in transformers 5.x): a block with `gate` and `experts`, its `gate` a `*TopKRouter` whose forward takes
