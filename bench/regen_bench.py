@@ -52,7 +52,7 @@ from bench.context import environment  # noqa: E402
 from bench.models import CONFIG_DIR, TOKENIZER_DIR  # noqa: E402
 from bench.timing import free_memory, peak_memory, sync  # noqa: E402
 from dflash_prep.regen.attention import DEFAULT_SPAN_COST_KEYS  # noqa: E402
-from dflash_prep.regen.decode import DECODE_KERNEL, KEY_LIMIT_GRAPHS  # noqa: E402
+from dflash_prep.regen.decode import DECODE_KERNEL, KEY_LIMIT_GRAPHS, resolve_decode_kernel  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -182,6 +182,7 @@ def engine_pass(engine, requests, device) -> dict:
                    graph_failures=delta["graph_failures"], prefill_forwards=delta["prefill_forwards"],
                    prompt_tokens_prefilled=delta["prompt_tokens_prefilled"],
                    prefill_computed_tokens=delta["prefill_computed_tokens"], decode_spans=delta["decode_spans"],
+                   flex_failures=delta["flex_failures"], flex_shape_overflows=delta["flex_shape_overflows"],
                    ms_per_decode_step=1e3 * delta["decode_seconds"] / max(delta["decode_steps"], 1))
     return out
 
@@ -252,7 +253,8 @@ def static_passes(name, engine, requests, args, device, t0, deadline, reserve, r
         log(f"{name}: static cold pass {_rate(cold)}, {cold['ms_per_decode_step']:.1f} ms per decode step, prefill "
             f"{cold['prefill_seconds']:.1f} s ({cold['prefill_forwards']} forwards, {cold['prompt_tokens_prefilled']:,} "
             f"prompt tokens of {cold['prefill_computed_tokens']:,} computed), {cold['decode_spans']} decode row "
-            f"spans, graph captures {cold['graph_captures']} (failed {cold['graph_failures']})", t0)
+            f"spans, graph captures {cold['graph_captures']} (failed {cold['graph_failures']}), flex failures "
+            f"{cold['flex_failures']}, batches past the flex shape cap {cold['flex_shape_overflows']}", t0)
         result["static"] = {"cold": _public(cold), "warm": None}
         if args.warm and not SPECS[name].exactness_only and \
                 time.perf_counter() + _warm_estimate(cold) < deadline - reserve:
@@ -521,7 +523,8 @@ def parse_args(argv):
                         "after it")
     p.add_argument("--decode-kernel", type=lambda v: v.split(","), default=[DECODE_KERNEL],
                    help="the decode steps' attention kernels, comma-separated (sdpa: transformers' function in row "
-                        f"spans; flex: PyTorch's flex attention, compiled; default: the engine's, {DECODE_KERNEL}); "
+                        "spans; flex: PyTorch's flex attention, compiled; auto: flex on CUDA, else sdpa; default: the "
+                        f"engine's, {DECODE_KERNEL}); "
                         "the first for every figure, the others timed after it")
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="no exactness check and no profiles (timed passes and the generate baseline only)")
@@ -534,6 +537,8 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     names = (args.models.split(",") if args.models else list(DRY_RUN_MODELS if args.dry_run else GPU_MODELS))
     device = torch.device(args.device or ("cpu" if args.dry_run else "cuda:0"))
+    # `auto` named as what it runs on this device: the report's pass labels say the kernel (regen_rate reads them)
+    args.decode_kernel = list(dict.fromkeys(resolve_decode_kernel(k, device.type) for k in args.decode_kernel))
     if device.type == "cpu":
         torch.set_num_threads(1)
     deadline = t0 + args.deadline_seconds

@@ -114,7 +114,7 @@ def test_flex_decode_equals_generate_alone(name, prefill, llama_path):
 
 def test_an_unknown_decode_kernel_is_refused(llama_path):
     engine = engine_for("llama", llama_path, decoder="generate")
-    with pytest.raises(ValueError, match="decode_kernel='flash': one of sdpa, flex"):
+    with pytest.raises(ValueError, match="decode_kernel='flash': one of auto, sdpa, flex"):
         StaticCacheDecoder(engine.model, engine.pad_token_id, decode_kernel="flash")
 
 
@@ -488,3 +488,85 @@ def test_a_flex_attention_failure_decodes_the_batch_again_on_sdpa(llama_path, mo
     for row, p in enumerate(prompts):
         expected = alone(engine, p, new=6)
         assert out[row][:len(expected)] == expected
+
+
+def test_auto_decodes_on_flex_on_cuda_and_on_sdpa_elsewhere(llama_path):
+    """`decode_kernel` auto (the default): flex attention on CUDA (compiled flex-decoding), sdpa on other devices
+    (the CPU's flex is PyTorch's unfused reference); an explicit kernel is itself on every device."""
+    from dflash_prep.regen.decode import DECODE_KERNEL, resolve_decode_kernel
+
+    assert DECODE_KERNEL == "auto"
+    assert [resolve_decode_kernel("auto", d) for d in ("cuda", "cpu", "mps")] == ["flex", "sdpa", "sdpa"]
+    assert [resolve_decode_kernel(k, "cpu") for k in ("sdpa", "flex")] == ["sdpa", "flex"]
+    engine = engine_for("llama", llama_path)
+    assert engine.decoder.decode_kernel == "sdpa" and not engine.decoder.flex
+
+
+def test_flex_key_columns_are_block_multiples_then_four_an_octave():
+    """The key counts a flex batch is given: multiples of 128 up to 1,024, then four an octave (each step an eighth
+    of the octave's top); never fewer than asked, at most 25% more past 1,024."""
+    from dflash_prep.regen.attention import flex_key_columns
+
+    assert [flex_key_columns(c) for c in (1, 128, 129, 700, 1024, 1025, 1281, 2048, 2049, 2834, 5000, 40000)] == \
+        [128, 128, 256, 768, 1024, 1280, 1536, 2048, 2560, 3072, 5120, 40960]
+    values = {flex_key_columns(c) for c in range(1025, 32769)}
+    assert sorted(values) == [1024 * 2 ** (k // 4) * (4 + k % 4 + 1) // 4 for k in range(20)]
+    assert all(c <= flex_key_columns(c) <= 1.25 * c for c in range(1025, 20000, 7))
+
+
+def test_flex_batches_past_the_shape_cap_decode_on_sdpa_and_keep_their_answers(llama_path, monkeypatch):
+    """With room for one compiled flex shape, the first batch decodes on flex, a batch of another shape on sdpa
+    (counted, no failure), the first shape again on flex; every row's ids equal `generate` alone either way."""
+    import dflash_prep.regen.attention as attention
+
+    monkeypatch.setattr(attention, "FLEX_MAX_SHAPES", 1)
+    monkeypatch.setattr(attention, "_flex_shapes", set())
+    real, calls = attention._flex_attention, []
+
+    def counting(compiled):
+        attend = real(compiled)
+
+        def wrapped(*args, **kwargs):
+            calls.append(args[0].shape[0])
+            return attend(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(attention, "_flex_attention", counting)
+    engine = engine_for("llama", llama_path, decoder="generate")
+    prompts = sorted((prompt_ids(engine, m) for m in PROMPTS), key=len, reverse=True)
+    decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, decode_kernel="flex")
+    results = []
+    with torch.inference_mode():
+        for batch in (prompts, prompts[1:], prompts):
+            before = len(calls)
+            ids, mask = padded(engine, batch)
+            results.append((batch, decoder.generate(ids, mask, 6, [DEMO_EOS]).tolist(), len(calls) > before))
+    assert [on_flex for _, _, on_flex in results] == [True, False, True]
+    assert decoder.stats.flex_shape_overflows == 1 and decoder.stats.flex_failures == 0 and decoder.flex
+    for batch, out, _ in results:
+        for row, p in enumerate(batch):
+            expected = alone(engine, p, new=6)
+            assert out[row][:len(expected)] == expected
+
+
+def test_the_engine_pads_flex_batches_to_few_key_counts_and_answers_as_generate_alone(llama_path):
+    """The engine on flex decode steps (explicit on the CPU): each batch's width + new tokens is one of
+    `flex_key_columns`' values (the prompt padded further left), and every answer's ids equal `generate` alone."""
+    from dflash_prep.regen.attention import flex_key_columns
+
+    engine = TransformersEngine(section(llama_path), CPU, 1500, 2, decode_kernel="flex")
+    shapes = []
+    generate = engine.decoder.generate
+
+    def recording(input_ids, attention_mask, new_tokens, *args, **kwargs):
+        shapes.append((input_ids.shape[1], new_tokens, int(attention_mask.sum(-1).max())))
+        return generate(input_ids, attention_mask, new_tokens, *args, **kwargs)
+
+    engine.decoder.generate = recording
+    answers = engine.answer([make_request(m, seed=i, max_tokens=8) for i, m in enumerate(PROMPTS)])
+    assert len(shapes) >= 3
+    for width, new, longest in shapes:
+        assert flex_key_columns(width + new) == width + new and width >= longest
+    for messages, answer in zip(PROMPTS, answers):
+        expected = alone(engine, prompt_ids(engine, messages), new=8)
+        assert answer.completion_token_ids == expected

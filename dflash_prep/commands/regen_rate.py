@@ -69,12 +69,13 @@ _VARIANT_LABEL = re.compile(r"prefill (\w+), (?:(flex attention)|no row spans|sp
 def _default_pass(model_entry: dict) -> dict:
     """The static decoder's passes ({cold, warm}) that ran the engine's defaults: in a report of several variants
     (an A/B of decoder settings), the one whose label says `prefill auto` or `prefill packed` (auto packs wherever
-    packing applies, and a packed pass runs only there) and the default decode kernel (for sdpa, the default span
-    price and key limits) (none matching: {}); else the report's own figures (one configuration, as the engine ran
-    then)."""
+    packing applies, and a packed pass runs only there) and the default decode kernel on CUDA (for sdpa, the
+    default span price and key limits) (none matching: {}); else the report's own figures (one configuration, as
+    the engine ran then)."""
     from dflash_prep.regen.attention import DEFAULT_SPAN_COST_KEYS
-    from dflash_prep.regen.decode import DECODE_KERNEL, KEY_LIMIT_GRAPHS
+    from dflash_prep.regen.decode import DECODE_KERNEL, KEY_LIMIT_GRAPHS, resolve_decode_kernel
 
+    kernel = resolve_decode_kernel(DECODE_KERNEL, "cuda")  # the benchmark's reports are a GPU's
     variants = model_entry.get("static_variants") or {}
     if len(variants) < 2:
         return model_entry.get("static") or {}
@@ -83,8 +84,8 @@ def _default_pass(model_entry: dict) -> dict:
         if match is None or match.group(1) not in ("auto", "packed"):
             continue
         flex, cost, graphs = match.group(2) is not None, match.group(3), int(match.group(4) or 1)
-        default = (DECODE_KERNEL == "flex") if flex else (
-            DECODE_KERNEL == "sdpa" and cost is not None and int(cost.replace(",", "")) == DEFAULT_SPAN_COST_KEYS
+        default = (kernel == "flex") if flex else (
+            kernel == "sdpa" and cost is not None and int(cost.replace(",", "")) == DEFAULT_SPAN_COST_KEYS
             and graphs == KEY_LIMIT_GRAPHS)
         if default:
             return entry if isinstance(entry, dict) else {}

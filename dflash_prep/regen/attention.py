@@ -148,7 +148,37 @@ def _decode_in_spans(module, query, key, value, mask, spans, **kwargs) -> torch.
 
 
 FLEX_BLOCK_COLUMNS = 128  # key columns of a flex-attention block (its kernels' default block size)
+# batch shapes (rows, key columns) the compiled flex call is compiled for at most in a process: dynamo's recompile
+# limit for it, raised from its default 8 (`_flex_attention`); a batch of another shape past it decodes on sdpa
+FLEX_MAX_SHAPES = 64
 _flex_attention_compiled = None  # torch.compile(flex_attention), made once a process (a compile per shape)
+_flex_shapes: set[tuple[int, int]] = set()  # the (rows, key columns) admitted so far (`admit_flex_shape`)
+
+
+def flex_key_columns(columns: int) -> int:
+    """The key columns (the static cache's length) a batch decoded on flex attention is given for `columns` (its
+    padded prompt width + new tokens): rounded up to a multiple of FLEX_BLOCK_COLUMNS up to 1,024, then to four
+    steps an octave (at most 25% more; 1,280, 1,536, 1,792, 2,048, 2,560, ...). Why: the flex call is compiled per
+    shape (`_flex_attention`), so a job's batches should share few key counts; the extra columns cost cache memory
+    (the batch cut counts them) and no reads (each row's block list ends at the step's column)."""
+    if columns <= 1024:
+        step = FLEX_BLOCK_COLUMNS
+    else:
+        step = 1 << ((columns - 1).bit_length() - 3)
+    return -(-columns // step) * step
+
+
+def admit_flex_shape(rows: int, keys: int) -> bool:
+    """Whether a batch of `rows` x `keys` key columns may decode on flex attention in this process: a shape already
+    admitted, or a new one while fewer than FLEX_MAX_SHAPES are (then admitted). False past that: the decoder runs
+    that batch on sdpa (a compile per shape, and dynamo refuses more than its recompile limit)."""
+    shape = (int(rows), int(keys))
+    if shape in _flex_shapes:
+        return True
+    if len(_flex_shapes) >= FLEX_MAX_SHAPES:
+        return False
+    _flex_shapes.add(shape)
+    return True
 
 
 class FlexDecodeMask:
@@ -205,8 +235,10 @@ def _flex_attention(compiled: bool):
     SMs) needs the batch and head counts static (its `_use_flex_decoding`), and dynamo makes a dimension dynamic once
     it has seen two sizes of it (the profile of a process that had compiled two batch sizes showed the main
     flex-attention kernel: 54 ms a step against 23 on sdpa, 8B shape, one H200); on the CPU that dynamic recompile
-    failed to build. The cost: a compile per batch shape, and past dynamo's recompile limit (8 shapes a process)
-    the call fails, so the decoder falls back to sdpa (logged)."""
+    failed to build. The cost: a compile per batch shape (about 2 s of the 8B's first batch on one H200), and past
+    dynamo's recompile limit (8 a function by default; FLEX_MAX_SHAPES around this call) the call fails, so the
+    decoder admits no more shapes than that (`admit_flex_shape`) and falls back to sdpa on any other failure
+    (logged)."""
     global _flex_attention_compiled
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -214,7 +246,17 @@ def _flex_attention(compiled: bool):
         return _eager_flex_attention
     if _flex_attention_compiled is None:
         _flex_attention_compiled = torch.compile(flex_attention, fullgraph=True, dynamic=False)
-    return _flex_attention_compiled
+    return _flex_attention_static
+
+
+def _flex_attention_static(*args, **kwargs):
+    """The compiled flex call with dynamo's recompile limit raised to FLEX_MAX_SHAPES while it runs (its default, 8
+    compiles of one function a process, would stop a job's ninth batch shape; `admit_flex_shape` keeps the decoder
+    within the raised one)."""
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(recompile_limit=max(FLEX_MAX_SHAPES, torch._dynamo.config.recompile_limit)):
+        return _flex_attention_compiled(*args, **kwargs)
 
 
 def _eager_flex_attention(*args, **kwargs):

@@ -38,7 +38,10 @@ The loop, on a left-padded batch `input_ids [B, W]` with its `attention_mask [B,
   transformers' `sdpa` in row spans (`plan_decode_spans`: consecutive rows cut where their first real columns
   differ, each span attending from its own first column on, so the left padding of shorter rows is not read), with
   `key_limit_graphs` > 1 each step's keys ending at a limit that grows with the steps (`_key_limit`: the cache's
-  columns no step has written yet are not read); a model on another implementation keeps it.
+  columns no step has written yet are not read); a model on another implementation keeps it. On CUDA the decode
+  steps run on flex attention instead by default (`decode_kernel` auto: `resolve_decode_kernel`): compiled
+  PyTorch flex-decoding over each row's own key blocks only (regen/attention.py's FlexDecodeMask), the batch's key
+  columns rounded up to a few per octave (`flex_key_columns`, by the engine) so a job compiles few shapes.
 - **Decode step**: the model's forward on one token a row over static buffers (token, position, mask, cache), then,
   outside the step, the logits (float32, as `generate` takes them) through the batch's logits processors (the
   engine's: repetition penalty, warpers, the per-row seeded draw, which reads the step from the sequence length as it
@@ -63,8 +66,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_prep.regen.attention import (DEFAULT_SPAN_COST_KEYS, STATIC_ATTENTION, FlexDecodeMask, decode_key_limit,
-                                         decode_spans, flex_decode, plan_decode_spans, release_prefill_masks)
+from dflash_prep.regen.attention import (DEFAULT_SPAN_COST_KEYS, STATIC_ATTENTION, FlexDecodeMask, admit_flex_shape,
+                                         decode_key_limit, decode_spans, flex_decode, plan_decode_spans,
+                                         release_prefill_masks)
 from dflash_prep.target.backoff import is_oom
 from dflash_prep.target.packing import PACKED_ATTENTION
 
@@ -72,8 +76,11 @@ log = logging.getLogger("dflash_prep")
 
 PREFILL_MODES = ("auto", "packed", "padded")
 # the decode steps' attention kernel where the model's attention is `sdpa` (regen/attention.py)
-DECODE_KERNELS = ("sdpa", "flex")
-DECODE_KERNEL = "sdpa"  # the default: flex measured 2.4x slower a step on one H200 (regen/attention.py)
+DECODE_KERNELS = ("auto", "sdpa", "flex")
+# the default: flex on CUDA (compiled: 9,484 generated tok/s warm at 15.3 ms a step on the 8B benchmark, one H200,
+# against 7,582 at 22.3 ms on sdpa in row spans, same run), sdpa elsewhere (the CPU's flex is PyTorch's unfused
+# reference implementation, which reads every column)
+DECODE_KERNEL = "auto"
 # key limits (CUDA graphs) of one batch's decode steps by default: 1, the cache's end (8 measured slower)
 KEY_LIMIT_GRAPHS = 1
 
@@ -88,6 +95,7 @@ class DecodeStats:
     graph_captures: int = 0
     graph_failures: int = 0
     flex_failures: int = 0  # batches whose decode on flex attention failed and ran again on sdpa
+    flex_shape_overflows: int = 0  # batches decoded on sdpa: a new shape past attention.FLEX_MAX_SHAPES
     prefill_forwards: int = 0
     prompt_tokens_prefilled: int = 0  # real prompt tokens
     prefill_computed_tokens: int = 0  # tokens the prefill forwards computed (padding included)
@@ -114,10 +122,11 @@ class StaticCacheDecoder:
         cache's end. Measured on one H200 (the 8B benchmark, 256 x 256): 8 limits 7,449 generated tok/s warm and
         6,094 cold against 7,626 and 7,533 with 1 (each new limit's eager step and capture cost more than the
         unwritten columns saved); long answers, where those columns are most of a row's cache, are not measured.
-    decode_kernel: `sdpa` (transformers' function, in row spans as `span_cost_keys` says) or `flex` (PyTorch's flex
+    decode_kernel: `sdpa` (transformers' function, in row spans as `span_cost_keys` says), `flex` (PyTorch's flex
         attention, compiled on CUDA: each row reads only the key blocks from its own first real column to the
         step's, one CUDA graph for every step; `span_cost_keys` and `key_limit_graphs` then do not apply:
-        regen/attention.py's FlexDecodeMask). Either way only where the model's attention is `sdpa`.
+        regen/attention.py's FlexDecodeMask; a batch of a new shape past attention.FLEX_MAX_SHAPES runs on sdpa) or
+        `auto` (the default: `resolve_decode_kernel`). Either way only where the model's attention is `sdpa`.
     Raises ValueError for sizes < 1, an unknown `prefill` or `decode_kernel`, or `packed` for a model it does not
     apply to.
     """
@@ -126,13 +135,12 @@ class StaticCacheDecoder:
                  check_every: int = 8, column_multiple: int = 64, row_multiple: int = 16, prefill_fill: float = 0.75,
                  prefill: str = "auto", span_cost_keys: int | None = DEFAULT_SPAN_COST_KEYS,
                  key_limit_graphs: int = KEY_LIMIT_GRAPHS, decode_kernel: str = DECODE_KERNEL):
-        if decode_kernel not in DECODE_KERNELS:
-            raise ValueError(f"decode_kernel={decode_kernel!r}: one of {', '.join(DECODE_KERNELS)}")
         if min(prefill_tokens, check_every, column_multiple, row_multiple, key_limit_graphs) < 1:
             raise ValueError(f"prefill_tokens={prefill_tokens}, check_every={check_every}, column_multiple="
                              f"{column_multiple}, row_multiple={row_multiple} and key_limit_graphs={key_limit_graphs} "
                              "must be >= 1")
         self.device = next(model.parameters()).device
+        decode_kernel = resolve_decode_kernel(decode_kernel, self.device.type)
         self.prefill_reason = _prefill_blocker(model, prefill)
         self.packed_prefill = self.prefill_reason is None
         # fla's Triton kernels autotune per new row length (~8 s each on the 27B hybrid): a hybrid's packed rows are
@@ -204,9 +212,13 @@ class StaticCacheDecoder:
         if not _is_left_padded(attention_mask):
             raise ValueError("attention_mask: every row must be left padded, its prompt running to the last "
                              "column (zeros, then ones, at least one)")
+        if self.flex and not admit_flex_shape(input_ids.shape[0], input_ids.shape[1] + new_tokens):
+            self.stats.flex_shape_overflows += 1  # a new shape past the compiled ones' cap: this batch on sdpa
+            return self._generate(input_ids, attention_mask, new_tokens, stop_ids, processors, row_new_tokens, False)
         if self.flex:
             try:
-                return self._generate(input_ids, attention_mask, new_tokens, stop_ids, processors, row_new_tokens)
+                return self._generate(input_ids, attention_mask, new_tokens, stop_ids, processors, row_new_tokens,
+                                      True)
             except Exception as e:  # noqa: BLE001 - flex attention's failure: the batch again on sdpa, said once
                 if is_oom(e):
                     raise  # the engine halves the batch
@@ -214,11 +226,11 @@ class StaticCacheDecoder:
                 self.decode_kernel = "sdpa"
                 log.warning("regeneration: the decode steps on flex attention failed (%s: %s); decoding on sdpa in "
                             "row spans from now on", type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
-        return self._generate(input_ids, attention_mask, new_tokens, stop_ids, processors, row_new_tokens)
+        return self._generate(input_ids, attention_mask, new_tokens, stop_ids, processors, row_new_tokens, False)
 
     def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_tokens: int, stop_ids: list[int],
-                  processors, row_new_tokens: list[int] | None) -> torch.Tensor:
-        """`generate` on the decoder's current settings."""
+                  processors, row_new_tokens: list[int] | None, flex: bool) -> torch.Tensor:
+        """`generate` on the decoder's current settings, the decode steps on flex attention or not (`flex`)."""
         from transformers import StaticCache
 
         batch, width = input_ids.shape
@@ -242,8 +254,8 @@ class StaticCacheDecoder:
                 release_prefill_masks()
         t_decode = _now(device)
         self.stats.prefill_seconds += t_decode - t
-        spans = None if self.flex else self._spans(mask, width, new_tokens)
-        flex = FlexDecodeMask(_first_real_columns(mask, width), width + new_tokens, width - 1) if self.flex else None
+        spans = None if flex else self._spans(mask, width, new_tokens)
+        flex = FlexDecodeMask(_first_real_columns(mask, width), width + new_tokens, width - 1) if flex else None
         with _attention_implementation(self.model, self.attention), decode_spans(spans, width + new_tokens), \
                 flex_decode(flex):
             done = self._decode(sequences, mask, positions, cache, logits, width, new_tokens, limits, stops,
@@ -505,6 +517,16 @@ class StaticCacheDecoder:
 
 
 CACHE_CALLS = ("get_conv_state(", "get_recurrent_state(", "update_conv_state(", "update_recurrent_state(")
+
+
+def resolve_decode_kernel(decode_kernel: str, device_type: str) -> str:
+    """The decode kernel `decode_kernel` names on a `device_type` device: `auto` is `flex` on CUDA and `sdpa`
+    elsewhere (module docstring, DECODE_KERNEL); `sdpa` and `flex` are themselves. ValueError for another name."""
+    if decode_kernel not in DECODE_KERNELS:
+        raise ValueError(f"decode_kernel={decode_kernel!r}: one of {', '.join(DECODE_KERNELS)}")
+    if decode_kernel == "auto":
+        return "flex" if device_type == "cuda" else "sdpa"
+    return decode_kernel
 
 
 def packed_prefill_blocker(model) -> str | None:

@@ -96,7 +96,7 @@ from transformers import (
 from dflash_prep.data.chat import ChatRenderer
 from dflash_prep.data.conversation import prompt_conversation
 from dflash_prep.recipe.schema import ModelSection
-from dflash_prep.regen.attention import DEFAULT_SPAN_COST_KEYS
+from dflash_prep.regen.attention import DEFAULT_SPAN_COST_KEYS, flex_key_columns
 from dflash_prep.regen.batch_sizing import MEMORY_FRACTION, ModelSizes, cut_batches
 from dflash_prep.regen.decode import DECODE_KERNEL, KEY_LIMIT_GRAPHS, StaticCacheDecoder
 from dflash_prep.regen.engine import FINISH_LENGTH, FINISH_STOP, FINISH_TOOL_CALLS, Answer, Request
@@ -154,7 +154,8 @@ class TransformersEngine:
     decoder: `static` (regen/decode.py: static cache, the decode step a CUDA graph on CUDA when `cuda_graphs`,
         prefill in forwards of `prefill_tokens` tokens at most, packed or padded as `prefill` says, decode attention
         in row spans when `span_cost_keys` is set, up to `key_limit_graphs` key limits a batch, or on flex attention
-        with `decode_kernel` flex: decode.py) or `generate` (HF `generate`, the reference path).
+        with `decode_kernel` flex, the default on CUDA (`auto`): decode.py) or `generate` (HF `generate`, the
+        reference path).
     Batches are formed within one `answer` call: give it many requests (thousands) for full batches.
     Raises RecipeError (model, tokenizer or kernels that cannot be loaded), ValueError (a budget or batch size < 1).
     """
@@ -309,9 +310,12 @@ class TransformersEngine:
         return batches
 
     def _width(self, prompt_tokens: int, new_tokens: int) -> int:
-        """The padded prompt width of a batch whose longest prompt has `prompt_tokens`: rounded up to the multiple,
-        never past what the budget leaves beside the new tokens."""
+        """The padded prompt width of a batch whose longest prompt has `prompt_tokens`: rounded up to the multiple
+        (for decode steps on flex attention, further, so that width + new tokens is one of a few key counts an
+        octave: regen/attention.py's `flex_key_columns`), never past what the budget leaves beside the new tokens."""
         rounded = -(-prompt_tokens // self.length_multiple) * self.length_multiple
+        if self.decoder is not None and self.decoder.flex:
+            rounded = flex_key_columns(rounded + new_tokens) - new_tokens
         return max(prompt_tokens, min(rounded, self.max_tokens_per_batch - new_tokens))
 
     def close(self) -> None:
