@@ -52,7 +52,8 @@ from bench.context import environment  # noqa: E402
 from bench.models import CONFIG_DIR, TOKENIZER_DIR  # noqa: E402
 from bench.timing import free_memory, peak_memory, sync  # noqa: E402
 from dflash_prep.regen.attention import DEFAULT_SPAN_COST_KEYS  # noqa: E402
-from dflash_prep.regen.decode import DECODE_KERNEL, KEY_LIMIT_GRAPHS, resolve_decode_kernel  # noqa: E402
+from dflash_prep.regen.decode import (DECODE_KERNEL, KEY_LIMIT_GRAPHS, _has_gated_deltanet,  # noqa: E402
+                                      resolve_decode_kernel)
 
 
 @dataclass(frozen=True)
@@ -209,6 +210,8 @@ def build_engine(name: str, spec: RegenSpec, kernels: str, args, device, t0: flo
         sync(device)
         text = engine.config.get_text_config() if hasattr(engine.config, "get_text_config") else engine.config
         result.update(build_seconds=time.perf_counter() - t, kernels=engine.kernels, decode_path=engine.decode_path,
+                      default_decode_kernel=resolve_decode_kernel("auto", device.type,
+                                                                  _has_gated_deltanet(engine.model)),
                       model_type=getattr(text, "model_type", None), decoder_params=decoder_params_in(engine.model),
                       max_batch_size=engine.max_batch_size, params=sum(p.numel() for p in engine.model.parameters()),
                       weights_memory_bytes=peak_memory(device))
@@ -272,9 +275,10 @@ def static_passes(name, engine, requests, args, device, t0, deadline, reserve, r
 
 def decoder_variants(args) -> list[tuple]:
     """[(prefill, span_cost_keys, key_limit_graphs, decode_kernel)] the static decoder runs, first to last: per
-    `--decode-kernel`, per `--prefill`, sdpa's every span price and key limit count (flex takes neither)."""
+    `--decode-kernel`, per `--prefill`, sdpa's every span price and key limit count (flex takes neither; `auto`
+    takes them, for where it runs sdpa)."""
     return [(p, c, g, k) for k in args.decode_kernel for p in args.prefill
-            for c, g in ([(c, g) for c in args.span_cost_keys for g in args.key_limit_graphs] if k == "sdpa"
+            for c, g in ([(c, g) for c in args.span_cost_keys for g in args.key_limit_graphs] if k != "flex"
                          else [(None, 1)])]
 
 
@@ -288,14 +292,18 @@ def variant_passes(name, engine, requests, args, device, t0, deadline, reserve, 
 
     first = engine.decoder
     variants = decoder_variants(args)
-    result["static_variants"] = {label(*variants[0]): {"path": first.path, **(result.get("static") or {})}}
+    # labelled by the kernel each decoder runs (`auto` resolved for the model and device): what regen_rate reads
+    result["static_variants"] = {label(*variants[0][:3], first.decode_kernel): {"path": first.path,
+                                                                                 **(result.get("static") or {})}}
     for mode, cost, graphs, kernel in variants[1:]:
-        tag = label(mode, cost, graphs, kernel)
-        entry = result["static_variants"][tag] = {}
+        entry, tag = {}, label(mode, cost, graphs, kernel)
         try:
             engine.decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, prefill_tokens=first.prefill_tokens,
                                                 cuda_graphs=args.cuda_graphs, prefill=mode, span_cost_keys=cost,
                                                 key_limit_graphs=graphs, decode_kernel=kernel)
+            tag = label(mode, cost, graphs, engine.decoder.decode_kernel)
+            if tag in result["static_variants"]:
+                continue  # `auto` named a kernel timed already
             entry["path"] = engine.decoder.path
             cold = engine_pass(engine, requests, device)
             entry["cold"] = _public(cold)
@@ -310,6 +318,7 @@ def variant_passes(name, engine, requests, args, device, t0, deadline, reserve, 
             log(f"{name}: {tag} FAILED {type(e).__name__}: {e}", t0)
             free_memory(device)
         finally:
+            result["static_variants"].setdefault(tag, entry)
             engine.decoder = first
 
 
@@ -537,8 +546,6 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     names = (args.models.split(",") if args.models else list(DRY_RUN_MODELS if args.dry_run else GPU_MODELS))
     device = torch.device(args.device or ("cpu" if args.dry_run else "cuda:0"))
-    # `auto` named as what it runs on this device: the report's pass labels say the kernel (regen_rate reads them)
-    args.decode_kernel = list(dict.fromkeys(resolve_decode_kernel(k, device.type) for k in args.decode_kernel))
     if device.type == "cpu":
         torch.set_num_threads(1)
     deadline = t0 + args.deadline_seconds

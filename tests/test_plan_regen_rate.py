@@ -149,3 +149,22 @@ def test_a_newer_report_without_a_warm_pass_is_passed_over_for_a_warm_one(tmp_pa
     assert r["generated_tokens_per_second"] == pytest.approx(1200.0)
     assert r["rate_reference"]["file"].endswith("regen-warm/regen-bench.json")
     assert "static decoder warm pass" in r["rate_source"]
+
+
+def test_a_hybrids_report_gives_its_sdpa_pass_where_auto_keeps_sdpa(tmp_path, capsys):
+    """For a model with Gated DeltaNet layers `auto` decodes on sdpa: its report's sdpa pass (row spans, the default
+    price and key limit) is the rate, not its flex pass; the report's `default_decode_kernel` says so, and a report
+    without it is read from its decode path."""
+    model_type, params = demo_decoder_params()
+    passes = {"prefill auto, flex attention": (341.0, 1083.0),
+              "prefill auto, span cost 8,192 keys, 1 key limit": (850.0, 1085.0)}
+    e = entry(model_type, params, 341.0, 1083.0)
+    e["decode_path"] = f"{model_type}: static cache + CUDA graph, ...; Gated DeltaNet decode on fla's kernel"
+    e["static_variants"] = {label: {"path": "...", "cold": {"generated_tokens_per_second": cold},
+                                    "warm": {"generated_tokens_per_second": warm}}
+                            for label, (cold, warm) in passes.items()}
+    write_report(tmp_path / "regen-hybrid", {"hybrid-shape": e})
+    assert plan_json(capsys, "--bench-results", str(tmp_path))["generated_tokens_per_second"] == pytest.approx(1085.0)
+    e["decode_path"], e["default_decode_kernel"] = f"{model_type}: static cache + CUDA graph", "flex"
+    write_report(tmp_path / "regen-hybrid", {"hybrid-shape": e})
+    assert plan_json(capsys, "--bench-results", str(tmp_path))["generated_tokens_per_second"] == pytest.approx(1083.0)

@@ -491,12 +491,14 @@ def test_a_flex_attention_failure_decodes_the_batch_again_on_sdpa(llama_path, mo
 
 
 def test_auto_decodes_on_flex_on_cuda_and_on_sdpa_elsewhere(llama_path):
-    """`decode_kernel` auto (the default): flex attention on CUDA (compiled flex-decoding), sdpa on other devices
-    (the CPU's flex is PyTorch's unfused reference); an explicit kernel is itself on every device."""
+    """`decode_kernel` auto (the default): flex attention on CUDA (compiled flex-decoding) for an attention-only
+    model, sdpa for a Gated DeltaNet hybrid and on other devices (the CPU's flex is PyTorch's unfused reference);
+    an explicit kernel is itself on every device."""
     from dflash_prep.regen.decode import DECODE_KERNEL, resolve_decode_kernel
 
     assert DECODE_KERNEL == "auto"
     assert [resolve_decode_kernel("auto", d) for d in ("cuda", "cpu", "mps")] == ["flex", "sdpa", "sdpa"]
+    assert resolve_decode_kernel("auto", "cuda", gated_deltanet=True) == "sdpa"  # the hybrid: level, not faster
     assert [resolve_decode_kernel(k, "cpu") for k in ("sdpa", "flex")] == ["sdpa", "flex"]
     engine = engine_for("llama", llama_path)
     assert engine.decoder.decode_kernel == "sdpa" and not engine.decoder.flex

@@ -69,13 +69,15 @@ _VARIANT_LABEL = re.compile(r"prefill (\w+), (?:(flex attention)|no row spans|sp
 def _default_pass(model_entry: dict) -> dict:
     """The static decoder's passes ({cold, warm}) that ran the engine's defaults: in a report of several variants
     (an A/B of decoder settings), the one whose label says `prefill auto` or `prefill packed` (auto packs wherever
-    packing applies, and a packed pass runs only there) and the default decode kernel on CUDA (for sdpa, the
-    default span price and key limits) (none matching: {}); else the report's own figures (one configuration, as
+    packing applies, and a packed pass runs only there) and the decode kernel `auto` takes for the model on CUDA
+    (for sdpa, the default span price and key limits) (none matching: {}); else the report's own figures (one configuration, as
     the engine ran then)."""
     from dflash_prep.regen.attention import DEFAULT_SPAN_COST_KEYS
     from dflash_prep.regen.decode import DECODE_KERNEL, KEY_LIMIT_GRAPHS, resolve_decode_kernel
 
-    kernel = resolve_decode_kernel(DECODE_KERNEL, "cuda")  # the benchmark's reports are a GPU's
+    # the benchmark's reports are a GPU's; older ones do not say what `auto` chose, their decode path does
+    kernel = model_entry.get("default_decode_kernel") or resolve_decode_kernel(
+        DECODE_KERNEL, "cuda", "Gated DeltaNet" in str(model_entry.get("decode_path") or ""))
     variants = model_entry.get("static_variants") or {}
     if len(variants) < 2:
         return model_entry.get("static") or {}

@@ -39,7 +39,8 @@ The loop, on a left-padded batch `input_ids [B, W]` with its `attention_mask [B,
   differ, each span attending from its own first column on, so the left padding of shorter rows is not read), with
   `key_limit_graphs` > 1 each step's keys ending at a limit that grows with the steps (`_key_limit`: the cache's
   columns no step has written yet are not read); a model on another implementation keeps it. On CUDA the decode
-  steps run on flex attention instead by default (`decode_kernel` auto: `resolve_decode_kernel`): compiled
+  steps of an attention-only model run on flex attention instead by default (`decode_kernel` auto:
+  `resolve_decode_kernel`): compiled
   PyTorch flex-decoding over each row's own key blocks only (regen/attention.py's FlexDecodeMask), the batch's key
   columns rounded up to a few per octave (`flex_key_columns`, by the engine) so a job compiles few shapes.
 - **Decode step**: the model's forward on one token a row over static buffers (token, position, mask, cache), then,
@@ -77,9 +78,10 @@ log = logging.getLogger("dflash_prep")
 PREFILL_MODES = ("auto", "packed", "padded")
 # the decode steps' attention kernel where the model's attention is `sdpa` (regen/attention.py)
 DECODE_KERNELS = ("auto", "sdpa", "flex")
-# the default: flex on CUDA (compiled: 9,484 generated tok/s warm at 15.3 ms a step on the 8B benchmark, one H200,
-# against 7,582 at 22.3 ms on sdpa in row spans, same run), sdpa elsewhere (the CPU's flex is PyTorch's unfused
-# reference implementation, which reads every column)
+# the default, `auto`: flex on CUDA (compiled: 9,484 generated tok/s warm at 15.3 ms a step on the 8B benchmark, one
+# H200, against 7,582 at 22.3 ms on sdpa in row spans, same run; float32 slice exact), except for a hybrid with Gated
+# DeltaNet layers (the 27B: 1,083 on flex against 1,085 on sdpa, same run, so no reason yet) and off CUDA (the CPU's
+# flex is PyTorch's unfused reference implementation, which reads every column): sdpa there
 DECODE_KERNEL = "auto"
 # key limits (CUDA graphs) of one batch's decode steps by default: 1, the cache's end (8 measured slower)
 KEY_LIMIT_GRAPHS = 1
@@ -140,7 +142,7 @@ class StaticCacheDecoder:
                              f"{column_multiple}, row_multiple={row_multiple} and key_limit_graphs={key_limit_graphs} "
                              "must be >= 1")
         self.device = next(model.parameters()).device
-        decode_kernel = resolve_decode_kernel(decode_kernel, self.device.type)
+        decode_kernel = resolve_decode_kernel(decode_kernel, self.device.type, _has_gated_deltanet(model))
         self.prefill_reason = _prefill_blocker(model, prefill)
         self.packed_prefill = self.prefill_reason is None
         # fla's Triton kernels autotune per new row length (~8 s each on the 27B hybrid): a hybrid's packed rows are
@@ -519,13 +521,14 @@ class StaticCacheDecoder:
 CACHE_CALLS = ("get_conv_state(", "get_recurrent_state(", "update_conv_state(", "update_recurrent_state(")
 
 
-def resolve_decode_kernel(decode_kernel: str, device_type: str) -> str:
-    """The decode kernel `decode_kernel` names on a `device_type` device: `auto` is `flex` on CUDA and `sdpa`
-    elsewhere (module docstring, DECODE_KERNEL); `sdpa` and `flex` are themselves. ValueError for another name."""
+def resolve_decode_kernel(decode_kernel: str, device_type: str, gated_deltanet: bool = False) -> str:
+    """The decode kernel `decode_kernel` names on a `device_type` device for a model with Gated DeltaNet layers or
+    not: `auto` is `flex` on CUDA where every token mixer is attention, else `sdpa` (DECODE_KERNEL says why);
+    `sdpa` and `flex` are themselves. ValueError for another name."""
     if decode_kernel not in DECODE_KERNELS:
         raise ValueError(f"decode_kernel={decode_kernel!r}: one of {', '.join(DECODE_KERNELS)}")
     if decode_kernel == "auto":
-        return "flex" if device_type == "cuda" else "sdpa"
+        return "flex" if device_type == "cuda" and not gated_deltanet else "sdpa"
     return decode_kernel
 
 
