@@ -293,15 +293,19 @@ def variant_passes(name, engine, requests, args, device, t0, deadline, reserve, 
     first = engine.decoder
     variants = decoder_variants(args)
     # labelled by the kernel each decoder runs (`auto` resolved for the model and device): what regen_rate reads
-    result["static_variants"] = {label(*variants[0][:3], first.decode_kernel): {"path": first.path,
-                                                                                 **(result.get("static") or {})}}
+    def ran(decoder) -> str:
+        return "flex" if decoder.flex else "sdpa"  # flex only where the model's attention is ours
+
+    result["static_variants"] = {label(*variants[0][:3], ran(first)): {"path": first.path,
+                                                                       **(result.get("static") or {})}}
+    gated_deltanet = _has_gated_deltanet(engine.model)
     for mode, cost, graphs, kernel in variants[1:]:
-        entry, tag = {}, label(mode, cost, graphs, kernel)
+        entry, tag = {}, label(mode, cost, graphs, resolve_decode_kernel(kernel, device.type, gated_deltanet))
         try:
             engine.decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, prefill_tokens=first.prefill_tokens,
                                                 cuda_graphs=args.cuda_graphs, prefill=mode, span_cost_keys=cost,
                                                 key_limit_graphs=graphs, decode_kernel=kernel)
-            tag = label(mode, cost, graphs, engine.decoder.decode_kernel)
+            tag = label(mode, cost, graphs, ran(engine.decoder))
             if tag in result["static_variants"]:
                 continue  # `auto` named a kernel timed already
             entry["path"] = engine.decoder.path
@@ -532,7 +536,8 @@ def parse_args(argv):
                         "after it")
     p.add_argument("--decode-kernel", type=lambda v: v.split(","), default=[DECODE_KERNEL],
                    help="the decode steps' attention kernels, comma-separated (sdpa: transformers' function in row "
-                        "spans; flex: PyTorch's flex attention, compiled; auto: flex on CUDA, else sdpa; default: the "
+                        "spans; flex: PyTorch's flex attention, compiled; auto: flex on CUDA for a model without Gated "
+                        "DeltaNet layers, else sdpa; default: the "
                         f"engine's, {DECODE_KERNEL}); "
                         "the first for every figure, the others timed after it")
     p.add_argument("--no-check", dest="check", action="store_false",

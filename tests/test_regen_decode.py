@@ -516,9 +516,12 @@ def test_flex_key_columns_are_block_multiples_then_four_an_octave():
     assert all(c <= flex_key_columns(c) <= 1.25 * c for c in range(1025, 20000, 7))
 
 
-def test_flex_batches_past_the_shape_cap_decode_on_sdpa_and_keep_their_answers(llama_path, monkeypatch):
+def test_flex_batches_past_the_shape_cap_decode_on_sdpa_and_keep_their_answers(llama_path, monkeypatch, caplog):
     """With room for one compiled flex shape, the first batch decodes on flex, a batch of another shape on sdpa
-    (counted, no failure), the first shape again on flex; every row's ids equal `generate` alone either way."""
+    (counted, said once, no failure), the first shape again on flex; every row's ids equal `generate` alone either
+    way."""
+    import logging
+
     import dflash_prep.regen.attention as attention
 
     monkeypatch.setattr(attention, "FLEX_MAX_SHAPES", 1)
@@ -538,13 +541,14 @@ def test_flex_batches_past_the_shape_cap_decode_on_sdpa_and_keep_their_answers(l
     prompts = sorted((prompt_ids(engine, m) for m in PROMPTS), key=len, reverse=True)
     decoder = StaticCacheDecoder(engine.model, engine.pad_token_id, decode_kernel="flex")
     results = []
-    with torch.inference_mode():
-        for batch in (prompts, prompts[1:], prompts):
+    with torch.inference_mode(), caplog.at_level(logging.WARNING, logger="dflash_prep"):
+        for batch in (prompts, prompts[1:], prompts[2:], prompts):
             before = len(calls)
             ids, mask = padded(engine, batch)
             results.append((batch, decoder.generate(ids, mask, 6, [DEMO_EOS]).tolist(), len(calls) > before))
-    assert [on_flex for _, _, on_flex in results] == [True, False, True]
-    assert decoder.stats.flex_shape_overflows == 1 and decoder.stats.flex_failures == 0 and decoder.flex
+    assert [on_flex for _, _, on_flex in results] == [True, False, False, True]
+    assert decoder.stats.flex_shape_overflows == 2 and decoder.stats.flex_failures == 0 and decoder.flex
+    assert sum("shapes compiled for flex attention (the cap)" in r.getMessage() for r in caplog.records) == 1
     for batch, out, _ in results:
         for row, p in enumerate(batch):
             expected = alone(engine, p, new=6)

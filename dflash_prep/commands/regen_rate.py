@@ -70,8 +70,8 @@ def _default_pass(model_entry: dict) -> dict:
     """The static decoder's passes ({cold, warm}) that ran the engine's defaults: in a report of several variants
     (an A/B of decoder settings), the one whose label says `prefill auto` or `prefill packed` (auto packs wherever
     packing applies, and a packed pass runs only there) and the decode kernel `auto` takes for the model on CUDA
-    (for sdpa, the default span price and key limits) (none matching: {}); else the report's own figures (one configuration, as
-    the engine ran then)."""
+    (for sdpa, the default span price and key limits) (none matching: {}); else the report's own figures (one
+    configuration, as the engine ran then)."""
     from dflash_prep.regen.attention import DEFAULT_SPAN_COST_KEYS
     from dflash_prep.regen.decode import DECODE_KERNEL, KEY_LIMIT_GRAPHS, resolve_decode_kernel
 

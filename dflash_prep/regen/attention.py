@@ -21,17 +21,17 @@ not kept: two batched GEMMs (scores q k^T in float32, softmax, p v) took 23.7 ms
 1,792 positions) where SDPA's cuDNN kernel took 14.9, and 9.8 against 4.6 ms on the hybrid (64 rows x 1,664
 positions).
 
-Decode steps on flex attention instead (`flex_decode`, the decoder's `decode_kernel="flex"`): PyTorch's
+Decode steps on flex attention instead (`flex_decode`; the decoder's `decode_kernel="flex"`, and `auto` on CUDA for
+a model without Gated DeltaNet layers): PyTorch's
 `flex_attention` with a block mask of each row's own key blocks, from its first real column's block to the block of
 the column being decoded (FlexDecodeMask), compiled on CUDA into PyTorch's flex-decoding kernel, which splits the
 keys across the SMs and reads only the listed blocks: neither a row's left padding nor the columns no step has
-written yet are read, with one CUDA graph for every step (the block counts grow in place between replays). Why it
-is a choice: the sdpa decode step above reads the cache at about 2 TB/s on one H200 (cuDNN's kernel, 14.9 ms for
-128 rows x 1,792 positions of the 8B shape), under half the memory's bandwidth. Measured on that GPU, flex was
-exact and slower: 54.3 ms a step against 22.8 in row spans (the 8B's 256 rows), the profile showing inductor's main
-flex-attention template, not the decoding kernel, which inductor takes only for a static batch size (that process
-had compiled another batch size first, so dynamo had made the batch dynamic). The call is now compiled with every
-shape static (`_flex_attention`), not yet measured so.
+written yet are read, with one CUDA graph for every step (the block counts grow in place between replays). Why:
+the sdpa decode step above reads the cache at about 2 TB/s on one H200 (cuDNN's kernel, 14.9 ms for 128 rows x
+1,792 positions of the 8B shape), under half the memory's bandwidth. Measured on that GPU (the 8B's 256 x 256),
+flex compiled with every shape static (`_flex_attention`) ran 15.3 ms a step against 22.3 in row spans, exact on
+the float32 slice; compiled with the batch dynamic it had run 54.3 ms (inductor's main flex-attention template:
+the decoding kernel needs the batch size static). The 27B hybrid ran level on either.
 
 Shapes: query [B, Hq, S, D], key [B, Hkv, L, D], value [B, Hkv, L, Dv], Hq a multiple of Hkv (the query heads of
 key/value head h are h * G .. h * G + G - 1, as transformers' `repeat_kv`); mask bool (True: attend) or additive
@@ -152,15 +152,16 @@ FLEX_BLOCK_COLUMNS = 128  # key columns of a flex-attention block (its kernels' 
 # limit for it, raised from its default 8 (`_flex_attention`); a batch of another shape past it decodes on sdpa
 FLEX_MAX_SHAPES = 64
 _flex_attention_compiled = None  # torch.compile(flex_attention), made once a process (a compile per shape)
-_flex_shapes: set[tuple[int, int]] = set()  # the (rows, key columns) admitted so far (`admit_flex_shape`)
+_flex_shapes: set[tuple[int, int, str]] = set()  # the (rows, key columns) admitted so far (`admit_flex_shape`)
 
 
 def flex_key_columns(columns: int) -> int:
     """The key columns (the static cache's length) a batch decoded on flex attention is given for `columns` (its
     padded prompt width + new tokens): rounded up to a multiple of FLEX_BLOCK_COLUMNS up to 1,024, then to four
     steps an octave (at most 25% more; 1,280, 1,536, 1,792, 2,048, 2,560, ...). Why: the flex call is compiled per
-    shape (`_flex_attention`), so a job's batches should share few key counts; the extra columns cost cache memory
-    (the batch cut counts them) and no reads (each row's block list ends at the step's column)."""
+    shape (`_flex_attention`), so a job's batches should share few key counts (their row counts still vary); the
+    extra columns cost cache memory (the batch cut counts them) and no reads (each row's block list ends at the
+    step's column)."""
     if columns <= 1024:
         step = FLEX_BLOCK_COLUMNS
     else:
@@ -168,11 +169,13 @@ def flex_key_columns(columns: int) -> int:
     return -(-columns // step) * step
 
 
-def admit_flex_shape(rows: int, keys: int) -> bool:
-    """Whether a batch of `rows` x `keys` key columns may decode on flex attention in this process: a shape already
-    admitted, or a new one while fewer than FLEX_MAX_SHAPES are (then admitted). False past that: the decoder runs
-    that batch on sdpa (a compile per shape, and dynamo refuses more than its recompile limit)."""
-    shape = (int(rows), int(keys))
+def admit_flex_shape(rows: int, keys: int, kind: str = "") -> bool:
+    """Whether a batch of `rows` x `keys` key columns of a model `kind` (its dtype and head sizes: what else dynamo
+    compiles per) may decode on flex attention in this process: a shape already admitted, or a new one while fewer
+    than FLEX_MAX_SHAPES are (then admitted). False past that: the decoder runs that batch on sdpa (a compile per
+    shape, and dynamo refuses more than its recompile limit). Row counts are not rounded (the batch cut picks
+    them), so a long job of many batch sizes can reach the cap."""
+    shape = (int(rows), int(keys), kind)
     if shape in _flex_shapes:
         return True
     if len(_flex_shapes) >= FLEX_MAX_SHAPES:
@@ -255,7 +258,9 @@ def _flex_attention_static(*args, **kwargs):
     within the raised one)."""
     import torch._dynamo
 
-    with torch._dynamo.config.patch(recompile_limit=max(FLEX_MAX_SHAPES, torch._dynamo.config.recompile_limit)):
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # its name before 2.7
+    with config.patch(**{name: max(FLEX_MAX_SHAPES, getattr(config, name))}):
         return _flex_attention_compiled(*args, **kwargs)
 
 

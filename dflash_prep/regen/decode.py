@@ -67,7 +67,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_prep.regen.attention import (DEFAULT_SPAN_COST_KEYS, STATIC_ATTENTION, FlexDecodeMask, admit_flex_shape,
+from dflash_prep.regen.attention import (DEFAULT_SPAN_COST_KEYS, FLEX_MAX_SHAPES, STATIC_ATTENTION, FlexDecodeMask,
+                                         admit_flex_shape,
                                          decode_key_limit, decode_spans, flex_decode, plan_decode_spans,
                                          release_prefill_masks)
 from dflash_prep.target.backoff import is_oom
@@ -214,7 +215,10 @@ class StaticCacheDecoder:
         if not _is_left_padded(attention_mask):
             raise ValueError("attention_mask: every row must be left padded, its prompt running to the last "
                              "column (zeros, then ones, at least one)")
-        if self.flex and not admit_flex_shape(input_ids.shape[0], input_ids.shape[1] + new_tokens):
+        if self.flex and not admit_flex_shape(input_ids.shape[0], input_ids.shape[1] + new_tokens, self._flex_kind):
+            if not self.stats.flex_shape_overflows:
+                log.warning("regeneration: %d batch shapes compiled for flex attention (the cap); batches of a new "
+                            "shape decode on sdpa in row spans", FLEX_MAX_SHAPES)
             self.stats.flex_shape_overflows += 1  # a new shape past the compiled ones' cap: this batch on sdpa
             return self._generate(input_ids, attention_mask, new_tokens, stop_ids, processors, row_new_tokens, False)
         if self.flex:
@@ -229,6 +233,15 @@ class StaticCacheDecoder:
                 log.warning("regeneration: the decode steps on flex attention failed (%s: %s); decoding on sdpa in "
                             "row spans from now on", type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
         return self._generate(input_ids, attention_mask, new_tokens, stop_ids, processors, row_new_tokens, False)
+
+    @property
+    def _flex_kind(self) -> str:
+        """What besides rows and key columns the compiled flex call is specialized on: dtype and head sizes."""
+        text = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") \
+            else self.model.config
+        heads = (getattr(text, "num_attention_heads", None), getattr(text, "num_key_value_heads", None),
+                 getattr(text, "head_dim", None), getattr(text, "hidden_size", None))
+        return f"{self.model.dtype}:{heads}"
 
     def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_tokens: int, stop_ids: list[int],
                   processors, row_new_tokens: list[int] | None, flex: bool) -> torch.Tensor:
@@ -523,7 +536,8 @@ CACHE_CALLS = ("get_conv_state(", "get_recurrent_state(", "update_conv_state(", 
 
 def resolve_decode_kernel(decode_kernel: str, device_type: str, gated_deltanet: bool = False) -> str:
     """The decode kernel `decode_kernel` names on a `device_type` device for a model with Gated DeltaNet layers or
-    not: `auto` is `flex` on CUDA where every token mixer is attention, else `sdpa` (DECODE_KERNEL says why);
+    not: `auto` is `flex` on CUDA for a model without them, else `sdpa` (DECODE_KERNEL says why; flex acts only on
+    the attention layers whose keys are the whole cache, so other hybrids stay exact, their speed unmeasured);
     `sdpa` and `flex` are themselves. ValueError for another name."""
     if decode_kernel not in DECODE_KERNELS:
         raise ValueError(f"decode_kernel={decode_kernel!r}: one of {', '.join(DECODE_KERNELS)}")

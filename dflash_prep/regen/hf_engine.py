@@ -19,7 +19,8 @@ What it does with a `Request` (engine.py), step by step:
 - **Batches.** Requests with the same sampling parameters and new-token count are sorted by prompt length, longest
   first (an out-of-memory error shows in the first batch), and cut into consecutive batches: a batch pads every
   prompt to its longest one rounded up to `length_multiple` (few distinct prompt widths: each new shape costs a
-  Triton autotune in flash-linear-attention's kernels, REFERENCE 5), and holds as many requests as batch size x
+  Triton autotune in flash-linear-attention's kernels, REFERENCE 5; on flex decode steps, so that width + new tokens
+  is one of a few key counts an octave, each a compile of the flex call), and holds as many requests as batch size x
   (padded prompt + new tokens) <= `max_tokens_per_batch` and <= `max_batch_size` allow. The budget bounds what the
   batch holds at its end (the KV cache, the Gated DeltaNet states) and what its prefill forward runs. Not the
   extraction planner's length buckets (`plan.planner.plan_batches`): a batch of generation costs `max_tokens` decode
@@ -147,7 +148,8 @@ class TransformersEngine:
 
     model: the recipe's model section (pretrained weights, or random weights from a config).
     max_tokens_per_batch: batch size x (padded prompt + new tokens) per batch at most. max_batch_size: requests per
-        batch at most. length_multiple: prompt widths are multiples of it (capped by the budget).
+        batch at most. length_multiple: prompt widths are multiples of it (capped by the budget; on flex decode
+        steps, widths + new tokens are `flex_key_columns` values instead).
     ignore_eos: never stop before `max_tokens` (benchmarks with random weights).
     kernels: `model.kernels` to apply (target/kernels.py); None: the section's.
     chat_template: the template text replacing the tokenizer's own (`data.chat_template`, read), or None.
@@ -315,7 +317,7 @@ class TransformersEngine:
         octave: regen/attention.py's `flex_key_columns`), never past what the budget leaves beside the new tokens."""
         rounded = -(-prompt_tokens // self.length_multiple) * self.length_multiple
         if self.decoder is not None and self.decoder.flex:
-            rounded = flex_key_columns(rounded + new_tokens) - new_tokens
+            rounded = flex_key_columns(prompt_tokens + new_tokens) - new_tokens
         return max(prompt_tokens, min(rounded, self.max_tokens_per_batch - new_tokens))
 
     def close(self) -> None:
