@@ -208,8 +208,8 @@ def _filesystem(path: Path) -> str:
           "and the Qwen3.6-35B-A3B hybrid MoE; then plan_check.py on every committed report and these",
           deadline_seconds=570, models="llama3.1-8b,qwen3-8b,qwen3-30b-a3b,qwen3.6-35b-a3b:the benchmark models",
           tokens="400000:real tokens of each run", seconds="125:the limit of each model's run (with a variant: 1.5x)",
-          qwen3_kernels="liger_rms_norm,liger_swiglu,liger_rope:Qwen3-8B's variant, A/B against `auto` (eager for "
-                        "qwen3 until measured faster; empty: no variant)",
+          qwen3_kernels="liger_rms_norm,liger_swiglu,liger_rope:Qwen3-8B's variant, A/B against `auto` (which "
+                        "applies these three since they were measured faster; empty: no variant)",
           moe_hybrid_kernels="liger_rms_norm,fla_conv,fla_gated_norm:the Qwen3.6-35B-A3B's variant, A/B against "
                              "`auto` (eager for qwen3_5_moe until measured faster; empty: no variant)")
 def shapes(r: Round) -> None:
