@@ -406,3 +406,37 @@ def test_unused_output_dir_is_not_created(planned_and_run, tmp_path):
     out = tmp_path / "never"
     make_run_plan(load_recipe(None, [f"output.dir={out}", *BASE]), tokens_per_second=1.0)
     assert not out.exists() and not Path("/nonexistent").exists()
+
+
+def test_an_fp8_checkpoint_is_planned_at_the_measured_fp8_ratio(tmp_path):
+    """A block-FP8 checkpoint of the 27B shape (its config with the format's `quantization_config`) is planned at the
+    bf16 benchmark's figure times the newest committed FP8 / dequantized extraction ratio of the same rows (here
+    30,000 / 40,000; an older folder's ratio and a pair of other row counts are passed over), and said; with
+    `model.fp8_weights: dequantize` it runs bf16: the figure unscaled."""
+    from test_fp8_weights import FP8_CONFIG
+
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    reference = REPO / "bench" / "results" / "qwen3.6-27b-20261130-224000.json"
+    (bench / reference.name).write_text(reference.read_text())
+    bf16_rate = json.loads(reference.read_text())["modes"]["dflash_prep_warm"]["tokens_per_second"]
+    for folder, fp8, dequantized, tokens in (("targets-20270101", 20000.0, 40000.0, 1000),
+                                             ("targets-20270102", 30000.0, 40000.0, 1000),
+                                             ("targets-20270103", 10000.0, 40000.0, None)):
+        (bench / folder).mkdir()
+        for name, rate, n in (("fp8", fp8, 1000), ("dequantized", dequantized, tokens)):
+            (bench / folder / f"extract-{name}.summary.json").write_text(
+                json.dumps({"tokens_per_second": rate, "num_tokens_this_run": n}))
+    config = json.loads((REPO / "bench" / "configs" / "qwen3.6-27b.json").read_text())
+    (tmp_path / "fp8.json").write_text(json.dumps({**config, "quantization_config": FP8_CONFIG}))
+    base = [f"output.dir={tmp_path / 'out'}", "data.max_samples=20", "model.dtype=bfloat16",
+            f"model.config={tmp_path / 'fp8.json'}", "layers.preset=dflash", "layers.num_layers=5"]
+    plan = make_run_plan(load_recipe(None, base), num_gpus=1, gpu_memory_bytes=141 * 10**9, bench_dir=bench)
+    t = plan["throughput"]
+    assert t["source"] == "same model" and t["scaled_by_decoder_params"] == pytest.approx(1.0)
+    assert t["fp8_scale"] == {"ratio": pytest.approx(0.75), "folder": "targets-20270102"}
+    assert t["tokens_per_second"] == pytest.approx(bf16_rate * 0.75)
+    assert "x0.75 for FP8 weights (FP8 / dequantized extraction of the same rows" in format_plan(plan)
+    dequantized = make_run_plan(load_recipe(None, [*base, "model.fp8_weights=dequantize"]), num_gpus=1,
+                                gpu_memory_bytes=141 * 10**9, bench_dir=bench)["throughput"]
+    assert "fp8_scale" not in dequantized and dequantized["tokens_per_second"] == pytest.approx(bf16_rate)

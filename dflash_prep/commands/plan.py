@@ -23,8 +23,9 @@ Guarantees (tests/test_plan.py checks them against real extractions):
   picked by model (same model_type, hidden size and depth), else the benchmarked model nearest in decoder
   parameters (within 4x), scaled by the ratio of decoder parameters run per token (FLOPs per token = 2 x those
   parameters, for an MoE those a token runs through: routed experts at num_experts_per_tok / num_experts,
-  model.decoder_params_run; counted on a meta-device model: no memory, no weights); `--tokens-per-second`
-  overrides it. No default when no benchmark is near: the plan says so;
+  model.decoder_params_run; counted on a meta-device model: no memory, no weights), and for a block-FP8
+  checkpoint run as FP8 by the newest measured FP8 / dequantized extraction ratio (`_fp8_scale`, said);
+  `--tokens-per-second` overrides it. No default when no benchmark is near: the plan says so;
 - the storage bill: the output's bytes in its storage dtype against the time `output.dir`'s disk or object store
   needs at a measured rate (`--storage-bytes-per-second`, or `--storage-bench` with a result file of
   bench/disk_vs_writer.py), beside the GPUs' wall time, and which of the two sets the pace; no rate, no time;
@@ -532,7 +533,34 @@ def _throughput(recipe: Recipe, config, params: int | None, tokens_per_second: f
         same = why == "same model"  # the warm-ups are the model's and its batches' own: not carried to another
         throughput["seconds_per_new_shape"] = ref["seconds_per_new_shape"] if same else None
         throughput["host_warmup_seconds"] = ref.get("host_warmup_seconds") if same else None
+        fp8 = _fp8_scale(recipe, config, bench_dir)
+        if fp8 is not None:
+            throughput["tokens_per_second"] *= fp8["ratio"]
+            throughput["fp8_scale"] = fp8
     return throughput
+
+
+def _fp8_scale(recipe: Recipe, config, bench_dir: Path) -> dict | None:
+    """{ratio, folder}: for a block-FP8 checkpoint run as FP8 (target/fp8_weights.py), the benchmark's reference
+    being a bf16 model's, the newest measured ratio of an FP8 extraction's loop tok/s to the same checkpoint's
+    dequantized one on the same rows (bench/targets_check.py's `extract-fp8.summary.json` and
+    `extract-dequantized.summary.json` in a `targets-*` folder of `bench_dir`); None for other checkpoints, with
+    `model.fp8_weights: dequantize` (it runs bf16), or where no such pair is committed (then the bf16 figure
+    stands, unscaled)."""
+    from dflash_prep.target.fp8_weights import block_fp8_format
+
+    if block_fp8_format(config) is None or recipe.model.fp8_weights == "dequantize":
+        return None
+    for folder in sorted(bench_dir.glob("targets-*"), key=lambda f: f.name, reverse=True):
+        try:
+            fp8, bf16 = (json.loads((folder / f"extract-{name}.summary.json").read_text())
+                         for name in ("fp8", "dequantized"))
+        except (OSError, ValueError):
+            continue
+        if fp8.get("num_tokens_this_run") == bf16.get("num_tokens_this_run") and \
+                _positive(fp8.get("tokens_per_second")) and _positive(bf16.get("tokens_per_second")):
+            return {"ratio": fp8["tokens_per_second"] / bf16["tokens_per_second"], "folder": folder.name}
+    return None
 
 
 def _replicas(recipe: Recipe, config, num_gpus: int) -> dict:
@@ -685,7 +713,10 @@ def format_plan(p: dict) -> str:
         src = (f"{Path(ref['file']).name} ({ref['mode']}, {ref['tokens_per_second']:,.0f} tok/s on {ref['gpu']}, "
                f"{ref['compute_dtype']}, kernels {kernels}; {t['source']}"
                + (f", scaled x{t['scaled_by_decoder_params']:.3f} by decoder FLOPs/token" if
-                  abs(t['scaled_by_decoder_params'] - 1) > 1e-9 else "") + ")") if ref else t["source"]
+                  abs(t['scaled_by_decoder_params'] - 1) > 1e-9 else "")
+               + (f", x{t['fp8_scale']['ratio']:.2f} for FP8 weights (FP8 / dequantized extraction of the same rows, "
+                  f"bench/results/{t['fp8_scale']['folder']})" if t.get("fp8_scale") else "") + ")") \
+            if ref else t["source"]
         unit, units, hours = (("GPU", "GPU(s)", "GPU-hours") if device["type"] == "cuda" else
                               ("CPU process", "CPU process(es)", "process-hours"))
         lines.append(("throughput", f"{t['tokens_per_second']:,.0f} real tok/s per {unit}: {src}"))
