@@ -146,3 +146,19 @@ def test_the_demo_regenerates_in_process_then_extracts(tmp_path):
         a for k, v in sets.items() for a in ("--set", f"{k}={v}")]], env=ENV, cwd=REPO, capture_output=True,
         text=True, timeout=300)
     assert done.returncode == 0 and "already finished" in done.stderr, done.stderr[-2000:]
+
+
+def test_inspect_and_verify_of_regenerated_rows_say_what_the_folder_holds(model_dir, data, tmp_path, capsys):
+    """`inspect` and `verify` pointed at a regeneration's output (rows, not hidden states): exit code 2 and one line
+    that says so and names the extraction to run, not a format-version complaint."""
+    from dflash_prep.commands.inspect import main as inspect_main
+    from dflash_prep.commands.verify.entry import main as verify_main
+
+    out = tmp_path / "rows"
+    assert regenerate_main(args(model_dir, data, out, **{"data.max_samples": 2})) == 0
+    capsys.readouterr()
+    for command in (inspect_main, verify_main):
+        assert command([str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "holds regenerated rows" in err[0] and f"data.path={out}" in err[0], err
+        assert "format_version" not in err[0]

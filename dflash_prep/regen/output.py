@@ -50,7 +50,7 @@ from dflash_prep import __version__
 from dflash_prep.io import atomic_write_json, atomic_write_jsonl, fsync_file
 from dflash_prep.recipe.fingerprints import describe_files_change, describe_weights_change, portable_location
 from dflash_prep.store.locks import LOCKS_DIR, LeaseLostError
-from dflash_prep.store.manifest import read_state_json
+from dflash_prep.store.manifest import REGENERATED_ROWS_FORMAT, read_state_json
 from dflash_prep.store.record_store import (
     INDEX_DIR,  # noqa: F401 - the regeneration command names the index folder through this module
     TMP_SUFFIX,
@@ -62,7 +62,7 @@ from dflash_prep.store.record_store import (
 
 log = logging.getLogger("dflash_prep")
 
-FORMAT = "dflash-prep regenerated rows"
+FORMAT = REGENERATED_ROWS_FORMAT
 FORMAT_VERSION = 2  # 2: messages keep their `weight`, generated turns their token ids
 DATA_DIR = "data"
 STATE_NAME, MANIFEST_NAME, SUMMARY_NAME, SKIPPED_NAME = "run_state.json", "manifest.json", "summary.json", \

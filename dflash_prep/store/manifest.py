@@ -21,6 +21,7 @@ from dflash_prep.store.record_store import (  # noqa: F401 - OutputStateError, d
 from dflash_prep.store.records import SHARDS_DIR, ShardRecord
 
 FORMAT_VERSION = 1
+REGENERATED_ROWS_FORMAT = "dflash-prep regenerated rows"  # regen/output.py's FORMAT: another kind of output
 MANIFEST_NAME = "manifest.json"
 STATE_NAME = "run_state.json"
 FINISHED_INPUTS = "finished_inputs"  # run_state.json's key: the inputs as the run that finished the output found them
@@ -136,6 +137,10 @@ def read_manifest(out_dir: str | Path) -> dict:
     except (ValueError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
         raise ValueError(f"{path} is damaged ({type(e).__name__}: {e}); re-run the extraction's command: it "
                          f"rewrites the manifest from the committed shards without recomputing them") from None
+    if isinstance(manifest, dict) and manifest.get("format") == REGENERATED_ROWS_FORMAT:
+        raise ValueError(f"{as_location(out_dir)} holds regenerated rows (`dflash-prep regenerate`'s output), not "
+                         f"hidden states: extract them first (`dflash-prep extract --set data.path={out_dir}`), "
+                         "then read that output")
     if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
         version = manifest.get("format_version") if isinstance(manifest, dict) else None
         raise ValueError(f"{path}: format_version {version} is not supported "
