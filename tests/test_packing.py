@@ -272,6 +272,12 @@ def test_plan_command_reports_the_packed_rows(padded_and_packed, tmp_path):
     other = load_recipe(None, [f"output.dir={padded_and_packed['packed']}"] + demo_overrides(
         tmp_path / "o", **SETTINGS, **{"batching.packing": "false"})[1:])
     text = format_plan(make_run_plan(other, bench_dir=None))
+    assert f"{padded_and_packed['packed']} is finished: running this recipe again changes nothing" in text
+    unfinished = tmp_path / "unfinished"  # the same plan.json, no manifest yet: what a resume runs
+    unfinished.mkdir()
+    (unfinished / "plan.json").write_text((padded_and_packed["packed"] / "plan.json").read_text())
+    other = load_recipe(None, [f"output.dir={unfinished}"] + demo_overrides(tmp_path / "o", **SETTINGS)[1:])
+    text = format_plan(make_run_plan(other, bench_dir=None))
     assert f"holds {len(stored):,} packed rows: a resume runs those, not the plan below" in text
     edited = tmp_path / "edited"  # a stored plan a resume would refuse (a sample twice): plan says so, and why
     edited.mkdir()

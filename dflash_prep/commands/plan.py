@@ -654,14 +654,16 @@ def _storage_line(b: dict, compute: str = "GPUs") -> str:
 
 def _stored_plan(out_dir: Path, lengths: list[int]) -> dict | None:
     """What OUT/plan.json holds when the output exists (a resume runs those batches, not a new plan): its number of
-    batches and layout, or why a resume would refuse it (job.read_stored_plan, the resume's own check); None
-    without one."""
+    batches and layout, or why a resume would refuse it (job.read_stored_plan, the resume's own check), or that
+    the output is finished (its manifest written: a re-run does nothing); None without one."""
     from dflash_prep.commands.job import PLAN_NAME, OutputMismatchError, read_stored_plan
     from dflash_prep.store.manifest import OutputStateError
 
     path = out_dir / PLAN_NAME
     if not path.is_file():
         return None
+    if (out_dir / "manifest.json").is_file():  # the manifest is written last: nothing is left to run
+        return {"path": str(path), "finished": True}
     try:
         stored = read_stored_plan(path, lengths)
         return {"path": str(path), "num_batches": len(stored["batches"]), "packed": bool(stored.get("packed"))}
@@ -671,8 +673,10 @@ def _stored_plan(out_dir: Path, lengths: list[int]) -> dict | None:
 
 def format_plan(p: dict) -> str:
     stored = p.get("stored_plan")
-    resume = [] if not stored else [("resume", f"a resume refuses it: {stored['refused']}" if "refused" in
-                                     stored else f"{stored['path']} holds {stored['num_batches']:,} "
+    resume = [] if not stored else [("resume", f"a resume refuses it: {stored['refused']}" if "refused" in stored
+                                     else f"{Path(stored['path']).parent} is finished: running this recipe again "
+                                     "changes nothing (the plan below is of a new output)" if stored.get("finished")
+                                     else f"{stored['path']} holds {stored['num_batches']:,} "
                                      f"{'packed rows' if stored['packed'] else 'padded batches'}: a resume runs "
                                      f"those, not the plan below")]
     device = p.get("device") or {"type": "cuda", "why": ""}
