@@ -201,3 +201,19 @@ def test_sigterm_before_the_script_started_is_an_orderly_stop(monkeypatch, capsy
     assert stop.value.code == 1
     assert capsys.readouterr().err.strip() == ("error: stopped by SIGTERM before the extraction started; nothing was "
                                                "written, re-run the same command")
+
+
+def test_launch_help_lists_every_option_group_as_accelerate_launch_help_does():
+    """`dflash-prep launch --help` (the installed command, as a user types it) shows accelerate's whole launch help:
+    the config file, the module flag and the hardware and resource options, as `accelerate launch --help` does;
+    accelerate's formatter had hidden every group it did not see named on the command line."""
+    import shutil
+
+    ours = subprocess.run([shutil.which("dflash-prep") or "dflash-prep", "launch", "--help"], capture_output=True,
+                          text=True, timeout=120)
+    theirs = subprocess.run([shutil.which("accelerate") or "accelerate", "launch", "--help"], capture_output=True,
+                            text=True, timeout=120)
+    assert ours.returncode == 0 and theirs.returncode == 0, ours.stderr[-500:]
+    for option in ("--config_file", "--module", "--cpu", "--multi_gpu", "--num_processes", "--main_process_port"):
+        assert option in theirs.stdout and option in ours.stdout, option
+    assert abs(len(ours.stdout.splitlines()) - len(theirs.stdout.splitlines())) < 40  # the same help, another prog

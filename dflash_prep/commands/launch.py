@@ -158,6 +158,18 @@ def _preflight(argv: list[str]) -> int | None:
         return e.code if isinstance(e.code, int) else EXIT_REFUSED
 
 
+def _parse(parser, argv: list[str]):
+    """accelerate's launch parser on `argv`. Its help formatter shows only the option groups the command line names,
+    read from `sys.argv` (after `accelerate launch`, else after the program): under `dflash-prep launch --help`
+    that is `launch --help`, two words, and it hid every group. It reads the launch arguments alone here."""
+    saved = sys.argv
+    sys.argv = ["dflash-prep-launch", *argv]
+    try:
+        return parser.parse_args(argv)
+    finally:
+        sys.argv = saved
+
+
 def main(argv: list[str] | None = None) -> int:
     # first: a preemption notice during the imports below is an orderly stop (exit code 1), not a death by SIGTERM
     previous_term = signal.signal(signal.SIGTERM, _forward_terminate)
@@ -172,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = launch_command_parser()
     parser.prog = "dflash-prep launch"
-    args = parser.parse_args(argv)
+    args = _parse(parser, sys.argv[1:] if argv is None else argv)
     _fill_quiet_defaults(args)
     os.environ[LAUNCHER_ENV] = "1"
     # torch elastic logs each failed rank with its own block; the ranks printed their one-line errors already.
