@@ -162,3 +162,24 @@ def test_inspect_and_verify_of_regenerated_rows_say_what_the_folder_holds(model_
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "holds regenerated rows" in err[0] and f"data.path={out}" in err[0], err
         assert "format_version" not in err[0]
+
+
+def test_the_one_recipe_form_refuses_an_output_of_other_data_before_regenerating(tmp_path, capsys):
+    """The one-recipe form into `output.dir` that already holds an extraction of other data (the demo's own rows, a
+    quick start's output): exit code 2 and one line naming the data path, before any answer is generated (no
+    regeneration output); the same recipe into a fresh folder runs, and its re-run is answered as finished."""
+    from dflash_prep.commands.extract import main as extract_main
+
+    out = tmp_path / "states"
+    base = {"output.dir": out, "data.max_samples": 4, "batching.num_workers": 0}
+    assert extract_main([a for k, v in base.items() for a in ("--set", f"{k}={v}")]) == 0  # the quick start's job
+    capsys.readouterr()
+    sets = {**base, "regenerate": "{}", "regenerate.max_tokens": 4, "regenerate.output_dir": tmp_path / "answers"}
+    argv = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    assert extract_main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds an extraction of a different job" in err[0] and "data.path" in err[0], err
+    assert not (tmp_path / "answers").exists()
+    fresh = [a for k, v in {**sets, "output.dir": tmp_path / "fresh"}.items() for a in ("--set", f"{k}={v}")]
+    assert extract_main(fresh) == 0 and extract_main(fresh) == 0
+    assert "already finished" in capsys.readouterr().err

@@ -72,14 +72,18 @@ def run_identity(recipe: Recipe, config, layer_ids: list[int], tokenizer, is_mai
         "input_files": input_files_sha256(recipe) if is_main else None,
         "data_files": data_files_fingerprint(recipe.data) if is_main else None,
         "tokenizer": tokenizer_fingerprint(tokenizer),
-        "data": {k: v for k, v in recipe.to_dict()["data"].items()
-                 if k not in ("num_proc", "strict", "allow_beyond_context")},
+        "data": data_identity(recipe),
         "layer_ids": layer_ids,
         "capture_final": recipe.layers.capture_final,
         "dtype": recipe.output.dtype,
         # what a follower (reader.py, follow=True) decodes the shards with before the manifest exists
         "hidden_size": hidden_size_of(config),
     }
+
+
+def data_identity(recipe: Recipe) -> dict:
+    """The `data` section as the job's identity keeps it (not the settings that change how, not what, is read)."""
+    return {k: v for k, v in recipe.to_dict()["data"].items() if k not in ("num_proc", "strict", "allow_beyond_context")}
 
 
 def portable_identity(identity: dict) -> dict:

@@ -597,11 +597,31 @@ def regenerate_first(recipe: Recipe) -> tuple[Recipe, int | None]:
     exit code) when the regeneration did not finish. A recipe without the section is returned as it is."""
     if recipe.regenerate is None:
         return recipe, None
+    from dflash_prep.commands.job import OutputMismatchError
+
+    data = dataclasses.replace(recipe.data, path=str(output_dir_of(recipe)), format="auto", id_column=None)
+    extraction = dataclasses.replace(recipe, data=data)
+    try:
+        _refuse_an_extraction_of_other_data(extraction)
+    except OutputMismatchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return recipe, EXIT_BAD_RECIPE
     _, code = run_and_report(recipe)
     if code:
         return recipe, code
-    data = dataclasses.replace(recipe.data, path=str(output_dir_of(recipe)), format="auto", id_column=None)
-    return dataclasses.replace(recipe, data=data), None
+    return extraction, None
+
+
+def _refuse_an_extraction_of_other_data(extraction: Recipe) -> None:
+    """The one-recipe form, before any answer is generated: `output.dir` already holding an extraction of other data
+    than this regeneration's rows (another job, e.g. a quick start's output) is refused now (OutputMismatchError,
+    the extraction's own check on the `data` part of its identity), not after the regeneration. A local folder
+    only (an object-store output is checked by the extraction); `output.overwrite` starts afresh as ever."""
+    from dflash_prep.commands.job import check_identity, data_identity
+
+    if extraction.output.overwrite or "://" in str(extraction.output.dir):
+        return
+    check_identity(Path(extraction.output.dir), {"data": data_identity(extraction)}, extraction)
 
 
 def main(argv: list[str] | None = None) -> int:
