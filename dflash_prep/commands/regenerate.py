@@ -396,8 +396,9 @@ def _cuda_device_setter(device):
 
 class _Progress:
     """tqdm over this rank's rows (rows done), with the requests answered so far counted as they come in from the
-    engines' threads (`answered`: per request for both engines, so a long batch or a slow multi-turn row still moves
-    the line), requests/s, generated tokens/s (all processes: x the number of processes) and tqdm's ETA."""
+    engines' threads (`requests`: one per generated turn, so a multi-turn row counts several; per request for both
+    engines, so a long batch or a slow multi-turn row still moves the line), requests/s, generated tokens/s (all
+    processes: x the number of processes) and tqdm's ETA."""
 
     def __init__(self, total_rows: int, world: int):
         import threading
@@ -414,7 +415,7 @@ class _Progress:
         with self._lock:
             self.requests_answered += n
             elapsed = max(time.perf_counter() - self.t0, 1e-9)
-            self.bar.set_postfix(refresh=False, answered=self.requests_answered,
+            self.bar.set_postfix(refresh=False, requests=self.requests_answered,
                                  req_s=f"{self.requests_answered * self.world / elapsed:,.1f}")
             self.bar.update(0)  # redraws at most every `mininterval`
 
@@ -423,7 +424,7 @@ class _Progress:
             self.bar.update(stats.rows_done - self.done)
             self.done = stats.rows_done
             elapsed = max(time.perf_counter() - self.t0, 1e-9)
-            self.bar.set_postfix(refresh=False, answered=self.requests_answered,
+            self.bar.set_postfix(refresh=False, requests=self.requests_answered,
                                  req_s=f"{self.requests_answered * self.world / elapsed:,.1f}",
                                  gen_tok_s=f"{stats.completion_tokens * self.world / elapsed:,.0f}")
 
