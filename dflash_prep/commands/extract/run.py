@@ -146,7 +146,8 @@ def _tokenize(run: Run):
         run.peers.wait("every process waits for the tokenized rows")
     check_data_verdict(data, run.recipe.data)
     if run.is_main:
-        log.info("data: %d rows, %d kept, %d skipped%s", data.num_rows, len(data.kept),
+        samples = "" if data.num_candidates == data.num_rows else f" -> {data.num_candidates} samples (per turn)"
+        log.info("data: %d rows%s, %d kept, %d skipped%s", data.num_rows, samples, len(data.kept),
                  sum(data.skipped_counts.values()), f" {data.skipped_counts}" if data.skipped_counts else "")
         if data.samples:
             from dflash_prep.data.samples import samples_line
