@@ -187,7 +187,10 @@ def test_a_rank_killed_by_a_signal_is_named_even_when_another_rank_exited_with_a
     _killed_message({0: 2, 1: -int(signal.SIGTERM)})
     assert capsys.readouterr().err == ""
     _killed_message({0: -int(signal.SIGTERM)})
-    assert "the extraction process was killed by SIGTERM" in capsys.readouterr().err
+    assert "the extraction process was killed by SIGTERM;" in capsys.readouterr().err
+    _killed_message({0: -int(signal.SIGINT)})  # after the script's own stop line: a second Ctrl-C, said so
+    assert "killed by SIGINT (a Ctrl-C before it could stop at a batch boundary, or a second one while it stopped)" \
+        in capsys.readouterr().err
 
 
 def test_sigterm_before_the_script_started_is_an_orderly_stop(monkeypatch, capsys):

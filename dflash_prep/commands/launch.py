@@ -115,8 +115,12 @@ def _killed_message(codes: dict[int, int]) -> None:
             continue
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
         who = "the extraction process" if len(codes) == 1 else f"rank {rank}"
-        print(f"error: {who} was killed by {name}; committed shards are intact, re-run the same command to resume",
-              file=sys.stderr)
+        # the first Ctrl-C stops the script at a batch boundary (its own line); SIGINT as the cause of death is a
+        # Ctrl-C before its handler was set or a second one while it stopped
+        how = " (a Ctrl-C before it could stop at a batch boundary, or a second one while it stopped)" \
+            if -code == signal.SIGINT else ""
+        print(f"error: {who} was killed by {name}{how}; committed shards are intact, re-run the same command to "
+              "resume", file=sys.stderr)
 
 
 def _ignore_interrupt(signum, frame) -> None:
