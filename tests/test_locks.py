@@ -299,8 +299,10 @@ def test_inspect_of_an_unfinished_output_shows_progress_and_whether_it_runs(tmp_
 def test_inspect_of_a_folder_without_a_run_is_an_error(tmp_path, capsys):
     from dflash_prep.commands.inspect import main as inspect_main
 
+    (tmp_path / "locks").mkdir()  # what a refused start leaves (its locks and logs folders), no run
+    (tmp_path / "logs").mkdir()
     assert inspect_main([str(tmp_path)]) == 2
-    assert "manifest.json not found" in capsys.readouterr().err
+    assert f"manifest.json not found: no extraction has begun in {tmp_path}" in capsys.readouterr().err
 
 
 # -- several hosts: a shared filesystem whose flock is local to each client ------------------------------------------

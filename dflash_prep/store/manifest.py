@@ -130,6 +130,8 @@ def read_manifest(out_dir: str | Path) -> dict:
     extraction has not finished, ValueError when it is damaged or of another format version."""
     path = as_location(out_dir) / MANIFEST_NAME
     if not path.is_file():
+        if not (as_location(out_dir) / STATE_NAME).is_file():  # a refused start leaves its locks and logs, no run
+            raise FileNotFoundError(f"{path} not found: no extraction has begun in {out_dir}")
         raise FileNotFoundError(f"{path} not found: the extraction has not finished (the manifest is written last)")
     try:
         with path.open("rb") as f:
