@@ -657,12 +657,12 @@ def _stored_plan(out_dir: Path, lengths: list[int]) -> dict | None:
     batches and layout, or why a resume would refuse it (job.read_stored_plan, the resume's own check), or that
     the output is finished (its manifest written: a re-run does nothing); None without one."""
     from dflash_prep.commands.job import PLAN_NAME, OutputMismatchError, read_stored_plan
-    from dflash_prep.store.manifest import OutputStateError
+    from dflash_prep.store.manifest import MANIFEST_NAME, OutputStateError
 
     path = out_dir / PLAN_NAME
     if not path.is_file():
         return None
-    if (out_dir / "manifest.json").is_file():  # the manifest is written last: nothing is left to run
+    if (out_dir / MANIFEST_NAME).is_file():  # the manifest is written last: nothing is left to run
         return {"path": str(path), "finished": True}
     try:
         stored = read_stored_plan(path, lengths)

@@ -619,10 +619,11 @@ def _refuse_an_extraction_of_other_data(extraction: Recipe) -> None:
     the extraction's own check on the `data` part of its identity), not after the regeneration. A local folder
     only (an object-store output is checked by the extraction); `output.overwrite` starts afresh as ever."""
     from dflash_prep.commands.job import check_identity, data_identity
+    from dflash_prep.recipe.location import is_remote, local_path
 
-    if extraction.output.overwrite or "://" in str(extraction.output.dir):
+    if extraction.output.overwrite or is_remote(extraction.output.dir):
         return
-    check_identity(Path(extraction.output.dir), {"data": data_identity(extraction)}, extraction)
+    check_identity(local_path(extraction.output.dir), {"data": data_identity(extraction)}, extraction)
 
 
 def main(argv: list[str] | None = None) -> int:

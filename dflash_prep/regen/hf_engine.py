@@ -315,9 +315,10 @@ class TransformersEngine:
         """The padded prompt width of a batch whose longest prompt has `prompt_tokens`: rounded up to the multiple
         (for decode steps on flex attention, further, so that width + new tokens is one of a few key counts an
         octave: regen/attention.py's `flex_key_columns`), never past what the budget leaves beside the new tokens."""
-        rounded = -(-prompt_tokens // self.length_multiple) * self.length_multiple
         if self.decoder is not None and self.decoder.flex:
             rounded = flex_key_columns(prompt_tokens + new_tokens) - new_tokens
+        else:
+            rounded = -(-prompt_tokens // self.length_multiple) * self.length_multiple
         return max(prompt_tokens, min(rounded, self.max_tokens_per_batch - new_tokens))
 
     def close(self) -> None:

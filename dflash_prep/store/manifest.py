@@ -128,9 +128,10 @@ def write_manifest(out_dir: str | Path, manifest: dict, fence=None) -> Path:
 def read_manifest(out_dir: str | Path) -> dict:
     """OUT/manifest.json of a local folder or an object-store URL (recipe/location.py); FileNotFoundError while the
     extraction has not finished, ValueError when it is damaged or of another format version."""
-    path = as_location(out_dir) / MANIFEST_NAME
+    folder = as_location(out_dir)
+    path = folder / MANIFEST_NAME
     if not path.is_file():
-        if not (as_location(out_dir) / STATE_NAME).is_file():  # a refused start leaves its locks and logs, no run
+        if not (folder / STATE_NAME).is_file():  # a refused start leaves its locks and logs, no run
             raise FileNotFoundError(f"{path} not found: no extraction has begun in {out_dir}")
         raise FileNotFoundError(f"{path} not found: the extraction has not finished (the manifest is written last)")
     try:
@@ -140,7 +141,7 @@ def read_manifest(out_dir: str | Path) -> dict:
         raise ValueError(f"{path} is damaged ({type(e).__name__}: {e}); re-run the extraction's command: it "
                          f"rewrites the manifest from the committed shards without recomputing them") from None
     if isinstance(manifest, dict) and manifest.get("format") == REGENERATED_ROWS_FORMAT:
-        raise ValueError(f"{as_location(out_dir)} holds regenerated rows (`dflash-prep regenerate`'s output), not "
+        raise ValueError(f"{folder} holds regenerated rows (`dflash-prep regenerate`'s output), not "
                          f"hidden states: extract them first (`dflash-prep extract --set data.path={out_dir}`), "
                          "then read that output")
     if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
