@@ -203,6 +203,11 @@ def _filesystem(path: Path) -> str:
     return f"{fs} filesystem: " + ("memory, not a disk" if fs in ("tmpfs", "ramfs") else "a disk, not /dev/shm")
 
 
+def _kernels_value(option: str) -> str:
+    """`model.kernels` of a variant: `eager` or `auto` as they are, else the comma list as a YAML list."""
+    return option if option in ("eager", "auto") else f"[{option}]"
+
+
 @scenario("shapes", 1, "every target shape `plan` must predict, one after the other in one run, each cold then warm "
           "with the defaults (packed rows, model.kernels auto): the Llama-3.1-8B baseline, Qwen3-8B, the Qwen3-30B-A3B MoE "
           "and the Qwen3.6-35B-A3B hybrid MoE; then plan_check.py on every committed report and these",
@@ -210,8 +215,9 @@ def _filesystem(path: Path) -> str:
           tokens="400000:real tokens of each run", seconds="125:the limit of each model's run (with a variant: 1.5x)",
           qwen3_kernels="liger_rms_norm,liger_swiglu,liger_rope:Qwen3-8B's variant, A/B against `auto` (which "
                         "applies these three since they were measured faster; empty: no variant)",
-          moe_hybrid_kernels="liger_rms_norm,fla_conv,fla_gated_norm:the Qwen3.6-35B-A3B's variant, A/B against "
-                             "`auto` (eager for qwen3_5_moe until measured faster; empty: no variant)")
+          moe_hybrid_kernels="eager:the Qwen3.6-35B-A3B's variant, A/B against `auto` (which applies liger_rms_norm, "
+                             "fla_conv and fla_gated_norm since they were measured faster; eager, a list, or empty: "
+                             "no variant)")
 def shapes(r: Round) -> None:
     out = (r.work if r.dry else shm_or_tmp(40)) / "bench-out"
     tokens = ["--dflash-max-tokens", r.opt("tokens")] if not r.dry else []
@@ -220,7 +226,7 @@ def shapes(r: Round) -> None:
         modes, seconds = ["--modes", "dflash_prep,dflash_prep_warm"], int(r.opt("seconds"))
         if variants.get(model) and not r.dry:  # the fused kernels' speed (CUDA only)
             modes = ["--modes", "dflash_prep,dflash_prep_warm,dflash_prep_variant,dflash_prep_variant_warm",
-                     "--variant-set", f"model.kernels=[{variants[model]}]"]
+                     "--variant-set", f"model.kernels={_kernels_value(variants[model])}"]
             seconds = int(seconds * 1.5)
         r.step(f"bench-{model}", seconds, _bench(r, model, out, *modes, *tokens))
     # the plan of each job against what it measured (CPU arithmetic: the committed reports are references too)
