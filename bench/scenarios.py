@@ -217,11 +217,14 @@ def _kernels_value(option: str) -> str:
                         "applies these three since they were measured faster; empty: no variant)",
           moe_hybrid_kernels="eager:the Qwen3.6-35B-A3B's variant, A/B against `auto` (which applies liger_rms_norm, "
                              "fla_conv and fla_gated_norm since they were measured faster; eager, a list, or empty: "
-                             "no variant)")
+                             "no variant)",
+          moe_kernels="liger_rms_norm,liger_rope:the Qwen3-30B-A3B's variant, A/B against `auto` (eager for "
+                      "qwen3_moe until measured faster; eager, a list, or empty: no variant)")
 def shapes(r: Round) -> None:
     out = (r.work if r.dry else shm_or_tmp(40)) / "bench-out"
     tokens = ["--dflash-max-tokens", r.opt("tokens")] if not r.dry else []
-    variants = {"qwen3-8b": r.opt("qwen3_kernels"), "qwen3.6-35b-a3b": r.opt("moe_hybrid_kernels")}
+    variants = {"qwen3-8b": r.opt("qwen3_kernels"), "qwen3.6-35b-a3b": r.opt("moe_hybrid_kernels"),
+                "qwen3-30b-a3b": r.opt("moe_kernels")}
     for model in r.opt("models").split(","):
         modes, seconds = ["--modes", "dflash_prep,dflash_prep_warm"], int(r.opt("seconds"))
         if variants.get(model) and not r.dry:  # the fused kernels' speed (CUDA only)
@@ -393,11 +396,13 @@ def faults(r: Round) -> None:
           "Qwen3.6-27B-shaped slice built on the device, its FP8 linear layer vs emulation, its forward as FP8 vs "
           "dequantized (tok/s, per-layer error); extractions of that checkpoint both ways on the same rows (both "
           "warmed up first) and verify of the FP8 one; the Qwen3-30B-A3B-shaped MoE slice with each experts "
-          "implementation; the hybrid MoE's Gated DeltaNet kernels vs eager in fp32 (kernels_check.py)",
+          "implementation; the Qwen3 MoE's liger kernels vs eager in fp32, routing pinned (kernels_check.py; the "
+          "hybrid MoE's as a part of its own)",
           deadline_seconds=540, layers="16:decoder layers of the 27B slice", moe_layers="8:layers of the MoE slice",
           samples="1000:pre-tokenized rows of each extraction (0: no extractions)",
           parts="fp8,moe,kernels:what runs, in this order (fp8: the checkpoint, its extractions and verify; moe: the "
-                "experts implementations; kernels: the fp32 check of the kernels `auto` still waits for)")
+                "experts implementations; hybrid_kernels: the fp32 check of the hybrid MoE's kernels, measured "
+                "2026-12-03; kernels: the fp32 check of the kernels `auto` still waits for, the Qwen3 MoE's)")
 def targets(r: Round) -> None:
     parts = set(r.opt("parts").split(","))
     tiny = ["--tiny"] if r.dry else []
@@ -414,13 +419,17 @@ def targets(r: Round) -> None:
         moe_layers = [] if r.dry else ["--layers", r.opt("moe_layers")]
         r.step("moe-check", 210, r.python("bench/targets_check.py", "moe", "--json", r.results / "targets_moe.json",
                                           *tiny, *moe_layers))
-    if "kernels" in parts:
+    if "hybrid_kernels" in parts:
         # the hybrid MoE's Gated DeltaNet kernels (qwen3_5's, on its own modules): 3 Gated DeltaNet + 1 attention
         # layer; fla's kernels autotune for each sample length run alone (~8 s each): the longest step here
         r.step("kernels-qwen3.6-35b-a3b", 300, r.python(
             "bench/kernels_check.py", "--models", "qwen3.6-35b-a3b", "--layers", "4", "--kernels",
             "liger_rms_norm,fla_conv,fla_gated_norm", "--json", r.results / "kernels_check_qwen3_5_moe.json"),
             gpu_only=True)
+    if "kernels" in parts:  # the Qwen3 MoE's liger kernels (RMSNorm, RoPE), the routing held to the eager batch's
+        r.step("kernels-qwen3-30b-a3b", 150, r.python(
+            "bench/kernels_check.py", "--models", "qwen3-30b-a3b", "--layers", "4", "--kernels",
+            "liger_rms_norm,liger_rope", "--json", r.results / "kernels_check_qwen3_moe.json"), gpu_only=True)
 
 
 def _fp8_extractions(r: Round, ckpt: Path, samples: int) -> None:

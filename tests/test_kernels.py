@@ -118,6 +118,7 @@ def fake_libraries(monkeypatch):
     import transformers.models.llama.modeling_llama  # noqa: F401
     import transformers.models.qwen3_5.modeling_qwen3_5  # noqa: F401
     import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe  # noqa: F401
+    import transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401
 
     CALLS.clear()
     liger_transformers = _module(
@@ -127,7 +128,9 @@ def fake_libraries(monkeypatch):
         apply_liger_kernel_to_qwen3_5=_fake_apply("transformers.models.qwen3_5.modeling_qwen3_5", 1.0,
                                                   ["Qwen3_5RMSNorm", "Qwen3_5MLP"]),
         apply_liger_kernel_to_qwen3_5_moe=_fake_apply("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", 1.0,
-                                                      ["Qwen3_5MoeRMSNorm", "Qwen3_5MoeExperts"]))
+                                                      ["Qwen3_5MoeRMSNorm", "Qwen3_5MoeExperts"]),
+        apply_liger_kernel_to_qwen3_moe=_fake_apply("transformers.models.qwen3_moe.modeling_qwen3_moe", 0.0,
+                                                    ["Qwen3MoeRMSNorm", "Qwen3MoeExperts", "apply_rotary_pos_emb"]))
     fakes = {"liger_kernel": _module("liger_kernel"), "liger_kernel.transformers": liger_transformers,
              "liger_kernel.transformers.rope": _module("liger_kernel.transformers.rope", liger_rotary_pos_emb=fake_rope),
              "fla": _module("fla"), "fla.modules": _module("fla.modules"),
@@ -212,6 +215,48 @@ def test_the_hybrid_moe_gets_the_gated_deltanet_kernels_under_auto_never_a_swigl
     gated_deltanet = sum(t == "linear_attention" for t in config.layer_types[:4])
     assert calls["conv"] == gated_deltanet and calls["gated_norm"] == gated_deltanet
     assert "swiglu" not in calls
+
+
+def test_the_qwen3_moe_gets_rms_norm_and_rope_when_listed_and_auto_waits_for_their_measurement(fake_libraries):
+    """Qwen3-30B-A3B's family: liger's RMSNorm and RoPE apply when listed (RoPE scoped to this model's attention,
+    never liger's module-level rebind), no SwiGLU over its routed experts; `auto` leaves them off until measured on
+    a GPU; the states of a padded batch through them equal each sample alone through eager transformers."""
+    from bench.families import family_config
+
+    config = family_config("qwen3_moe", "tiny")
+    auto = select_kernels("auto", config, "cuda")
+    assert auto.names == () and "not measured on a GPU yet" in auto.reason, auto
+    with pytest.raises(RecipeError, match="do not apply"):  # liger's swiglu there swaps the routed experts' class
+        select_kernels(["liger_swiglu"], config, "cuda")
+    names = ("liger_rms_norm", "liger_rope")
+    assert select_kernels(list(names), config, "cuda").names == names
+    modeling = sys.modules["transformers.models.qwen3_moe.modeling_qwen3_moe"]
+    module_before = dict(vars(modeling))
+    eager, fused = build(config), build(config)
+    layer_ids = [0, 2]
+    drop_layers_after(fused, layer_ids[-1])
+    apply_kernels(fused, KernelChoice(names, names, config.model_type))
+    (applied,) = fake_libraries["apply"]
+    assert applied["model"] is fused and applied["swiglu"] is False and applied["rms_norm"] is True
+    assert applied["rope"] is False and applied["fused_linear_cross_entropy"] is False
+    assert {k: v for k, v in vars(modeling).items() if v is not module_before.get(k)} == {}
+    samples = _samples([23, 9, 14])
+    batch = collate(samples, 32, 0)
+    CALLS.clear()
+    with LayerCapture(fused, layer_ids, storage_dtype=torch.float32) as cap:
+        out = cap.run(batch.input_ids, batch.attention_mask, batch.position_ids, batch.flat_index)
+    assert len(CALLS["rope"]) == layer_ids[-1] + 1 and len(CALLS["rms_norm"]) > 0 and "swiglu" not in CALLS
+    H, start = config.hidden_size, 0
+    for sample in samples:
+        n = len(sample.input_ids)
+        ref = _alone_states(eager, sample)
+        for slot, layer in enumerate(layer_ids):
+            got = out.hidden_states_NK[start:start + n, slot * H:(slot + 1) * H]
+            assert (got - ref[layer + 1][0]).abs().max().item() <= 1e-5, f"layer {layer}"
+        start += n
+    CALLS.clear()
+    _alone_states(eager, samples[0])  # another model of the family in the same process: transformers' own
+    assert "rope" not in CALLS and "rms_norm" not in CALLS
 
 
 def test_auto_on_a_tensor_parallel_replica_is_eager_and_a_list_is_applied_as_asked(fake_libraries):

@@ -4,15 +4,15 @@ Named kernels (each replaces one piece of transformers' eager forward on the loa
 
 | name | library | replaces | architectures |
 |---|---|---|---|
-| `liger_rms_norm` | liger-kernel | RMSNorm (decoder layers, final norm; Qwen3.5, Qwen3: also q/k norms) by one Triton kernel | llama, qwen3_5, qwen3, qwen3_5_moe |
+| `liger_rms_norm` | liger-kernel | RMSNorm (decoder layers, final norm; Qwen3.5, Qwen3: also q/k norms) by one Triton kernel | llama, qwen3_5, qwen3, qwen3_5_moe, qwen3_moe* |
 | `liger_swiglu` | liger-kernel | `silu(gate) * up` of the MLPs by one Triton kernel | llama, qwen3_5, qwen3 (silu MLPs) |
-| `liger_rope` | liger-kernel | the rotary embedding of q and k | llama, qwen3 |
+| `liger_rope` | liger-kernel | the rotary embedding of q and k | llama, qwen3, qwen3_moe* |
 | `fla_conv` | flash-linear-attention | transformers' torch fallback of the Gated DeltaNet causal conv (`conv_depthwise2d`) by fla's Triton `causal_conv1d` | qwen3_5, qwen3_5_moe |
 | `fla_gated_norm` | flash-linear-attention | the Gated DeltaNet output norm (`Qwen3_5RMSNormGated`: RMSNorm, weight, times silu(z)), ten eager element-wise kernels through fp32 copies, by fla's one Triton `rms_norm_gated` | qwen3_5, qwen3_5_moe |
 
 `auto` (the default): on CUDA, every kernel of the architecture's row above (all measured exact and faster on an
-H200: bench/RESULTS.md), except for architectures in `AUTO_NOT_MEASURED` (applied when listed, eager under `auto`
-until measured; none today); eager on CPU and for architectures not listed (said once in the log). `eager`: none.
+H200: bench/RESULTS.md), except for the architectures marked * (`AUTO_NOT_MEASURED`: applied when listed, eager
+under `auto` until measured); eager on CPU and for architectures not listed (said once in the log). `eager`: none.
 A list applies exactly those kernels; a name that does not apply to the architecture, a list on a machine without
 CUDA, or a library that is not installed is a `RecipeError` naming the key. liger-kernel needs Triton: it (and fla)
 are imported only when kernels are applied, which happens only on CUDA.
@@ -63,6 +63,10 @@ ARCHITECTURES["qwen3"] = ("transformers.models.qwen3.modeling_qwen3", ("liger_rm
 ARCHITECTURES["qwen3_5_moe"] = ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
                                 ("liger_rms_norm", "fla_conv", "fla_gated_norm"), "apply_liger_kernel_to_qwen3_5_moe")
 ARCHITECTURES["qwen3_5_moe_text"] = ARCHITECTURES["qwen3_5_moe"]
+# The Qwen3 MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): RMSNorm (q/k norms too) and RoPE. No `liger_swiglu`, as above: it
+# would swap the routed experts' class.
+ARCHITECTURES["qwen3_moe"] = ("transformers.models.qwen3_moe.modeling_qwen3_moe", ("liger_rms_norm", "liger_rope"),
+                              "apply_liger_kernel_to_qwen3_moe")
 # Architectures whose kernels apply when listed but that `auto` leaves eager until they are measured exact and
 # faster on a GPU (exact: bench/kernels_check.py in fp32, the `targets` scenario; faster: the `shapes` scenario's
 # variant). qwen3 passed both on an H200: fused vs eager 7.8e-6 in fp32, 37,755 against 30,048 tok/s warm on the
@@ -70,7 +74,7 @@ ARCHITECTURES["qwen3_5_moe_text"] = ARCHITECTURES["qwen3_5_moe"]
 # routing pinned to the eager batch's (targets-20261203-moe-pinned), and on the Qwen3.6-35B-A3B shape 50,040
 # against 30,456 tok/s warm, 3,282 against 1,795 cold, packed rows against eager's padded batches
 # (shapes-20261203-moe-kernels).
-AUTO_NOT_MEASURED: frozenset[str] = frozenset()
+AUTO_NOT_MEASURED: frozenset[str] = frozenset({"qwen3_moe"})
 LIBRARIES = {"liger": ("liger_kernel", "liger-kernel"), "fla": ("fla", "flash-linear-attention")}
 
 
