@@ -11,7 +11,8 @@ tmpfs and S3 runs.
 (what the server itself takes), runs `python -m dflash_prep.commands.extract` with the given sets into
 `s3://bench/out` (shards staged in WORK/staging), then downloads the S3 output and reads it and LOCAL_OUT (the
 same recipe on the local disk) back through `ShardDataset`, comparing them sample by sample (ids, tokens, the
-states' bytes; `read_back` says why a download): RESULTS/store_s3.json. `report` puts the runs' tokens/s side by side: RESULTS/storage_report.json.
+states' bytes; `read_back` says why a download): RESULTS/store_s3.json. `report` puts the runs' tokens/s side by
+side: RESULTS/storage_report.json.
 """
 
 from __future__ import annotations
