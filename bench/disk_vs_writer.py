@@ -106,7 +106,7 @@ def writer_write(folder: Path, num_bytes: int, width: int, tokens: int, batch_si
         seconds = time.perf_counter() - t0
         return {"bytes": writer.bytes_written, "seconds": seconds, "bytes_per_second": writer.bytes_written / seconds,
                 "shards": len(writer.committed), "num_writer_threads": num_lanes, "write_mode": write_mode,
-                "producer_wait_seconds": writer.wait_seconds}
+                "num_batches": num_batches, "producer_wait_seconds": writer.wait_seconds}
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
@@ -194,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
         to_direct = f"{w['ratio_to_direct']:.2f}" if w["ratio_to_direct"] is not None else "-"
         print(f"  writer {name:<12} {w['bytes_per_second'] / 1e9:.2f} GB/s: {w['ratio_to_buffered']:.2f} of raw, "
               f"{to_direct} of O_DIRECT", flush=True)
+        if w.get("num_batches", 0) < 2 * w["num_writer_threads"]:  # a lane's batches go to it whole, in turn
+            batch_gb = w["bytes"] / w["num_batches"] / 1e9
+            print(f"    note: {w['num_batches']} batch(es) of {batch_gb:.2f} GB over {w['num_writer_threads']} lanes: "
+                  f"this step measures the lanes' start and drain more than their rate; --gb "
+                  f"{2 * w['num_writer_threads'] * batch_gb:.1f} or more gives each lane two batches", flush=True)
     return 0
 
 
