@@ -198,20 +198,7 @@ def test_the_hybrid_moe_gets_the_gated_deltanet_kernels_under_auto_never_a_swigl
     (applied,) = fake_libraries["apply"]
     assert applied["model"] is fused and applied["swiglu"] is False and applied["rms_norm"] is True
     assert {k: v for k, v in vars(modeling).items() if v is not module_before.get(k)} == {}
-    samples = _samples([29, 6, 17])
-    batch = collate(samples, 32, 0)
-    CALLS.clear()
-    with LayerCapture(fused, layer_ids, storage_dtype=torch.float32) as cap:
-        out = cap.run(batch.input_ids, batch.attention_mask, batch.position_ids, batch.flat_index)
-    calls = {k: len(v) for k, v in CALLS.items()}
-    H, start = config.hidden_size, 0
-    for sample in samples:
-        n = len(sample.input_ids)
-        ref = _alone_states(eager, sample)
-        for slot, layer in enumerate(layer_ids):
-            got = out.hidden_states_NK[start:start + n, slot * H:(slot + 1) * H]
-            assert (got - ref[layer + 1][0]).abs().max().item() <= 1e-5, f"layer {layer}"
-        start += n
+    calls = _capture_equals_alone(fused, eager, _samples([29, 6, 17]), layer_ids, 32)
     gated_deltanet = sum(t == "linear_attention" for t in config.layer_types[:4])
     assert calls["conv"] == gated_deltanet and calls["gated_norm"] == gated_deltanet
     assert "swiglu" not in calls
@@ -241,19 +228,8 @@ def test_the_qwen3_moe_gets_rms_norm_and_rope_when_listed_and_auto_waits_for_the
     assert applied["rope"] is False and applied["fused_linear_cross_entropy"] is False
     assert {k: v for k, v in vars(modeling).items() if v is not module_before.get(k)} == {}
     samples = _samples([23, 9, 14])
-    batch = collate(samples, 32, 0)
-    CALLS.clear()
-    with LayerCapture(fused, layer_ids, storage_dtype=torch.float32) as cap:
-        out = cap.run(batch.input_ids, batch.attention_mask, batch.position_ids, batch.flat_index)
-    assert len(CALLS["rope"]) == layer_ids[-1] + 1 and len(CALLS["rms_norm"]) > 0 and "swiglu" not in CALLS
-    H, start = config.hidden_size, 0
-    for sample in samples:
-        n = len(sample.input_ids)
-        ref = _alone_states(eager, sample)
-        for slot, layer in enumerate(layer_ids):
-            got = out.hidden_states_NK[start:start + n, slot * H:(slot + 1) * H]
-            assert (got - ref[layer + 1][0]).abs().max().item() <= 1e-5, f"layer {layer}"
-        start += n
+    calls = _capture_equals_alone(fused, eager, samples, layer_ids, 32)
+    assert calls["rope"] == layer_ids[-1] + 1 and calls["rms_norm"] > 0 and "swiglu" not in calls
     CALLS.clear()
     _alone_states(eager, samples[0])  # another model of the family in the same process: transformers' own
     assert "rope" not in CALLS and "rms_norm" not in CALLS
@@ -324,6 +300,26 @@ def _alone_states(model, sample):
                                    use_cache=False, output_hidden_states=True).hidden_states
 
 
+def _capture_equals_alone(fused, eager, samples, layer_ids, pad_to, label=""):
+    """`samples` as one right-padded batch (with its padding mask) through `fused`'s capture hooks: each sample's
+    states at each after-layer id equal its run alone through `eager` within 1e-5 (float32). Returns the fake
+    kernels' calls during the capture, by name."""
+    batch = collate(samples, pad_to, 0)
+    CALLS.clear()
+    with LayerCapture(fused, layer_ids, storage_dtype=torch.float32) as cap:
+        out = cap.run(batch.input_ids, batch.attention_mask, batch.position_ids, batch.flat_index)
+    calls = {k: len(v) for k, v in CALLS.items()}
+    H, start = out.hidden_states_NK.shape[1] // len(layer_ids), 0
+    for sample in samples:
+        n = len(sample.input_ids)
+        ref = _alone_states(eager, sample)
+        for slot, layer in enumerate(layer_ids):
+            got = out.hidden_states_NK[start:start + n, slot * H:(slot + 1) * H]
+            assert (got - ref[layer + 1][0]).abs().max().item() <= 1e-5, f"{label} layer {layer}"
+        start += n
+    return calls
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
 def test_fused_model_captures_what_the_eager_model_gives_each_sample_alone(fake_libraries, arch):
     config = tiny_llama_config() if arch == "llama" else tiny_qwen35_config()
@@ -340,21 +336,8 @@ def test_fused_model_captures_what_the_eager_model_gives_each_sample_alone(fake_
     assert applied["rope"] is False, "liger's rope patch is module-global: scoped to the instance instead"
     assert {k: v for k, v in vars(modeling).items() if v is not module_before.get(k)} == {}, \
         "the modeling module must be left as transformers made it"
-    lengths = [37, 5, 20]
-    samples = _samples(lengths)
-    batch = collate(samples, 48, 0)  # right-padded, with the padding mask
-    CALLS.clear()
-    with LayerCapture(fused, layer_ids, storage_dtype=torch.float32) as cap:
-        out = cap.run(batch.input_ids, batch.attention_mask, batch.position_ids, batch.flat_index)
-    fused_calls = {k: len(v) for k, v in CALLS.items()}
-    H = config.hidden_size
-    start = 0
-    for sample, n in zip(samples, lengths):
-        ref = _alone_states(eager, sample)
-        for slot, layer in enumerate(layer_ids):
-            got = out.hidden_states_NK[start:start + n, slot * H:(slot + 1) * H]
-            assert (got - ref[layer + 1][0]).abs().max().item() <= 1e-5, f"{arch} layer {layer}"
-        start += n
+    samples = _samples([37, 5, 20])
+    fused_calls = _capture_equals_alone(fused, eager, samples, layer_ids, 48, arch)
     attention_layers = sum(t == "full_attention" for t in getattr(config, "layer_types", [])[:4])
     assert fused_calls["rms_norm"] == 2 * 4 + 2 * attention_layers  # + q/k norms; no final norm: the forward stopped
     assert fused_calls["swiglu"] == 4
