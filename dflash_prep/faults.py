@@ -1,7 +1,8 @@
 """Test-only fault injection: make the failures a real run meets (OOM, NaN, a full disk, a crash) on demand.
 
-Set the environment variable `DFLASH_PREP_FAULTS` to a JSON object; `run_extraction` reads it once at its start.
-Unset (the normal case), `Faults.from_env()` returns None and no code path pays for it. Keys (all optional):
+Set the environment variable `DFLASH_PREP_FAULTS` to a JSON object; `run_extraction` (and `regenerate`, for
+`plan_delay_*`) reads it once at its start. Unset (the normal case), `Faults.from_env()` returns None and no code
+path pays for it. Keys (all optional):
 
     oom_batches            [batch_id, ...]   the first forward of each listed batch raises a CUDA OOM (its
                                              halves then run; later batches of its padded length are pre-split)
@@ -23,6 +24,11 @@ Unset (the normal case), `Faults.from_env()` returns None and no code path pays 
                                              long enough for a test to start a second one beside it)
     write_delay_seconds    S                 every batch a writer thread writes first sleeps S seconds (a slow disk)
     load_delay_seconds     S                 the model load first sleeps S seconds (a checkpoint of tens of GB)
+    plan_delay_seconds     S                 the process sleeps S seconds before it reads what is committed and
+                                             takes its share of the plan (a rank slow to start: its peers may
+                                             already be committing)
+    plan_delay_process     P                 only the process of index P (torchrun's RANK) does (default: every
+                                             process)
     sigterm_after_batches  K                 the process sends itself SIGTERM (a preemption notice) after its
                                              K-th batch
     sigterm_process        P                 only the process of index P does (default: every process)
@@ -51,7 +57,7 @@ ENV_VAR = "DFLASH_PREP_FAULTS"
 KNOWN_KEYS = ("oom_batches", "oom_samples", "nan_samples", "enospc_shard", "enospc_rank", "exit_after_rename_shard",
               "forward_delay_seconds", "write_delay_seconds", "sigterm_after_batches", "sigterm_process",
               "oom_after_forward_batches", "oom_process", "load_delay_seconds", "upload_part_bytes",
-              "stop_at_commit")
+              "stop_at_commit", "plan_delay_seconds", "plan_delay_process")
 
 
 @dataclass
@@ -71,6 +77,8 @@ class Faults:
     oom_process: int | None = None
     upload_part_bytes: int | None = None
     stop_at_commit: dict | None = None
+    plan_delay_seconds: float = 0.0
+    plan_delay_process: int | None = None
     _oom_fired: set[int] = field(default_factory=set)
     _oom_after_fired: set[int] = field(default_factory=set)
 
@@ -93,7 +101,9 @@ class Faults:
                    sigterm_after_batches=spec.get("sigterm_after_batches"), sigterm_process=spec.get("sigterm_process"),
                    oom_after_forward_batches={int(b) for b in spec.get("oom_after_forward_batches", [])},
                    oom_process=spec.get("oom_process"), upload_part_bytes=spec.get("upload_part_bytes"),
-                   stop_at_commit=spec.get("stop_at_commit"))
+                   stop_at_commit=spec.get("stop_at_commit"),
+                   plan_delay_seconds=float(spec.get("plan_delay_seconds", 0.0)),
+                   plan_delay_process=spec.get("plan_delay_process"))
 
     # -- model load ----------------------------------------------------------------------------------------
     def before_load(self) -> None:
@@ -101,6 +111,13 @@ class Faults:
             import time
 
             time.sleep(self.load_delay_seconds)
+
+    def before_plan(self) -> None:
+        """Sleep before this process reads the committed set, where the spec asks for it."""
+        if self.plan_delay_seconds and self.plan_delay_process in (None, int(os.environ.get("RANK", "0"))):
+            import time
+
+            time.sleep(self.plan_delay_seconds)
 
     # -- forward -------------------------------------------------------------------------------------------
     def before_forward(self, batch_id: int, sample_ids: list[str]) -> None:

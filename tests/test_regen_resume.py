@@ -7,14 +7,17 @@ prompt."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 from regen_server import (
+    REPO,
     Server,
     free_port,
     kill_tree,
@@ -156,4 +159,19 @@ def test_two_processes_killed_then_finished_by_one(server, model_dir, data, refe
     assert 0 < len(committed) < NUM_ROWS // 2
     assert {r.rank for r in committed.values()} == {0, 1}  # both processes committed chunks of their own
     assert regenerate_main(argv) == 0  # the resume, in this process
+    check_exactly_once(out, reference)
+
+
+def test_a_process_slow_to_read_the_index_takes_the_same_share(server, model_dir, data, reference, tmp_path):
+    """A 1-process run killed after its first commits, resumed by two processes where process 1 reads the index
+    6 s after process 0 (a process slow to start): both take their share of one todo list, so process 0's new
+    chunks shift neither process onto the other's rows (answered twice) nor away from rows (never answered)."""
+    out = tmp_path / "out"
+    argv = args(model_dir, server.base_url, data, out)
+    kill_tree(start_and_wait(regenerate_cmd(argv), out, new_commits=1))
+    assert 0 < len(read_committed(out)) < NUM_ROWS // 2
+    slow = json.dumps({"plan_delay_seconds": 6, "plan_delay_process": 1})
+    proc = subprocess.run(launch_2proc_cmd(argv), cwd=REPO, env={**os.environ, "DFLASH_PREP_FAULTS": slow},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     check_exactly_once(out, reference)

@@ -283,3 +283,18 @@ def test_sigterm_to_the_launcher_stops_every_rank_cleanly(tmp_path, reference):
     state = state_of(out)
     assert state["tmp_files"] == 0 and state["unindexed_shards"] == 0 and not state["finished"]
     finish_and_compare(out, reference)
+
+
+@pytest.mark.slow
+def test_a_rank_slow_to_read_the_committed_shards_takes_the_same_share(tmp_path, reference):
+    """Resumed as two processes where process 1 reads the index 6 s after process 0 (a rank slow to start): the
+    shares come from one committed set, so process 0's new shards do not shift process 1's share onto batches
+    process 0 is doing (duplicates) or away from batches no one then does (gaps)."""
+    out = tmp_path / "out"
+    proc = subprocess.run(extract_cmd(out), cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**ENV, "DFLASH_PREP_FAULTS": json.dumps({"exit_after_rename_shard": 3})})
+    assert proc.returncode == 137 and not state_of(out)["finished"]
+    slow = {**ENV, "DFLASH_PREP_FAULTS": json.dumps({"plan_delay_seconds": 6, "plan_delay_process": 1})}
+    proc = subprocess.run(launch_2proc_cmd(out), cwd=REPO, env=slow, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    finish_and_compare(out, reference)  # finished: nothing left to run, and every sample once, as the reference

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from dflash_prep import __version__
 from dflash_prep.errors import EXIT_BAD_RECIPE, EXIT_STOPPED
+from dflash_prep.faults import Faults
 from dflash_prep.io import atomic_write_json
 from dflash_prep.recipe.fingerprints import input_files_sha256, weights_fingerprint
 from dflash_prep.recipe.schema import REGEN_IDENTITY_KEYS, Recipe, RecipeError, RegenerateSection, add_recipe_args
@@ -226,7 +227,13 @@ def _run(recipe: Recipe, held: list) -> dict | None:
     held.append(lock_rank(out_dir, state.process_index))
     fence = OutputFence.of_holder(out_dir)  # the main process's run lease: checked at every commit
     rows_per_shard = regen_output.stored_rows_per_shard(out_dir, section.rows_per_shard)
+    faults = Faults.from_env()  # test-only (faults.py): None unless DFLASH_PREP_FAULTS is set
+    if faults is not None:
+        faults.before_plan()
     committed = regen_output.read_committed(out_dir)
+    # every process splits the same todo list, so none may commit before all have read the index: a process slow
+    # to start would otherwise see a faster one's new chunks and take a share that overlaps or leaves a gap
+    state.wait_for_everyone()
     num_chunks = math.ceil(len(rows) / rows_per_shard)
     done = regen_output.done_chunks(committed, rows_per_shard, len(rows))
     todo = [c for c in range(num_chunks) if c not in done]

@@ -166,7 +166,12 @@ def _plan(run: Run, data, plan: list) -> RankPlan:
     lengths = [int(n) for n in data.kept["num_tokens"]]
     run.packing = replay_stored_layout(run.packing, bool(plan) and plan[0].packed, run.config, run.device.type,
                                        run.kernels.names)
+    if run.faults is not None:
+        run.faults.before_plan()
     committed = committed_records(run)
+    # every rank splits the same todo list, so none may commit before all have read the index: a rank slow to
+    # start would otherwise see a faster rank's new shards and take a share that overlaps or leaves a gap
+    run.peers.wait("every rank reads the committed shards")
     done_batches = {b for r in committed for b in r.batch_ids}
     todo = [p for p in plan if p.batch_id not in done_batches]
     cost = functools.partial(run.cost_model.cost_of, lengths=lengths)
