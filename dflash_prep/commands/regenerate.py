@@ -454,14 +454,13 @@ def _finish(recipe: Recipe, out_dir: Path, rows, rows_per_shard: int, num_chunks
     done = regen_output.done_chunks(committed, rows_per_shard, len(rows))
     missing = [c for c in range(num_chunks) if c not in done]
     if missing:
-        raise RegenStopped(f"{len(missing)} of {num_chunks} chunk(s) are not committed (e.g. chunk {missing[0]}); "
-                           f"re-run the same command to finish")
+        raise RegenStopped(f"{len(missing)} of {num_chunks} chunk(s) are not committed (e.g. chunk {missing[0]})")
     records = [committed[k] for k in sorted(committed)]
     skipped = [s for r in records for s in r.skipped]
     answered = sum(r.num_rows for r in records)
     if answered + len(skipped) != len(rows):
-        raise RegenStopped(f"{len(rows)} rows, {answered} written and {len(skipped)} skipped: the index does not "
-                           f"account for every row; start afresh with --set regenerate.overwrite=true")
+        raise OutputStateError(f"{len(rows)} rows, {answered} written and {len(skipped)} skipped: the index does "
+                               f"not account for every row; start afresh with --set regenerate.overwrite=true")
     reports = [json.loads(p.read_text()) for p in sorted((out_dir / regen_output.INDEX_DIR).glob("rank-*.done.json"))]
     reports = [r for r in reports if r.get("rank", 0) < world] if ran else []
     totals = _totals(records)
