@@ -401,3 +401,62 @@ def test_named_kernels_on_cpu_stop_with_one_line_and_exit_code_2(tmp_path, capsy
     assert len(errors) == 1
     assert errors[0].startswith("error: recipe key `model.kernels` = ['fla_conv']: fused kernels need a CUDA device")
     assert not (tmp_path / "out" / "run_state.json").exists(), "refused before the output was touched"
+
+
+MODELING_WITH_A_HELPER = '''
+import torch
+from torch import nn
+
+def conv_fn(x):
+    return x + 1
+
+def conv_forward(x):  # transformers 5.25's shape: the layer calls a helper, the helper calls the kernel's function
+    return conv_fn(x) * 2
+
+def wrap(func):  # what the `kernels` library makes of a decorated function: a module calling it
+    class Func(nn.Module):
+        def forward(self, *args, **kwargs):
+            return func(*args, **kwargs)
+    return Func()
+
+wrapped_conv_forward = wrap(conv_forward)
+
+class Direct(nn.Module):
+    def forward(self, x):
+        return conv_fn(x)
+
+class ThroughHelper(nn.Module):
+    def forward(self, x):
+        return conv_forward(x)
+
+class ThroughWrapped(nn.Module):
+    def forward(self, x):
+        return wrapped_conv_forward(x)
+
+class Unrelated(nn.Module):
+    def forward(self, x):
+        return x
+'''
+
+
+def test_a_kernel_reaches_the_function_called_through_a_helper_of_the_modeling_module():
+    """A scoped kernel finds the function it replaces in the layer's forward, in a function of the same modeling
+    module that the forward calls, or in one wrapped as a module by the hub-kernel decorator; it then stands in for
+    it during that forward only. Expected values are computed by hand: conv_fn(x) = x + 1, the kernel's x + 100."""
+    from dflash_prep.target.kernels import _scope_global_in_forwards, calls_global
+
+    modeling = types.ModuleType("fake_modeling_with_a_helper")
+    sys.modules[modeling.__name__] = modeling
+    try:
+        exec(compile(MODELING_WITH_A_HELPER, modeling.__name__, "exec"), vars(modeling))
+        for cls in ("Direct", "ThroughHelper", "ThroughWrapped"):
+            assert calls_global(getattr(modeling, cls).forward, modeling, "conv_fn"), cls
+        assert not calls_global(modeling.Unrelated.forward, modeling, "conv_fn")
+        model = torch.nn.ModuleList([modeling.Direct(), modeling.ThroughHelper(), modeling.ThroughWrapped(),
+                                     modeling.Unrelated()])
+        assert _scope_global_in_forwards(model, modeling, "conv_fn", lambda x: x + 100) == 3
+        x = torch.tensor([1.0])
+        assert [m(x).item() for m in model] == [101.0, 202.0, 202.0, 1.0]
+        assert modeling.conv_fn(x).item() == 2.0  # outside those forwards the module's own function
+    finally:
+        del sys.modules[modeling.__name__]

@@ -63,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import re
 from dataclasses import dataclass
 
 import torch
@@ -556,8 +557,6 @@ def packed_prefill_blocker(model) -> str | None:
     `generate` alone, teacher-forced logits within 1.8e-3 of a plain forward, as `generate`'s own batches) and ran
     faster (64 prompts x 128 new tokens: 1,091 generated tok/s warm against 777 padded, cold 350 against 80):
     bench/results/regen-20261203-hybrid-check/."""
-    import inspect
-
     from dflash_prep.target.mixers import ATTENTION, GATED_DELTANET, token_mixers
 
     mixers = token_mixers(model)
@@ -567,18 +566,42 @@ def packed_prefill_blocker(model) -> str | None:
         if mixer.why_not:
             return f"{mixer.class_name}: {mixer.why_not}"
         if mixer.kind == GATED_DELTANET:
-            try:
-                source = inspect.getsource(type(model.get_submodule(mixer.path)).forward)
-            except (OSError, TypeError):
+            source = _forward_source(type(model.get_submodule(mixer.path)))
+            if source is None:
                 return f"{mixer.class_name}: its forward's source cannot be read"
             missing = [c[:-1] for c in CACHE_CALLS if c not in source]
             if missing:
                 return f"{mixer.class_name} does not use the cache calls {', '.join(missing)}"
+            unanswered = sorted({m for m in re.findall(r"\bcache\.(\w+)\(", source)
+                                 if not callable(getattr(_PackedPrefillCache, m, None))})
+            if unanswered:  # a newer transformers asks the cache something the packed prefill cannot answer
+                return f"{mixer.class_name} calls cache.{', cache.'.join(unanswered)}, which the packed prefill " \
+                       f"does not answer"
         elif mixer.kind != ATTENTION:
             return f"{mixer.class_name} is neither attention nor a Gated DeltaNet"
         elif "sliding_window" in mixer.features:
             return f"{mixer.class_name} has a sliding window"
     return None
+
+
+def _forward_source(cls) -> str | None:
+    """The source of `cls.forward` and of the functions of its module that it calls (one level: transformers 5.25
+    moved the Gated DeltaNet's conv-state calls into `causal_conv1d_forward`), or None where it cannot be read."""
+    import sys
+
+    from dflash_prep.target.kernels import plain_function
+
+    modeling = sys.modules.get(cls.__module__)
+    forward = inspect.unwrap(cls.forward)
+    try:
+        parts = [inspect.getsource(forward)]
+        for name in forward.__code__.co_names:
+            helper = plain_function(vars(modeling).get(name)) if modeling is not None else None
+            if helper is not None and helper.__module__ == cls.__module__:
+                parts.append(inspect.getsource(helper))
+    except (OSError, TypeError):
+        return None
+    return "\n".join(parts)
 
 
 def _prefill_blocker(model, prefill: str) -> str | None:
@@ -701,6 +724,12 @@ class _PackedPrefillCache:
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        return 0  # transformers >= 5.25: no intermediate recurrent states (those serve a rollback; a prefill keeps none)
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        return None  # transformers >= 5.25 calls it only on a cached conv state, and this cache answers None for it
 
     def _prompts(self, layer_idx: int, kind: str, whole: bool) -> tuple[int, int]:
         """(first, end) prompt indices a call covers: all of them, or the next one met alone (past the last prompt:

@@ -286,13 +286,36 @@ def _scope_global_in_forwards(model: nn.Module, modeling, name: str, replacement
     count = 0
     for module in model.modules():
         cls = type(module)
-        if cls.__module__ == modeling.__name__ and name in inspect.unwrap(cls.forward).__code__.co_names:
+        if cls.__module__ == modeling.__name__ and calls_global(cls.forward, modeling, name):
             module.forward = _scoped_global(module.forward, modeling, name, replacement)
             count += 1
     if not count:
         raise RuntimeError(f"no forward of {modeling.__name__} calls `{name}`: this transformers version is not "
                            f"supported by that kernel")
     return count
+
+
+def calls_global(function, modeling, name: str) -> bool:
+    """Whether `function` calls the module-level `name` of `modeling`, itself or through a function of `modeling`
+    it calls (one level: transformers 5.25 moved the Gated DeltaNet's conv into `causal_conv1d_forward`, which
+    looks `causal_conv1d_fn` up in the same module's globals, so rebinding it there still reaches the call)."""
+    names = inspect.unwrap(function).__code__.co_names
+    if name in names:
+        return True
+    helpers = [plain_function(vars(modeling).get(n)) for n in names]
+    return any(h is not None and h.__module__ == modeling.__name__ and name in inspect.unwrap(h).__code__.co_names
+               for h in helpers)
+
+
+def plain_function(obj):
+    """`obj` itself when a function; the function a `kernels`-wrapped one calls (transformers' hub-kernel decorator
+    turns a decorated function into a module whose forward calls it, from its closure); else None."""
+    if inspect.isfunction(obj):
+        return obj
+    forward = getattr(type(obj), "forward", None) if isinstance(obj, nn.Module) else None
+    cells = getattr(forward, "__closure__", None) or ()
+    inner = [c.cell_contents for c in cells if inspect.isfunction(getattr(c, "cell_contents", None))]
+    return inner[0] if len(inner) == 1 else None
 
 
 def _scoped_global(forward, modeling, name: str, replacement):
