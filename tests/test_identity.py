@@ -107,6 +107,12 @@ def test_a_finished_output_re_runs_without_loading_the_model(output, copy, data_
     assert main(argv(copy, data_file)) == 0
     assert (copy / "manifest.json").read_bytes() == before["manifest.json"]
     assert (copy / "summary.json").read_bytes() == before["summary.json"]
+    # and so is one edited into valid JSON of other types (readers would trip on it), not taken as finished
+    edited = json.loads(before["manifest.json"])
+    edited["shards"] = None
+    (copy / "manifest.json").write_text(json.dumps(edited))
+    assert main(argv(copy, data_file)) == 0
+    assert (copy / "manifest.json").read_bytes() == before["manifest.json"]
 
 
 def test_committed_shards_deleted_truncated_or_swapped_are_redone(output, copy, data_file, capsys):

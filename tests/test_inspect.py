@@ -180,6 +180,38 @@ def test_a_damaged_manifest_or_plan_is_one_line_naming_the_file(copy, tmp_path, 
     assert "no such folder" in capsys.readouterr().err
 
 
+MANIFEST_EDITS = {  # valid JSON of the wrong types: each what a reader would trip on -> the words the error uses
+    "shards null": (lambda m: m.update(shards=None), "shards is NoneType, not a list"),
+    "shards gone": (lambda m: m.pop("shards"), "shards is NoneType, not a list"),
+    "count as text": (lambda m: m.update(num_samples="many"), "num_samples is 'many', not a count"),
+    "unknown dtype": (lambda m: m.update(dtype="float7"), "dtype 'float7' is not one of"),
+    "path outside": (lambda m: m["shards"][0].update(path="../x.tar"), "shard path '../x.tar' is not a relative"),
+    "digest": (lambda m: m["shards"][0].update(sha256=None), "sha256 None is not a hex digest"),
+    "layer ids": (lambda m: m.update(layer_ids="1,3,5"), "layer_ids '1,3,5' is not a list of layer ids"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(MANIFEST_EDITS))
+def test_a_manifest_edited_into_other_types_is_damaged_in_one_line(copy, tmp_path, capsys, edit):
+    """inspect (with and without --check), export and verify on a manifest that is valid JSON but holds a field of
+    another type than the format's: exit 2, one line naming the file and the field, no traceback."""
+    from dflash_prep.commands.verify import main as verify_main
+    from dflash_prep.consume.export import main as export_main
+
+    change, words = MANIFEST_EDITS[edit]
+    manifest = copy / "manifest.json"
+    m = json.loads(manifest.read_text())
+    change(m)
+    manifest.write_text(json.dumps(m))
+    for run in (lambda: main([str(copy)]), lambda: main([str(copy), "--check", "--no-progress"]),
+                lambda: export_main([str(copy), "--to", "specforge", "--dest", str(tmp_path / "d"), "--no-progress"]),
+                lambda: verify_main([str(copy), "--num-samples", "1"])):
+        assert run() == 2
+        err = capsys.readouterr().err
+        assert f"{manifest} is damaged" in err and words in err and "Traceback" not in err, err
+        assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1
+
+
 def test_progress_of_an_unfinished_output_ignores_commit_times_that_are_not_numbers(copy, capsys):
     """An unfinished output (no manifest) whose index lines carry a `committed_at` another tool or a hand wrote as
     text, null or a boolean: the progress report counts every committed sample and leaves those times out of its

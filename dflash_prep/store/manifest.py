@@ -148,4 +148,56 @@ def read_manifest(out_dir: str | Path) -> dict:
         version = manifest.get("format_version") if isinstance(manifest, dict) else None
         raise ValueError(f"{path}: format_version {version} is not supported "
                          f"(this version reads {FORMAT_VERSION})")
+    why = manifest_field_error(manifest)
+    if why is not None:
+        raise ValueError(f"{path} is damaged ({why}); re-run the extraction's command: it rewrites the manifest "
+                         f"from the committed shards without recomputing them")
     return manifest
+
+
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _shard_entry_error(entry) -> str | None:
+    """What is wrong with one entry of a manifest's `shards` (None: nothing): the fields `build_manifest` writes,
+    of their types, its path a relative one under shards/."""
+    if not isinstance(entry, dict):
+        return f"a shard entry is {type(entry).__name__}, not an object"
+    rel = entry.get("path")
+    if not isinstance(rel, str) or not rel.startswith(f"{SHARDS_DIR}/") or ".." in rel.split("/") or "\\" in rel:
+        return f"shard path {rel!r} is not a relative path under {SHARDS_DIR}/"
+    bad = [k for k in ("num_samples", "num_tokens", "num_bytes") if not _count(entry.get(k))]
+    if bad:
+        return f"shard {rel}: {', '.join(bad)} not a count"
+    digest = entry.get("sha256")
+    if not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        return f"shard {rel}: sha256 {digest!r} is not a hex digest"
+    return None
+
+
+def manifest_field_error(manifest: dict) -> str | None:
+    """What is wrong with the types of the fields readers use in a manifest of this format version (None: nothing):
+    the shard list, the totals, the storage dtype, the layer ids and the hidden size. A manifest edited into valid
+    JSON of other types is damaged, as one that is not JSON. (Whether the shards add up to the totals is the
+    consumers' check, `consume.shard_format.manifest_shard_problems`.)"""
+    from dflash_prep.recipe.schema import STORAGE_DTYPES
+
+    shards = manifest.get("shards")
+    if not isinstance(shards, list):
+        return f"shards is {type(shards).__name__}, not a list"
+    for entry in shards:
+        why = _shard_entry_error(entry)
+        if why is not None:
+            return why
+    for key in ("num_samples", "num_tokens", "num_bytes"):
+        if not _count(manifest.get(key)):
+            return f"{key} is {manifest.get(key)!r}, not a count"
+    if manifest.get("dtype") not in STORAGE_DTYPES:
+        return f"dtype {manifest.get('dtype')!r} is not one of {', '.join(STORAGE_DTYPES)}"
+    layer_ids = manifest.get("layer_ids")
+    if not isinstance(layer_ids, list) or not all(_count(i) for i in layer_ids):
+        return f"layer_ids {layer_ids!r} is not a list of layer ids"
+    if not _count(manifest.get("hidden_size")) or not manifest["hidden_size"]:
+        return f"hidden_size {manifest.get('hidden_size')!r} is not a positive count"
+    return None
