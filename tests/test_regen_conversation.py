@@ -236,6 +236,28 @@ def test_commits_survive_a_torn_index_and_leftovers_and_the_folder_loads_as_data
                                       "tool_calls": None, "tool_call_id": None, "name": None, "weight": None}
 
 
+def test_a_committed_shard_altered_in_place_at_the_same_size_is_redone(tmp_path):
+    """One byte of an answer changed in a committed Arrow shard (the file keeps its size): the resume's prepare
+    reads it back against its record's sha256 (computed here independently, with hashlib, from the bytes the
+    commit left), drops that part and its file, and keeps the intact one."""
+    import hashlib
+
+    out = tmp_path / "regen"
+    committer = output.ChunkCommitter(out, rank=0)
+    committer.commit(0, [_out_row(0)], [], COUNTS)
+    committer.commit(1, [_out_row(1)], [], COUNTS)
+    shard = out / "data" / "shard-000001.arrow"
+    data = bytearray(shard.read_bytes())
+    at = data.find(b"q1")
+    assert at >= 0
+    data[at] = ord("Q")
+    shard.write_bytes(bytes(data))
+    assert hashlib.sha256(shard.read_bytes()).hexdigest() != output.read_committed(out)[(1, 0)].sha256
+    assert sorted(output.prepare(out)) == [(0, 0)]
+    assert sorted(p.name for p in (out / "data").iterdir()) == ["shard-000000.arrow"]
+    assert all(json.loads(line)["chunk"] == 0 for line in (out / "index" / "rank-00000.jsonl").read_text().splitlines())
+
+
 def test_an_output_of_another_job_is_refused_naming_what_changed(tmp_path):
     out = tmp_path / "regen"
     identity = {"engine_kind": "openai", "sampling": {"temperature": 0.6}, "turns": "last", "engine": None}
