@@ -75,6 +75,21 @@ def test_inputs_that_cannot_load_are_refused_before_the_launcher_starts(tmp_path
             sorted(p.name for p in tmp_path.iterdir()) == ["models"]
 
 
+def test_a_missing_accelerate_config_is_one_line_and_exit_code_2(tmp_path):
+    """The README's launch line typed outside the checkout: `--config_file accelerate_configs/multi_gpu.yaml` is not
+    there. One line naming the file, exit code 2 (refused, not 1: nothing to resume), no traceback, nothing
+    created (it is checked before the extraction's own start-up checks)."""
+    for form in (["--config_file", "accelerate_configs/multi_gpu.yaml"], ["--config_file=nowhere.yaml"]):
+        proc = subprocess.run([sys.executable, "-m", "dflash_prep.commands.cli", "launch", *form, "-m",
+                               "dflash_prep.commands.extract", "--set", f"output.dir={tmp_path / 'out'}"],
+                              cwd=tmp_path, env={**ENV, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and f"--config_file {form[-1].split('=')[-1]}: no such file" in errors[0]
+        assert "Traceback" not in proc.stderr and list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.slow
 def test_too_many_failed_samples_reach_the_shell_as_exit_code_3(tmp_path):
     env = {**ENV, "DFLASH_PREP_FAULTS": json.dumps({"nan_samples": ["0000000002"]})}

@@ -174,9 +174,29 @@ def _parse(parser, argv: list[str]):
         sys.argv = saved
 
 
+def missing_config_file(argv: list[str]) -> str | None:
+    """The launcher's `--config_file` (the arguments before the script or `-m MODULE`) when no file is there, else
+    None. accelerate would raise FileNotFoundError with a traceback, exit code 1 ("stopped, resumable")."""
+    for i, arg in enumerate(argv):
+        if arg == "-m" or arg == "--module" or arg.endswith(".py"):
+            return None
+        value = argv[i + 1] if arg == "--config_file" and i + 1 < len(argv) else \
+            arg.split("=", 1)[1] if arg.startswith("--config_file=") else None
+        if value is not None:
+            return None if os.path.isfile(value) else value
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     # first: a preemption notice during the imports below is an orderly stop (exit code 1), not a death by SIGTERM
     previous_term = signal.signal(signal.SIGTERM, _forward_terminate)
+    missing = missing_config_file(sys.argv[1:] if argv is None else argv)
+    if missing is not None:
+        signal.signal(signal.SIGTERM, previous_term)
+        print(f"error: dflash-prep launch: --config_file {missing}: no such file (accelerate's configs of this "
+              f"project are in its checkout's accelerate_configs/; `accelerate config` writes your own)",
+              file=sys.stderr)
+        return EXIT_REFUSED
     code = _preflight(sys.argv[1:] if argv is None else argv)
     if code is not None:
         signal.signal(signal.SIGTERM, previous_term)
