@@ -44,8 +44,14 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 300.0) -> N
 
 
 def test_the_demo_server_flow_runs_as_written(tmp_path):
+    """In the folder where a user ran the README's quick start and docs/ON_POLICY.md's in-process demo first, so
+    that each example's output folders are checked not to be another's (a job's folder refuses another job)."""
     blocks = [b for b in bash_blocks(REPO / "docs" / "SERVERS.md") if "demo-server" in b]
     assert len(blocks) == 2
+    in_process = [line for b in bash_blocks(REPO / "docs" / "ON_POLICY.md") for line in commands(b)
+                  if line.startswith("dflash-prep regenerate --set data.max_samples")]
+    assert len(in_process) == 1
+    blocks = ["dflash-prep launch -m dflash_prep.commands.extract\n" + in_process[0] + "\n", *blocks]
     port = free_port()
     env = {**ENV, "PATH": f"{Path(sys.executable).parent}:{ENV['PATH']}"}
     background = []
@@ -67,12 +73,14 @@ def test_the_demo_server_flow_runs_as_written(tmp_path):
         for proc in background:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    served = json.loads((tmp_path / "out" / "tiny-demo-regenerated" / "summary.json").read_text())
+    served = json.loads((tmp_path / "out" / "tiny-demo-from-server" / "summary.json").read_text())
     assert served["num_rows"] == 20 and served["num_answered"] >= 15
     managed = json.loads((tmp_path / "out" / "tiny-demo-served" / "summary.json").read_text())
     assert managed["num_answered"] == served["num_answered"]
-    manifest = json.loads((tmp_path / "out" / "tiny-demo" / "manifest.json").read_text())
+    manifest = json.loads((tmp_path / "out" / "tiny-demo-served-states" / "manifest.json").read_text())
     assert manifest["num_samples"] > 0  # extracted from the regenerated rows (one sample a row, or a turn)
+    assert json.loads((tmp_path / "out" / "tiny-demo" / "manifest.json").read_text())["num_samples"] == 700
+    assert json.loads((tmp_path / "out" / "tiny-demo-regenerated" / "summary.json").read_text())["num_rows"] == 20
     servers = json.loads((tmp_path / "out" / "tiny-demo-served" / "logs" / "servers-00000.json").read_text())
     for record in servers["servers"]:  # the server the run started is gone
         stat = Path(f"/proc/{record['pid']}/stat")
