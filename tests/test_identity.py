@@ -191,6 +191,25 @@ def test_overwrite_refuses_a_folder_that_is_not_an_output(tmp_path, data_file, c
     assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]  # nothing deleted, nothing created
 
 
+def test_a_folder_of_other_files_is_refused_as_an_output_and_left_as_it_was(tmp_path, data_file, capsys):
+    """An export's folder or the user's notes as output.dir: refused in one line naming a file (exit 2), nothing
+    written beside them. A folder holding only what a run stopped at start-up leaves (logs, locks) is taken."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("the user's own file")
+    (folder / "000000.safetensors").write_bytes(b"an export's file")
+    assert main(argv(folder, data_file, "--set", "data.max_samples=4")) == EXIT_BAD_RECIPE
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "holds files that are not a dflash-prep output (000000.safetensors, notes.txt)" \
+        in errors[0], errors
+    assert sorted(p.name for p in folder.iterdir()) == ["000000.safetensors", "notes.txt"]
+    started = tmp_path / "started"
+    (started / "logs").mkdir(parents=True)
+    (started / "logs" / "rank-00000.log").write_text("a run stopped before its plan\n")
+    assert main(argv(started, data_file, "--set", "data.max_samples=4")) == 0
+    assert (started / "manifest.json").is_file()
+
+
 @pytest.mark.parametrize("pattern", ["**/*.jsonl", "*"], ids=["glob", "folder"])
 def test_an_output_inside_the_data_is_refused(tmp_path, data_file, pattern, capsys):
     shutil.copy(data_file, tmp_path / "rows.jsonl")

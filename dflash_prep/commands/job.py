@@ -176,6 +176,14 @@ def check_identity(out_dir: Path, identity: dict, recipe: Recipe | None = None) 
 
 
 _OUTPUT_MARKERS = (STATE_NAME, PLAN_NAME, MANIFEST_NAME)
+# what a run may have written before its first marker (a run stopped at start-up): not another tool's files
+_RUN_NAMES = {"logs", LOCKS_DIR, "index", "shards", SKIPPED_NAME, FAILED_NAME, SUMMARY_NAME, RECIPE_NAME,
+              "kernels.jsonl", "token_freq.safetensors"}
+
+
+def _foreign_names(names: set[str]) -> list[str]:
+    """The names of a folder without output markers that no run of this tool writes (hidden files aside)."""
+    return sorted(n for n in names if not n.startswith(".") and n.removesuffix(".tmp") not in _RUN_NAMES)
 
 
 def refuse_unsafe_output_dir(recipe: Recipe) -> None:
@@ -188,13 +196,18 @@ def refuse_unsafe_output_dir(recipe: Recipe) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise RecipeError(f"recipe key `output.dir` = {str(out_dir)!r} is a file, not a folder; choose a new or "
                           f"empty folder")
-    if recipe.output.overwrite and out_dir.is_dir():
-        names = {p.name for p in out_dir.iterdir()}
-        if names - {"logs", LOCKS_DIR} and not names & set(_OUTPUT_MARKERS):
-            raise RecipeError(
-                f"recipe key `output.overwrite` = True: {out_dir} is not a dflash-prep output (no "
-                f"{', '.join(_OUTPUT_MARKERS)}; it holds {', '.join(sorted(names)[:5])}...): refusing to delete "
-                f"its files; set output.dir to a new or empty folder")
+    names = {p.name for p in out_dir.iterdir()} if out_dir.is_dir() else set()
+    if recipe.output.overwrite and names - {"logs", LOCKS_DIR} and not names & set(_OUTPUT_MARKERS):
+        raise RecipeError(
+            f"recipe key `output.overwrite` = True: {out_dir} is not a dflash-prep output (no "
+            f"{', '.join(_OUTPUT_MARKERS)}; it holds {', '.join(sorted(names)[:5])}...): refusing to delete "
+            f"its files; set output.dir to a new or empty folder")
+    foreign = _foreign_names(names) if not names & set(_OUTPUT_MARKERS) else []
+    if foreign:  # another tool's folder (an export, notes): the run's files would be mixed in with them
+        raise RecipeError(
+            f"recipe key `output.dir` = {str(out_dir)!r} holds files that are not a dflash-prep output "
+            f"({', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}); set output.dir to a new or empty "
+            f"folder")
     paths = [recipe.data.path] if isinstance(recipe.data.path, str) else recipe.data.path
     hit = next((h for h in (_written_path_matching_data(p, out_dir) for p in paths) if h is not None), None)
     if hit is not None:
