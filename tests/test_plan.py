@@ -33,7 +33,7 @@ def planned_and_run(tmp_path_factory):
     plan = make_run_plan(recipe, tokens_per_second=1000.0)
     summary = run_extraction(recipe)
     manifest = json.loads((out / "manifest.json").read_text())
-    return plan, manifest, summary
+    return plan, manifest, {**summary, "out_dir": out}
 
 
 def test_plan_figures_equal_what_the_extraction_reports(planned_and_run):
@@ -440,3 +440,17 @@ def test_an_fp8_checkpoint_is_planned_at_the_measured_fp8_ratio(tmp_path):
     dequantized = make_run_plan(load_recipe(None, [*base, "model.fp8_weights=dequantize"]), num_gpus=1,
                                 gpu_memory_bytes=141 * 10**9, bench_dir=bench)["throughput"]
     assert "fp8_scale" not in dequantized and dequantized["tokens_per_second"] == pytest.approx(bf16_rate)
+
+
+def test_plan_of_a_finished_output_says_finished_only_for_its_own_job(planned_and_run, capsys):
+    """The recipe that made a finished output: "finished: running this recipe again changes nothing". The same
+    output.dir with another data selection (a job the extraction refuses): not called finished."""
+    out = planned_and_run[2]["out_dir"]
+    args = [a for kv in BASE for a in ("--set", kv)]
+    assert main(["--set", f"output.dir={out}", *args, "--tokens-per-second", "1000"]) == 0
+    assert f"{out} is finished: running this recipe again changes nothing" in capsys.readouterr().out
+    other = [a for kv in BASE if not kv.startswith("data.max_samples") for a in ("--set", kv)]
+    assert main(["--set", f"output.dir={out}", *other, "--set", "data.max_samples=30",
+                 "--tokens-per-second", "1000"]) == 0
+    text = capsys.readouterr().out
+    assert "changes nothing" not in text and f"{out} holds a finished output of a recipe or inputs other" in text

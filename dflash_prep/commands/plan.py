@@ -395,7 +395,7 @@ def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | 
         "kernels": list(kernels),
         "max_tokens_per_batch": recipe.batching.max_tokens_per_batch, "max_tokens_per_batch_auto": budget_how,
         "max_tokens_per_row": packed_row_budget(recipe.batching) if packing.packed else None,
-        "stored_plan": _stored_plan(Path(recipe.output.dir), lengths),
+        "stored_plan": _stored_plan(Path(recipe.output.dir), lengths, recipe),
         "dtype": recipe.output.dtype, "max_shard_bytes": recipe.output.max_shard_bytes, "disk": disk,
         "num_bytes": disk[recipe.output.dtype]["num_bytes"],
         "ranks": [{"rank": i, **{k: r[k] for k in ("num_batches", "num_samples", "num_real_tokens", "num_shapes")}}
@@ -652,10 +652,13 @@ def _storage_line(b: dict, compute: str = "GPUs") -> str:
             f"{format_rate(b['needed_bytes_per_second'])}): " + verdict)
 
 
-def _stored_plan(out_dir: Path, lengths: list[int]) -> dict | None:
+def _stored_plan(out_dir: Path, lengths: list[int], recipe: Recipe | None = None) -> dict | None:
     """What OUT/plan.json holds when the output exists (a resume runs those batches, not a new plan): its number of
     batches and layout, or why a resume would refuse it (job.read_stored_plan, the resume's own check), or that
-    the output is finished (its manifest written: a re-run does nothing); None without one."""
+    the output is finished (its manifest written) by this very job with its inputs untouched (the extraction's own
+    pre-flight answer, `finished_summary`: a re-run does nothing) or possibly by another (`finished_other`: the
+    extraction's content checks decide at its start); None without one."""
+    from dflash_prep.commands.extract.preflight import ChangedJobError, finished_summary
     from dflash_prep.commands.job import PLAN_NAME, OutputMismatchError, read_stored_plan
     from dflash_prep.store.manifest import MANIFEST_NAME, OutputStateError
 
@@ -663,7 +666,11 @@ def _stored_plan(out_dir: Path, lengths: list[int]) -> dict | None:
     if not path.is_file():
         return None
     if (out_dir / MANIFEST_NAME).is_file():  # the manifest is written last: nothing is left to run
-        return {"path": str(path), "finished": True}
+        try:
+            same = recipe is None or finished_summary(recipe) is not None
+        except ChangedJobError as e:
+            return {"path": str(path), "refused": str(e)}
+        return {"path": str(path), "finished": True} if same else {"path": str(path), "finished_other": True}
     try:
         stored = read_stored_plan(path, lengths)
         return {"path": str(path), "num_batches": len(stored["batches"]), "packed": bool(stored.get("packed"))}
@@ -676,6 +683,9 @@ def format_plan(p: dict) -> str:
     resume = [] if not stored else [("resume", f"a resume refuses it: {stored['refused']}" if "refused" in stored
                                      else f"{Path(stored['path']).parent} is finished: running this recipe again "
                                      "changes nothing (the plan below is of a new output)" if stored.get("finished")
+                                     else f"{Path(stored['path']).parent} holds a finished output of a recipe or "
+                                     "inputs other than these: the extraction refuses it if the job differs (the "
+                                     "plan below is of a new output)" if stored.get("finished_other")
                                      else f"{stored['path']} holds {stored['num_batches']:,} "
                                      f"{'packed rows' if stored['packed'] else 'padded batches'}: a resume runs "
                                      f"those, not the plan below")]
