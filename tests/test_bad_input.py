@@ -172,3 +172,52 @@ def test_every_bad_row_is_skipped_listed_and_counted(tmp_path):
     assert manifest["skipped"] == summary["skipped"] == dict(sorted(counts.items()))
     assert manifest["num_samples"] == len(good) + 1 and manifest["num_failed"] == 0
     assert check_output(out) == []
+
+
+def test_a_lone_surrogate_is_a_counted_skip_however_the_file_loads(tmp_path):
+    """`"\\ud800"` alone (valid JSON, not encodable as UTF-8) in a file of plain rows and in one with a list of text
+    parts beside it (a file that loads as one table, where pyarrow would drop the character and keep the row with
+    its text changed): skipped as invalid_utf8 with its id both ways; a pair of surrogates (an emoji) is kept. An
+    empty list of content parts is named as such, not as null."""
+    plain = [json.dumps({**GOOD, "id": f"good-{i}"}) for i in range(4)]
+    lone = '{"id": "lone", "messages": [{"role": "user", "content": "Hello \\ud800 world"}, ' \
+           '{"role": "assistant", "content": "Fine, thanks."}]}'
+    pair = '{"id": "emoji", "messages": [{"role": "user", "content": "Hi \\ud83d\\ude00"}, ' \
+           '{"role": "assistant", "content": "Hello there."}]}'
+    parts = json.dumps({"id": "parts", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+                                                    {"role": "assistant", "content": "Hello."}]})
+    empty = json.dumps({"id": "empty-parts", "messages": [{"role": "user", "content": []},
+                                                          {"role": "assistant", "content": "Hello."}]})
+    for name, lines in {"plain": [*plain, lone, pair], "table": [*plain, parts, lone, pair, empty]}.items():
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("\n".join(lines) + "\n")
+        out = tmp_path / f"out-{name}"
+        run_extraction(load_recipe(None, demo_overrides(out, **{
+            "data.path": str(path), "data.max_length": 128, "batching.num_workers": 0,
+            "data.max_skipped_fraction": 1.0})))
+        listed = {r["source_id"]: r for r in map(json.loads, (out / "skipped.jsonl").read_text().splitlines())}
+        assert listed["lone"]["reason"] == D.SKIP_INVALID_UTF8, (name, listed)
+        assert "emoji" not in listed
+        if name == "table":
+            assert listed["empty-parts"]["detail"] == "turn 0 (user): `content` holds no text part"
+            assert set(listed) == {"lone", "empty-parts"}
+        else:
+            assert set(listed) == {"lone"}
+
+
+def test_the_tokenization_cache_key_follows_the_code_that_tokenizes(tokenizer):
+    """datasets keys its map cache on a hash of the callable; the callable carries the sha256 of the source of the
+    modules that tokenize (computed here independently from the files), so a changed module is a new key."""
+    import hashlib
+    from pathlib import Path
+
+    from datasets.fingerprint import Hasher
+
+    digest = hashlib.sha256()
+    for path in sorted((Path(D.__file__).parent).glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    fn = make_fn(tokenizer)
+    assert fn.code_sha256 == digest.hexdigest()
+    edited = make_fn(tokenizer)
+    edited.code_sha256 = hashlib.sha256(b"another version of the modules").hexdigest()
+    assert Hasher.hash(fn) == Hasher.hash(make_fn(tokenizer)) != Hasher.hash(edited)

@@ -206,6 +206,7 @@ def _turn_messages(turn: Any, t: int) -> list[tuple[dict, list[str]]]:
     if content_key not in turn and not (role == "assistant" and calls):
         raise SkipRow(BAD_STRUCTURE, f"turn {t} ({role_raw}) has no `{content_key}`")
     parts = {"text": [], "thinking": [], "calls": [], "results": []}
+    what_none = "holds no text part" if isinstance(content, list) else "is null"  # said when nothing is left
     if isinstance(content, list):
         parts = _parts_of(content, t, role)
         content = "\n".join(parts["text"]) if parts["text"] else None  # joined as vLLM joins text parts
@@ -220,7 +221,7 @@ def _turn_messages(turn: Any, t: int) -> list[tuple[dict, list[str]]]:
     if role == "assistant" and calls:
         message["tool_calls"], texts = _tool_calls_of(calls, t)
     elif content is None:
-        raise SkipRow(BAD_CONTENT, f"turn {t} ({role_raw}): `{content_key}` is null"
+        raise SkipRow(BAD_CONTENT, f"turn {t} ({role_raw}): `{content_key}` {what_none}"
                                    + (" and there are no tool calls" if role == "assistant" else ""))
     if role == "assistant":
         reasoning = next((turn[k] for k in ("reasoning_content", "reasoning", "thinking")

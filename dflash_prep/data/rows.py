@@ -379,10 +379,32 @@ def _json_lines_in_memory(files: list[str]):
 _LINE_NOT_AN_OBJECT = re.compile(rb"^[ \t\r\f\v]*[^\s{]", re.MULTILINE)
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _lone_surrogate_escape(data: bytes) -> bool:
+    """Whether JSON text `data` escapes a UTF-16 surrogate that is not half of a pair (`\\ud800` alone). pyarrow's
+    JSON reader drops such a character without a word (a row kept with its text changed), where the line reader
+    skips the row as invalid UTF-8. An escaped backslash before `ud800` reads as one too: that costs only the line
+    reader's speed."""
+    if b"\\ud" not in data and b"\\uD" not in data:
+        return False
+    hits, i = list(_SURROGATE_ESCAPE.finditer(data)), 0
+    while i < len(hits):
+        high = hits[i].group()[3:4] in b"89abAB"
+        if high and i + 1 < len(hits) and hits[i + 1].start() == hits[i].end() \
+                and hits[i + 1].group()[3:4] not in b"89abAB":
+            i += 2
+            continue
+        return True
+    return False
+
+
 def _lines_are_objects(files: list[str], chunk_bytes: int = 16 << 20) -> bool:
     """True when every non-blank line of the JSON Lines files starts with `{` (a file that is one JSON array is
-    left to the loader). A byte scan at C speed, no parsing: pyarrow's JSON reader kills the process (segfault,
-    pyarrow 26) on a `null` line, so a file holding one must never reach it."""
+    left to the loader) and no line escapes a lone UTF-16 surrogate (`_lone_surrogate_escape`). A byte scan at C
+    speed, no parsing: pyarrow's JSON reader kills the process (segfault, pyarrow 26) on a `null` line, so a file
+    holding one must never reach it."""
     for name in files:
         with open(name, "rb") as f:
             data = f.read(max(chunk_bytes, 1 << 16))
@@ -403,6 +425,8 @@ def _lines_are_objects(files: list[str], chunk_bytes: int = 16 << 20) -> bool:
                 if not (end == 0 or (data[:1] == b"{" and data.count(b"\n{", 0, end) == newlines)):
                     if _LINE_NOT_AN_OBJECT.search(data, 0, end):
                         return False
+                if _lone_surrogate_escape(data[:end]):
+                    return False
                 data = data[end:] + more
     return True
 
@@ -500,7 +524,7 @@ def _load_json(section: DataSection, files: list[str]):
         return _load_json_lines(files)
     try:
         if not _lines_are_objects(files):
-            raise ValueError("a line is not a JSON object")
+            raise ValueError("a line is not a JSON object, or escapes a lone UTF-16 surrogate")
         ds = datasets.load_dataset("json", data_files=files, split="train", cache_dir=_content_cache_dir(files))
     except (ValueError, TypeError, datasets.exceptions.DatasetGenerationError) as e:
         log.warning("data: %s does not load as one table (%s: %s); reading it line by line, bad lines are "
@@ -545,7 +569,9 @@ def row_of(batch: dict, columns: list[str], j: int) -> tuple[dict, str, str]:
         if not isinstance(row, dict):
             return {}, SKIP_NOT_AN_OBJECT, f"the line holds a JSON {conversation.type_name(row)}, not an object"
         if ("\\ud" in line or "\\uD" in line) and _has_lone_surrogate(row):
-            return {}, SKIP_INVALID_UTF8, "a string holds a lone UTF-16 surrogate"
+            # its scalar fields that encode (the id, to name the row in skipped.jsonl), nothing else
+            scalars = {k: v for k, v in row.items() if isinstance(v, (str, int)) and not _has_lone_surrogate({k: v})}
+            return scalars, SKIP_INVALID_UTF8, "a string holds a lone UTF-16 surrogate"
         return row, "", ""
     return {c: batch[c][j] for c in columns}, "", ""
 
@@ -573,6 +599,22 @@ def _skip(reason: str, detail: str, **kinds) -> RowOutcome:
     return RowOutcome([], [], reason, detail, **kinds)
 
 
+_CODE_SHA256: list[str] = []
+
+
+def tokenization_code_sha256() -> str:
+    """sha256 of the source of the modules that turn rows into samples (dflash_prep/data/*.py), computed once: part
+    of the `datasets.map` cache key (`Tokenizer.code_sha256`). datasets hashes the callable by reference to its
+    class, not its code, so without it a new version of these modules would read back rows an older one tokenized
+    (its skip details, its masks) from the cache."""
+    if not _CODE_SHA256:
+        digest = hashlib.sha256()
+        for path in sorted(Path(__file__).parent.glob("*.py")):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+        _CODE_SHA256.append(digest.hexdigest())
+    return _CODE_SHA256[0]
+
+
 @dataclass
 class Tokenizer:
     """Row -> tokenized record; a picklable callable for `datasets.map(batched=True, with_indices=True)`.
@@ -590,6 +632,7 @@ class Tokenizer:
     stop_token_ids: list[int] | None = None
     samples: str = "auto"  # data.samples (samples.py)
     rules_version: int = 4  # part of the `datasets.map` cache key: bump when tokenization or masking rules change
+    code_sha256: str = field(default_factory=tokenization_code_sha256)  # so is the code's own source (above)
 
     def __post_init__(self):
         missing = None
