@@ -104,9 +104,12 @@ def test_a_finished_output_re_runs_without_loading_the_model(output, copy, data_
         {k: v for k, v in state_before.items() if k != "finished_inputs"}
     # a damaged manifest is rebuilt from the shards, keeping the figures of the run that computed them
     (copy / "manifest.json").write_bytes(before["manifest.json"][:300])
+    capsys.readouterr()
     assert main(argv(copy, data_file)) == 0
     assert (copy / "manifest.json").read_bytes() == before["manifest.json"]
     assert (copy / "summary.json").read_bytes() == before["summary.json"]
+    # its own line says it computed nothing (not the figures of the run that did, as if they were its own)
+    assert "this run: nothing to compute" in capsys.readouterr().err
     # and so is one edited into valid JSON of other types (readers would trip on it), not taken as finished
     edited = json.loads(before["manifest.json"])
     edited["shards"] = None

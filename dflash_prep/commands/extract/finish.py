@@ -85,7 +85,7 @@ def finish_run(run: Run, data, rank_plan: RankPlan) -> dict:
         raise ExtractionError(f"writing the end files (token counts, summary, manifest) failed ({e}); every shard "
                               f"is committed: re-run the same command (nothing is recomputed) to write them") from e
     _log_done(summary, data.skipped_counts, run.remote.name(MANIFEST_NAME) if run.remote is not None
-              else out_dir / MANIFEST_NAME)
+              else out_dir / MANIFEST_NAME, rebuilt=previous is not None)
     return summary
 
 
@@ -238,14 +238,19 @@ def disk_verdict(reports: list[dict], storage_dtype: str, object_store: bool = F
     return verdict
 
 
-def _log_done(summary: dict, skipped_counts: dict, manifest_name) -> None:
-    """Two lines: what the output holds (every run's work), then what this run did and its own rate."""
+def _log_done(summary: dict, skipped_counts: dict, manifest_name, rebuilt: bool = False) -> None:
+    """Two lines: what the output holds (every run's work), then what this run did and its own rate (`rebuilt`:
+    this run computed nothing, it wrote the end files again; the summary is of the run that computed them)."""
     log.info("done: %d samples, %d tokens written (%d skipped%s, %d failed%s), padding efficiency %s, %s in "
              "%d shards -> %s", summary["num_samples_written"], summary["num_tokens_written"],
              summary["num_skipped"], f" {skipped_counts}" if skipped_counts else "",
              summary["num_failed"], f" {summary['failed']}" if summary["failed"] else "",
              f"{summary['padding_efficiency']:.3f}" if summary["padding_efficiency"] else "n/a",
              format_bytes(summary["bytes_total"]), summary["num_shards"], manifest_name)
+    if rebuilt:
+        log.info("this run: nothing to compute; it wrote the manifest and end files again from the committed "
+                 "shards (summary.json keeps the figures of the run that computed them)")
+        return
     before = summary.get("num_samples_committed_before", 0)
     log.info("this run: %d samples, %d tokens in %.1fs wall; its loop %.1fs at %.0f tok/s%s%s",
              summary["num_samples_this_run"], summary["num_tokens_this_run"], summary["wall_seconds"],
