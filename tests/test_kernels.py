@@ -460,3 +460,30 @@ def test_a_kernel_reaches_the_function_called_through_a_helper_of_the_modeling_m
         assert modeling.conv_fn(x).item() == 2.0  # outside those forwards the module's own function
     finally:
         del sys.modules[modeling.__name__]
+
+
+def test_auto_leaves_out_a_kernel_whose_hook_this_transformers_moved_and_a_list_is_refused(monkeypatch):
+    """A modeling module whose Gated DeltaNet no longer calls `causal_conv1d_fn` (a transformers release that moved
+    it) and has no gated RMSNorm: `auto` on CUDA (the libraries taken as installed) applies neither fla kernel and
+    says why, before any weight loads; listing them is a RecipeError naming the key. The real qwen3_5 module of the
+    installed transformers gives both kernels their hook."""
+    import dflash_prep.target.kernels as K
+
+    modeling = types.ModuleType("fake_modeling_moved")
+    sys.modules[modeling.__name__] = modeling
+    try:
+        exec(compile("from torch import nn\nclass GatedDeltaNet(nn.Module):\n"
+                     "    def forward(self, x):\n        return x\n", modeling.__name__, "exec"), vars(modeling))
+        monkeypatch.setitem(K.ARCHITECTURES, "moved_hybrid", (modeling.__name__, ("fla_conv", "fla_gated_norm"), ""))
+        monkeypatch.setattr(K, "_version", lambda library: "0.0-test")
+        config = types.SimpleNamespace(model_type="moved_hybrid", hidden_act="silu")
+        choice = select_kernels("auto", config, "cuda")
+        assert choice.names == ()
+        assert "fla_conv left out: no layer of" in choice.reason and "calls `causal_conv1d_fn`" in choice.reason
+        assert "fla_gated_norm left out:" in choice.reason and "has no gated RMSNorm class" in choice.reason
+        with pytest.raises(RecipeError, match="`model.kernels`"):
+            select_kernels(["fla_conv"], config, "cuda")
+        assert K.hook_missing("fla_conv", "qwen3_5") is None and K.hook_missing("fla_gated_norm", "qwen3_5") is None
+        assert {"fla_conv", "fla_gated_norm"} <= set(select_kernels("auto", tiny_qwen35_config(), "cuda").names)
+    finally:
+        del sys.modules[modeling.__name__]

@@ -125,6 +125,31 @@ def _supported(config) -> tuple[str | None, list[str]]:
     return model_type, supported
 
 
+def hook_missing(kernel: str, model_type: str | None) -> str | None:
+    """Why the installed transformers gives `kernel` nothing to replace in `model_type`'s modeling module (None: it
+    does), read from the module's code, nothing run: fla_conv replaces the module-level `causal_conv1d_fn` that a
+    layer's forward calls (itself or through a helper: `calls_global`), fla_gated_norm the forward of a
+    `*RMSNormGated` class. A transformers release that moves either (5.25 moved the conv into a helper) then leaves
+    the kernel out of `auto` with this reason, instead of failing the run after the weights load."""
+    if kernel not in ("fla_conv", "fla_gated_norm") or model_type not in ARCHITECTURES:
+        return None
+    import transformers
+
+    try:
+        modeling = importlib.import_module(ARCHITECTURES[model_type][0])
+    except ImportError as e:
+        return f"transformers {transformers.__version__} has no {ARCHITECTURES[model_type][0]} ({e})"
+    classes = [c for c in vars(modeling).values() if inspect.isclass(c) and c.__module__ == modeling.__name__]
+    if kernel == "fla_conv":
+        if any(calls_global(c.forward, modeling, "causal_conv1d_fn") for c in classes
+               if issubclass(c, nn.Module) and "forward" in vars(c)):
+            return None
+        return f"no layer of transformers {transformers.__version__}'s {modeling.__name__} calls `causal_conv1d_fn`"
+    if any(c.__name__.endswith("RMSNormGated") for c in classes):
+        return None
+    return f"transformers {transformers.__version__}'s {modeling.__name__} has no gated RMSNorm class"
+
+
 def auto_kernels_on_gpu(config, tensor_parallel: bool = False) -> tuple[str, ...]:
     """The kernels `auto` applies to a model of `config` on CUDA with the `gpu` extra installed (what `plan`
     assumes of the GPU machine it cannot see), in KERNEL_NAMES order; none on a tensor-parallel replica."""
@@ -170,7 +195,11 @@ def select_kernels(requested, config, device_type: str, tensor_parallel: bool = 
         versions = {lib: _version(lib) for lib in {_library(k) for k in supported}}
         names = tuple(k for k in KERNEL_NAMES if k in supported and versions[_library(k)] is not None)
         missing = sorted(LIBRARIES[lib][1] for lib, v in versions.items() if v is None)
-        reason = f"not installed: {', '.join(missing)} (pip install -e '.[gpu]')" if missing else None
+        reasons = [f"not installed: {', '.join(missing)} (pip install -e '.[gpu]')"] if missing else []
+        unhooked = {k: why for k in names if (why := hook_missing(k, model_type)) is not None}
+        names = tuple(k for k in names if k not in unhooked)
+        reasons += [f"{k} left out: {why}" for k, why in unhooked.items()]
+        reason = "; ".join(reasons) or None
         return KernelChoice("auto", names, model_type, reason,
                             {LIBRARIES[lib][1]: v for lib, v in versions.items() if v is not None})
     asked = tuple(requested)
@@ -183,6 +212,10 @@ def select_kernels(requested, config, device_type: str, tensor_parallel: bool = 
     if missing:
         raise RecipeError(f"recipe key `model.kernels` = {list(asked)}: {', '.join(missing)} not installed "
                           f"(pip install -e '.[gpu]' on the GPU machine)")
+    unhooked = [f"{k}: {why}" for k in asked if (why := hook_missing(k, model_type)) is not None]
+    if unhooked:
+        raise RecipeError(f"recipe key `model.kernels` = {list(asked)}: {'; '.join(unhooked)} (this transformers "
+                          f"version is not supported by that kernel)")
     return KernelChoice(asked, tuple(k for k in KERNEL_NAMES if k in asked), model_type,
                         libraries={LIBRARIES[lib][1]: v for lib, v in versions.items()})
 
