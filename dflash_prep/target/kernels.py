@@ -156,7 +156,7 @@ def auto_kernels_on_gpu(config, tensor_parallel: bool = False) -> tuple[str, ...
     model_type, supported = _supported(config)
     if tensor_parallel or model_type in AUTO_NOT_MEASURED:
         return ()
-    return tuple(k for k in KERNEL_NAMES if k in supported)
+    return tuple(k for k in KERNEL_NAMES if k in supported and hook_missing(k, model_type) is None)
 
 
 def check_listed_kernels(asked, config) -> tuple[str, ...]:
