@@ -459,8 +459,12 @@ def _finish(recipe: Recipe, out_dir: Path, rows, rows_per_shard: int, num_chunks
     skipped = [s for r in records for s in r.skipped]
     answered = sum(r.num_rows for r in records)
     if answered + len(skipped) != len(rows):
+        outside = [(r.path, p) for r in records for p in sorted(regen_output.positions_of(r))
+                   if not 0 <= p < len(rows) or p not in regen_output.chunk_rows(r.chunk, rows_per_shard, len(rows))]
+        where = f" ({outside[0][0]} lists row {outside[0][1]}, outside its chunk)" if outside else ""
         raise OutputStateError(f"{len(rows)} rows, {answered} written and {len(skipped)} skipped: the index does "
-                               f"not account for every row; start afresh with --set regenerate.overwrite=true")
+                               f"not account for every row{where}; start afresh with --set "
+                               f"regenerate.overwrite=true")
     reports = [json.loads(p.read_text()) for p in sorted((out_dir / regen_output.INDEX_DIR).glob("rank-*.done.json"))]
     reports = [r for r in reports if r.get("rank", 0) < world] if ran else []
     totals = _totals(records)
