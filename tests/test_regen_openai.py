@@ -220,7 +220,8 @@ def test_rows_the_server_rejects_are_counted_skips_with_its_reason(server, tmp_p
     summary = json.loads((out / "summary.json").read_text())
     assert summary["skipped"] == {"rejected_by_engine": 1}
     (skipped,) = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
-    assert skipped["source_id"] == "bad-arguments" and skipped["detail"].startswith("HTTP 500")
+    # transformers serve answers a tool call's arguments that are not JSON with HTTP 500 (5.24) or 400 (5.25)
+    assert skipped["source_id"] == "bad-arguments" and skipped["detail"].startswith(("HTTP 500", "HTTP 400"))
     # a 4xx: transformers serve refuses a field it does not know (top_k sent as a plain extra field) for every row:
     # exit code 2, the reason with an example; the one-recipe form says the same and extracts nothing
     out = tmp_path / "422"
