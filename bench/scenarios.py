@@ -218,8 +218,8 @@ def _kernels_value(option: str) -> str:
           moe_hybrid_kernels="eager:the Qwen3.6-35B-A3B's variant, A/B against `auto` (which applies liger_rms_norm, "
                              "fla_conv and fla_gated_norm since they were measured faster; eager, a list, or empty: "
                              "no variant)",
-          moe_kernels="liger_rms_norm,liger_rope:the Qwen3-30B-A3B's variant, A/B against `auto` (eager for "
-                      "qwen3_moe until measured faster; eager, a list, or empty: no variant)")
+          moe_kernels="eager:the Qwen3-30B-A3B's variant, A/B against `auto` (which applies liger_rms_norm and "
+                      "liger_rope since they were measured faster; eager, a list, or empty: no variant)")
 def shapes(r: Round) -> None:
     out = (r.work if r.dry else shm_or_tmp(40)) / "bench-out"
     tokens = ["--dflash-max-tokens", r.opt("tokens")] if not r.dry else []
@@ -402,7 +402,7 @@ def faults(r: Round) -> None:
           samples="1000:pre-tokenized rows of each extraction (0: no extractions)",
           parts="fp8,moe,kernels:what runs, in this order (fp8: the checkpoint, its extractions and verify; moe: the "
                 "experts implementations; hybrid_kernels: the fp32 check of the hybrid MoE's kernels, measured "
-                "2026-12-03; kernels: the fp32 check of the kernels `auto` still waits for, the Qwen3 MoE's)")
+                "2026-12-03; kernels: the fp32 check of the Qwen3 MoE's kernels, measured 2026-12-04)")
 def targets(r: Round) -> None:
     parts = set(r.opt("parts").split(","))
     tiny = ["--tiny"] if r.dry else []

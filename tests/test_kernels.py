@@ -25,7 +25,9 @@ from dflash_prep.commands.extract import run_extraction
 from dflash_prep.plan.batches import SampleInfo, collate
 from dflash_prep.recipe.schema import RecipeError, load_recipe
 from dflash_prep.target.capture import LayerCapture
-from dflash_prep.target.kernels import KernelChoice, apply_kernels, fla_causal_conv1d_fn, select_kernels
+from dflash_prep.target import kernels as kernels_module
+from dflash_prep.target.kernels import (KernelChoice, apply_kernels, auto_kernels_on_gpu, fla_causal_conv1d_fn,
+                                        select_kernels)
 from dflash_prep.target.layers import find_decoder
 from dflash_prep.target.model import drop_layers_after
 
@@ -204,15 +206,16 @@ def test_the_hybrid_moe_gets_the_gated_deltanet_kernels_under_auto_never_a_swigl
     assert "swiglu" not in calls
 
 
-def test_the_qwen3_moe_gets_rms_norm_and_rope_when_listed_and_auto_waits_for_their_measurement(fake_libraries):
-    """Qwen3-30B-A3B's family: liger's RMSNorm and RoPE apply when listed (RoPE scoped to this model's attention,
-    never liger's module-level rebind), no SwiGLU over its routed experts; `auto` leaves them off until measured on
-    a GPU; the states of a padded batch through them equal each sample alone through eager transformers."""
+def test_the_qwen3_moe_gets_rms_norm_and_rope_under_auto_and_when_listed(fake_libraries):
+    """Qwen3-30B-A3B's family: liger's RMSNorm and RoPE apply under `auto` (measured exact and faster on an H200)
+    and when listed (RoPE scoped to this model's attention, never liger's module-level rebind), no SwiGLU over its
+    routed experts; the states of a padded batch through them equal each sample alone through eager transformers."""
     from bench.families import family_config
 
     config = family_config("qwen3_moe", "tiny")
     auto = select_kernels("auto", config, "cuda")
-    assert auto.names == () and "not measured on a GPU yet" in auto.reason, auto
+    assert auto.names == ("liger_rms_norm", "liger_rope"), auto
+    assert auto_kernels_on_gpu(config) == ("liger_rms_norm", "liger_rope")  # what `plan` assumes of the GPU
     with pytest.raises(RecipeError, match="do not apply"):  # liger's swiglu there swaps the routed experts' class
         select_kernels(["liger_swiglu"], config, "cuda")
     names = ("liger_rms_norm", "liger_rope")
@@ -233,6 +236,20 @@ def test_the_qwen3_moe_gets_rms_norm_and_rope_when_listed_and_auto_waits_for_the
     CALLS.clear()
     _alone_states(eager, samples[0])  # another model of the family in the same process: transformers' own
     assert "rope" not in CALLS and "rms_norm" not in CALLS
+
+
+def test_auto_leaves_an_architecture_not_yet_measured_eager_and_applies_its_listed_kernels(fake_libraries,
+                                                                                          monkeypatch):
+    """`AUTO_NOT_MEASURED`: an architecture whose kernels are not yet measured on a GPU gets none under `auto` (the
+    log says why), and `plan` assumes none; a list still applies them."""
+    from bench.families import family_config
+
+    monkeypatch.setattr(kernels_module, "AUTO_NOT_MEASURED", frozenset({"qwen3_moe"}))
+    config = family_config("qwen3_moe", "tiny")
+    auto = select_kernels("auto", config, "cuda")
+    assert auto.names == () and "not measured on a GPU yet: list them to use them" in auto.reason, auto
+    assert auto_kernels_on_gpu(config) == ()
+    assert select_kernels(["liger_rope"], config, "cuda").names == ("liger_rope",)
 
 
 def test_auto_on_a_tensor_parallel_replica_is_eager_and_a_list_is_applied_as_asked(fake_libraries):

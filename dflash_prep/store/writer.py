@@ -255,7 +255,7 @@ def open_shard_file(path: Path, write_mode: str):
         raise ValueError(f"write_mode must be one of {WRITE_MODES}, got {write_mode!r}")
     if write_mode != "buffered" and hasattr(os, "O_DIRECT"):
         try:
-            return _DirectFile(path)
+            return _DirectFile(path, _DIRECT_BUFFER_BYTES)  # read at each call: bench/disk_probe.py varies it
         except OSError as e:
             if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
                 raise

@@ -4,14 +4,14 @@ Named kernels (each replaces one piece of transformers' eager forward on the loa
 
 | name | library | replaces | architectures |
 |---|---|---|---|
-| `liger_rms_norm` | liger-kernel | RMSNorm (decoder layers, final norm; Qwen3.5, Qwen3: also q/k norms) by one Triton kernel | llama, qwen3_5, qwen3, qwen3_5_moe, qwen3_moe* |
+| `liger_rms_norm` | liger-kernel | RMSNorm (decoder layers, final norm; Qwen3.5, Qwen3: also q/k norms) by one Triton kernel | llama, qwen3_5, qwen3, qwen3_5_moe, qwen3_moe |
 | `liger_swiglu` | liger-kernel | `silu(gate) * up` of the MLPs by one Triton kernel | llama, qwen3_5, qwen3 (silu MLPs) |
-| `liger_rope` | liger-kernel | the rotary embedding of q and k | llama, qwen3, qwen3_moe* |
+| `liger_rope` | liger-kernel | the rotary embedding of q and k | llama, qwen3, qwen3_moe |
 | `fla_conv` | flash-linear-attention | transformers' torch fallback of the Gated DeltaNet causal conv (`conv_depthwise2d`) by fla's Triton `causal_conv1d` | qwen3_5, qwen3_5_moe |
 | `fla_gated_norm` | flash-linear-attention | the Gated DeltaNet output norm (`Qwen3_5RMSNormGated`: RMSNorm, weight, times silu(z)), ten eager element-wise kernels through fp32 copies, by fla's one Triton `rms_norm_gated` | qwen3_5, qwen3_5_moe |
 
 `auto` (the default): on CUDA, every kernel of the architecture's row above (all measured exact and faster on an
-H200: bench/RESULTS.md), except for the architectures marked * (`AUTO_NOT_MEASURED`: applied when listed, eager
+H200: bench/RESULTS.md), except for the architectures in `AUTO_NOT_MEASURED` (none now: applied when listed, eager
 under `auto` until measured); eager on CPU and for architectures not listed (said once in the log). `eager`: none.
 A list applies exactly those kernels; a name that does not apply to the architecture, a list on a machine without
 CUDA, or a library that is not installed is a `RecipeError` naming the key. liger-kernel needs Triton: it (and fla)
@@ -73,8 +73,9 @@ ARCHITECTURES["qwen3_moe"] = ("transformers.models.qwen3_moe.modeling_qwen3_moe"
 # Qwen3-8B shape (bench/results/targets-20261202, shapes-20261202). qwen3_5_moe too: 4.8e-4 in fp32 with the
 # routing pinned to the eager batch's (targets-20261203-moe-pinned), and on the Qwen3.6-35B-A3B shape 50,040
 # against 30,456 tok/s warm, 3,282 against 1,795 cold, packed rows against eager's padded batches
-# (shapes-20261203-moe-kernels).
-AUTO_NOT_MEASURED: frozenset[str] = frozenset({"qwen3_moe"})
+# (shapes-20261203-moe-kernels). qwen3_moe too: 6.6e-7 in fp32 with the routing pinned (targets-20261204), and on
+# the Qwen3-30B-A3B shape 49,267 against 37,457 tok/s warm, 33,557 against 10,267 cold (shapes-20261204).
+AUTO_NOT_MEASURED: frozenset[str] = frozenset()
 LIBRARIES = {"liger": ("liger_kernel", "liger-kernel"), "fla": ("fla", "flash-linear-attention")}
 
 
