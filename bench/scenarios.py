@@ -340,21 +340,26 @@ def profile(r: Round) -> None:
           "moto's S3 server on loopback, the S3 output read back equal to the disk's (bench/store_bench.py)",
           deadline_seconds=480, gb="4:GB of each disk_vs_writer step", samples="800:samples of the runs' list",
           model="llama3.1-8b:the runs' config, bench/configs/NAME.json (qwen3-8b: the issue's Qwen3-8B shape)",
-          s3="1:the S3 run (0: skip it; needs moto[server] and s3fs, from the wheels of .whl/)")
+          s3="1:the S3 run (0: skip it; needs moto[server] and s3fs, from the wheels of .whl/)",
+          num_layers="5:DFlash's k (5: 40 KB a token on an 8B shape; the recipe's base, the demo's, has 3)",
+          writer_threads="4:output.num_writer_threads of the runs (the recipes' and the schema's default; the demo "
+                         "base has 2)", disk_vs_writer="1:the disk_vs_writer step (0: skip it)")
 def storage(r: Round) -> None:
     disk = r.work  # the system's temp dir: ext4 on the H200 machine's disk
     tmpfs = r.work / "shm" if r.dry else shm_or_tmp(40) / f"dflash-storage-{os.getpid()}"
     gb = "0.05" if r.dry else r.opt("gb")
-    r.step("disk-vs-writer", 150, r.python("bench/disk_vs_writer.py", "--dir", disk, "--gb", gb, "--repeats",
-                                           "2" if r.dry else "3", "--label", "disk", "--out",
-                                           r.results / "disk_vs_writer-disk.json",
-                                           *(["--width", "2048", "--shard-gb", "0.01"] if r.dry else [])))
+    if r.flag("disk_vs_writer"):
+        r.step("disk-vs-writer", 150, r.python("bench/disk_vs_writer.py", "--dir", disk, "--gb", gb, "--repeats",
+                                               "2" if r.dry else "3", "--label", "disk", "--out",
+                                               r.results / "disk_vs_writer-disk.json",
+                                               *(["--width", "2048", "--shard-gb", "0.01"] if r.dry else [])))
     data = r.work / "data.parquet"
     config = CONFIGS / ("tiny-llama.json" if r.dry else f"{r.opt('model')}.json")
     num, vocab = ("40" if r.dry else r.opt("samples")), str(json.loads(config.read_text())["vocab_size"])
     r.step("data", 60, r.python("-m", "bench.store_bench", "data", data, "--num-samples", num, "--vocab", vocab))
     sets = [f"data.path={data}", "data.max_length=4096", f"model.config={config}", f"model.tokenizer={TOKENIZER}",
-            "model.dtype=bfloat16", "layers.preset=dflash",
+            "model.dtype=bfloat16", "layers.preset=dflash", f"layers.num_layers={r.opt('num_layers')}",
+            f"output.num_writer_threads={r.opt('writer_threads')}",
             "layers.capture_final=none", "output.dtype=bfloat16", "batching.max_tokens_per_batch=auto",
             f"model.triton_cache_dir={r.work / 'triton'}", "output.overwrite=true"]
     warm = tmpfs / "warmup"  # fills the Triton cache the measured runs share (same kernels: same bytes)
