@@ -91,13 +91,14 @@ def test_a_given_rate_wins_and_without_a_report_there_is_no_figure(tmp_path, cap
 
 
 def test_a_benchmark_far_from_the_model_in_parameters_gives_no_figure(tmp_path):
+    from dflash_prep.commands.bench_figures import figures
     from dflash_prep.commands.regen_rate import regen_rate
 
     write_report(tmp_path / "regen", {"big": entry("llama", 8_000_000_000, 8000.0, 9000.0)})
     assert len(regen_bench_references(tmp_path)) == 1
-    far = regen_rate("transformers", None, "qwen3_5_text", 1_000_000, 1, tmp_path)
+    far = regen_rate("transformers", None, "qwen3_5_text", 1_000_000, 1, figures(tmp_path))
     assert far["generated_tokens_per_second"] is None and "within 4x" in far["source"]
-    near = regen_rate("transformers", None, "qwen3_5_text", 4_000_000_000, 2, tmp_path)
+    near = regen_rate("transformers", None, "qwen3_5_text", 4_000_000_000, 2, figures(tmp_path))
     assert near["generated_tokens_per_second"] == pytest.approx(9000.0 * 2 * 2)
     assert "nearest benchmarked model" in near["source"]
 

@@ -17,7 +17,8 @@ Guarantees (tests/test_plan.py checks them against real extractions):
   padding included): they equal the extraction's `num_bytes` for a run with the same number of processes;
 - wall time = (real tokens of the busiest rank) / (tokens/s per GPU), + first-seen-shape warm-up when the
   benchmark measured it for this very model. The tokens/s default is the warm dflash-prep figure of the newest
-  complete benchmark report in `bench/results/*.json` (the file `bench/RESULTS.md` is written from: `modes.
+  complete benchmark report in `bench/results/*.json`, as shipped with the package (commands/bench_figures.py;
+  the file `bench/RESULTS.md` is written from: `modes.
   dflash_prep_warm.tokens_per_second` of padded batches; 9,130 for the Qwen3.6-27B shape, 41,677 for the
   Llama-3.1-8B shape),
   picked by model (same model_type, hidden size and depth), else the benchmarked model nearest in decoder
@@ -56,6 +57,8 @@ from pathlib import Path
 import numpy as np
 
 from dflash_prep.commands.regen_rate import BENCH_MAX_PARAM_RATIO  # one bound for both rates
+from dflash_prep.commands.bench_figures import DEFAULT as DEFAULT_FIGURES
+from dflash_prep.commands.bench_figures import describe, figures
 from dflash_prep.recipe.schema import STORAGE_DTYPES, Recipe, RecipeError
 from dflash_prep.store.sizes import RecordSizer
 from dflash_prep.units import format_bytes, format_count, format_duration, format_rate
@@ -322,7 +325,7 @@ def length_histogram(lengths: list[int], max_length: int, width: int = 40) -> st
 
 # ------------------------------------------------------------------------------------------------- plan
 def make_run_plan(recipe: Recipe, num_gpus: int = 1, tokens_per_second: float | None = None,
-                  bench_dir: Path | None = BENCH_RESULTS_DIR, gpu_memory_bytes: int | None = None,
+                  bench_dir=DEFAULT_FIGURES, gpu_memory_bytes: int | None = None,
                   gpu: bool = False, storage_rate: dict | None = None,
                   price_per_gb_month: float | None = None) -> dict:
     """Every figure of `dflash-prep plan` as a dict (see the module docstring). It plans the run of the device the
@@ -519,12 +522,14 @@ def _bill_each_dtype(disk: dict, rate: dict | None, price_per_gb_month: float | 
 
 
 def _throughput(recipe: Recipe, config, params: int | None, tokens_per_second: float | None,
-                bench_dir: Path | None, packed: bool, kernels: tuple[str, ...] = ()) -> dict:
+                bench_dir, packed: bool, kernels: tuple[str, ...] = ()) -> dict:
     """tokens/s per GPU: given, or the nearest benchmarked model's (runs of the same layout: `packed` rows or
-    padded batches) scaled by decoder parameters run per token."""
+    padded batches) scaled by decoder parameters run per token. `bench_dir`: where the figures come from
+    (commands/bench_figures.py `figures`: the shipped ones, a folder of reports, or None)."""
+    figs = figures(bench_dir) if not tokens_per_second else None
     ref, why = (None, "given with --tokens-per-second") if tokens_per_second else (
-        choose_reference(bench_references(bench_dir, packed), config, params, recipe.model.dtype, kernels)
-        if bench_dir is not None else (None, "no benchmark folder"))
+        choose_reference(figs["extraction"]["packed" if packed else "padded"], config, params, recipe.model.dtype,
+                         kernels) if figs is not None else (None, "no benchmark folder"))
     throughput: dict = {"tokens_per_second": tokens_per_second, "source": why, "reference": ref}
     if ref is not None:
         scale = ref["decoder_params_needed"] / params if params else 1.0
@@ -533,25 +538,30 @@ def _throughput(recipe: Recipe, config, params: int | None, tokens_per_second: f
         same = why == "same model"  # the warm-ups are the model's and its batches' own: not carried to another
         throughput["seconds_per_new_shape"] = ref["seconds_per_new_shape"] if same else None
         throughput["host_warmup_seconds"] = ref.get("host_warmup_seconds") if same else None
-        fp8 = _fp8_scale(recipe, config, bench_dir)
+        fp8 = _fp8_scale(recipe, config, figs)
         if fp8 is not None:
             throughput["tokens_per_second"] *= fp8["ratio"]
             throughput["fp8_scale"] = fp8
     return throughput
 
 
-def _fp8_scale(recipe: Recipe, config, bench_dir: Path) -> dict | None:
+def _fp8_scale(recipe: Recipe, config, figs: dict) -> dict | None:
     """{ratio, folder}: for a block-FP8 checkpoint run as FP8 (target/fp8_weights.py), the benchmark's reference
-    being a bf16 model's, the newest measured ratio of an FP8 extraction's loop tok/s to the same checkpoint's
-    dequantized one on the same rows (bench/targets_check.py's `extract-fp8.summary.json` and
-    `extract-dequantized.summary.json` in a `targets-*` folder of `bench_dir`); None for other checkpoints, with
+    being a bf16 model's, the figures' `fp8_extraction_ratio`; None for other checkpoints, with
     `model.fp8_weights: dequantize` (it runs bf16), or where no such pair is committed (then the bf16 figure
     stands, unscaled)."""
     from dflash_prep.target.fp8_weights import block_fp8_format
 
     if block_fp8_format(config) is None or recipe.model.fp8_weights == "dequantize":
         return None
-    for folder in sorted(bench_dir.glob("targets-*"), key=lambda f: f.name, reverse=True):
+    return figs.get("fp8_extraction_ratio")
+
+
+def fp8_extraction_ratio(bench_dir: Path) -> dict | None:
+    """{ratio, folder}: the newest measured ratio of an FP8 extraction's loop tok/s to the same checkpoint's
+    dequantized one on the same rows (bench/targets_check.py's `extract-fp8.summary.json` and
+    `extract-dequantized.summary.json` in a `targets-*` folder of `bench_dir`); None where no such pair is."""
+    for folder in sorted(Path(bench_dir).glob("targets-*"), key=lambda f: f.name, reverse=True):
         try:
             fp8, bf16 = (json.loads((folder / f"extract-{name}.summary.json").read_text())
                          for name in ("fp8", "dequantized"))
@@ -793,8 +803,10 @@ def build_parser(prog: str = "dflash-prep plan") -> argparse.ArgumentParser:
     p.add_argument("--num-gpus", type=int, default=1,
                    help="GPUs of the run (default 1); with model.gpus_per_replica N, the run has num-gpus / N replicas")
     p.add_argument("--tokens-per-second", type=float, default=None,
-                   help="real tokens/s per GPU (default: the benchmark figure, bench/results/*.json)")
-    p.add_argument("--bench-results", default=str(BENCH_RESULTS_DIR), help="folder of benchmark reports")
+                   help="real tokens/s per GPU (default: the benchmark's figure, as shipped with the package)")
+    p.add_argument("--bench-results", default=None,
+                   help="a folder of benchmark reports to take the figures from (default: the figures shipped with "
+                        "the package, from the project's bench/results)")
     p.add_argument("--gpu-memory-gb", type=float, default=None,
                    help="memory of one GPU of the run, for max_tokens_per_batch: auto (default: this machine's); "
                         "plans for GPUs")
@@ -886,7 +898,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.show_sample is not None:
             print(show_sample(recipe, args.show_sample) + "\n", flush=True)
         plan = make_run_plan(recipe, num_gpus=args.num_gpus, tokens_per_second=args.tokens_per_second,
-                             bench_dir=Path(args.bench_results) if args.bench_results else None,
+                             bench_dir=Path(args.bench_results) if args.bench_results else DEFAULT_FIGURES,
                              gpu_memory_bytes=int(args.gpu_memory_gb * 1e9) if args.gpu_memory_gb else None,
                              gpu=args.gpu,
                              storage_rate=storage_rate_from(args.storage_bytes_per_second, args.storage_bench),
@@ -894,7 +906,7 @@ def main(argv: list[str] | None = None) -> int:
         if recipe.regenerate is not None:  # on-policy data: the regeneration first (plan_regeneration, below)
             plan["regenerate"] = plan_regeneration(
                 recipe, args.generated_tokens_per_second, num_gpus=args.num_gpus,
-                bench_dir=Path(args.bench_results) if args.bench_results else None)
+                bench_dir=Path(args.bench_results) if args.bench_results else DEFAULT_FIGURES)
     except (RecipeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -915,14 +927,14 @@ REGEN_PLAN_MAX_ROWS = 20_000  # rows rendered to count prompt tokens; more rows:
 
 
 def plan_regeneration(recipe: Recipe, generated_tokens_per_second: float | None = None, num_gpus: int = 1,
-                      bench_dir: Path | None = BENCH_RESULTS_DIR) -> dict:
+                      bench_dir=DEFAULT_FIGURES) -> dict:
     """The regeneration's figures: rows, rows skipped by reason, requests (one per generated turn; with `turns: all`
     an upper bound, since a tool call other than the data's ends a conversation early), prompt tokens (each
     request's prompt rendered by the tokenizer's chat template with the data's earlier turns standing in for the
     target's, `chat_template_kwargs` applied), generated tokens at most (requests x max_tokens). Prompt tokens are
     counted on every row up to REGEN_PLAN_MAX_ROWS, else on a seeded sample of that many rows and scaled. Time:
     from `generated_tokens_per_second` (measured on the user's servers or GPUs), else for the in-process engine
-    from its benchmark's committed report under `bench_dir` for `num_gpus` GPUs (commands/regen_rate.py); the
+    from its benchmark's committed report (`bench_dir`: commands/bench_figures.py) for `num_gpus` GPUs (commands/regen_rate.py); the
     openai engine's rate is the servers': no default."""
     import random
 
@@ -973,7 +985,7 @@ def plan_regeneration(recipe: Recipe, generated_tokens_per_second: float | None 
     return out
 
 
-def _regen_rate(recipe: Recipe, given: float | None, num_gpus: int, bench_dir: Path | None) -> dict:
+def _regen_rate(recipe: Recipe, given: float | None, num_gpus: int, bench_dir) -> dict:
     """{generated_tokens_per_second, rate_source, rate_reference} (commands/regen_rate.py)."""
     from dflash_prep.commands.regen_rate import regen_rate
 
@@ -986,7 +998,8 @@ def _regen_rate(recipe: Recipe, given: float | None, num_gpus: int, bench_dir: P
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         model_type = getattr(text, "model_type", None)
         params = decoder_params_run(recipe.model, config, num_decoder_layers(config) - 1)
-    rate = regen_rate(recipe.regenerate.engine, given, model_type, params, num_gpus, bench_dir)
+    rate = regen_rate(recipe.regenerate.engine, given, model_type, params, num_gpus, figures(bench_dir),
+                      describe(bench_dir))
     return {"generated_tokens_per_second": rate["generated_tokens_per_second"], "rate_source": rate["source"],
             "rate_reference": rate["reference"]}
 

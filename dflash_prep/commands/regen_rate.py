@@ -95,9 +95,11 @@ def _default_pass(model_entry: dict) -> dict:
 
 
 def regen_rate(engine: str, given: float | None, model_type: str | None, decoder_params: int | None,
-               num_gpus: int, results_dir: Path | None) -> dict:
+               num_gpus: int, figures: dict | None, where: str = "the benchmark figures") -> dict:
     """{generated_tokens_per_second (None: no basis), source (in words), reference (the benchmark's entry or
-    None), scale} for the regeneration of `engine` on `num_gpus` GPUs (the module docstring says which)."""
+    None), scale} for the regeneration of `engine` on `num_gpus` GPUs (the module docstring says which).
+    `figures`: commands/bench_figures.py's (its `regeneration` references), None for none; `where`: their source,
+    in words."""
     if given:
         return {"generated_tokens_per_second": given, "source": "given with --generated-tokens-per-second",
                 "reference": None, "scale": None}
@@ -107,7 +109,7 @@ def regen_rate(engine: str, given: float | None, model_type: str | None, decoder
                           "measured on them"}
     refs, seen = [], set()
     # the newest warm pass of each benchmark model, else its newest cold one (a stable sort keeps newest first)
-    for ref in sorted(regen_bench_references(results_dir), key=lambda r: r["pass"] != "warm"):
+    for ref in sorted((figures or {}).get("regeneration") or [], key=lambda r: r["pass"] != "warm"):
         if ref["model"] not in seen:
             seen.add(ref["model"])
             refs.append(ref)
@@ -116,7 +118,7 @@ def regen_rate(engine: str, given: float | None, model_type: str | None, decoder
     ref = pool[0] if pool and (same or decoder_params) else None
     ratio = ref["decoder_params"] / decoder_params if ref and decoder_params else 1.0
     if ref is None or not 1 / BENCH_MAX_PARAM_RATIO <= ratio <= BENCH_MAX_PARAM_RATIO:
-        why = ("no GPU report of the in-process engine's benchmark (bench/regen_bench.py) in " + str(results_dir)
+        why = ("no GPU report of the in-process engine's benchmark (bench/regen_bench.py) in " + where
                if ref is None else f"no benchmark of the in-process engine within {BENCH_MAX_PARAM_RATIO:g}x of "
                f"this model's decoder parameters (nearest: {ref['model']})")
         return {"generated_tokens_per_second": None, "reference": ref, "scale": None,

@@ -1,0 +1,55 @@
+"""The benchmark figures shipped with the package (dflash_prep/commands/bench_figures.json): equal to what the
+committed reports give, and what an installed package (no bench/ folder beside it) plans with."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO
+
+from bench.figures import shipped_text
+
+
+def test_the_shipped_figures_are_those_of_the_committed_reports():
+    """A report committed (or a default changed) without `python3 -m bench.figures` fails here."""
+    shipped = (REPO / "dflash_prep" / "commands" / "bench_figures.json").read_text()
+    assert shipped == shipped_text(REPO / "bench" / "results"), \
+        "dflash_prep/commands/bench_figures.json is stale: run `python3 -m bench.figures` and commit it"
+
+
+def _plan_json(cwd: Path, pythonpath: Path, *args: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(pythonpath), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-m", "dflash_prep.commands.cli", "plan", "--json", *args], cwd=cwd,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+def test_an_installed_package_plans_a_gpu_run_with_the_benchmark_figure(tmp_path):
+    """The package alone (as `pip install .` lays it out: no bench/ beside it), planning the Llama-3.1-8B benchmark
+    shape for a GPU: the figure is the newest packed Llama report's warm pass, read here from that report itself;
+    the checkout plans the same."""
+    site = tmp_path / "site"
+    shutil.copytree(REPO / "dflash_prep", site / "dflash_prep",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    work = tmp_path / "work"
+    work.mkdir()
+    args = ["--gpu", "--set", f"output.dir={work / 'out'}", "--set", "data.max_samples=20", "--set",
+            f"model.config={REPO / 'bench' / 'configs' / 'llama3.1-8b.json'}", "--set", "model.dtype=bfloat16",
+            "--set", "layers.preset=eagle3"]
+    installed = _plan_json(work, site, *args)["throughput"]
+    ref = installed["reference"]
+    assert installed["source"] == "same model" and ref["model"] == "llama3.1-8b", installed
+    newest = max((p for p in (REPO / "bench" / "results").glob("llama3.1-8b-*.json")
+                  if (json.loads(p.read_text())["modes"].get("dflash_prep_warm", {}).get("summary") or {})
+                  .get("packing", {}).get("packed")), key=lambda p: p.name)
+    assert ref["file"] == f"bench/results/{newest.name}"
+    report = json.loads(newest.read_text())
+    assert installed["tokens_per_second"] == report["modes"]["dflash_prep_warm"]["tokens_per_second"]
+    checkout = _plan_json(work, REPO, *args)["throughput"]
+    assert checkout["tokens_per_second"] == installed["tokens_per_second"]
