@@ -13,7 +13,9 @@ as FP8 (torch scaled_mm) and dequantized (`model.fp8_weights: dequantize`, bf16 
   an fp32 GEMM) for several token counts (odd ones too): the scale layouts; and against bf16 F.linear, with the
   GEMMs' TFLOP/s at 32,768 tokens;
 - the forward of one [batch, length] batch through both models (warm, CUDA events): tok/s and the ratio; the
-  states of every layer, FP8 vs the dequantized reference (max |diff| / max |ref|).
+  states of every layer, FP8 vs the dequantized reference (max |diff| / max |ref|); one more warm forward of each
+  under torch.profiler (`forward.profile`: on a GPU its kernels by device time, bench/profiling.py): where the FP8
+  forward's time goes against the bf16 one's.
 The checkpoint stays in DIR for the scenario's extractions.
 
 `moe`: a Qwen3-30B-A3B-shaped slice (`--layers` layers of 128 experts, top-8, hidden 2048, expert width 768),
@@ -192,7 +194,26 @@ def forward_check(fp8_model, ref_model, dev: torch.device, batch: int, length: i
            "bf16_tok_s": tokens / _timed(lambda: _states(ref_model, ids), dev, repeats),
            "relative_error_by_layer": [round(e, 5) for e in errors]}
     out["ratio"] = out["fp8_tok_s"] / out["bf16_tok_s"]
+    # where each forward's time goes (the FP8 one's GEMMs, quantization, pads, copies against the bf16 one's)
+    out["profile"] = {name: _profile(lambda m=m: _states(m, ids), dev) for name, m in (("fp8", fp8_model),
+                                                                                        ("bf16", ref_model))}
     return out
+
+
+def _profile(fn, dev: torch.device) -> dict:
+    """One warm call of `fn` under torch.profiler: on a GPU its kernels by device time, else its CPU ops
+    (bench/profiling.py)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.profiling import kernel_profile
+
+    cuda = dev.type == "cuda"
+    fn()
+    _sync(dev)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        fn()
+        _sync(dev)
+    return kernel_profile(prof, cuda=cuda, top=25)
 
 
 def run_fp8(args) -> dict:
