@@ -44,7 +44,7 @@ GOAL_RATIO = 0.15  # issue: plan within 15% of the measured time on every benchm
 def plannable_reports(results_dir: Path, pattern: str = "*.json") -> list[tuple[Path, dict]]:
     """(path, report) of every complete benchmark report whose cold dflash_prep mode ran and whose sample draw is
     recorded."""
-    from dflash_prep.commands.plan import benchmark_reports
+    from dflash_prep.commands.bench_figures import benchmark_reports
 
     out = []
     for path, report in benchmark_reports(results_dir, pattern):
@@ -59,7 +59,7 @@ def plannable_reports(results_dir: Path, pattern: str = "*.json") -> list[tuple[
 
 def job_recipe(report: dict, work: Path):
     """The recipe of the report's cold dflash_prep mode, its rows written as parquet under `work`."""
-    from dflash_prep.commands.plan import applied_kernels
+    from dflash_prep.commands.bench_figures import applied_kernels
     from dflash_prep.recipe.schema import parse_overrides, recipe_from_dict, set_dotted
 
     settings, spec = report["settings"], MODELS[report["model"]]

@@ -15,7 +15,8 @@ import torch
 from conftest import REPO
 from safetensors.torch import save as safetensors_save
 
-from dflash_prep.commands.plan import bench_references, format_plan, length_histogram, main, make_run_plan, shard_sizes
+from dflash_prep.commands.bench_figures import bench_references
+from dflash_prep.commands.plan import format_plan, length_histogram, main, make_run_plan, shard_sizes
 from dflash_prep.recipe.schema import load_recipe
 from dflash_prep.store.sizes import safetensors_num_bytes, states_tensors
 

@@ -16,7 +16,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench import plan_check  # noqa: E402
-from dflash_prep.commands.plan import bench_references  # noqa: E402
+from dflash_prep.commands.bench_figures import bench_references  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 def _newest_per_model_and_layout() -> list[str]:
