@@ -343,7 +343,9 @@ def profile(r: Round) -> None:
           s3="1:the S3 run (0: skip it; needs moto[server] and s3fs, from the wheels of .whl/)",
           num_layers="5:DFlash's k (5: 40 KB a token on an 8B shape; the recipe's base, the demo's, has 3)",
           writer_threads="4:output.num_writer_threads of the runs (the recipes' and the schema's default; the demo "
-                         "base has 2)", disk_vs_writer="1:the disk_vs_writer step (0: skip it)")
+                         "base has 2)", disk_vs_writer="1:the disk_vs_writer step (0: skip it)",
+          switch_interval=":output.switch_interval_seconds of a third run on the disk, after the first (empty: "
+                          "none)")
 def storage(r: Round) -> None:
     disk = r.work  # the system's temp dir: ext4 on the H200 machine's disk
     tmpfs = r.work / "shm" if r.dry else shm_or_tmp(40) / f"dflash-storage-{os.getpid()}"
@@ -378,6 +380,10 @@ def storage(r: Round) -> None:
                                       "--probe-gb", "0.05" if r.dry else "0.5", "--store-tmp", moto_tmp, "--",
                                       *(a for kv in sets for a in ("--set", kv))))
     r.keep(out, "8b-disk")
+    if r.opt("switch_interval"):  # the same disk run with the lanes' GIL switch interval set (an A/B)
+        si = disk / "out-disk-si"
+        r.step("8b-disk-si", 120, r.extract(si, *sets, f"output.switch_interval_seconds={r.opt('switch_interval')}"))
+        r.keep(si, "8b-disk-si")
     shutil.rmtree(tmpfs, ignore_errors=True)
     r.step("report", 30, r.python("-m", "bench.store_bench", "report", r.results))
 

@@ -161,3 +161,37 @@ def test_a_disk_filling_up_under_o_direct_leaves_only_committed_shards(tmp_path)
         assert len(_shards(folder)) >= 3
     finally:
         _umount(folder)
+
+
+def test_the_gil_switch_interval_is_the_recipes_while_the_lanes_write_and_pythons_after(tmp_path, monkeypatch):
+    """`output.switch_interval_seconds`: every batch is written under the recipe's interval (read inside the lane
+    threads), the process's own interval is back once the run ends; null leaves Python's; out of range: refused."""
+    import sys
+    import threading
+
+    from conftest import demo_overrides
+
+    from dflash_prep.commands.extract import run_extraction
+    from dflash_prep.recipe.schema import RecipeError, load_recipe
+    from dflash_prep.store import writer as writer_module
+
+    seen: list[float] = []
+    original = writer_module.ShardWriter.write_batch
+
+    def write_batch(self, *args, **kwargs):
+        if threading.current_thread().name.startswith("shard-writer"):  # a lane (not plan's tar-size probe)
+            seen.append(sys.getswitchinterval())
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(writer_module.ShardWriter, "write_batch", write_batch)
+    before = sys.getswitchinterval()
+    run_extraction(load_recipe(None, demo_overrides(tmp_path / "a", **{"data.max_samples": 40,
+                                                                       "output.switch_interval_seconds": 0.0007})))
+    assert seen and set(seen) == {0.0007}, seen
+    assert sys.getswitchinterval() == before
+    seen.clear()
+    run_extraction(load_recipe(None, demo_overrides(tmp_path / "b", **{"data.max_samples": 40})))
+    assert seen and set(seen) == {before}
+    for bad in ("0", "2", "nan"):
+        with pytest.raises(RecipeError, match="output.switch_interval_seconds"):
+            load_recipe(None, demo_overrides(tmp_path / "c", **{"output.switch_interval_seconds": bad}))

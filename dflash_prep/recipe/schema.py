@@ -327,6 +327,13 @@ class OutputSection:
     page cache, `auto`: `direct` for a local output, `buffered` for an object store's staging folder (the upload
     reads the shard back from the page cache). Same bytes and commits either way (docs/STORAGE.md, "Writers and
     object stores"). Not part of the job's identity."""
+    switch_interval_seconds: float | None = None
+    """The process's GIL switch interval (`sys.setswitchinterval`) while the writer lanes run; null keeps
+    Python's (5 ms). A main thread busy in Python (the forward loop launching kernels) holds the GIL for up to that
+    interval each time a lane waits for it between its copies and writes: with a pure-Python busy thread beside
+    them, 4 lanes wrote 0.86-0.94 GB/s at 5 ms, 1.17-1.23 at 1 ms and 1.18-1.49 at 0.2 ms, 1.36-1.64 alone
+    (bench/gil_switch_probe.py, bench/results/gil-switch-cpu-20261204/, a 2-core machine). Not yet measured on a
+    GPU run: an opt-in. Not part of the job's identity."""
     max_pending_bytes: int = 16_000_000_000
     """Host memory (bytes or '16GB') the states of batches captured but not yet written may hold, per rank
     (pinned on a GPU machine): the loop waits for the writer threads beyond it. A single larger batch still goes
@@ -366,6 +373,9 @@ class OutputSection:
             _fail(f"{p}.max_pending_bytes", self.max_pending_bytes, "must be >= 1 byte")
         if self.num_writer_threads < 1:
             _fail(f"{p}.num_writer_threads", self.num_writer_threads, "must be >= 1")
+        if self.switch_interval_seconds is not None and not 1e-5 <= self.switch_interval_seconds <= 1:
+            _fail(f"{p}.switch_interval_seconds", self.switch_interval_seconds,
+                  "must be between 0.00001 and 1 second (or null: Python's own)")
         if self.max_failed_samples is not None and self.max_failed_samples < 0:
             _fail(f"{p}.max_failed_samples", self.max_failed_samples, "must be >= 0 (or null for no limit)")
         if not 1 <= self.lease_seconds <= 7 * 86400:  # NaN and inf too: a lease is renewed, never held for good

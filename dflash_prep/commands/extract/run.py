@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -226,7 +227,25 @@ def _run_rank(run: Run, data, rank_plan: RankPlan, lock_fds: tuple, load: Target
         worker_init_fn=functools.partial(init_worker, lock_fds))
     total = len(rank_plan.lengths)
     progress = JobProgress(run, total, total - sum(len(p.sample_indices) for p in rank_plan.todo))
-    loop = forward_loop(run, model, loader, writer, progress)
+    with gil_switch_interval(run.recipe.output.switch_interval_seconds):
+        loop = forward_loop(run, model, loader, writer, progress)
     report = rank_report(run, model, writer, loop)
     report["predicted_seconds"] = rank_plan.predicted_seconds[run.rank] if rank_plan.predicted_seconds else None
     return report
+
+
+@contextlib.contextmanager
+def gil_switch_interval(seconds: float | None):
+    """`sys.setswitchinterval(seconds)` for the block (the writer lanes' turn at the GIL: recipe key
+    `output.switch_interval_seconds`), the process's own interval back after it; None changes nothing."""
+    if seconds is None:
+        yield
+        return
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    log.info("GIL switch interval %.3g ms while the writer lanes run (output.switch_interval_seconds; Python's: "
+             "%.3g ms)", seconds * 1e3, before * 1e3)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
