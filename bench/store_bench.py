@@ -155,11 +155,15 @@ def s3(work: Path, results: Path, local: Path, sets: list[str], probe_bytes: int
 def report(results: Path) -> int:
     """The disk, tmpfs and S3 runs' tokens/s side by side (RESULTS/storage_report.json)."""
     runs = {}
-    for name in ("8b-disk", "8b-tmpfs"):
+    for name in ("8b-disk", "8b-tmpfs", "8b-disk-si"):
         path = results / f"{name}.summary.json"
         if path.is_file():
             s = json.loads(path.read_text())
             runs[name] = {k: s.get(k) for k in ("tokens_per_second", "num_tokens_written", "loop_seconds")}
+            ranks = s.get("ranks") if isinstance(s.get("ranks"), list) else []
+            # the loop blocked on full writer queues, and draining them after the last forward (a once-a-job tail)
+            runs[name].update({k: max((r.get(k) or 0.0 for r in ranks), default=None)
+                               for k in ("writer_wait_seconds", "writer_drain_seconds")})
     s3_path = results / "store_s3.json"
     if s3_path.is_file():
         s = json.loads(s3_path.read_text())
@@ -170,6 +174,8 @@ def report(results: Path) -> int:
     tps = {k: v.get("tokens_per_second") for k, v in runs.items()}
     if tps.get("8b-disk") and tps.get("8b-tmpfs"):
         out["disk_to_tmpfs"] = tps["8b-disk"] / tps["8b-tmpfs"]
+    if tps.get("8b-disk-si") and tps.get("8b-disk"):  # output.switch_interval_seconds set, against unset
+        out["disk_switch_interval_to_disk"] = tps["8b-disk-si"] / tps["8b-disk"]
     if tps.get("8b-s3") and tps.get("8b-disk"):
         out["s3_to_disk"] = tps["8b-s3"] / tps["8b-disk"]
     dvw = results / "disk_vs_writer-disk.json"
