@@ -195,6 +195,7 @@ _TIMELINE: _Timeline | None = None
 _ORIGINAL_PWRITE = writer_mod._DirectFile._pwrite
 _ORIGINAL_INIT = writer_mod._DirectFile.__init__
 _ORIGINAL_CLASS = writer_mod._DirectFile
+_ORIGINAL_BUFFER_BYTES = writer_mod._DIRECT_BUFFER_BYTES
 
 
 def _timed_pwrite(self, nbytes: int) -> None:
@@ -226,7 +227,7 @@ def writer_step(folder: Path, num_bytes: int, lanes: int, buffer_mib: int, max_s
         _ORIGINAL_CLASS.__init__ = _ORIGINAL_INIT
         _ORIGINAL_CLASS._pwrite = _ORIGINAL_PWRITE
         writer_mod._DirectFile = _ORIGINAL_CLASS
-        writer_mod._DIRECT_BUFFER_BYTES = 16 * MIB
+        writer_mod._DIRECT_BUFFER_BYTES = _ORIGINAL_BUFFER_BYTES
         _TIMELINE = None
 
 
