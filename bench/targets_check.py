@@ -168,14 +168,57 @@ def gemm_check(fp8_model, ref_model, dev: torch.device, tiny: bool) -> dict:
     M = 4096 if tiny else 32768
     x = torch.randn(M, W.shape[1], device=dev, dtype=torch.bfloat16, generator=g)
     flop = 2 * M * W.shape[0] * W.shape[1]
-    out["fp8_tflops"] = flop / _timed(lambda: fp8(x), dev, 10) / 1e12  # activations quantized by torch.compile
     from dflash_prep.target import fp8_weights
 
-    fp8_weights._QUANTIZE["failed"], compiled_failed = True, fp8_weights._QUANTIZE["failed"]
+    out["quantize"] = quantize_check(dev, tiny)
+    out["fp8_tflops"] = flop / _timed(lambda: fp8(x), dev, 10) / 1e12  # the product's quantization (Triton on CUDA)
+    saved = dict(fp8_weights._QUANTIZE)
+    fp8_weights._QUANTIZE["triton"] = False  # torch.compile's kernels, as before the Triton kernel
+    out["fp8_compiled_quantize_tflops"] = flop / _timed(lambda: fp8(x), dev, 10) / 1e12
+    fp8_weights._QUANTIZE["failed"] = True  # and eager
     out["fp8_eager_quantize_tflops"] = flop / _timed(lambda: fp8(x), dev, 10) / 1e12
-    fp8_weights._QUANTIZE["failed"] = compiled_failed
-    out["quantize_compiled"] = not compiled_failed
+    fp8_weights._QUANTIZE.update(saved)
+    out["quantize_compiled"] = not saved["failed"]
     out["bf16_tflops"] = flop / _timed(lambda: x @ W.t(), dev, 10) / 1e12
+    return out
+
+
+def quantize_check(dev: torch.device, tiny: bool) -> dict:
+    """The activations' quantization (`fp8_weights.quantize_for_gemm`) against `quantize_1x128` of the zero-padded
+    input, bit for bit (e4m3 bytes and fp32 scales), on odd and aligned shapes with rows from 1e-6 to 1e4 in size and
+    one row of zeros, a NaN, an Inf and a -Inf; then the seconds of one call at the 27B's widths as each path runs it (Triton, torch.compile,
+    eager), with the bytes it moves (read 2 B and write 1 B an element) as GB/s."""
+    from dflash_prep.target import fp8_weights
+
+    triton_fn = fp8_weights._triton_quantizer() if dev.type == "cuda" else False
+    out = {"triton": bool(triton_fn), "exact": {}, "seconds": {}}
+    g = torch.Generator(device=dev).manual_seed(3)
+    for M, K in ((1, 5120), (17, 5120), (300, 6144), (1000, 17408), (4096, 200)):
+        x = torch.randn(M, K, device=dev, generator=g) * torch.logspace(-6, 4, M, device=dev)[:, None]
+        x = x.to(torch.bfloat16)
+        x[M // 2] = 0
+        if M > 4:  # non-finite values: a NaN's block scales and rounds to NaN, an Inf's block as IEEE says
+            x[1, 3], x[2, -1], x[3, 0] = float("nan"), float("inf"), -float("inf")
+        Mp, Kp = -(-M // 16) * 16, -(-K // BLOCK) * BLOCK
+        q, s = fp8_weights.quantize_for_gemm(x, Mp, Kp)
+        want_q, want_s = quantize_1x128(torch.nn.functional.pad(x, (0, Kp - K, 0, Mp - M)))
+        out["exact"][f"{M}x{K}"] = {
+            "q_bytes_differing": int(((qb := q.view(torch.uint8)) != (wb := want_q.view(torch.uint8))).logical_and(
+                (qb & 0x7F != 0x7F) | (wb & 0x7F != 0x7F)).sum()),  # e4m3fn's NaNs (either sign) are equal
+            "scales_differing": int(((s != want_s) & ~(s.isnan() & want_s.isnan())).sum()),
+            "scale_strides": list(s.stride())}
+    if tiny:
+        return out
+    saved = dict(fp8_weights._QUANTIZE)
+    for M, K in ((32768, 5120), (32768, 17408)):
+        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=g)
+        for name, setting in (("triton", {}), ("compiled", {"triton": False}),
+                              ("eager", {"triton": False, "failed": True})):
+            fp8_weights._QUANTIZE.update(saved)
+            fp8_weights._QUANTIZE.update(setting)
+            seconds = _timed(lambda: fp8_weights.quantize_for_gemm(x, M, K), dev, 20)
+            out["seconds"][f"{name} {M}x{K}"] = {"seconds": seconds, "gb_per_s": 3 * M * K / seconds / 1e9}
+    fp8_weights._QUANTIZE.update(saved)
     return out
 
 
@@ -232,6 +275,9 @@ def run_fp8(args) -> dict:
         _write(args.json, result)
         raise
     print("gemm:", json.dumps(result["gemm"]), flush=True)
+    differing = {shape: e for shape, e in result["gemm"].get("quantize", {}).get("exact", {}).items()
+                 if e["q_bytes_differing"] or e["scales_differing"]}
+    print(f"quantize_for_gemm vs quantize_1x128: {'EXACT' if not differing else f'DIFFERS {differing}'}", flush=True)
     _write(args.json, result)
     result["forward"] = forward_check(fp8_model, ref_model, dev, args.batch, args.length, args.repeats)
     f = result["forward"]

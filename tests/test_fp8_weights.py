@@ -266,3 +266,28 @@ def test_the_fp8_emulation_bench_runs_and_rounds(tmp_path):
     for run in runs:
         assert len(run["max_relative"]) == 4 and run["rounded_linear_layers"] > 0
         assert all(0.005 < e < 0.5 for e in run["max_relative"]), run
+
+
+@pytest.mark.parametrize("m,k,m_pad,k_pad", [(5, 256, 16, 256), (16, 200, 16, 256), (0, 128, 16, 128)])
+def test_quantize_for_gemm_pads_and_lays_out_scales_as_scaled_mm_reads(m, k, m_pad, k_pad):
+    """The GEMM operand of `BlockFP8Linear`: zero rows and columns past the input, each 1x128 block rounded as the
+    format says (written here independently), and the scales outer-dim-major (strides (1, m_pad)), the layout
+    torch's BlockWise1x128 scaling reads. On a CPU this is the fallback path; the GPU's Triton kernel is held to
+    the same values bit for bit by bench/targets_check.py."""
+    from dflash_prep.target.fp8_weights import quantize_for_gemm
+
+    g = torch.Generator().manual_seed(m + k)
+    magnitudes = torch.logspace(-3, 3, max(m, 1))[:m, None]  # rows of very different sizes
+    x = (torch.randn(m, k, generator=g) * magnitudes).to(torch.bfloat16)
+    q, scales = quantize_for_gemm(x, m_pad, k_pad)
+    assert q.shape == (m_pad, k_pad) and q.dtype == torch.float8_e4m3fn
+    assert scales.shape == (m_pad, k_pad // 128) and scales.dtype == torch.float32
+    assert scales.stride(0) == 1 and (scales.stride(1) == m_pad or k_pad == 128)  # one column: any stride
+    padded = torch.zeros(m_pad, k_pad)
+    padded[:m, :k] = x.float()
+    blocks = padded.view(m_pad, k_pad // 128, 128)
+    want_s = blocks.abs().amax(-1).clamp(min=1e-12) / E4M3_MAX
+    want_q = (blocks / want_s[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(m_pad, k_pad)
+    assert torch.equal(scales, want_s)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert not q[m:].view(torch.uint8).any() and not q[:, k:].view(torch.uint8).any()

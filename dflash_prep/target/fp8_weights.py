@@ -110,17 +110,20 @@ def quantize_1x128(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     128-wide block, s = max(amax(|x|), 1e-12) / 448, q = e4m3(clamp(x / s, -448, 448)); x ~ q * s."""
     M, K = x_MK.shape
     blocks = x_MK.float().reshape(M, K // BLOCK, BLOCK)
-    scale = blocks.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
+    amax = blocks.abs().amax(dim=-1).clamp(min=1e-12)
+    # divided by a tensor: CUDA divides by a Python number as a product with its rounded reciprocal, one unit in
+    # the last place off amax / 448 for about half the scales (and off the CPU's and the Triton kernel's result)
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (blocks / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.reshape(M, K), scale
 
 
-_QUANTIZE = {"fn": None, "failed": False}
+_QUANTIZE = {"fn": None, "failed": False, "triton": None}
 
 
 def _quantize_fused(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_1x128` through torch.compile on CUDA (one fused pass over the activations instead of five
-    elementwise kernels and an fp32 copy); the eager function where compilation fails (said once)."""
+    """`quantize_1x128` through torch.compile on CUDA (fewer kernels than eager's five and its fp32 copy); the eager
+    function where compilation fails (said once). The fallback of `quantize_for_gemm` where Triton is missing."""
     if x_MK.device.type != "cuda" or _QUANTIZE["failed"]:
         return quantize_1x128(x_MK)
     if _QUANTIZE["fn"] is None:
@@ -132,6 +135,33 @@ def _quantize_fused(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         log.warning("FP8 activation quantization: torch.compile failed (%s); quantizing eagerly",
                     " ".join(str(e).split())[:200])
         return quantize_1x128(x_MK)
+
+
+def _triton_quantizer():
+    """fp8_quant_triton.quantize_1x128_padded, or False where Triton cannot be imported (said once)."""
+    if _QUANTIZE["triton"] is None:
+        try:
+            from dflash_prep.target.fp8_quant_triton import quantize_1x128_padded
+        except Exception as e:  # noqa: BLE001 - ImportError, or Triton's own errors on an odd install
+            log.warning("FP8 activation quantization: no Triton (%s); torch.compile's kernels instead",
+                        " ".join(str(e).split())[:200])
+            quantize_1x128_padded = False
+        _QUANTIZE["triton"] = quantize_1x128_padded
+    return _QUANTIZE["triton"]
+
+
+def quantize_for_gemm(x_MK: torch.Tensor, m_pad: int, k_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [m_pad, k_pad] e4m3, scales [m_pad, k_pad / 128] fp32 outer-dim-major), zero-padded: the
+    operand and BlockWise1x128 scales of `scaled_mm`, values as `quantize_1x128` of x padded with zeros. One Triton
+    pass on CUDA (fp8_quant_triton.py); elsewhere, or without Triton, a padded copy quantized by `_quantize_fused`."""
+    quantize = _triton_quantizer() if x_MK.is_cuda else False
+    if quantize:
+        return quantize(x_MK, m_pad, k_pad)
+    M, K = x_MK.shape
+    if (m_pad, k_pad) != (M, K):
+        x_MK = nn.functional.pad(x_MK, (0, k_pad - K, 0, m_pad - M))
+    q, scale = _quantize_fused(x_MK)
+    return q, scale.t().contiguous().t()
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -175,15 +205,11 @@ class BlockFP8Linear(nn.Module):
 
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        M = x2.shape[0]
-        Mp = _round_up(max(M, 1), 16)  # the scales' leading dimension must be 16-byte aligned
-        if Mp != M or self._kp != self.in_features:
-            x2 = nn.functional.pad(x2, (0, self._kp - self.in_features, 0, Mp - M))
-        q, scale = _quantize_fused(x2)
-        scale_a = scale.t().contiguous().t()  # [M, K/128], outer-dim-major: what BlockWise1x128 reads
+        Mp = _round_up(max(x2.shape[0], 1), 16)  # the scales' leading dimension must be 16-byte aligned
+        q, scale_a = quantize_for_gemm(x2, Mp, self._kp)
         out = scaled_mm(q, self.weight.t(), scale_a, ScalingType.BlockWise1x128, self.scale_b.t(),
                         ScalingType.BlockWise128x128, output_dtype=x.dtype)
-        out = out[:M, : self.out_features]
+        out = out[: x2.shape[0], : self.out_features]
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features)
