@@ -77,6 +77,9 @@ def profile_forward(args, device, tmp: Path) -> dict:
     layer_ids = dflash_layer_ids(num_layers, 5)
     kernels = select_kernels(args.kernels if args.kernels == "auto" else args.kernels.split(","), config,
                              device.type)
+    from dflash_prep.target import moe
+
+    moe.DYNAMIC_DIMS = args.moe_dynamic
     t0 = time.perf_counter()
     model = load_model(section, config, device)
     drop_layers_after(model, layer_ids[-1])
@@ -99,7 +102,8 @@ def profile_forward(args, device, tmp: Path) -> dict:
             torch.cuda.synchronize(device)
     median = statistics.median(times)
     return {"model": args.model, "transformers": transformers.__version__, "torch": torch.__version__,
-            "kernels": list(kernels.names), "layer_ids": layer_ids, "layers_run": layer_ids[-1] + 1,
+            "kernels": list(kernels.names), "moe_dynamic": args.moe_dynamic, "layer_ids": layer_ids,
+            "layers_run": layer_ids[-1] + 1,
             "row_tokens": args.row_tokens, "real_tokens": real, "num_samples": len(samples),
             "build_seconds": build_seconds, "warmup_seconds": warmup_seconds, "gpu_seconds": times,
             "real_tokens_per_second": real / median, "attention_calls": dict(packing.ATTENTION_CALLS),
@@ -112,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=0, help="the first N decoder layers only (default: all)")
     p.add_argument("--row-tokens", type=int, default=32768)
     p.add_argument("--kernels", default="auto", help="auto, or a comma list of model.kernels names")
+    p.add_argument("--moe-dynamic", choices=("tokens", "all"), default="tokens",
+                   help="the compiled experts' dynamic sizes (dflash_prep.target.moe.DYNAMIC_DIMS): the product's "
+                        "`tokens`, or `all` (torch.compile(dynamic=True), before 2026-12-04)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--top", type=int, default=30)

@@ -317,13 +317,14 @@ def long(r: Round) -> None:
           alt_wheels=":a folder of wheels to profile against (a second process with them first on PYTHONPATH)",
           model="qwen3.6-27b:the benchmark model", row_tokens="32768:tokens of the packed row",
           writer_bench="1:also the writer bench (0: skip it)", limit_image="200:the first profile's limit",
+          moe_dynamic="tokens:an MoE's compiled experts, dynamic sizes (tokens: the product's; all: the A/B)",
           limit_alt="160:the second profile's limit")
 def profile(r: Round) -> None:
     if r.flag("writer_bench"):
         size = ["--gb", "0.05", "--width", "2560"] if r.dry else ["--gb", "3"]
         r.step("writer-bench", 90, r.python("bench/writer_bench.py", "--dir", shm_or_tmp(8), "--threads", "1,4",
                                             *size, "--json", r.results / "writer-bench.json"))
-    args = ["--model", r.opt("model"), "--row-tokens", r.opt("row_tokens")]
+    args = ["--model", r.opt("model"), "--row-tokens", r.opt("row_tokens"), "--moe-dynamic", r.opt("moe_dynamic")]
     alt = r.opt("alt_wheels")
     image_env = {"PYTHONPATH": os.pathsep.join(p for p in r.env["PYTHONPATH"].split(os.pathsep)
                                                if not p.endswith("site-alt"))} if alt else None

@@ -130,3 +130,23 @@ def test_a_failed_compilation_runs_transformers_forward_and_says_so(monkeypatch,
     assert all(torch.equal(g, w) for g, w in zip(got, _run(eager, ids)[0], strict=True))
     said = [r.getMessage() for r in caplog.records if "torch.compile failed" in r.getMessage()]
     assert len(said) == 1 and "no lowering" in said[0], said
+
+
+def test_compiled_experts_compile_once_for_every_token_count(monkeypatch):
+    """The token count is the one dynamic size: samples of new lengths reuse the first graph (a recompilation per
+    length would cost a real job seconds per new batch shape)."""
+    from torch._dynamo.utils import counters
+
+    from dflash_prep.target import moe
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(moe, "_COMPILED_FORWARD", None)
+    model = _build()
+    apply_moe_experts(model, "compiled", "cpu", "float32")
+    ids = torch.randint(1, 1000, (1, 64), generator=torch.Generator().manual_seed(2))
+    _run(model, ids[:, :7])
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 1
+    for n in (19, 64, 33):
+        _run(model, ids[:, :n])
+    assert counters["stats"]["unique_graphs"] == graphs

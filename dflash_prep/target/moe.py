@@ -10,7 +10,8 @@ product, the un-permute and the sum over the top-k; profiled on an H200 (Qwen3-3
 batch), the grouped GEMMs were 21% of the GPU time and the elementwise, gather and copy kernels around them ~50%.
 
 `compiled` runs that same forward (transformers' `grouped_mm_experts_forward`, unchanged) through `torch.compile`
-(dynamic shapes: one graph for every token count): Inductor fuses the elementwise work around the grouped GEMMs,
+(the token count dynamic, every other size static: one graph for every token count and layer): Inductor fuses the
+elementwise work around the grouped GEMMs,
 which stay torch's own `grouped_mm` (bfloat16). The router (gate linear, softmax, top-k) is not part of it and runs
 eagerly: the experts each token is sent to are chosen by the same kernels as in transformers' forward. Each token's
 output depends on its own row only, so packed rows stay exact (tests/test_moe.py). Written here rather than taken
@@ -37,6 +38,11 @@ log = logging.getLogger(__name__)
 
 TRANSFORMERS, COMPILED, LIGER = "transformers", "compiled", "liger"
 _COMPILED_FORWARD = None
+# Only the token dimension dynamic (marked per call), not `dynamic=True`: with every size symbolic (the hidden size,
+# the top-k, the experts) Inductor could not see the sum over the top-k as 8 rows of 2048 and made it a looped
+# reduction that took 21% of the Qwen3-30B-A3B shape's forward (bench/results/profile-20261204-30b/). The benchmark
+# sets it to "all" for the A/B.
+DYNAMIC_DIMS = "tokens"
 
 
 def routed_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -64,8 +70,17 @@ def _compiled_forward():
     if _COMPILED_FORWARD is None:
         from transformers.integrations.moe import grouped_mm_experts_forward
 
-        _COMPILED_FORWARD = torch.compile(grouped_mm_experts_forward, dynamic=True)
+        _COMPILED_FORWARD = torch.compile(grouped_mm_experts_forward,
+                                          dynamic=True if DYNAMIC_DIMS == "all" else None)
     return _COMPILED_FORWARD
+
+
+def _mark_token_dims(*tensors: torch.Tensor) -> None:
+    """The token dimension (0) of each input dynamic from the first compilation on, so that a new token count
+    reuses the graph; the other sizes stay static (Inductor specializes its kernels to them)."""
+    if DYNAMIC_DIMS != "all":
+        for t in tensors:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
 _COMPILE_FAILED: list[str] = []
@@ -82,6 +97,7 @@ class _CompiledExperts:
     def __call__(self, hidden_states, top_k_index, top_k_weights):
         if not _COMPILE_FAILED:
             try:
+                _mark_token_dims(hidden_states, top_k_index, top_k_weights)
                 return _compiled_forward()(self.module, hidden_states, top_k_index, top_k_weights)
             except Exception as e:  # noqa: BLE001 - torch.compile's errors have no common type
                 _COMPILE_FAILED.append(" ".join(str(e).split())[:300])
