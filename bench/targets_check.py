@@ -185,9 +185,9 @@ def gemm_check(fp8_model, ref_model, dev: torch.device, tiny: bool) -> dict:
 
 def quantize_check(dev: torch.device, tiny: bool) -> dict:
     """The activations' quantization (`fp8_weights.quantize_for_gemm`) against `quantize_1x128` of the zero-padded
-    input, bit for bit (e4m3 bytes and fp32 scales), on odd and aligned shapes with rows from 1e-6 to 1e4 in size and
-    one row of zeros, a NaN, an Inf and a -Inf; then the seconds of one call at the 27B's widths as each path runs it (Triton, torch.compile,
-    eager), with the bytes it moves (read 2 B and write 1 B an element) as GB/s."""
+    input, bit for bit (e4m3 bytes and fp32 scales), on odd and aligned shapes with rows from 1e-6 to 1e4 in size,
+    one row of zeros, a NaN, an Inf and a -Inf; then the seconds of one call at the 27B's widths as each path runs
+    it (Triton, torch.compile, eager), with the bytes it moves (read 2 B and write 1 B an element) as GB/s."""
     from dflash_prep.target import fp8_weights
 
     triton_fn = fp8_weights._triton_quantizer() if dev.type == "cuda" else False

@@ -2,8 +2,8 @@
 
 What it computes is `fp8_weights.quantize_1x128`, bit for bit (bench/targets_check.py checks it on the GPU): per
 token and 128-wide block of K, s = max(amax(|x|), 1e-12) / 448 and q = e4m3(clamp(x / s, -448, 448)), both divisions
-IEEE-rounded (`tl.div_rn`, as torch divides), the cast round-to-nearest-even (as
-torch's). It writes what `torch.nn.functional.scaled_mm` reads, so nothing is copied around the GEMM:
+IEEE-rounded (`tl.div_rn`, as torch divides by a tensor), the cast round-to-nearest-even (as torch's), a NaN kept.
+It writes what `torch.nn.functional.scaled_mm` reads, so nothing is copied around the GEMM:
 
 - q [M_pad, K_pad] float8_e4m3fn: rows past M and columns past K are zeros (the zero padding the GEMM needs, written
   by the kernel instead of a padded copy of the activations);

@@ -11,10 +11,10 @@ batch), the grouped GEMMs were 21% of the GPU time and the elementwise, gather a
 
 `compiled` runs that same forward (transformers' `grouped_mm_experts_forward`, unchanged) through `torch.compile`
 (the token count dynamic, every other size static: one graph for every token count and layer): Inductor fuses the
-elementwise work around the grouped GEMMs,
-which stay torch's own `grouped_mm` (bfloat16). The router (gate linear, softmax, top-k) is not part of it and runs
-eagerly: the experts each token is sent to are chosen by the same kernels as in transformers' forward. Each token's
-output depends on its own row only, so packed rows stay exact (tests/test_moe.py). Written here rather than taken
+elementwise work around the grouped GEMMs, which stay torch's own `grouped_mm` (bfloat16). The router (gate linear,
+softmax, top-k) is not part of it and runs eagerly: the experts each token is sent to are chosen by the same kernels
+as in transformers' forward. Each token's output depends on its own row only, so packed rows stay exact
+(tests/test_moe.py). Written here rather than taken
 from a fused-MoE library because those that exist (liger-kernel has none for qwen3_moe; transformers' `deepgemm` /
 `sonicmoe` load kernels from a hub) cannot run offline; bench/targets_check.py measures it against
 transformers' implementations on the GPU.
