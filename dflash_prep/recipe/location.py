@@ -46,6 +46,11 @@ class CredentialsRefusedError(StoreRefusedError):
     """The store refused the credentials (unknown key, bad signature, access denied, none found)."""
 
 
+class ConditionalWritesIgnoredError(StoreRefusedError):
+    """The store accepted a write its `If-None-Match` / `If-Match` condition should have refused (store/remote.py
+    `check_conditional_writes`): leases could not keep two runs apart there."""
+
+
 class StoreUnreachableError(ConnectionError):
     """The store did not answer (no server at the endpoint, DNS, a timeout): exit code 1, resumable once it is back.
     One line, naming the endpoint."""

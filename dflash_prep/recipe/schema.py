@@ -304,6 +304,12 @@ class OutputSection:
     max_uploads_in_flight: int = 4
     """Object-store `dir` only: closed shards per rank being uploaded at once (each multipart, by the filesystem);
     a lane that closes a shard beyond it waits. Not part of the job's identity."""
+    require_conditional_writes: bool = True
+    """Object-store `dir` only (S3): the store must honour conditional writes (`If-None-Match: *` and `If-Match`),
+    on which the output's leases and fenced commits rest; a probe object under `locks/` checks it once at the start.
+    A store that ignores them (`rclone serve s3`, some gateways) is refused (exit code 2), unless this is false: the
+    run then goes on, said in the log, and nothing keeps two runs into the output apart (run one at a time). Not
+    part of the job's identity."""
     dtype: str = "bfloat16"
     """Storage dtype of hidden states: bfloat16, float16, float32, or fp8_e4m3 (float8 e4m3 with one fp32 scale
     per token and layer, about half the bytes of bf16; see dflash_prep/target/fp8.py and docs/FORMAT.md)."""

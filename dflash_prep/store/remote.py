@@ -47,7 +47,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from dflash_prep.recipe.location import check_store
+from dflash_prep.recipe.location import ConditionalWritesIgnoredError, check_store
 from dflash_prep.store.lease import Lease, LeaseLostError, StoreError, _is_s3, _precondition_failed, store_call
 from dflash_prep.store.locks import LOCKS_DIR, OutputBusyError
 from dflash_prep.store.manifest import MANIFEST_NAME, read_committed, shard_store
@@ -448,11 +448,13 @@ class RemoteFence:
                                  f"is committed is intact")
 
 
-def claim_run(remote: RemoteOutput) -> Lease:
+def claim_run(remote: RemoteOutput, require_conditional_writes: bool = True) -> Lease:
     """The main process's lease of the output (`locks/run.lease`); OutputBusyError when another live run holds it
     or a rank of an earlier run still holds its rank lease (an orphaned process of a killed launcher). Its
-    generation, the run's fencing token, is above every token the store's indexes carry."""
+    generation, the run's fencing token, is above every token the store's indexes carry. First the store itself:
+    reachable, and honouring conditional writes (`check_conditional_writes`)."""
     _check_reachable(remote)
+    check_conditional_writes(remote, require_conditional_writes)
     lease = remote.lease("run")
     if not lease.try_acquire(min_generation=remote.max_fence() + 1):
         raise OutputBusyError(f"another run is writing into {remote.url} ({lease.holder()}): wait for it to "
@@ -465,6 +467,49 @@ def claim_run(remote: RemoteOutput) -> Lease:
                               f"a process left behind when its launcher was killed: stop it, then re-run this command "
                               f"to resume")
     return lease
+
+
+# an ETag no object has (an MD5's 32 hex digits, all zeros): an If-Match on it must be refused
+_NO_SUCH_ETAG = '"' + "0" * 32 + '"'
+
+
+@store_call
+def check_conditional_writes(remote: RemoteOutput, required: bool = True) -> None:
+    """S3: whether the store honours the conditional writes the leases and the fenced commits rest on (lease.py).
+    A probe object `locks/conditional-write-probe-<uuid>` is created with `If-None-Match: *`, then written again
+    with `If-None-Match: *` and with `If-Match` on an ETag it does not have: both must be refused (HTTP 412), as AWS
+    S3, MinIO and moto refuse them. The probe is deleted after. A store that accepts either: raise
+    ConditionalWritesIgnoredError (exit code 2), or with `required` false say it in the log and go on. Other stores
+    (gcsfs, adlfs: exclusive creates through fsspec) are not probed."""
+    if not _is_s3(remote.fs):
+        return
+    bucket, _, key = remote.key(f"{LOCKS_DIR}/conditional-write-probe-{uuid.uuid4().hex}").partition("/")
+    ignored = []
+    try:
+        remote.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=b"probe", IfNoneMatch="*")
+        for header, condition in (("If-None-Match: *", {"IfNoneMatch": "*"}), ("If-Match", {"IfMatch": _NO_SUCH_ETAG})):
+            try:
+                remote.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=b"probe", **condition)
+                ignored.append(header)
+            except Exception as e:  # noqa: BLE001 - refused as it should be; anything else is the store failing
+                if not _precondition_failed(e):
+                    raise
+    finally:
+        try:
+            remote.fs.call_s3("delete_object", Bucket=bucket, Key=key)
+        except Exception as e:  # noqa: BLE001 - a probe left under locks/ is harmless
+            log.warning("could not delete the probe object %s: %s", key, e)
+    if not ignored:
+        return
+    what = (f"the object store of {remote.url} ignores conditional writes (a write under {' and under '.join(ignored)} "
+            f"that must be refused was accepted)")
+    if required:
+        raise ConditionalWritesIgnoredError(
+            f"{what}: the output's leases and fenced commits rest on them, and without them two runs into it could "
+            f"overwrite each other's shards; use a store that honours them (AWS S3, MinIO), or set "
+            f"output.require_conditional_writes: false to run anyway, one run at a time")
+    log.warning("%s; output.require_conditional_writes is false: nothing keeps two runs into this output apart, run "
+                "one at a time", what)
 
 
 def claim_rank(remote: RemoteOutput, rank: int) -> Lease:

@@ -113,7 +113,8 @@ def _lock_run(run: Run, held: list) -> int:
     check_no_rank_writing(run.out_dir, run.run_id)  # no orphaned worker of an earlier run still writes
     if run.remote is None:
         return lock.lease.generation
-    held.append(claim_run(run.remote))  # the store's lease (store/lease.py), no live rank lease
+    # the store's lease (store/lease.py), no live rank lease
+    held.append(claim_run(run.remote, run.recipe.output.require_conditional_writes))
     return held[-1].generation
 
 
