@@ -1,6 +1,6 @@
 """Targets served at engine speed, checked on the GPU (the `targets` scenario; random weights built on the device).
 
-    python3 bench/targets_check.py fp8 --checkpoint DIR --json OUT [--layers 16] [--tiny]
+    python3 bench/targets_check.py fp8 --checkpoint DIR --json OUT [--layers 16] [--tiny] [--build-only]
     python3 bench/targets_check.py moe --json OUT [--layers 8] [--batch 8 --length 4096] [--tiny]
 
 `fp8`: a Qwen3.6-27B-shaped slice (`--layers` decoder layers) with random bf16 weights (the product's own random
@@ -265,6 +265,8 @@ def run_fp8(args) -> dict:
                                                                      dev)}
     print("checkpoint:", result["checkpoint"], flush=True)
     _write(args.json, result)
+    if args.build_only:  # the extractions' checkpoint alone (a whole 27B leaves no time for the checks in one call)
+        return result
     fp8_model, kernels = _load(Path(args.checkpoint), "auto", dev)
     ref_model, _ = _load(Path(args.checkpoint), "dequantize", dev)
     result["kernels"] = kernels
@@ -413,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--candidates", default="grouped_mm,compiled,liger,eager",
                    help="also: compiled_block (torch.compile of the whole sparse block, router included)")
     p.add_argument("--tiny", action="store_true", help="CPU-sized configs")
+    p.add_argument("--build-only", action="store_true", help="fp8: build and save the checkpoint, no checks")
     args = p.parse_args(argv)
     defaults = {"fp8": (6, 1, 64) if args.tiny else (16, 4, 4096), "moe": (2, 1, 64) if args.tiny else (8, 8, 4096)}
     layers, batch, length = defaults[args.what]
