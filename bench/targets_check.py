@@ -35,6 +35,7 @@ token counts it needs terabytes; not run.)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -172,15 +173,30 @@ def gemm_check(fp8_model, ref_model, dev: torch.device, tiny: bool) -> dict:
 
     out["quantize"] = quantize_check(dev, tiny)
     out["fp8_tflops"] = flop / _timed(lambda: fp8(x), dev, 10) / 1e12  # the product's quantization (Triton on CUDA)
-    saved = dict(fp8_weights._QUANTIZE)
-    fp8_weights._QUANTIZE["triton"] = False  # torch.compile's kernels, as before the Triton kernel
-    out["fp8_compiled_quantize_tflops"] = flop / _timed(lambda: fp8(x), dev, 10) / 1e12
-    fp8_weights._QUANTIZE["failed"] = True  # and eager
-    out["fp8_eager_quantize_tflops"] = flop / _timed(lambda: fp8(x), dev, 10) / 1e12
-    fp8_weights._QUANTIZE.update(saved)
-    out["quantize_compiled"] = not saved["failed"]
+    out["quantize_compiled"] = not fp8_weights._QUANTIZE["failed"]
+    for path in ("compiled", "eager"):  # torch.compile's kernels (before the Triton kernel), and eager
+        with _quantize_path(path):
+            out[f"fp8_{path}_quantize_tflops"] = flop / _timed(lambda: fp8(x), dev, 10) / 1e12
     out["bf16_tflops"] = flop / _timed(lambda: x @ W.t(), dev, 10) / 1e12
     return out
+
+
+# how `fp8_weights.quantize_for_gemm` quantizes, as its switches set it: Triton (the product's path on CUDA),
+# torch.compile's kernels, eager
+_QUANTIZE_PATHS = {"triton": {}, "compiled": {"triton": False}, "eager": {"triton": False, "failed": True}}
+
+
+@contextlib.contextmanager
+def _quantize_path(name: str):
+    """`fp8_weights.quantize_for_gemm` on path `name` of _QUANTIZE_PATHS for the block, its switches back after."""
+    from dflash_prep.target import fp8_weights
+
+    saved = dict(fp8_weights._QUANTIZE)
+    fp8_weights._QUANTIZE.update(_QUANTIZE_PATHS[name])
+    try:
+        yield
+    finally:
+        fp8_weights._QUANTIZE.update(saved)
 
 
 def quantize_check(dev: torch.device, tiny: bool) -> dict:
@@ -209,16 +225,12 @@ def quantize_check(dev: torch.device, tiny: bool) -> dict:
             "scale_strides": list(s.stride())}
     if tiny:
         return out
-    saved = dict(fp8_weights._QUANTIZE)
     for M, K in ((32768, 5120), (32768, 17408)):
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=g)
-        for name, setting in (("triton", {}), ("compiled", {"triton": False}),
-                              ("eager", {"triton": False, "failed": True})):
-            fp8_weights._QUANTIZE.update(saved)
-            fp8_weights._QUANTIZE.update(setting)
-            seconds = _timed(lambda: fp8_weights.quantize_for_gemm(x, M, K), dev, 20)
+        for name in _QUANTIZE_PATHS:
+            with _quantize_path(name):
+                seconds = _timed(lambda: fp8_weights.quantize_for_gemm(x, M, K), dev, 20)
             out["seconds"][f"{name} {M}x{K}"] = {"seconds": seconds, "gb_per_s": 3 * M * K / seconds / 1e9}
-    fp8_weights._QUANTIZE.update(saved)
     return out
 
 

@@ -338,8 +338,9 @@ class OutputSection:
     Python's (5 ms). A main thread busy in Python (the forward loop launching kernels) holds the GIL for up to that
     interval each time a lane waits for it between its copies and writes: with a pure-Python busy thread beside
     them, 4 lanes wrote 0.86-0.94 GB/s at 5 ms, 1.17-1.23 at 1 ms and 1.18-1.49 at 0.2 ms, 1.36-1.64 alone
-    (bench/gil_switch_probe.py, bench/results/gil-switch-cpu-20261204/, a 2-core machine). Not yet measured on a
-    GPU run: an opt-in. Not part of the job's identity."""
+    (bench/gil_switch_probe.py, bench/results/gil-switch-cpu-20261204/, a 2-core machine). On a GPU run 1 ms was
+    slower: the Qwen3-8B shape onto a disk 27,482 tok/s against 31,955 at Python's interval
+    (bench/results/storage-20261204-qwen3-8b-si/): an opt-in. Not part of the job's identity."""
     max_pending_bytes: int = 16_000_000_000
     """Host memory (bytes or '16GB') the states of batches captured but not yet written may hold, per rank
     (pinned on a GPU machine): the loop waits for the writer threads beyond it. A single larger batch still goes
