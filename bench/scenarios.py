@@ -341,7 +341,11 @@ def profile(r: Round) -> None:
           "moto's S3 server on loopback, the S3 output read back equal to the disk's (bench/store_bench.py)",
           deadline_seconds=480, gb="4:GB of each disk_vs_writer step", samples="800:samples of the runs' list",
           model="llama3.1-8b:the runs' config, bench/configs/NAME.json (qwen3-8b: the issue's Qwen3-8B shape)",
-          s3="1:the S3 run (0: skip it; needs moto[server] and s3fs, from the wheels of .whl/)",
+          s3="1:the S3 run (0: skip it; needs s3fs and, for moto, moto[server], from the wheels of WHEEL_DIR)",
+          s3_server="moto:the S3 run's server: moto (moto's, in Python) or rclone (`rclone serve s3`, the binary or "
+                    "its .xz at the `rclone` option)",
+          rclone=".s3tools/rclone.xz:the rclone binary for s3_server=rclone (a .xz is decompressed first)",
+          s3_seconds="260:the S3 step's limit (its probe, the extraction, the download and the comparison)",
           num_layers="5:DFlash's k (5: 40 KB a token on an 8B shape; the recipe's base, the demo's, has 3)",
           writer_threads="4:output.num_writer_threads of the runs (the recipes' and the schema's default; the demo "
                          "base has 2)", disk_vs_writer="1:the disk_vs_writer step (0: skip it)",
@@ -377,9 +381,13 @@ def storage(r: Round) -> None:
         moto_tmp = tmpfs / "moto"  # moto keeps each object over 5 MB in a temporary file: not on the disk measured
         moto_tmp.mkdir(parents=True, exist_ok=True)
         # the read-back of the 6.4 GB through moto takes as long as the upload (~0.1 GB/s on the H200 machine)
-        r.step("8b-s3", 260, r.python("-m", "bench.store_bench", "s3", r.work / "s3", r.results, "--local", out,
-                                      "--probe-gb", "0.05" if r.dry else "0.5", "--store-tmp", moto_tmp, "--",
-                                      *(a for kv in sets for a in ("--set", kv))))
+        server = ["--server", r.opt("s3_server")]
+        if r.opt("s3_server") == "rclone":
+            server += ["--rclone", str(REPO / r.opt("rclone"))]
+        r.step("8b-s3", int(r.opt("s3_seconds")),
+               r.python("-m", "bench.store_bench", "s3", r.work / "s3", r.results, "--local", out,
+                        "--probe-gb", "0.05" if r.dry else "0.5", "--store-tmp", moto_tmp, *server, "--",
+                        *(a for kv in sets for a in ("--set", kv))))
     r.keep(out, "8b-disk")
     if r.opt("switch_interval"):  # the same disk run with the lanes' GIL switch interval set (an A/B)
         si = disk / "out-disk-si"

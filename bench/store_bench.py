@@ -6,9 +6,11 @@ tmpfs and S3 runs.
     python3 -m bench.store_bench s3 WORK RESULTS --local LOCAL_OUT -- --set KEY=VALUE ...   (the extraction's sets)
     python3 -m bench.store_bench report RESULTS
 
-`s3` starts moto's server (moto.server.ThreadedMotoServer) on 127.0.0.1 (its objects in `--store-tmp`, default
-/dev/shm: the store's disk is not the one under test), times a `--probe-gb` upload through s3fs alone
-(what the server itself takes), runs `python -m dflash_prep.commands.extract` with the given sets into
+`s3` starts an S3-compatible server on 127.0.0.1 (its objects in `--store-tmp`, default /dev/shm: the store's disk
+is not the one under test): moto's (moto.server.ThreadedMotoServer, ~0.1 GB/s) or, with `--server rclone`, `rclone
+serve s3` (a Go server that takes several times that, but ignores conditional writes: the extraction then runs with
+output.require_conditional_writes=false). It times `--probe-gb` uploads through s3fs alone (what the server itself
+takes: one upload, then `--probe-threads` at once through one client and through a client per thread), runs `python -m dflash_prep.commands.extract` with the given sets into
 `s3://bench/out` (shards staged in WORK/staging), then downloads the S3 output and reads it and LOCAL_OUT (the
 same recipe on the local disk) back through `ShardDataset`, comparing them sample by sample (ids, tokens, the
 states' bytes; `read_back` says why a download): RESULTS/store_s3.json. `report` puts the runs' tokens/s side by
@@ -21,11 +23,13 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -47,18 +51,76 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _upload_rate(fs, work: Path, num_bytes: int) -> dict:
-    """One file of `num_bytes` through s3fs's put_file (multipart, 50 MiB parts as the uploader sends them)."""
+def _upload_rate(fs, work: Path, num_bytes: int, threads: int) -> dict:
+    """What the server takes from s3fs alone: one file of `num_bytes` through put_file (multipart, in the parts the
+    uploader sends), then `threads` uploads of it at once through the one client (one event loop), then through a
+    client per thread (remote.ThreadClients, as the extraction's uploader does)."""
+    from dflash_prep.store.remote import MULTIPART_CHUNK_BYTES, ThreadClients
+
     path = work / "upload-probe.bin"
     with open(path, "wb") as f:
         f.write(os.urandom(min(num_bytes, 64 << 20)) * max(1, num_bytes // (64 << 20)))
     size = path.stat().st_size
-    t0 = time.perf_counter()
-    fs.put_file(str(path), f"{BUCKET}/probe.bin", chunksize=50 << 20)
-    seconds = time.perf_counter() - t0
-    fs.rm(f"{BUCKET}/probe.bin")
-    path.unlink()
-    return {"bytes": size, "seconds": seconds, "bytes_per_second": size / seconds}
+
+    def timed(clients, n: int) -> dict:
+        def one(i: int) -> None:
+            clients().put_file(str(path), f"{BUCKET}/probe-{i}.bin", chunksize=MULTIPART_CHUNK_BYTES)
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(n) as pool:
+            list(pool.map(one, range(n)))
+        seconds = time.perf_counter() - t0
+        fs.rm([f"{BUCKET}/probe-{i}.bin" for i in range(n)])
+        return {"uploads": n, "bytes": n * size, "seconds": seconds, "bytes_per_second": n * size / seconds}
+
+    per_thread = ThreadClients(fs)
+    try:
+        out = {**timed(lambda: fs, 1), "one_client": timed(lambda: fs, threads),
+               "client_per_thread": timed(per_thread.get, threads)}
+    finally:
+        per_thread.close()
+        path.unlink()
+    return out
+
+
+def _start_server(kind: str, store_tmp: Path | None, rclone: str | None):
+    """(endpoint, stop, notes) of an S3-compatible server on a loopback port, its objects under `store_tmp`.
+    moto: moto's server in this process (Python; ~0.1 GB/s); rclone: `rclone serve s3` over a folder (Go; ignores
+    conditional writes, so the extraction runs with output.require_conditional_writes=false)."""
+    port = _free_port()
+    if kind == "moto":
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        if store_tmp is not None:  # moto keeps objects over 5 MB in temporary files: on RAM, not the disk under test
+            tempfile.tempdir = str(store_tmp)
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        return f"http://{host}:{port}", server.stop, {"server": "moto"}
+    root = Path(tempfile.mkdtemp(prefix="rclone-s3-", dir=store_tmp))
+    (root / BUCKET).mkdir()
+    proc = subprocess.Popen([rclone, "serve", "s3", str(root), "--addr", f"127.0.0.1:{port}", "--config", os.devnull,
+                             "--vfs-cache-mode", "off"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError("rclone serve s3 did not start")
+            time.sleep(0.2)
+
+    def stop() -> None:
+        proc.terminate()
+        proc.wait(timeout=30)
+        shutil.rmtree(root, ignore_errors=True)
+
+    version = subprocess.run([rclone, "version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    return f"http://127.0.0.1:{port}", stop, {"server": "rclone serve s3", "version": version,
+                                              "conditional_writes": "ignored by this server: the extraction runs "
+                                                                    "with output.require_conditional_writes=false"}
 
 
 def _samples(out: str, storage_options: dict | None) -> dict:
@@ -105,23 +167,22 @@ def read_back(fs, url: str, local: Path, copy: Path) -> dict:
             **compare(str(local), str(copy), None)}
 
 
-def s3(work: Path, results: Path, local: Path, sets: list[str], probe_bytes: int, store_tmp: Path | None) -> int:
+def s3(work: Path, results: Path, local: Path, sets: list[str], probe_bytes: int, store_tmp: Path | None,
+       server_kind: str = "moto", rclone: str | None = None, probe_threads: int = 4) -> int:
     import s3fs
-    from moto.server import ThreadedMotoServer
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
     os.environ.update(CREDENTIALS)
-    if store_tmp is not None:  # moto keeps objects over 5 MB in temporary files: on RAM, not on the disk under test
-        tempfile.tempdir = str(store_tmp)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
-    server.start()
+    endpoint, stop, notes = _start_server(server_kind, store_tmp, rclone)
     try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
         fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
-        fs.mkdir(BUCKET)
-        probe = _upload_rate(fs, work, probe_bytes)
-        print(f"s3fs put_file into moto on loopback: {probe['bytes_per_second'] / 1e9:.2f} GB/s", flush=True)
+        if server_kind == "moto":
+            fs.mkdir(BUCKET)
+        else:
+            sets = [*sets, "--set", "output.require_conditional_writes=false"]
+        probe = _upload_rate(fs, work, probe_bytes, probe_threads)
+        print(f"s3fs put_file into {notes['server']} on loopback: one upload {probe['bytes_per_second'] / 1e9:.2f} "
+              f"GB/s; {probe_threads} at once, one client {probe['one_client']['bytes_per_second'] / 1e9:.2f}, a "
+              f"client per thread {probe['client_per_thread']['bytes_per_second'] / 1e9:.2f}", flush=True)
         url = f"s3://{BUCKET}/out"
         env = {**os.environ, "AWS_ENDPOINT_URL": endpoint, "PYTHONUNBUFFERED": "1"}  # staging: on `work`
         cmd = [sys.executable, "-m", "dflash_prep.commands.extract", "--set", f"output.dir={url}",
@@ -129,7 +190,7 @@ def s3(work: Path, results: Path, local: Path, sets: list[str], probe_bytes: int
         t0 = time.perf_counter()
         rc = subprocess.run(cmd, cwd=REPO, env=env).returncode
         wall = time.perf_counter() - t0
-        result = {"endpoint": endpoint, "store_tmp": str(store_tmp), "upload_probe": probe, "extract_exit_code": rc, "extract_wall_seconds": wall,
+        result = {"endpoint": endpoint, **notes, "store_tmp": str(store_tmp), "upload_probe": probe, "extract_exit_code": rc, "extract_wall_seconds": wall,
                   "sets": sets}
         out_json = results / "store_s3.json"
         if rc == 0:
@@ -149,7 +210,7 @@ def s3(work: Path, results: Path, local: Path, sets: list[str], probe_bytes: int
         out_json.write_text(json.dumps(result, indent=2) + "\n")
         return 0 if rc == 0 and result["read_back"]["equal"] else 1
     finally:
-        server.stop()
+        stop()
 
 
 def report(results: Path) -> int:
@@ -167,9 +228,14 @@ def report(results: Path) -> int:
     s3_path = results / "store_s3.json"
     if s3_path.is_file():
         s = json.loads(s3_path.read_text())
-        runs["8b-s3"] = {"tokens_per_second": s.get("s3_tokens_per_second"), "read_back_equal":
-                         s.get("read_back", {}).get("equal"), "upload_probe_bytes_per_second":
-                         s["upload_probe"]["bytes_per_second"]}
+        probe = s["upload_probe"]
+        runs["8b-s3"] = {"server": s.get("server"), "tokens_per_second": s.get("s3_tokens_per_second"),
+                         "read_back_equal": s.get("read_back", {}).get("equal"),
+                         "upload_probe_bytes_per_second": probe["bytes_per_second"],
+                         "upload_probe_one_client_bytes_per_second": probe.get("one_client", {}).get(
+                             "bytes_per_second"),
+                         "upload_probe_client_per_thread_bytes_per_second": probe.get("client_per_thread", {}).get(
+                             "bytes_per_second")}
     out = {"runs": runs}
     tps = {k: v.get("tokens_per_second") for k, v in runs.items()}
     if tps.get("8b-disk") and tps.get("8b-tmpfs"):
@@ -207,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--probe-gb", type=float, default=1.0, help="bytes of the upload probe, GB")
     s.add_argument("--store-tmp", type=Path, default=Path("/dev/shm") if Path("/dev/shm").is_dir() else None,
                    help="where the server keeps its objects (moto: temporary files); default /dev/shm")
+    s.add_argument("--server", choices=("moto", "rclone"), default="moto",
+                   help="the S3-compatible server: moto's (in this process) or `rclone serve s3` (--rclone)")
+    s.add_argument("--rclone", help="the rclone binary (--server rclone); a .xz file is decompressed into WORK first")
+    s.add_argument("--probe-threads", type=int, default=4, help="uploads at once in the probe's parallel steps")
     r = sub.add_parser("report")
     r.add_argument("results", type=Path)
     args = p.parse_args(argv)
@@ -215,7 +285,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "s3":
         args.work.mkdir(parents=True, exist_ok=True)
-        return s3(args.work, args.results, args.local, sets, int(args.probe_gb * 1e9), args.store_tmp)
+        rclone = args.rclone
+        if rclone and rclone.endswith(".xz"):  # carried compressed (the binary is 86 MB, 21 MB as xz)
+            import lzma
+
+            binary = args.work / "rclone"
+            with lzma.open(rclone) as src, open(binary, "wb") as dst:
+                shutil.copyfileobj(src, dst, 16 << 20)
+            binary.chmod(0o755)
+            rclone = str(binary)
+        return s3(args.work, args.results, args.local, sets, int(args.probe_gb * 1e9), args.store_tmp, args.server,
+                  rclone, args.probe_threads)
     return report(args.results)
 
 

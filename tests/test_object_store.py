@@ -205,6 +205,43 @@ def test_the_lease_admits_one_run_and_is_taken_over_from_a_dead_holder(server, b
     assert not fs.exists(path)
 
 
+
+def test_each_upload_thread_has_its_own_client_on_its_own_loop_and_close_ends_them(server, bucket, tmp_path):
+    """The uploader's clients (remote.ThreadClients): threads that upload at once get distinct clients on distinct,
+    running event loops with the output's endpoint and credentials; a thread's second call reuses its client; the
+    objects land whole; close() closes them and stops every loop thread."""
+    from dflash_prep.store.remote import ThreadClients
+
+    shared = store(server)
+    clients = ThreadClients(shared)
+    payloads = {i: os.urandom(300_000 + i) for i in range(3)}
+    seen, barrier = {}, threading.Barrier(3)
+
+    def upload(i: int) -> None:
+        src = tmp_path / f"p{i}.bin"
+        src.write_bytes(payloads[i])
+        fs = clients.get()
+        barrier.wait()  # all three threads hold a client at once
+        fs.put_file(str(src), f"{bucket}/p{i}.bin")
+        seen[i] = (fs, clients.get(), fs.loop)
+
+    threads = [threading.Thread(target=upload, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(seen) == [0, 1, 2]
+    assert all(first is again for first, again, _ in seen.values())
+    assert len({id(fs) for fs, _, _ in seen.values()}) == 3 and shared not in [fs for fs, _, _ in seen.values()]
+    loops = [loop for _, _, loop in seen.values()]
+    assert len(set(map(id, loops))) == 3 and shared.loop not in loops and all(loop.is_running() for loop in loops)
+    loop_threads = [t for t in threading.enumerate() if t.name == "object-store-loop"]
+    assert len(loop_threads) >= 3
+    clients.close()
+    assert not any(t.is_alive() for t in loop_threads) and not any(loop.is_running() for loop in loops)
+    check = store(server)
+    for i, data in payloads.items():
+        assert check.cat_file(f"{bucket}/p{i}.bin") == data
 @pytest.mark.slow
 def test_a_follower_yields_each_committed_shard_once_and_ends_at_the_manifest(local_run, tmp_path):
     """A follower on a folder whose shards and index lines arrive one by one (copied from a real run's output):
