@@ -228,6 +228,22 @@ def test_block_fp8_linear_keeps_packed_rows_apart():
     assert [m.why_not is not None for m in token_mixers(nn.Sequential(Unknown()))] == [True]
 
 
+def test_a_block_fp8_layer_holds_whole_blocks_without_a_copy_and_pads_the_rest_with_zeros():
+    """Weights of whole 128-blocks are the checkpoint's tensor itself (the conversion of a 27B holds no second copy
+    of its weights); others are copied into a zero-padded one, the weight bytes unchanged."""
+    from dflash_prep.target.fp8_weights import BlockFP8Linear
+
+    aligned = torch.randn(256, 384).to(torch.float8_e4m3fn)
+    layer = BlockFP8Linear(aligned, torch.rand(2, 3), None)
+    assert layer.weight.data_ptr() == aligned.data_ptr() and layer.weight.shape == (256, 384)
+    ragged = torch.randn(300, 200).to(torch.float8_e4m3fn)
+    layer = BlockFP8Linear(ragged, torch.rand(3, 2), None)
+    assert layer.weight.data_ptr() != ragged.data_ptr() and layer.weight.shape == (384, 256)
+    held = layer.weight.view(torch.uint8)
+    assert torch.equal(held[:300, :200], ragged.view(torch.uint8))
+    assert held[300:].count_nonzero() == 0 and held[:, 200:].count_nonzero() == 0
+
+
 def test_a_block_fp8_layer_counts_its_weights_as_the_linear_layer_it_replaces():
     """The FLOPs per token (the benchmark's MFU, plan's figures) count the FP8 layer's weights, held as buffers,
     unpadded (300 x 200 here: blocks of 128 pad it to 384 x 256), as the bf16 twin's parameters."""

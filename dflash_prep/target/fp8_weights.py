@@ -173,7 +173,7 @@ class BlockFP8Linear(nn.Module):
 
     Holds the weight as e4m3 [N', K'] and its decoding scales in the layout cuBLAS reads (scale_b: [L4, N'/128]
     with L4 = K'/128 rounded up to 4, K-major), N' and K' padded with zeros to multiples of 128 (a partial block of
-    the format: zeros add nothing to the products). forward(x [..., K]) -> [..., N] in x's dtype: x is quantized
+    the format: zeros add nothing to the products; a copy is made only then). forward(x [..., K]) -> [..., N] in x's dtype: x is quantized
     per token and 128-block (`quantize_1x128`), multiplied in FP8 with fp32 accumulation, the bias added."""
 
     # Each token's row is quantized (1x128 blocks along K) and multiplied on its own: no position reads another, so
@@ -185,8 +185,11 @@ class BlockFP8Linear(nn.Module):
         N, K = weight_NK.shape
         self.in_features, self.out_features = K, N
         Np, Kp = _round_up(N, BLOCK), _round_up(K, BLOCK)
-        w = torch.zeros(Np, Kp, dtype=torch.uint8, device=weight_NK.device)
-        w[:N, :K] = weight_NK.view(torch.uint8)  # zero bytes are e4m3 zeros
+        if (Np, Kp) == (N, K):  # whole blocks (every 27B projection): the checkpoint's tensor itself, no copy
+            w = weight_NK.contiguous().view(torch.uint8)
+        else:
+            w = torch.zeros(Np, Kp, dtype=torch.uint8, device=weight_NK.device)
+            w[:N, :K] = weight_NK.view(torch.uint8)  # zero bytes are e4m3 zeros
         L, L4 = Kp // BLOCK, _round_up(Kp // BLOCK, 4)
         s = torch.ones(Np // BLOCK, L4, dtype=torch.float32, device=weight_NK.device)
         s[: scale_inv.shape[0], : scale_inv.shape[1]] = scale_inv.float()
@@ -244,10 +247,16 @@ def install_scaled_mm(model: nn.Module, config, mode: str, device: torch.device)
         return f"FP8 checkpoint (block 128x128 e4m3) run DEQUANTIZED to {_dtype_of(model)}: {why}"
     if not fp8_gemm_available(device):
         raise RecipeError(f"FP8 weights loaded on {device}, which has no block-scaled FP8 GEMM")
-    for name, m in layers:
+    # One layer at a time, holding no other: a replaced layer's weights are freed before the next is built (a
+    # list of every old layer would keep the whole model's FP8 weights twice at the end: 2x 27 GB for the 27B).
+    names = [name for name, _ in layers]
+    del layers
+    for name in names:
+        m = model.get_submodule(name)
         model.set_submodule(name, BlockFP8Linear(m.weight.data, m.weight_scale_inv.data,
                                                  None if m.bias is None else m.bias.data))
-    return (f"FP8 checkpoint (block 128x128 e4m3): {len(layers)} linear layers run as FP8 on torch scaled_mm "
+        del m
+    return (f"FP8 checkpoint (block 128x128 e4m3): {len(names)} linear layers run as FP8 on torch scaled_mm "
             f"(activations quantized per token and 128 block, weights 128x128)")
 
 
