@@ -44,6 +44,12 @@ def test_readme_reading_example(output, monkeypatch):
     assert len(scope["seen"]) == len(set(scope["seen"]))
     # every sample once: yielded in a batch, or dropped by the collator (no two supervised tokens left)
     assert len(scope["seen"]) + scope["dropped"] == manifest["num_samples"] > 100
+    # cut to 2 tokens (the prompt's first two, never supervised) every batch is dropped whole: the loop as written
+    # still runs to the end (it skips the None batches)
+    assert "max_length=2048" in code
+    scope = {"seen": [], "dropped": 0}
+    exec(compile(code.replace("max_length=2048", "max_length=2"), "README.md", "exec"), scope)
+    assert scope["seen"] == [] and scope["dropped"] == 0
 
 
 def test_storage_page_webdataset_example_reads_every_shard_of_the_manifest(output):

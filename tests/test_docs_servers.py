@@ -88,3 +88,17 @@ def test_the_demo_server_flow_runs_as_written(tmp_path):
         except OSError:
             state = "gone"
         assert state in ("gone", "Z"), state
+
+
+def test_the_demo_server_without_the_serving_extra_is_one_line_and_saves_nothing(tmp_path, monkeypatch, capsys):
+    """A missing server dependency (a module `transformers serve` imports) is refused before the model is saved: one
+    line naming it and the extra, exit code 2, no folder written (the server's own check came after the save, as a
+    traceback)."""
+    from dflash_prep.commands.demo_server import main
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # import of it fails, as where it is not installed
+    dest = tmp_path / "model"
+    assert main(["--dir", str(dest)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "uvicorn" in err[0] and "serving" in err[0] and "Traceback" not in err[0]
+    assert not dest.exists()

@@ -192,6 +192,18 @@ def test_wrong_final_layer_fails_at_once_naming_the_key(out_after, tmp_path):
 
 
 @pytest.mark.parametrize(("target", "strategy"), [("modelopt", "dflash"), ("specforge", "eagle3")])
+def test_no_final_layer_for_an_after_norm_target_points_at_the_re_extraction_that_serves_every_exporter(
+        out_before, target, strategy):
+    """Without the final layer, an after-norm layout (Model-Optimizer, SpecForge EAGLE-3) suggests before_norm first,
+    as speculators' refusal does: one re-extraction then serves all three."""
+    manifest = dict(_manifest(out_before), capture_final="none", final_norm=None)
+    with pytest.raises(ExportError) as refused:
+        check_exportable(manifest, target, strategy)
+    message = str(refused.value)
+    assert message.index("capture_final=before_norm") < message.index("capture_final=after_norm")
+
+
+@pytest.mark.parametrize(("target", "strategy"), [("modelopt", "dflash"), ("specforge", "eagle3")])
 def test_before_norm_without_a_stored_final_norm_is_refused_for_after_norm_targets(out_before, target, strategy):
     """An output written before final_norm.safetensors existed (or with an unsupported norm) cannot derive it."""
     manifest = _manifest(out_before)

@@ -46,6 +46,17 @@ def save_demo_model(dest: Path) -> Path:
     return dest
 
 
+# What `transformers serve` imports before it serves (transformers.utils.import_utils.is_serve_available, 5.x):
+# checked here so that a missing one is one line, not the server's traceback after the model is saved.
+SERVING_MODULES = ("fastapi", "uvicorn", "pydantic", "openai")
+
+
+def missing_serving_modules() -> list[str]:
+    import importlib.util
+
+    return [m for m in SERVING_MODULES if importlib.util.find_spec(m) is None]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dflash-prep demo-server", description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default=DEFAULT_DIR, help=f"the model folder (default {DEFAULT_DIR})")
@@ -54,8 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-only", action="store_true", help="save the folder, do not serve it")
     args = parser.parse_args(argv)
     serve = shutil.which("transformers") or str(Path(sys.executable).parent / "transformers")
-    if not args.save_only and not Path(serve).is_file():
-        print("error: `transformers serve` is not installed: pip install 'transformers[serving]'", file=sys.stderr)
+    missing = [] if args.save_only else missing_serving_modules()
+    if not args.save_only and (not Path(serve).is_file() or missing):
+        what = f" (missing: {', '.join(missing)})" if missing else ""
+        print(f"error: `transformers serve` is not installed{what}: pip install '.[serving]' in a checkout of "
+              f"dflash-prep, or pip install 'transformers[serving]'", file=sys.stderr)
         return 2
     dest = save_demo_model(Path(args.dir)).resolve()
     print(f"demo model folder: {dest}\nrun against it with: --set model.config=null --set model.tokenizer=null "

@@ -49,7 +49,6 @@ import functools
 import json
 import math
 import sys
-import tarfile
 import time
 from collections import namedtuple
 from pathlib import Path
@@ -60,31 +59,11 @@ from dflash_prep.commands.regen_rate import BENCH_MAX_PARAM_RATIO  # one bound f
 from dflash_prep.commands.bench_figures import DEFAULT as DEFAULT_FIGURES
 from dflash_prep.commands.bench_figures import describe, figures
 from dflash_prep.recipe.schema import STORAGE_DTYPES, Recipe, RecipeError
-from dflash_prep.store.sizes import RecordSizer
+from dflash_prep.store.sizes import RecordSizer, shard_sizes
 from dflash_prep.units import format_bytes, format_count, format_duration, format_rate
 
 
 _MetaInfo = namedtuple("_MetaInfo", "sample_id source_row source_id num_tokens")
-
-
-def shard_sizes(record_bytes_in_order: list[list[int]], max_shard_bytes: int, num_lanes: int = 1) -> list[int]:
-    """Shard files one rank writes, given its batches (in the order it runs them) as lists of record sizes.
-
-    Replays `ShardWriter` and its lanes: batch i goes to lane i mod `num_lanes`; a lane closes its shard after the
-    first batch that brings it to `max_shard_bytes` or more; closing adds two zero blocks and pads the file to a
-    multiple of RECORDSIZE."""
-    rec = tarfile.RECORDSIZE
-    sizes = []
-    for lane in range(num_lanes):
-        content = 0
-        for batch in record_bytes_in_order[lane::num_lanes]:
-            content += sum(batch)
-            if content >= max_shard_bytes:
-                sizes.append(-(-(content + 2 * tarfile.BLOCKSIZE) // rec) * rec)
-                content = 0
-        if content:
-            sizes.append(-(-(content + 2 * tarfile.BLOCKSIZE) // rec) * rec)
-    return sizes
 
 
 # ------------------------------------------------------------------------------------------ throughput
@@ -519,7 +498,8 @@ def _storage_line(b: dict, compute: str = "GPUs") -> str:
     head = f"{b['target']}: {format_bytes(b['num_bytes'])}"
     if b["bytes_per_second"] is None:
         return (head + "; its time is unknown: pass --storage-bytes-per-second (what that disk or store takes, all "
-                       "writers together) or --storage-bench (a result of bench/disk_vs_writer.py)")
+                       "writers together) or --storage-bench (a result of bench/disk_vs_writer.py, a script of "
+                       "the dflash-prep repository)")
     line = f"{head} at {format_rate(b['bytes_per_second'])} ({b['source']}) = {format_duration(b['seconds'])}"
     if b["pace"] is None:
         return line + f"; no {compute} time to set beside it (pass --tokens-per-second)"
@@ -680,7 +660,7 @@ def build_parser(prog: str = "dflash-prep plan") -> argparse.ArgumentParser:
                    help="plan the run on GPUs (batches, packing, benchmark rates) from a machine without one")
     p.add_argument("--storage-bytes-per-second", default=None, metavar="RATE",
                    help="what output.dir's disk or object store takes, all writers of the run together (e.g. 1.4GB; "
-                        "measure it: bench/disk_vs_writer.py), to time the writes beside the GPUs")
+                        "measure it: bench/disk_vs_writer.py in a checkout), to time the writes beside the GPUs")
     p.add_argument("--storage-bench", default=None, metavar="FILE",
                    help="a result file of bench/disk_vs_writer.py: its shard-writer rate as the storage rate")
     p.add_argument("--storage-price-per-gb-month", type=float, default=None, metavar="PRICE",

@@ -178,8 +178,12 @@ def check_exportable(manifest: dict, target: str, strategy: str = "dflash", cast
         return  # derived at export time from the before-norm states and the stored final norm (norms.py)
     if needs is not None and final != needs[0]:
         got = "did not capture the final layer" if final == "none" else f"captured it {final.replace('_', ' ')}"
-        raise ExportError(f"{needs[1]}, but {source} {got} (layers.capture_final={final}); "
-                          f"{_reextract_hint('layers.capture_final=' + needs[0])}")
+        hint = _reextract_hint("layers.capture_final=" + needs[0])
+        if needs[0] == "after_norm" and final == "none":  # one re-extraction that serves every trainer
+            hint = (f"{_reextract_hint('layers.capture_final=before_norm')} (serves every exporter: the after-norm "
+                    f"states are derived at export from the stored final norm), or with "
+                    f"layers.capture_final=after_norm")
+        raise ExportError(f"{needs[1]}, but {source} {got} (layers.capture_final={final}); {hint}")
 
 
 def _derives_after_norm(manifest: dict, target: str, strategy: str) -> bool:

@@ -105,14 +105,36 @@ class RecordSizer:
         return blocks * self.H * item + (4 * blocks if dtype == "fp8_e4m3" else 0)
 
 
-def check_free_space(out_dir: Path, lengths: list[int], todo: list[PlannedBatch], layer_ids: list[int],
+def shard_sizes(record_bytes_in_order: list[list[int]], max_shard_bytes: int, num_lanes: int = 1) -> list[int]:
+    """Shard files one rank writes, given its batches (in the order it runs them) as lists of record sizes.
+
+    Replays `ShardWriter` and its lanes: batch i goes to lane i mod `num_lanes`; a lane closes its shard after the
+    first batch that brings it to `max_shard_bytes` or more; closing adds two zero blocks and pads the file to a
+    multiple of RECORDSIZE."""
+    rec = tarfile.RECORDSIZE
+    sizes = []
+    for lane in range(num_lanes):
+        content = 0
+        for batch in record_bytes_in_order[lane::num_lanes]:
+            content += sum(batch)
+            if content >= max_shard_bytes:
+                sizes.append(-(-(content + 2 * tarfile.BLOCKSIZE) // rec) * rec)
+                content = 0
+        if content:
+            sizes.append(-(-(content + 2 * tarfile.BLOCKSIZE) // rec) * rec)
+    return sizes
+
+
+def check_free_space(out_dir: Path, lengths: list[int], shares: list[list[PlannedBatch]], layer_ids: list[int],
                       hidden_size: int, recipe: Recipe) -> int:
-    """Log the bytes the batches left to do will write (the writer's own record sizes, `meta.json` taken as one
-    block), and warn, before the model loads, when they exceed the free space of the output's filesystem (the
-    run would stop, cleanly and resumably, when the disk fills). Returns the estimate."""
+    """Log the bytes the batches left to do will write (each rank's share in its order: the writer's own record
+    sizes, `meta.json` taken as one block, and its shards' closing as `shard_sizes` replays it: `plan`'s figure),
+    and warn, before the model loads, when they exceed the free space of the output's filesystem (the run would
+    stop, cleanly and resumably, when the disk fills). Returns the estimate."""
     sizer = RecordSizer(layer_ids, hidden_size, recipe.layers.capture_final)
-    dtype = recipe.output.dtype
-    need = sum(sizer.record_bytes(lengths[i], 1, dtype) for p in todo for i in p.sample_indices)
+    dtype, out = recipe.output.dtype, recipe.output
+    need = sum(sum(shard_sizes([[sizer.record_bytes(lengths[i], 1, dtype) for i in p.sample_indices] for p in share],
+                               out.max_shard_bytes, out.num_writer_threads)) for share in shares)
     free = shutil.disk_usage(out_dir).free
     if need > free:
         log.warning("this run will write about %s into %s but only %s are free there: it will stop "

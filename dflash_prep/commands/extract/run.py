@@ -191,7 +191,7 @@ def _plan(run: Run, data, plan: list) -> RankPlan:
             log.info("resume: %d of %d batches already committed, %d left over %d rank(s)",
                      len(plan) - len(todo), len(plan), len(todo), run.world)
         if run.remote is None:
-            check_free_space(run.out_dir, lengths, todo, run.layer_ids, hidden_size_of(run.config), run.recipe)
+            check_free_space(run.out_dir, lengths, shares, run.layer_ids, hidden_size_of(run.config), run.recipe)
         else:
             out = run.recipe.output
             log.info("output: %s, shards staged in %s (at most %s per rank: (%d writer threads + %d uploads in "
