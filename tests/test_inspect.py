@@ -229,3 +229,26 @@ def test_progress_of_an_unfinished_output_ignores_commit_times_that_are_not_numb
     report = json.loads(out)
     assert report["finished"] is False and report["num_samples"] == NUM_ROWS and report["committed_batches"] == len(lines)
     assert report["samples_per_second_recent"] is None or report["samples_per_second_recent"] > 0
+
+
+def test_after_a_resume_the_figures_say_they_are_the_last_runs(tmp_path, capsys, monkeypatch):
+    """A run stopped (SIGTERM after 2 batches, exit 1) and resumed: the wall and loop figures are the resume's
+    alone, and the report says so with the tokens earlier runs committed (the summary's figures, which the
+    report cannot otherwise tell apart from a whole run's)."""
+    from dflash_prep.commands.extract import main as extract_main
+
+    out = tmp_path / "out"
+    argv = [a for kv in [f"output.dir={out}", *OVERRIDES] for a in ("--set", kv)]
+    monkeypatch.setenv("DFLASH_PREP_FAULTS", json.dumps({"sigterm_after_batches": 2}))
+    assert extract_main(argv) == 1
+    monkeypatch.delenv("DFLASH_PREP_FAULTS")
+    assert extract_main(argv) == 0
+    s = json.loads((out / "summary.json").read_text())
+    before = s["num_tokens_committed_before"]
+    total = _manifest(out)["num_tokens"]
+    assert 0 < before < total and s["num_tokens_this_run"] == total - before
+    capsys.readouterr()
+    assert main([str(out)]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("extraction")]
+    assert f"the last run, a resume ({before:,} tokens were committed by earlier runs): " in line, line
+    assert f"{s['wall_seconds']:.1f} s wall" in line

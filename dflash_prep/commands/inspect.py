@@ -102,7 +102,8 @@ def describe(out_dir: str | Path) -> dict:
             s = json.loads(summary_path.read_text())
             facts["extraction"] = {k: s.get(k) for k in ("num_ranks", "wall_seconds", "loop_seconds",
                                                           "tokens_per_second", "num_tokens_this_run",
-                                                          "padding_efficiency", "num_batches")}
+                                                          "padding_efficiency", "num_batches",
+                                                          "num_tokens_committed_before")}
         except (OSError, json.JSONDecodeError):
             facts["extraction"] = None
     return facts
@@ -161,8 +162,11 @@ def format_description(f: dict) -> str:
             parts.append(f"its loop{loop} at {x['tokens_per_second']:,.0f} tok/s")
         if x.get("padding_efficiency") is not None:
             parts.append(f"padding efficiency {x['padding_efficiency']:.3f}")
+        before = x.get("num_tokens_committed_before")
+        if parts and before:  # the figures are the last run's: a resume's, after what earlier runs committed
+            parts.insert(0, f"the last run, a resume ({before:,} tokens were committed by earlier runs):")
         if parts:
-            lines.append(("extraction", ", ".join(parts)))
+            lines.append(("extraction", ", ".join(parts).replace(":,", ":")))
     lines.append(("format", f"version {f['format_version']}, written by dflash-prep {f['dflash_prep_version']}"))
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in lines)

@@ -614,7 +614,8 @@ def _batches_line(p: dict) -> tuple[str, str]:
     if not p["packing"]["packed"]:
         return ("batches", f"{p['num_batches']:,}, {p['num_shapes']} distinct shapes, batch size "
                            f"{p['batch_size_min']}-{p['batch_size_max']} (mean {p['batch_size_mean'] or 0:.1f}), "
-                           f"padded length {p['padded_length_min']}-{p['padded_length_max']}")
+                           f"padded length {p['padded_length_min']}-{p['padded_length_max']} "
+                           f"({p['packing']['reason']})")
     shapes = ", ".join(f"{shape}: {n:,}" for shape, n in p["shapes"].items())
     return ("batches", f"{p['num_batches']:,} packed rows ({p['packing']['reason']}), {p['num_shapes']} distinct "
                        f"shapes ({shapes}), {p['batch_size_min']}-{p['batch_size_max']} samples per row "

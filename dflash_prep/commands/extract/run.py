@@ -88,6 +88,9 @@ def _run_extraction(recipe: Recipe, held: list, own_process: bool = False) -> di
     return finish_run(run, data, rank_plan)  # manifest last
 
 
+STARTUP_LABELS = {"start": "to the output's claim"}  # the log's words for the summary's startup_seconds keys
+
+
 def _run_share(run: Run, held: list, own_process: bool):
     """From the claim of the output to the end of every rank's share: -> (data, rank plan)."""
     load, times = None, {}
@@ -118,9 +121,10 @@ def _run_share(run: Run, held: list, own_process: bool):
         atomic_write_json(run.out_dir / "index" / f"{rank_name(run.rank)}.done.json", report)
         if run.remote is not None:  # the main process may be on another node: it reads the store's
             run.remote.push([f"index/{rank_name(run.rank)}.done.json"])
-    log.info("rank %d done: %d samples, %d tokens in %.1fs%s; start-up %s", run.rank,
+    log.info("rank %d done: %d samples, %d tokens in %.1fs%s; start-up: %s", run.rank,
              report["num_samples"], report["num_real_tokens"], report["loop_seconds"], prediction_note(run, report),
-             ", ".join(f"{k} {v:.1f}s" for k, v in run.startup_seconds.items() if not isinstance(v, bool)))
+             ", ".join(f"{STARTUP_LABELS.get(k, k.replace('_', ' '))} {v:.1f}s"
+                       for k, v in run.startup_seconds.items() if not isinstance(v, bool)))
     run.peers.wait("every rank finishes its share of the plan")
     return data, rank_plan
 

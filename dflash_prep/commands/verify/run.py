@@ -185,8 +185,8 @@ def _noise_floor_policy(report: VerifyReport) -> str:
         return "no noise floor (--no-noise-floor): the fixed tolerance only"
     if not report.widen:
         return ("noise floor measured (padded batch vs alone) but not used: the tolerance as given (--tolerance)")
-    return (f"a layer may also reach {NOISE_FLOOR_FACTOR:g} x its rounding noise (padded batch vs alone, "
-            f"used up to {NOISE_FLOOR_CAP:g})")
+    return (f"a layer may also reach {NOISE_FLOOR_FACTOR:g} x its rounding noise (its padded-batch reference vs "
+            f"alone; a noise above {NOISE_FLOOR_CAP:g} relative is not used)")
 
 
 FP8_REFERENCES = ("fp8", "dequantized")
