@@ -53,3 +53,25 @@ def test_an_installed_package_plans_a_gpu_run_with_the_benchmark_figure(tmp_path
     assert installed["tokens_per_second"] == report["modes"]["dflash_prep_warm"]["tokens_per_second"]
     checkout = _plan_json(work, REPO, *args)["throughput"]
     assert checkout["tokens_per_second"] == installed["tokens_per_second"]
+
+
+def test_the_fp8_ratio_is_the_newest_dates_and_of_that_date_the_largest_models(tmp_path):
+    """Of the `targets-*` A/B pairs: the newest date wins, and on one date the whole model's over a slice's, whatever
+    the folders' names sort as; a pair over different rows is not a ratio."""
+    from dflash_prep.commands.bench_figures import fp8_extraction_ratio
+
+    def pair(name: str, fp8: float, bf16: float, params: int, tokens: tuple[int, int] = (1000, 1000)) -> None:
+        folder = tmp_path / name
+        folder.mkdir()
+        for kind, rate, n in (("fp8", fp8, tokens[0]), ("dequantized", bf16, tokens[1])):
+            (folder / f"extract-{kind}.summary.json").write_text(json.dumps(
+                {"tokens_per_second": rate, "num_tokens_this_run": n, "ranks": [{"decoder_params_run": params}]}))
+
+    assert fp8_extraction_ratio(tmp_path) is None
+    pair("targets-20261203-slice", 150.0, 100.0, 6_000)
+    assert fp8_extraction_ratio(tmp_path) == {"ratio": 1.5, "folder": "targets-20261203-slice"}
+    pair("targets-20261204-zz-slice", 140.0, 100.0, 6_000)
+    pair("targets-20261204-aa-whole", 130.0, 100.0, 24_000)
+    pair("targets-20261205-other-rows", 300.0, 100.0, 24_000, tokens=(1000, 999))
+    got = fp8_extraction_ratio(tmp_path)
+    assert got["folder"] == "targets-20261204-aa-whole" and abs(got["ratio"] - 1.3) < 1e-12

@@ -203,10 +203,12 @@ def _host_warmup(cold: dict, warm: dict) -> float | None:
 
 
 def fp8_extraction_ratio(bench_dir: Path) -> dict | None:
-    """{ratio, folder}: the newest measured ratio of an FP8 extraction's loop tok/s to the same checkpoint's
-    dequantized one on the same rows (bench/targets_check.py's `extract-fp8.summary.json` and
-    `extract-dequantized.summary.json` in a `targets-*` folder of `bench_dir`); None where no such pair is."""
-    for folder in sorted(Path(bench_dir).glob("targets-*"), key=lambda f: f.name, reverse=True):
+    """{ratio, folder}: the ratio of an FP8 extraction's loop tok/s to the same checkpoint's dequantized one on the
+    same rows (bench/targets_check.py's `extract-fp8.summary.json` and `extract-dequantized.summary.json` in a
+    `targets-YYYYMMDD*` folder of `bench_dir`): the newest date's, and of that date the largest model's (the whole
+    27B before a slice of it: a real target's ratio); None where no such pair is."""
+    pairs = []
+    for folder in Path(bench_dir).glob("targets-*"):
         try:
             fp8, bf16 = (json.loads((folder / f"extract-{name}.summary.json").read_text())
                          for name in ("fp8", "dequantized"))
@@ -214,5 +216,8 @@ def fp8_extraction_ratio(bench_dir: Path) -> dict | None:
             continue
         if fp8.get("num_tokens_this_run") == bf16.get("num_tokens_this_run") and \
                 _positive(fp8.get("tokens_per_second")) and _positive(bf16.get("tokens_per_second")):
-            return {"ratio": fp8["tokens_per_second"] / bf16["tokens_per_second"], "folder": folder.name}
-    return None
+            params = max([r.get("decoder_params_run") or 0 for r in fp8.get("ranks") or [] if isinstance(r, dict)],
+                         default=0)
+            pairs.append(((folder.name.split("-")[1], params, folder.name),
+                          {"ratio": fp8["tokens_per_second"] / bf16["tokens_per_second"], "folder": folder.name}))
+    return max(pairs, key=lambda p: p[0])[1] if pairs else None
