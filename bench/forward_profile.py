@@ -1,6 +1,7 @@
 """Where a packed forward's GPU time goes: one benchmark model, one packed row, kernels by device time.
 
     python3 bench/forward_profile.py [--model qwen3.6-27b] [--row-tokens 32768] [--kernels auto] [--json OUT]
+    python3 bench/forward_profile.py --checkpoint DIR [--fp8-weights auto|dequantize] ...   (a saved checkpoint)
 
 Builds the benchmark model with random bf16 weights (its layers after the deepest captured one dropped, as the
 extraction does), applies `model.kernels` and the packed attention as the extraction does, and fills one packed
@@ -70,9 +71,17 @@ def profile_forward(args, device, tmp: Path) -> dict:
     import transformers
     from torch.profiler import ProfilerActivity, profile
 
-    num_layers = args.layers or json.loads((REPO / "bench" / "configs" / f"{args.model}.json").read_text())[
-        "num_hidden_layers"]
-    section = dataclasses.replace(slice_section(args.model, num_layers, tmp), dtype="bfloat16")
+    if args.checkpoint:  # a saved checkpoint (e.g. bench/targets_check.py's block-FP8 one), loaded as a run does
+        from dflash_prep.recipe.schema import ModelSection
+
+        section = ModelSection(name_or_path=args.checkpoint, tokenizer=str(REPO / "dflash_prep" / "demo" /
+                                                                           "tiny-demo" / "tokenizer"),
+                               dtype="bfloat16", fp8_weights=args.fp8_weights)
+        num_layers = load_config(section).get_text_config().num_hidden_layers
+    else:
+        num_layers = args.layers or json.loads((REPO / "bench" / "configs" / f"{args.model}.json").read_text())[
+            "num_hidden_layers"]
+        section = dataclasses.replace(slice_section(args.model, num_layers, tmp), dtype="bfloat16")
     config = load_config(section)
     layer_ids = dflash_layer_ids(num_layers, 5)
     kernels = select_kernels(args.kernels if args.kernels == "auto" else args.kernels.split(","), config,
@@ -101,7 +110,8 @@ def profile_forward(args, device, tmp: Path) -> dict:
             run()
             torch.cuda.synchronize(device)
     median = statistics.median(times)
-    return {"model": args.model, "transformers": transformers.__version__, "torch": torch.__version__,
+    return {"model": args.checkpoint or args.model, "fp8_weights": args.fp8_weights if args.checkpoint else None,
+            "transformers": transformers.__version__, "torch": torch.__version__,
             "kernels": list(kernels.names), "moe_dynamic": args.moe_dynamic, "layer_ids": layer_ids,
             "layers_run": layer_ids[-1] + 1,
             "row_tokens": args.row_tokens, "real_tokens": real, "num_samples": len(samples),
@@ -119,6 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--moe-dynamic", choices=("tokens", "all"), default="tokens",
                    help="the compiled experts' dynamic sizes (dflash_prep.target.moe.DYNAMIC_DIMS): the product's "
                         "`tokens`, or `all` (torch.compile(dynamic=True), before 2026-12-04)")
+    p.add_argument("--checkpoint", default=None,
+                   help="a checkpoint folder to load instead of --model's random weights (a block-FP8 one runs as "
+                        "FP8, or dequantized with --fp8-weights dequantize)")
+    p.add_argument("--fp8-weights", choices=("auto", "dequantize"), default="auto",
+                   help="model.fp8_weights for --checkpoint")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--top", type=int, default=30)

@@ -428,6 +428,10 @@ def faults(r: Round) -> None:
           warmups="both:warm-up extractions before the measured ones (both; first: the dequantized one only, whose "
                   "Triton cache the FP8 run shares)",
           samples="1000:pre-tokenized rows of each extraction (0: no extractions)",
+          fp8_profile="0:1: forward_profile.py of the checkpoint dequantized then as FP8, one packed row of "
+                      "`profile_row_tokens` (kernels by GPU time), before the extractions",
+          profile_row_tokens="16384:the profiled packed row's tokens (the extraction's auto budget on the 27B)",
+          profile_seconds="120:each profile step's limit",
           parts="fp8,moe,kernels:what runs, in this order (fp8: the checkpoint, its extractions and verify; moe: the "
                 "experts implementations; hybrid_kernels: the fp32 check of the hybrid MoE's kernels, measured "
                 "2026-12-03; kernels: the fp32 check of the Qwen3 MoE's kernels, measured 2026-12-04)")
@@ -440,6 +444,11 @@ def targets(r: Round) -> None:
         built = r.step("fp8-check", int(r.opt("fp8_seconds")), r.python(
             "bench/targets_check.py", "fp8", "--checkpoint", ckpt, "--json", r.results / "targets_fp8.json", *tiny,
             *layers, *([] if r.flag("fp8_checks") else ["--build-only"])))
+        if built == 0 and r.flag("fp8_profile"):  # where the two forwards' GPU time goes, kernel by kernel
+            for mode in ("dequantize", "auto"):
+                r.step(f"profile-fp8-{mode}", int(r.opt("profile_seconds")), r.python(
+                    "bench/forward_profile.py", "--checkpoint", ckpt, "--fp8-weights", mode, "--row-tokens",
+                    r.opt("profile_row_tokens"), "--json", r.results / f"profile-fp8-{mode}.json"), gpu_only=True)
         samples = 40 if r.dry else int(r.opt("samples"))
         if built == 0 and samples:
             _fp8_extractions(r, ckpt, samples)
