@@ -307,3 +307,47 @@ def test_quantize_for_gemm_pads_and_lays_out_scales_as_scaled_mm_reads(m, k, m_p
     assert torch.equal(scales, want_s)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     assert not q[m:].view(torch.uint8).any() and not q[:, k:].view(torch.uint8).any()
+
+
+def test_the_conversion_keeps_whole_block_weights_in_place_and_frees_every_replaced_layer(monkeypatch):
+    """install_scaled_mm over transformers' own FP8Linear layers: each is replaced by a BlockFP8Linear holding the
+    very tensor of a whole-block weight (the bytes checked against a copy taken before), a ragged one padded, and
+    no replaced layer outlives the conversion (a list of them kept every FP8 weight twice). The GEMM check is
+    patched to say yes: the conversion itself runs on any device; only the forward needs the GPU."""
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    from torch import nn
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    from dflash_prep.target import fp8_weights
+    from dflash_prep.target.fp8_weights import BlockFP8Linear, install_scaled_mm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(FP8Linear(384, 256, block_size=(128, 128)), FP8Linear(200, 300, block_size=(128, 128)))
+    for layer in model:
+        layer.weight.data = torch.randn_like(layer.weight, dtype=torch.float32).to(torch.float8_e4m3fn)
+        layer.weight_scale_inv.data.uniform_(0.5, 2.0)
+    del layer  # the loop's name held the last layer
+    before = [(layer.weight.data_ptr(), layer.weight.view(torch.uint8).clone()) for layer in model]
+    old = [weakref.ref(layer) for layer in model]
+    config = SimpleNamespace(quantization_config={"quant_method": "fp8", "fmt": "e4m3",
+                                                  "weight_block_size": [128, 128]})
+    alive_at_each_build = []
+
+    class Recording(BlockFP8Linear):  # how many replaced layers are still alive as each new one is built
+        def __init__(self, *args):
+            gc.collect()
+            alive_at_each_build.append(sum(ref() is not None for ref in old))
+            super().__init__(*args)
+
+    monkeypatch.setattr(fp8_weights, "fp8_gemm_available", lambda device: True)
+    monkeypatch.setattr(fp8_weights, "BlockFP8Linear", Recording)
+    said = install_scaled_mm(model, config, "auto", torch.device("cpu"))
+    gc.collect()
+    assert "2 linear layers run as FP8" in said and all(isinstance(m, BlockFP8Linear) for m in model)
+    assert alive_at_each_build == [2, 1] and all(ref() is None for ref in old)
+    (ptr0, bytes0), (ptr1, bytes1) = before
+    assert model[0].weight.data_ptr() == ptr0 and torch.equal(model[0].weight.view(torch.uint8), bytes0)
+    assert model[1].weight.data_ptr() != ptr1 and torch.equal(model[1].weight.view(torch.uint8)[:300, :200], bytes1)
