@@ -102,6 +102,15 @@ def _start_server(kind: str, store_tmp: Path | None, rclone: str | None):
     (root / BUCKET).mkdir()
     proc = subprocess.Popen([rclone, "serve", "s3", str(root), "--addr", f"127.0.0.1:{port}", "--config", os.devnull,
                              "--vfs-cache-mode", "off"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def stop() -> None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(root, ignore_errors=True)
+
     deadline = time.time() + 30
     while True:
         try:
@@ -109,13 +118,9 @@ def _start_server(kind: str, store_tmp: Path | None, rclone: str | None):
             break
         except OSError:
             if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError("rclone serve s3 did not start")
+                stop()
+                raise RuntimeError("rclone serve s3 did not start") from None
             time.sleep(0.2)
-
-    def stop() -> None:
-        proc.terminate()
-        proc.wait(timeout=30)
-        shutil.rmtree(root, ignore_errors=True)
 
     version = subprocess.run([rclone, "version"], capture_output=True, text=True).stdout.splitlines()[:1]
     return f"http://127.0.0.1:{port}", stop, {"server": "rclone serve s3", "version": version,

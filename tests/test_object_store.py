@@ -209,7 +209,8 @@ def test_the_lease_admits_one_run_and_is_taken_over_from_a_dead_holder(server, b
 def test_each_upload_thread_has_its_own_client_on_its_own_loop_and_close_ends_them(server, bucket, tmp_path):
     """The uploader's clients (remote.ThreadClients): threads that upload at once get distinct clients on distinct,
     running event loops with the output's endpoint and credentials; a thread's second call reuses its client; the
-    objects land whole; close() closes them and stops every loop thread."""
+    objects land whole; close() closes them and stops their loop threads; a thread asking again after close() gets
+    a new client that works."""
     from dflash_prep.store.remote import ThreadClients
 
     shared = store(server)
@@ -223,25 +224,60 @@ def test_each_upload_thread_has_its_own_client_on_its_own_loop_and_close_ends_th
         fs = clients.get()
         barrier.wait()  # all three threads hold a client at once
         fs.put_file(str(src), f"{bucket}/p{i}.bin")
-        seen[i] = (fs, clients.get(), fs.loop)
+        seen[i] = (fs, clients.get(), fs.loop, threading.current_thread())
 
     threads = [threading.Thread(target=upload, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert sorted(seen) == [0, 1, 2]
-    assert all(first is again for first, again, _ in seen.values())
-    assert len({id(fs) for fs, _, _ in seen.values()}) == 3 and shared not in [fs for fs, _, _ in seen.values()]
-    loops = [loop for _, _, loop in seen.values()]
+    assert sorted(seen) == [0, 1, 2] and clients.num_made == 3
+    assert all(first is again for first, again, _, _ in seen.values())
+    assert len({id(fs) for fs, _, _, _ in seen.values()}) == 3 and shared not in [fs for fs, *_ in seen.values()]
+    loops = [loop for _, _, loop, _ in seen.values()]
     assert len(set(map(id, loops))) == 3 and shared.loop not in loops and all(loop.is_running() for loop in loops)
-    loop_threads = [t for t in threading.enumerate() if t.name == "object-store-loop"]
-    assert len(loop_threads) >= 3
+    loop_threads = [t for t in threading.enumerate() if t.name == "object-store-loop" and any(
+        loop.is_running() and getattr(loop, "_thread_id", None) == t.ident for loop in loops)]
+    assert len(loop_threads) == 3  # each loop runs on a thread of its own, none of the callers'
     clients.close()
-    assert not any(t.is_alive() for t in loop_threads) and not any(loop.is_running() for loop in loops)
+    assert not any(t.is_alive() for t in loop_threads) and all(loop.is_closed() for loop in loops)
     check = store(server)
     for i, data in payloads.items():
         assert check.cat_file(f"{bucket}/p{i}.bin") == data
+    again = clients.get()  # this thread's first client: made after close(), on a running loop
+    again.pipe_file(f"{bucket}/again.bin", b"x")
+    assert clients.num_made == 4 and again.loop.is_running() and check.cat_file(f"{bucket}/again.bin") == b"x"
+    clients.close()
+
+
+def test_the_shard_uploader_sends_through_a_client_per_thread_and_closes_them(server, bucket, tmp_path, monkeypatch):
+    """A rank's ShardUploader (what the lanes hand shards to): its uploads go through clients of its own
+    (ThreadClients), not the output's; close() ends them; the shards are committed and whole."""
+    from dflash_prep.store.records import ShardRecord
+    from dflash_prep.store.remote import RemoteOutput, ShardUploader
+
+    for key, value in {**CREDENTIALS, "AWS_ENDPOINT_URL": server}.items():
+        monkeypatch.setenv(key, value)
+    remote = RemoteOutput(f"s3://{bucket}/out", None, tmp_path)
+    uploader = ShardUploader(remote, 0, 2)
+    data = {}
+    for i in range(4):
+        local = tmp_path / "shards" / "rank-00000" / f"shard-{i:06d}-aaaaaaaa.tar"
+        local.parent.mkdir(parents=True, exist_ok=True)
+        data[local.name] = os.urandom(2048 + i)
+        local.write_bytes(data[local.name])
+        uploader.publish(local, ShardRecord(str(local.relative_to(tmp_path)), 1, 1, len(data[local.name]), "0" * 64,
+                                            sample_ids=[f"s{i}"]))
+    clients = uploader._clients
+    uploader.close()
+    assert 1 <= clients.num_made <= 2 and clients._made == []  # at most one a pool thread, all closed
+    assert not [t for t in threading.enumerate() if t.name == "object-store-loop" and t.is_alive()]
+    assert sorted(r["path"].rsplit("/", 1)[1] for r in map(json.loads, remote.cat(
+        "index/rank-00000.jsonl").decode().splitlines())) == sorted(data)
+    for name, content in data.items():
+        assert remote.cat(f"shards/rank-00000/{name}") == content
+
+
 @pytest.mark.slow
 def test_a_follower_yields_each_committed_shard_once_and_ends_at_the_manifest(local_run, tmp_path):
     """A follower on a folder whose shards and index lines arrive one by one (copied from a real run's output):

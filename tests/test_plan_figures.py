@@ -73,5 +73,6 @@ def test_the_fp8_ratio_is_the_newest_dates_and_of_that_date_the_largest_models(t
     pair("targets-20261204-zz-slice", 140.0, 100.0, 6_000)
     pair("targets-20261204-aa-whole", 130.0, 100.0, 24_000)
     pair("targets-20261205-other-rows", 300.0, 100.0, 24_000, tokens=(1000, 999))
+    pair("targets-moe-undated", 400.0, 100.0, 24_000)  # no date: not compared by its name's letters
     got = fp8_extraction_ratio(tmp_path)
     assert got["folder"] == "targets-20261204-aa-whole" and abs(got["ratio"] - 1.3) < 1e-12

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from pathlib import Path
 
 FIGURES_FILE = Path(__file__).with_name("bench_figures.json")
@@ -209,6 +210,9 @@ def fp8_extraction_ratio(bench_dir: Path) -> dict | None:
     27B before a slice of it: a real target's ratio); None where no such pair is."""
     pairs = []
     for folder in Path(bench_dir).glob("targets-*"):
+        date = re.match(r"targets-(\d{8})", folder.name)
+        if date is None:  # not a dated result folder
+            continue
         try:
             fp8, bf16 = (json.loads((folder / f"extract-{name}.summary.json").read_text())
                          for name in ("fp8", "dequantized"))
@@ -218,6 +222,6 @@ def fp8_extraction_ratio(bench_dir: Path) -> dict | None:
                 _positive(fp8.get("tokens_per_second")) and _positive(bf16.get("tokens_per_second")):
             params = max([r.get("decoder_params_run") or 0 for r in fp8.get("ranks") or [] if isinstance(r, dict)],
                          default=0)
-            pairs.append(((folder.name.split("-")[1], params, folder.name),
+            pairs.append(((date.group(1), params, folder.name),
                           {"ratio": fp8["tokens_per_second"] / bf16["tokens_per_second"], "folder": folder.name}))
     return max(pairs, key=lambda p: p[0])[1] if pairs else None

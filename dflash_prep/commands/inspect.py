@@ -163,10 +163,10 @@ def format_description(f: dict) -> str:
         if x.get("padding_efficiency") is not None:
             parts.append(f"padding efficiency {x['padding_efficiency']:.3f}")
         before = x.get("num_tokens_committed_before")
-        if parts and before:  # the figures are the last run's: a resume's, after what earlier runs committed
-            parts.insert(0, f"the last run, a resume ({before:,} tokens were committed by earlier runs):")
+        # the figures are the last run's: on a resume, after what earlier runs committed
+        prefix = f"the last run, a resume ({before:,} tokens were committed by earlier runs): " if before else ""
         if parts:
-            lines.append(("extraction", ", ".join(parts).replace(":,", ":")))
+            lines.append(("extraction", prefix + ", ".join(parts)))
     lines.append(("format", f"version {f['format_version']}, written by dflash-prep {f['dflash_prep_version']}"))
     width = max(len(k) for k, _ in lines)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in lines)

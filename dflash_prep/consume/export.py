@@ -180,9 +180,9 @@ def check_exportable(manifest: dict, target: str, strategy: str = "dflash", cast
         got = "did not capture the final layer" if final == "none" else f"captured it {final.replace('_', ' ')}"
         hint = _reextract_hint("layers.capture_final=" + needs[0])
         if needs[0] == "after_norm" and final == "none":  # one re-extraction that serves every trainer
-            hint = (f"{_reextract_hint('layers.capture_final=before_norm')} (serves every exporter: the after-norm "
-                    f"states are derived at export from the stored final norm), or with "
-                    f"layers.capture_final=after_norm")
+            hint = (f"{_reextract_hint('layers.capture_final=before_norm')} (serves every exporter where the "
+                    f"target's final norm is an RMSNorm, x * w or x * (1 + w): the after-norm states are derived "
+                    f"at export from the stored norm), or with layers.capture_final=after_norm (any norm)")
         raise ExportError(f"{needs[1]}, but {source} {got} (layers.capture_final={final}); {hint}")
 
 

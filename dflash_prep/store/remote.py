@@ -353,19 +353,22 @@ class ThreadClients:
         self._local = threading.local()
         self._made: list[tuple[object, asyncio.AbstractEventLoop, threading.Thread]] = []
         self._lock = threading.Lock()
+        self._generation = 0  # bumped by close(): a thread's client of an earlier generation is closed
+        self.num_made = 0  # clients made so far (all generations)
 
     def get(self):
-        """This thread's client (made on its first call)."""
+        """This thread's client (made on its first call, or its first since `close`)."""
         fs = getattr(self._local, "fs", None)
-        if fs is None:
+        if fs is None or getattr(self._local, "generation", None) != self._generation:
             loop = asyncio.new_event_loop()
             thread = threading.Thread(target=loop.run_forever, name="object-store-loop", daemon=True)
             thread.start()
             fs = type(self.fs)(**{**self.fs.storage_options, "loop": loop, "skip_instance_cache": True})
             _quiet_client_loop(fs)
-            self._local.fs = fs
             with self._lock:
                 self._made.append((fs, loop, thread))
+                self.num_made += 1
+                self._local.fs, self._local.generation = fs, self._generation
         return fs
 
     def close(self) -> None:
@@ -374,6 +377,7 @@ class ThreadClients:
 
         with self._lock:
             made, self._made = self._made, []
+            self._generation += 1
         for fs, loop, thread in made:
             creator = getattr(fs, "_s3creator", None)  # s3fs's client context, opened by its first request
             try:
@@ -383,7 +387,9 @@ class ThreadClients:
                 log.debug("closing an upload client: %s", e, extra={"console": False})
             loop.call_soon_threadsafe(loop.stop)
             thread.join(timeout=10)
-            if not thread.is_alive():
+            if thread.is_alive():  # a request that never ends: left to the process's exit (a daemon thread)
+                log.warning("an upload client's event loop did not stop within 10 s; left running")
+            else:
                 loop.close()
 
 

@@ -128,7 +128,8 @@ def shard_sizes(record_bytes_in_order: list[list[int]], max_shard_bytes: int, nu
 def check_free_space(out_dir: Path, lengths: list[int], shares: list[list[PlannedBatch]], layer_ids: list[int],
                       hidden_size: int, recipe: Recipe) -> int:
     """Log the bytes the batches left to do will write (each rank's share in its order: the writer's own record
-    sizes, `meta.json` taken as one block, and its shards' closing as `shard_sizes` replays it: `plan`'s figure),
+    sizes, `meta.json` taken as one block, and its shards' closing as `shard_sizes` replays it: `plan`'s figure
+    wherever a sample's meta.json fits one 512-byte block, as the demo's ~130 bytes do),
     and warn, before the model loads, when they exceed the free space of the output's filesystem (the run would
     stop, cleanly and resumably, when the disk fills). Returns the estimate."""
     sizer = RecordSizer(layer_ids, hidden_size, recipe.layers.capture_final)

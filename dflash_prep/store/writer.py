@@ -736,9 +736,11 @@ class AsyncShardWriter:
         """Wait for every submitted batch, commit the lanes' last shards, re-raise any error of a thread."""
         self._join()
         if self._error is not None:
-            self._abort_writers()
-            if self.publisher is not None:
-                self.publisher.abort()
+            try:
+                self._abort_writers()
+            finally:  # the uploads stopped and their clients closed even when a lane's abort fails
+                if self.publisher is not None:
+                    self.publisher.abort()
             raise self._error
         for j, w in enumerate(self.writers):
             try:
