@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -172,11 +173,31 @@ def read_back(fs, url: str, local: Path, copy: Path) -> dict:
             **compare(str(local), str(copy), None)}
 
 
+def _sample_memory(path: Path, stop: threading.Event, every_seconds: float = 2.0) -> None:
+    """Every `every_seconds` until `stop`: the machine's available memory and shared memory (tmpfs: /dev/shm holds
+    the server's objects) as a JSON line of `path`, flushed, so a run that exhausts memory leaves its trend."""
+    t0 = time.perf_counter()
+    with open(path, "a") as f:
+        while not stop.is_set():
+            info = {}
+            with open("/proc/meminfo") as m:
+                for line in m:
+                    name, value = line.split(":", 1)
+                    if name in ("MemAvailable", "Shmem", "Cached", "MemFree"):
+                        info[name + "_bytes"] = int(value.split()[0]) * 1024
+            f.write(json.dumps({"seconds": round(time.perf_counter() - t0, 1), **info}) + "\n")
+            f.flush()
+            stop.wait(every_seconds)
+
+
 def s3(work: Path, results: Path, local: Path, sets: list[str], probe_bytes: int, store_tmp: Path | None,
        server_kind: str = "moto", rclone: str | None = None, probe_threads: int = 4) -> int:
     import s3fs
 
     os.environ.update(CREDENTIALS)
+    sampling = threading.Event()
+    if Path("/proc/meminfo").is_file():
+        threading.Thread(target=_sample_memory, args=(results / "s3_memory.jsonl", sampling), daemon=True).start()
     endpoint, stop, notes = _start_server(server_kind, store_tmp, rclone)
     try:
         fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
@@ -216,6 +237,7 @@ def s3(work: Path, results: Path, local: Path, sets: list[str], probe_bytes: int
         return 0 if rc == 0 and result["read_back"]["equal"] else 1
     finally:
         stop()
+        sampling.set()
 
 
 def report(results: Path) -> int:
