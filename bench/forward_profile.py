@@ -77,12 +77,13 @@ def profile_forward(args, device, tmp: Path) -> dict:
         section = ModelSection(name_or_path=args.checkpoint, tokenizer=str(REPO / "dflash_prep" / "demo" /
                                                                            "tiny-demo" / "tokenizer"),
                                dtype="bfloat16", fp8_weights=args.fp8_weights)
-        num_layers = load_config(section).get_text_config().num_hidden_layers
+        config = load_config(section)
+        num_layers = config.get_text_config().num_hidden_layers
     else:
         num_layers = args.layers or json.loads((REPO / "bench" / "configs" / f"{args.model}.json").read_text())[
             "num_hidden_layers"]
         section = dataclasses.replace(slice_section(args.model, num_layers, tmp), dtype="bfloat16")
-    config = load_config(section)
+        config = load_config(section)
     layer_ids = dflash_layer_ids(num_layers, 5)
     kernels = select_kernels(args.kernels if args.kernels == "auto" else args.kernels.split(","), config,
                              device.type)

@@ -378,15 +378,17 @@ def storage(r: Round) -> None:
     out = disk / "out-disk"
     r.step("8b-disk", 120, r.extract(out, *sets))
     if r.flag("s3"):
-        moto_tmp = tmpfs / "moto"  # moto keeps each object over 5 MB in a temporary file: not on the disk measured
-        moto_tmp.mkdir(parents=True, exist_ok=True)
+        # the server's objects (moto: each object over 5 MB in a temporary file; rclone: its folder) on tmpfs, not
+        # on the disk measured
+        store_tmp = tmpfs / "s3-store"
+        store_tmp.mkdir(parents=True, exist_ok=True)
         # the read-back of the 6.4 GB through moto takes as long as the upload (~0.1 GB/s on the H200 machine)
         server = ["--server", r.opt("s3_server")]
         if r.opt("s3_server") == "rclone":
             server += ["--rclone", str(REPO / r.opt("rclone"))]
         r.step("8b-s3", int(r.opt("s3_seconds")),
                r.python("-m", "bench.store_bench", "s3", r.work / "s3", r.results, "--local", out,
-                        "--probe-gb", "0.05" if r.dry else "0.5", "--store-tmp", moto_tmp, *server, "--",
+                        "--probe-gb", "0.05" if r.dry else "0.5", "--store-tmp", store_tmp, *server, "--",
                         *(a for kv in sets for a in ("--set", kv))))
     r.keep(out, "8b-disk")
     if r.opt("switch_interval"):  # the same disk run with the lanes' GIL switch interval set (an A/B)

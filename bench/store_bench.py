@@ -10,7 +10,8 @@ tmpfs and S3 runs.
 is not the one under test): moto's (moto.server.ThreadedMotoServer, ~0.1 GB/s) or, with `--server rclone`, `rclone
 serve s3` (a Go server that takes several times that, but ignores conditional writes: the extraction then runs with
 output.require_conditional_writes=false). It times `--probe-gb` uploads through s3fs alone (what the server itself
-takes: one upload, then `--probe-threads` at once through one client and through a client per thread), runs `python -m dflash_prep.commands.extract` with the given sets into
+takes: one upload, then `--probe-threads` at once through one client and through a client per thread), runs
+`python -m dflash_prep.commands.extract` with the given sets into
 `s3://bench/out` (shards staged in WORK/staging), then downloads the S3 output and reads it and LOCAL_OUT (the
 same recipe on the local disk) back through `ShardDataset`, comparing them sample by sample (ids, tokens, the
 states' bytes; `read_back` says why a download): RESULTS/store_s3.json. `report` puts the runs' tokens/s side by
@@ -84,49 +85,61 @@ def _upload_rate(fs, work: Path, num_bytes: int, threads: int) -> dict:
     return out
 
 
+def stop_process(proc: subprocess.Popen, timeout_seconds: float = 30) -> None:
+    """SIGTERM, then SIGKILL after `timeout_seconds`; waits for the process either way."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def serve_rclone_s3(rclone: str, root: Path, timeout_seconds: float = 30) -> tuple[str, subprocess.Popen]:
+    """(endpoint, process) of `rclone serve s3 ROOT` on a free loopback port, once it accepts connections (each
+    subfolder of `root` is a bucket; no credentials checked). RuntimeError, the process stopped, when it does not
+    start within `timeout_seconds`. Also the tests' server (tests/test_conditional_writes.py)."""
+    port = _free_port()
+    proc = subprocess.Popen([rclone, "serve", "s3", str(root), "--addr", f"127.0.0.1:{port}", "--config", os.devnull,
+                             "--vfs-cache-mode", "off"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + timeout_seconds
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return f"http://127.0.0.1:{port}", proc
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                stop_process(proc)
+                raise RuntimeError("rclone serve s3 did not start") from None
+            time.sleep(0.2)
+
+
 def _start_server(kind: str, store_tmp: Path | None, rclone: str | None):
     """(endpoint, stop, notes) of an S3-compatible server on a loopback port, its objects under `store_tmp`.
     moto: moto's server in this process (Python; ~0.1 GB/s); rclone: `rclone serve s3` over a folder (Go; ignores
     conditional writes, so the extraction runs with output.require_conditional_writes=false)."""
-    port = _free_port()
     if kind == "moto":
         from moto.server import ThreadedMotoServer
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)
         if store_tmp is not None:  # moto keeps objects over 5 MB in temporary files: on RAM, not the disk under test
             tempfile.tempdir = str(store_tmp)
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
         server.start()
         host, port = server.get_host_and_port()
         return f"http://{host}:{port}", server.stop, {"server": "moto"}
     root = Path(tempfile.mkdtemp(prefix="rclone-s3-", dir=store_tmp))
     (root / BUCKET).mkdir()
-    proc = subprocess.Popen([rclone, "serve", "s3", str(root), "--addr", f"127.0.0.1:{port}", "--config", os.devnull,
-                             "--vfs-cache-mode", "off"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint, proc = serve_rclone_s3(rclone, root)
+
     def stop() -> None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         shutil.rmtree(root, ignore_errors=True)
 
-    deadline = time.time() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.time() > deadline:
-                stop()
-                raise RuntimeError("rclone serve s3 did not start") from None
-            time.sleep(0.2)
-
     version = subprocess.run([rclone, "version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    return f"http://127.0.0.1:{port}", stop, {"server": "rclone serve s3", "version": version,
-                                              "conditional_writes": "ignored by this server: the extraction runs "
-                                                                    "with output.require_conditional_writes=false"}
+    return endpoint, stop, {"server": "rclone serve s3", "version": version,
+                            "conditional_writes": "ignored by this server: the extraction runs with "
+                                                  "output.require_conditional_writes=false"}
 
 
 def _samples(out: str, storage_options: dict | None) -> dict:
@@ -216,8 +229,8 @@ def s3(work: Path, results: Path, local: Path, sets: list[str], probe_bytes: int
         t0 = time.perf_counter()
         rc = subprocess.run(cmd, cwd=REPO, env=env).returncode
         wall = time.perf_counter() - t0
-        result = {"endpoint": endpoint, **notes, "store_tmp": str(store_tmp), "upload_probe": probe, "extract_exit_code": rc, "extract_wall_seconds": wall,
-                  "sets": sets}
+        result = {"endpoint": endpoint, **notes, "store_tmp": str(store_tmp), "upload_probe": probe,
+                  "extract_exit_code": rc, "extract_wall_seconds": wall, "sets": sets}
         out_json = results / "store_s3.json"
         if rc == 0:
             summary = json.loads(fs.cat(f"{BUCKET}/out/summary.json"))

@@ -12,11 +12,12 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from conftest import REPO, raw_records
+
+from bench.store_bench import serve_rclone_s3, stop_process
 
 s3fs = pytest.importorskip("s3fs")  # the `s3` extra; `test` installs it
 boto3 = pytest.importorskip("boto3")
@@ -49,21 +50,9 @@ def rclone_store(tmp_path_factory):
     """(endpoint, the folder it serves): `rclone serve s3` over a local folder whose subfolder `bkt` is a bucket."""
     root = tmp_path_factory.mktemp("rclone-s3")
     (root / "bkt").mkdir()
-    port = _free_port()
-    proc = subprocess.Popen([_rclone(), "serve", "s3", str(root), "--addr", f"127.0.0.1:{port}",
-                             "--config", os.devnull, "--vfs-cache-mode", "off"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            assert proc.poll() is None and time.time() < deadline, "rclone serve s3 did not start"
-            time.sleep(0.2)
-    yield f"http://127.0.0.1:{port}", root
-    proc.terminate()
-    proc.wait(timeout=30)
+    endpoint, proc = serve_rclone_s3(_rclone(), root)
+    yield endpoint, root
+    stop_process(proc)
 
 
 def _files(folder: Path) -> list[str]:
