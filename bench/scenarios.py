@@ -434,9 +434,13 @@ def faults(r: Round) -> None:
                       "`profile_row_tokens` (kernels by GPU time), before the extractions",
           profile_row_tokens="16384:the profiled packed row's tokens (the extraction's auto budget on the 27B)",
           profile_seconds="120:each profile step's limit",
+          families="qwen2,mistral,phi3,gemma2,gemma3,mixtral:the families part's families (bench/families.py)",
+          family_speed_tokens="16384:the families part's bf16 speed A/B batch (tokens)",
           parts="fp8,moe,kernels:what runs, in this order (fp8: the checkpoint, its extractions and verify; moe: the "
                 "experts implementations; hybrid_kernels: the fp32 check of the hybrid MoE's kernels, measured "
-                "2026-12-03; kernels: the fp32 check of the Qwen3 MoE's kernels, measured 2026-12-04)")
+                "2026-12-03; kernels: the fp32 check of the Qwen3 MoE's kernels, measured 2026-12-04; families: "
+                "every kernel of each family `auto` leaves eager until measured, fp32 check then bf16 speed A/B, "
+                "one step a family)")
 def targets(r: Round) -> None:
     parts = set(r.opt("parts").split(","))
     tiny = ["--tiny"] if r.dry else []
@@ -470,6 +474,12 @@ def targets(r: Round) -> None:
         r.step("kernels-qwen3-30b-a3b", 150, r.python(
             "bench/kernels_check.py", "--models", "qwen3-30b-a3b", "--layers", "4", "--kernels",
             "liger_rms_norm,liger_rope", "--json", r.results / "kernels_check_qwen3_moe.json"), gpu_only=True)
+    if "families" in parts:  # kernels.AUTO_NOT_MEASURED: exact (fp32) and faster (bf16) before `auto` takes them
+        for family in r.opt("families").split(","):
+            r.step(f"kernels-{family}", 150, r.python(
+                "bench/kernels_check.py", "--families", family, "--layers", "6", "--kernels", "all",
+                "--speed-tokens", r.opt("family_speed_tokens"), "--json",
+                r.results / f"kernels_check_family_{family}.json"), gpu_only=True)
 
 
 def _fp8_extractions(r: Round, ckpt: Path, samples: int) -> None:

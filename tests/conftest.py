@@ -50,11 +50,11 @@ def tiny_qwen35_config():
     return AutoConfig.from_pretrained(DEMO / "model_config.json")
 
 
-def build(config, seed: int = 0, dtype=torch.float32):
+def build(config, seed: int = 0, dtype=torch.float32, attn_implementation: str = "sdpa"):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     randomize_norm_gains(model, seed)  # as model.load_model does for random weights: real, non-unit norm gains
     return model.eval().requires_grad_(False)
 

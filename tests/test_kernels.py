@@ -8,6 +8,7 @@ patched model must equal the eager model's states of each sample run alone, in f
 
 from __future__ import annotations
 
+import importlib
 import importlib.machinery
 import json
 import subprocess
@@ -48,10 +49,24 @@ def _rms_norm_forward(offset):
     return forward
 
 
+def _gate_up(self, x):
+    """(gate, up) projections of an MLP: separate, or Phi-3's one `gate_up_proj` (gate first, then up)."""
+    if hasattr(self, "gate_up_proj"):
+        return self.gate_up_proj(x).chunk(2, dim=-1)
+    return self.gate_proj(x), self.up_proj(x)
+
+
 def _swiglu_forward(self, x):
     _count("swiglu")
-    gate = self.gate_proj(x)
-    return self.down_proj(gate * torch.sigmoid(gate) * self.up_proj(x))
+    gate, up = _gate_up(self, x)
+    return self.down_proj(gate * torch.sigmoid(gate) * up)
+
+
+def _geglu_forward(self, x):  # gelu with the tanh approximation written out, times up
+    _count("geglu")
+    gate, up = _gate_up(self, x)
+    gelu = 0.5 * gate * (1.0 + torch.tanh((2.0 / torch.pi) ** 0.5 * (gate + 0.044715 * gate ** 3)))
+    return self.down_proj(gelu * up)
 
 
 def fake_rope(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
@@ -85,14 +100,10 @@ def fake_rms_norm_gated(x, g, weight, bias, activation="swish", eps=1e-6, **kwar
     return (normed * g32 * torch.sigmoid(g32)).to(x.dtype)
 
 
-def _fake_apply(modeling_name, rms_offset, rebinds):
-    def apply(rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True,
-              model=None):
-        import importlib
-
-        _count("apply", dict(rope=rope, cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy,
-                             rms_norm=rms_norm, swiglu=swiglu, model=model))
-        modeling = importlib.import_module(modeling_name)
+def _fake_apply(modeling_name, rms_offset, rebinds, mlp="swiglu"):
+    """liger's `apply_liger_kernel_to_*` contract: keyword flags, the MLP's flag named for what it computes
+    (`swiglu`, or `geglu` for the Gemmas), the instance patched by hand-written forwards."""
+    def patch(modeling, model, rope, rms_norm, fused_mlp):
         for name in rebinds:  # what liger does to the modeling module (reaches models built later)
             setattr(modeling, name, object())
         if rope:
@@ -101,9 +112,37 @@ def _fake_apply(modeling_name, rms_offset, rebinds):
             cls = type(module).__name__
             if rms_norm and cls.endswith("RMSNorm"):
                 module.forward = types.MethodType(_rms_norm_forward(rms_offset), module)
-            if swiglu and cls.endswith("MLP"):
-                module.forward = types.MethodType(_swiglu_forward, module)
-    return apply
+            if fused_mlp and cls.endswith("MLP"):
+                module.forward = types.MethodType(_geglu_forward if mlp == "geglu" else _swiglu_forward, module)
+
+    def apply(rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True,
+              model=None):
+        import importlib
+
+        _count("apply", dict(rope=rope, cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy,
+                             rms_norm=rms_norm, swiglu=swiglu, model=model))
+        patch(importlib.import_module(modeling_name), model, rope, rms_norm, swiglu)
+
+    def apply_geglu(rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, geglu=True,
+                    model=None):
+        import importlib
+
+        _count("apply", dict(rope=rope, cross_entropy=cross_entropy, fused_linear_cross_entropy=fused_linear_cross_entropy,
+                             rms_norm=rms_norm, geglu=geglu, model=model))
+        patch(importlib.import_module(modeling_name), model, rope, rms_norm, geglu)
+    return apply_geglu if mlp == "geglu" else apply
+
+
+# The families added from liger's list (kernels.py): (family in bench/families.py, modeling module, liger's apply
+# suffix, RMSNorm offset, the MLP's kernel or None, what liger rebinds in the modeling module)
+LISTED_FAMILIES = {
+    "qwen2": ("qwen2", "qwen2", 0.0, "swiglu", ["Qwen2RMSNorm", "Qwen2MLP"]),
+    "mistral": ("mistral", "mistral", 0.0, "swiglu", ["MistralRMSNorm", "MistralMLP"]),
+    "phi3": ("phi3", "phi3", 0.0, "swiglu", ["Phi3RMSNorm", "Phi3MLP"]),
+    "gemma2": ("gemma2", "gemma2", 1.0, "geglu", ["Gemma2RMSNorm", "Gemma2MLP"]),
+    "gemma3": ("gemma3", "gemma3_text", 1.0, "geglu", ["Gemma3RMSNorm", "Gemma3MLP"]),
+    "mixtral": ("mixtral", "mixtral", 0.0, None, ["MixtralRMSNorm", "MixtralExperts"]),
+}
 
 
 def _module(name, **attrs):
@@ -122,6 +161,11 @@ def fake_libraries(monkeypatch):
     import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe  # noqa: F401
     import transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401
 
+    listed = {}
+    for module_name, apply_suffix, offset, mlp, rebinds in LISTED_FAMILIES.values():
+        modeling_name = f"transformers.models.{module_name}.modeling_{module_name}"
+        importlib.import_module(modeling_name)
+        listed[f"apply_liger_kernel_to_{apply_suffix}"] = _fake_apply(modeling_name, offset, rebinds, mlp or "swiglu")
     CALLS.clear()
     liger_transformers = _module(
         "liger_kernel.transformers",
@@ -132,7 +176,8 @@ def fake_libraries(monkeypatch):
         apply_liger_kernel_to_qwen3_5_moe=_fake_apply("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", 1.0,
                                                       ["Qwen3_5MoeRMSNorm", "Qwen3_5MoeExperts"]),
         apply_liger_kernel_to_qwen3_moe=_fake_apply("transformers.models.qwen3_moe.modeling_qwen3_moe", 0.0,
-                                                    ["Qwen3MoeRMSNorm", "Qwen3MoeExperts", "apply_rotary_pos_emb"]))
+                                                    ["Qwen3MoeRMSNorm", "Qwen3MoeExperts", "apply_rotary_pos_emb"]),
+        **listed)
     fakes = {"liger_kernel": _module("liger_kernel"), "liger_kernel.transformers": liger_transformers,
              "liger_kernel.transformers.rope": _module("liger_kernel.transformers.rope", liger_rotary_pos_emb=fake_rope),
              "fla": _module("fla"), "fla.modules": _module("fla.modules"),
@@ -161,10 +206,10 @@ def test_auto_on_cuda_picks_the_architectures_kernels(fake_libraries):
     gelu = tiny_llama_config()
     gelu.hidden_act = "gelu"
     assert select_kernels("auto", gelu, "cuda").names == ("liger_rms_norm", "liger_rope")
-    from transformers import MistralConfig
+    from bench.families import family_config
 
-    other = select_kernels("auto", MistralConfig(hidden_size=64, num_hidden_layers=2), "cuda")
-    assert other.names == () and "no fused kernels known for model type 'mistral'" in other.reason
+    other = select_kernels("auto", family_config("gpt_oss", "tiny"), "cuda")
+    assert other.names == () and "no fused kernels known for model type 'gpt_oss'" in other.reason
     assert fake_libraries == {}, "selecting must not import or call the kernel libraries"
 
 
@@ -236,6 +281,72 @@ def test_the_qwen3_moe_gets_rms_norm_and_rope_under_auto_and_when_listed(fake_li
     CALLS.clear()
     _alone_states(eager, samples[0])  # another model of the family in the same process: transformers' own
     assert "rope" not in CALLS and "rms_norm" not in CALLS
+
+
+@pytest.mark.parametrize("family", sorted(LISTED_FAMILIES))
+def test_a_family_from_ligers_list_is_eager_under_auto_and_its_listed_kernels_keep_each_sample_alone(
+        fake_libraries, family):
+    """Qwen2, Mistral, Phi-3, Gemma2, Gemma3, Mixtral: not measured on a GPU yet, so eager under `auto` (and in
+    `plan`); listed, liger's patch of the family gets the MLP flag its function takes (`geglu` for the Gemmas, none
+    for Mixtral's routed experts), RoPE is scoped to this model, the modeling module is left as transformers made
+    it, and a padded batch through the patched model gives each sample's eager states alone."""
+    from bench.families import family_config
+
+    module_name, _, _, mlp, _ = LISTED_FAMILIES[family]
+    config = family_config(family, "tiny")
+    auto = select_kernels("auto", config, "cuda")
+    assert auto.names == () and "not measured on a GPU yet: list them to use them" in auto.reason, auto
+    assert auto_kernels_on_gpu(config) == ()
+    names = ("liger_rms_norm",) + ((f"liger_{mlp}",) if mlp else ()) + ("liger_rope",)
+    assert select_kernels(list(names), config, "cuda").names == names
+    wrong_mlp = "liger_swiglu" if mlp != "swiglu" else "liger_geglu"
+    with pytest.raises(RecipeError, match="do not apply"):
+        select_kernels([wrong_mlp], config, "cuda")
+    modeling = sys.modules[f"transformers.models.{module_name}.modeling_{module_name}"]
+    module_before = dict(vars(modeling))
+    attention = "eager" if family == "gemma2" else "sdpa"  # Gemma2's logit softcap has no SDPA form
+    eager, fused = build(config, attn_implementation=attention), build(config, attn_implementation=attention)
+    layer_ids = [0, 2]
+    drop_layers_after(fused, layer_ids[-1])
+    apply_kernels(fused, KernelChoice(names, names, config.get_text_config().model_type))
+    (applied,) = fake_libraries["apply"]
+    assert applied["model"] is fused and applied["rope"] is False and applied["rms_norm"] is True
+    assert applied["fused_linear_cross_entropy"] is False and applied["cross_entropy"] is False
+    assert applied.get(mlp or "swiglu") is bool(mlp)
+    assert {k: v for k, v in vars(modeling).items() if v is not module_before.get(k)} == {}
+    samples = _samples([37, 5, 20])
+    calls = _capture_equals_alone(fused, eager, samples, layer_ids, 48, family)
+    layers_run = layer_ids[-1] + 1
+    assert calls["rope"] == layers_run and calls["rms_norm"] >= 2 * layers_run
+    assert calls.get(mlp, 0) == (layers_run if mlp else 0)
+    CALLS.clear()
+    _alone_states(eager, samples[0])
+    _alone_states(build(config, attn_implementation=attention), samples[0])  # built after the patch: transformers'
+    assert CALLS == {}, "the eager models must not run the fused kernels"
+    # The MLP's kernel not listed: its flag is passed as False (liger's functions default every flag to True)
+    norm_only = build(config, attn_implementation=attention)
+    apply_kernels(norm_only, KernelChoice(("liger_rms_norm",), ("liger_rms_norm",), config.get_text_config().model_type))
+    applied = fake_libraries["apply"][-1]
+    assert applied["model"] is norm_only and applied.get(mlp or "swiglu", False) is False and applied["rope"] is False
+    assert set(_capture_equals_alone(norm_only, eager, samples, layer_ids, 48, family)) == {"rms_norm"}
+
+
+def test_rope_is_left_out_of_a_partial_rotary_and_a_multimodal_wrapper_gets_no_text_patch(fake_libraries):
+    """liger's rope rotates the whole head: a Phi-3 config with `partial_rotary_factor` 0.5 (Phi-4-mini's 0.75 is
+    the real case) keeps RMSNorm and SwiGLU, and listing RoPE is refused; a Gemma3 multimodal config (liger's
+    text patch raises TypeError on its class) gets no kernels."""
+    from transformers import Gemma3Config
+
+    from bench.families import family_config
+
+    config = family_config("phi3", "tiny")
+    config.rope_parameters = {**config.rope_parameters, "partial_rotary_factor": 0.5}
+    assert select_kernels(["liger_rms_norm", "liger_swiglu"], config, "cuda").names == (
+        "liger_rms_norm", "liger_swiglu")
+    with pytest.raises(RecipeError, match=r"\['liger_rope'\] do not apply to model type 'phi3'"):
+        select_kernels(["liger_rope"], config, "cuda")
+    wrapper = select_kernels("auto", Gemma3Config(), "cuda")
+    assert wrapper.names == () and "model type 'gemma3'" in wrapper.reason
 
 
 def test_auto_leaves_an_architecture_not_yet_measured_eager_and_applies_its_listed_kernels(fake_libraries,

@@ -30,7 +30,7 @@ DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "demo" / "tiny-demo.ya
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 # Named fused kernels of `model.kernels` (dflash_prep/target/kernels.py says what each replaces, and for which models).
-KERNEL_NAMES = ("liger_rms_norm", "liger_swiglu", "liger_rope", "fla_conv", "fla_gated_norm")
+KERNEL_NAMES = ("liger_rms_norm", "liger_swiglu", "liger_geglu", "liger_rope", "fla_conv", "fla_gated_norm")
 REPLICA_PARALLELISMS = ("auto", "tensor_parallel", "layer_split")  # model.replica_parallelism (replica.py)
 MOE_EXPERTS = ("auto", "transformers", "compiled", "liger")  # model.moe_experts (dflash_prep/target/moe.py)
 STORAGE_DTYPES = ("bfloat16", "float16", "float32", "fp8_e4m3")

@@ -4,15 +4,19 @@ Named kernels (each replaces one piece of transformers' eager forward on the loa
 
 | name | library | replaces | architectures |
 |---|---|---|---|
-| `liger_rms_norm` | liger-kernel | RMSNorm (decoder layers, final norm; Qwen3.5, Qwen3: also q/k norms) by one Triton kernel | llama, qwen3_5, qwen3, qwen3_5_moe, qwen3_moe |
-| `liger_swiglu` | liger-kernel | `silu(gate) * up` of the MLPs by one Triton kernel | llama, qwen3_5, qwen3 (silu MLPs) |
-| `liger_rope` | liger-kernel | the rotary embedding of q and k | llama, qwen3, qwen3_moe |
+| `liger_rms_norm` | liger-kernel | RMSNorm (decoder layers, final norm; Qwen3.5, Qwen3, Gemma3: also q/k norms; Gemma: the `1 + weight` form) by one Triton kernel | llama, qwen3_5, qwen3, qwen3_5_moe, qwen3_moe; listed: qwen2, mistral, phi3, gemma2, gemma3_text, mixtral |
+| `liger_swiglu` | liger-kernel | `silu(gate) * up` of the MLPs by one Triton kernel (Phi-3's fused `gate_up_proj` too) | llama, qwen3_5, qwen3 (silu MLPs); listed: qwen2, mistral, phi3 |
+| `liger_geglu` | liger-kernel | `gelu_tanh(gate) * up` of the MLPs by one Triton kernel | listed: gemma2, gemma3_text (`gelu_pytorch_tanh` MLPs) |
+| `liger_rope` | liger-kernel | the rotary embedding of q and k (full-width rotary only) | llama, qwen3, qwen3_moe; listed: qwen2, mistral, phi3, gemma2, gemma3_text, mixtral |
 | `fla_conv` | flash-linear-attention | transformers' torch fallback of the Gated DeltaNet causal conv (`conv_depthwise2d`) by fla's Triton `causal_conv1d` | qwen3_5, qwen3_5_moe |
 | `fla_gated_norm` | flash-linear-attention | the Gated DeltaNet output norm (`Qwen3_5RMSNormGated`: RMSNorm, weight, times silu(z)), ten eager element-wise kernels through fp32 copies, by fla's one Triton `rms_norm_gated` | qwen3_5, qwen3_5_moe |
 
 `auto` (the default): on CUDA, every kernel of the architecture's row above (all measured exact and faster on an
-H200: bench/RESULTS.md), except for the architectures in `AUTO_NOT_MEASURED` (none now: applied when listed, eager
-under `auto` until measured); eager on CPU and for architectures not listed (said once in the log). `eager`: none.
+H200: bench/RESULTS.md), except for the architectures in `AUTO_NOT_MEASURED` (those marked "listed": applied when
+listed, eager under `auto` until measured, bench/kernels_check.py --families); eager on CPU and for architectures
+not listed (said once in the log). `eager`: none. A kernel also needs what it computes: `liger_swiglu` a silu MLP,
+`liger_geglu` a `gelu_pytorch_tanh` one, `liger_rope` a rotary embedding over the whole head (a partial
+`partial_rotary_factor` leaves it out).
 A list applies exactly those kernels; a name that does not apply to the architecture, a list on a machine without
 CUDA, or a library that is not installed is a `RecipeError` naming the key. liger-kernel needs Triton: it (and fla)
 are imported only when kernels are applied, which happens only on CUDA.
@@ -67,6 +71,22 @@ ARCHITECTURES["qwen3_5_moe_text"] = ARCHITECTURES["qwen3_5_moe"]
 # would swap the routed experts' class.
 ARCHITECTURES["qwen3_moe"] = ("transformers.models.qwen3_moe.modeling_qwen3_moe", ("liger_rms_norm", "liger_rope"),
                               "apply_liger_kernel_to_qwen3_moe")
+# Families whose packed rows are proven exact (bench/families.py) and that liger-kernel 0.8 patches. Mixtral: no
+# `liger_swiglu` (liger's patch swaps the routed experts' class, which `model.moe_experts` owns); Gemma: GeGLU, not
+# SwiGLU. liger's patches for phi3 and both Gemmas cover the same modules as for llama, plus Gemma's extra norms
+# (pre/post feed-forward; Gemma3's q/k norms) in their `1 + weight` form.
+for _type, _module, _kernels, _apply in (
+        ("qwen2", "qwen2", ("liger_rms_norm", "liger_swiglu", "liger_rope"), "qwen2"),
+        ("mistral", "mistral", ("liger_rms_norm", "liger_swiglu", "liger_rope"), "mistral"),
+        ("phi3", "phi3", ("liger_rms_norm", "liger_swiglu", "liger_rope"), "phi3"),
+        ("gemma2", "gemma2", ("liger_rms_norm", "liger_geglu", "liger_rope"), "gemma2"),
+        ("gemma3_text", "gemma3", ("liger_rms_norm", "liger_geglu", "liger_rope"), "gemma3_text"),
+        ("mixtral", "mixtral", ("liger_rms_norm", "liger_rope"), "mixtral")):
+    ARCHITECTURES[_type] = (f"transformers.models.{_module}.modeling_{_module}", _kernels,
+                            f"apply_liger_kernel_to_{_apply}")
+# Text configs whose liger patch takes the text model only (liger's gemma3_text patch raises TypeError on
+# Gemma3ForConditionalGeneration): a multimodal checkpoint of the family gets no kernels.
+TEXT_MODEL_ONLY = frozenset({"gemma3_text"})
 # Architectures whose kernels apply when listed but that `auto` leaves eager until they are measured exact and
 # faster on a GPU (exact: bench/kernels_check.py in fp32, the `targets` scenario; faster: the `shapes` scenario's
 # variant). qwen3 passed both on an H200: fused vs eager 7.8e-6 in fp32, 37,755 against 30,048 tok/s warm on the
@@ -75,7 +95,8 @@ ARCHITECTURES["qwen3_moe"] = ("transformers.models.qwen3_moe.modeling_qwen3_moe"
 # against 30,456 tok/s warm, 3,282 against 1,795 cold, packed rows against eager's padded batches
 # (shapes-20261203-moe-kernels). qwen3_moe too: 6.6e-7 in fp32 with the routing pinned (targets-20261204), and on
 # the Qwen3-30B-A3B shape 49,267 against 37,457 tok/s warm, 33,557 against 10,267 cold (shapes-20261204).
-AUTO_NOT_MEASURED: frozenset[str] = frozenset()
+# The families added from liger's list: their fp32 check and speed A/B have not run on a GPU yet.
+AUTO_NOT_MEASURED: frozenset[str] = frozenset({"qwen2", "mistral", "phi3", "gemma2", "gemma3_text", "mixtral"})
 LIBRARIES = {"liger": ("liger_kernel", "liger-kernel"), "fla": ("fla", "flash-linear-attention")}
 
 
@@ -115,24 +136,47 @@ def _version(library: str) -> str | None:
         return "installed"
 
 
-def _supported(config) -> tuple[str | None, list[str]]:
+def supported_kernels(config) -> tuple[str | None, list[str]]:
     """(model type, the kernels that apply to its architecture) for `config`."""
     text = _text_config(config)
     model_type = getattr(text, "model_type", None)
+    if model_type in TEXT_MODEL_ONLY and getattr(config, "model_type", model_type) != model_type:
+        model_type = config.model_type  # the multimodal wrapper: liger's text patch refuses its class
     arch = ARCHITECTURES.get(model_type)
     supported = list(arch[1]) if arch else []
-    if getattr(text, "hidden_act", "silu") not in ("silu", "swish") and "liger_swiglu" in supported:
+    act = getattr(text, "hidden_activation", None) or getattr(text, "hidden_act", "silu")
+    if act not in ("silu", "swish") and "liger_swiglu" in supported:
         supported.remove("liger_swiglu")  # liger's SwiGLU computes silu(gate) * up only
+    if act != "gelu_pytorch_tanh" and "liger_geglu" in supported:
+        supported.remove("liger_geglu")  # liger's GeGLU computes gelu(gate, approximate="tanh") * up only
+    if partial_rotary_factor(text) != 1.0 and "liger_rope" in supported:
+        supported.remove("liger_rope")  # liger's rope rotates the whole head: a partial rotary is not its function
     return model_type, supported
+
+
+def partial_rotary_factor(text_config) -> float:
+    """The fraction of each head's dims the rotary embedding turns (1.0 = all): transformers 5's
+    `rope_parameters["partial_rotary_factor"]`, or the config attribute of earlier releases."""
+    params = getattr(text_config, "rope_parameters", None)
+    if isinstance(params, dict) and params.get("partial_rotary_factor") is not None:
+        return float(params["partial_rotary_factor"])
+    factor = getattr(text_config, "partial_rotary_factor", None)
+    return 1.0 if factor is None else float(factor)
+
+
+# Kernels that stand in for a module-level function of the modeling module while a layer's forward runs
+# (`_scope_global_in_forwards`): the function's name.
+SCOPED_GLOBALS = {"fla_conv": "causal_conv1d_fn", "liger_rope": "apply_rotary_pos_emb"}
 
 
 def hook_missing(kernel: str, model_type: str | None) -> str | None:
     """Why the installed transformers gives `kernel` nothing to replace in `model_type`'s modeling module (None: it
-    does), read from the module's code, nothing run: fla_conv replaces the module-level `causal_conv1d_fn` that a
-    layer's forward calls (itself or through a helper: `calls_global`), fla_gated_norm the forward of a
-    `*RMSNormGated` class. A transformers release that moves either (5.25 moved the conv into a helper) then leaves
-    the kernel out of `auto` with this reason, instead of failing the run after the weights load."""
-    if kernel not in ("fla_conv", "fla_gated_norm") or model_type not in ARCHITECTURES:
+    does), read from the module's code, nothing run: fla_conv and liger_rope replace a module-level function
+    (`SCOPED_GLOBALS`) that a layer's forward calls (itself or through a helper: `calls_global`), fla_gated_norm
+    the forward of a `*RMSNormGated` class. A transformers release that moves one (5.25 moved the conv into a
+    helper) then leaves the kernel out of `auto` with this reason, instead of failing the run after the weights
+    load."""
+    if kernel not in (*SCOPED_GLOBALS, "fla_gated_norm") or model_type not in ARCHITECTURES:
         return None
     import transformers
 
@@ -141,11 +185,12 @@ def hook_missing(kernel: str, model_type: str | None) -> str | None:
     except ImportError as e:
         return f"transformers {transformers.__version__} has no {ARCHITECTURES[model_type][0]} ({e})"
     classes = [c for c in vars(modeling).values() if inspect.isclass(c) and c.__module__ == modeling.__name__]
-    if kernel == "fla_conv":
-        if any(calls_global(c.forward, modeling, "causal_conv1d_fn") for c in classes
+    if kernel in SCOPED_GLOBALS:
+        name = SCOPED_GLOBALS[kernel]
+        if any(calls_global(c.forward, modeling, name) for c in classes
                if issubclass(c, nn.Module) and "forward" in vars(c)):
             return None
-        return f"no layer of transformers {transformers.__version__}'s {modeling.__name__} calls `causal_conv1d_fn`"
+        return f"no layer of transformers {transformers.__version__}'s {modeling.__name__} calls `{name}`"
     if any(c.__name__.endswith("RMSNormGated") for c in classes):
         return None
     return f"transformers {transformers.__version__}'s {modeling.__name__} has no gated RMSNorm class"
@@ -154,7 +199,7 @@ def hook_missing(kernel: str, model_type: str | None) -> str | None:
 def auto_kernels_on_gpu(config, tensor_parallel: bool = False) -> tuple[str, ...]:
     """The kernels `auto` applies to a model of `config` on CUDA with the `gpu` extra installed (what `plan`
     assumes of the GPU machine it cannot see), in KERNEL_NAMES order; none on a tensor-parallel replica."""
-    model_type, supported = _supported(config)
+    model_type, supported = supported_kernels(config)
     if tensor_parallel or model_type in AUTO_NOT_MEASURED:
         return ()
     return tuple(k for k in KERNEL_NAMES if k in supported and hook_missing(k, model_type) is None)
@@ -163,7 +208,7 @@ def auto_kernels_on_gpu(config, tensor_parallel: bool = False) -> tuple[str, ...
 def check_listed_kernels(asked, config) -> tuple[str, ...]:
     """`model.kernels` given as a list: the names in KERNEL_NAMES order, or RecipeError (naming the key) for a name
     the architecture has no patch for."""
-    model_type, supported = _supported(config)
+    model_type, supported = supported_kernels(config)
     bad = [k for k in asked if k not in supported]
     if bad:
         raise RecipeError(f"recipe key `model.kernels` = {list(asked)}: {bad} do not apply to model type "
@@ -180,7 +225,7 @@ def select_kernels(requested, config, device_type: str, tensor_parallel: bool = 
     `model.kernels`) for a list that cannot be honoured: a name the architecture has no patch for, no CUDA device,
     a library missing. `auto` never raises: what does not apply is left out and `reason` says why.
     """
-    model_type, supported = _supported(config)
+    model_type, supported = supported_kernels(config)
     if requested == "eager":
         return KernelChoice("eager", (), model_type)
     if requested == "auto":
@@ -250,9 +295,13 @@ def _apply_liger(model: nn.Module, modeling, apply_name: str, names: set[str]) -
     scoped to this model's attention forwards."""
     liger = importlib.import_module("liger_kernel.transformers")
     saved = dict(vars(modeling))
-    kwargs = dict(rms_norm="liger_rms_norm" in names, swiglu="liger_swiglu" in names, cross_entropy=False,
-                  fused_linear_cross_entropy=False, model=model)
-    if "rope" in inspect.signature(getattr(liger, apply_name)).parameters:
+    params = inspect.signature(getattr(liger, apply_name)).parameters
+    kwargs = dict(rms_norm="liger_rms_norm" in names, cross_entropy=False, fused_linear_cross_entropy=False,
+                  model=model)
+    for mlp in ("swiglu", "geglu"):  # each family's function has the one its MLP computes
+        if mlp in params:
+            kwargs[mlp] = f"liger_{mlp}" in names
+    if "rope" in params:
         kwargs["rope"] = False  # module-global in liger: applied per instance below instead
     getattr(liger, apply_name)(**kwargs)
     for name in set(vars(modeling)) - set(saved):
@@ -262,13 +311,13 @@ def _apply_liger(model: nn.Module, modeling, apply_name: str, names: set[str]) -
             setattr(modeling, name, value)
     if "liger_rope" in names:
         rope = importlib.import_module("liger_kernel.transformers.rope").liger_rotary_pos_emb
-        _scope_global_in_forwards(model, modeling, "apply_rotary_pos_emb", rope)
+        _scope_global_in_forwards(model, modeling, SCOPED_GLOBALS["liger_rope"], rope)
 
 
 def _apply_fla_conv(model: nn.Module, modeling) -> None:
     """fla's Triton causal conv in the Gated DeltaNet layers of this model (transformers' `causal_conv1d_fn`)."""
     conv = importlib.import_module("fla.modules.causal_conv1d").causal_conv1d  # fla 0.6 (`convolution` before)
-    _scope_global_in_forwards(model, modeling, "causal_conv1d_fn", fla_causal_conv1d_fn(conv))
+    _scope_global_in_forwards(model, modeling, SCOPED_GLOBALS["fla_conv"], fla_causal_conv1d_fn(conv))
 
 
 def _apply_fla_gated_norm(model: nn.Module) -> None:
