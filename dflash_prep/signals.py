@@ -55,3 +55,28 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+
+
+_RUN_OWNS_PROCESS = False
+
+
+def run_owns_process() -> None:
+    """Mark this process as one started to run one command (a console script's or `python -m`'s main, given no
+    argv of a caller), so that `ignore_stop_signals` acts in it; a program that calls a command in-process keeps
+    its own signal handling."""
+    global _RUN_OWNS_PROCESS
+    _RUN_OWNS_PROCESS = True
+
+
+def ignore_stop_signals() -> None:
+    """Ignore SIGINT and SIGTERM for the rest of this process: called once the output is committed (its manifest
+    written), when the process has only its exit left. A stop there could only turn a finished run into a failure
+    report: a Ctrl-C raised KeyboardInterrupt in an exit handler (a traceback, exit code 0) or, late in the
+    interpreter's exit where Python has put the signal's default action back, killed the process by SIGINT (which
+    the launcher reports as "stopped", exit code 1; `regenerate` exited 130). An ignored signal stays ignored
+    through that exit. SIGKILL still ends the process. Only in a process the command owns (`run_owns_process`),
+    main thread only: elsewhere this does nothing."""
+    if not _RUN_OWNS_PROCESS or threading.current_thread() is not threading.main_thread():
+        return
+    for sig in StopRequest.SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)

@@ -1,4 +1,4 @@
-"""Tests for dflash_prep.consume.export: each layout's file names, keys, shapes, dtypes and values (REFERENCE.md §1),
+"""Tests for dflash_prep.consume.export: each layout's file names, keys, shapes, dtypes and values (as each trainer reads them),
 the refusals (what the extraction did not capture), export order, and the CLI.
 
 Two small extractions (final layer before / after the norm) are shared by the module.

@@ -84,6 +84,28 @@ def test_one_flipped_byte_fails_naming_the_shard(copy, capsys):
     assert "check: FAILED" in out
 
 
+def test_the_repair_the_failed_check_names_brings_the_output_back(copy, capsys):
+    """What `--check` says to do about a damaged shard, done as it says: delete that file, run the extraction's
+    command again; the output then passes the check with every sample back."""
+    from dflash_prep.commands.extract import run_extraction
+    from dflash_prep.recipe.schema import load_recipe
+
+    before = _manifest(copy)
+    victim = copy / before["shards"][0]["path"]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    assert main([str(copy), "--check", "--no-progress"]) == 1
+    (advice,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("to repair:")]
+    assert "delete the shard files named above" in advice and "run the extraction's command again" in advice
+    victim.unlink()
+    run_extraction(load_recipe(None, [f"output.dir={copy}", *OVERRIDES]))
+    assert main([str(copy), "--check", "--no-progress"]) == 0
+    after = _manifest(copy)
+    assert after["num_samples"] == before["num_samples"] == NUM_ROWS
+    assert after["num_tokens"] == before["num_tokens"]
+
+
 def test_count_mismatch_fails_naming_the_shard(copy, capsys):
     m = _manifest(copy)
     m["shards"][0]["num_tokens"] += 1

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -112,6 +113,36 @@ def test_ctrl_c_under_the_launcher_stops_cleanly_with_exit_code_1(tmp_path):
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     assert "stopped on SIGINT" in err and "re-run the same command to resume" in err
     assert not (out / "manifest.json").exists() and not list(Path(out).rglob("*.tmp"))
+
+
+@pytest.mark.slow
+def test_ctrl_c_once_the_manifest_is_written_leaves_a_finished_run_exit_code_0(tmp_path):
+    """From the `done:` line on, the output is finished: Ctrl-C (the terminal's, to the whole group, here again
+    every 50 ms until the launcher exits) neither reports a stop (exit code 1), nor kills a process by the signal,
+    nor prints a KeyboardInterrupt from an exit handler."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([*LAUNCH, "extract.py", "--set", f"output.dir={out}", "--set", "data.max_samples=40"],
+                            cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if "] done: " in line:
+            break
+    assert any("] done: " in line for line in lines), "".join(lines)[-3000:]
+    rest = []
+    drain = threading.Thread(target=lambda: rest.extend(proc.stderr), daemon=True)
+    drain.start()
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.05)
+    proc.wait(timeout=30)
+    drain.join(timeout=30)
+    err = "".join(lines + rest)
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err and "error:" not in err, err[-3000:]
+    assert (out / "manifest.json").exists()
 
 
 @pytest.mark.slow

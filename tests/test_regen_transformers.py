@@ -10,10 +10,12 @@ The engine is called through the interface the command uses:
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -146,6 +148,35 @@ def test_the_demo_regenerates_in_process_then_extracts(tmp_path):
         a for k, v in sets.items() for a in ("--set", f"{k}={v}")]], env=ENV, cwd=REPO, capture_output=True,
         text=True, timeout=300)
     assert done.returncode == 0 and "already finished" in done.stderr, done.stderr[-2000:]
+
+
+def test_ctrl_c_once_the_regeneration_is_written_leaves_it_finished_with_exit_code_0(tmp_path):
+    """`dflash-prep regenerate` from its `done:` line on: Ctrl-C to the whole group (every 50 ms until it exits)
+    neither reports a stop nor ends the process by the signal (exit code 130), and prints no traceback."""
+    sets = {"data.max_samples": 4, "batching.num_workers": 0, "regenerate": "{}", "regenerate.max_tokens": 8,
+            "regenerate.output_dir": tmp_path / "answers"}
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_prep.commands.regenerate",
+                             *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]], env=ENV, cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if "] done: " in line:
+            break
+    assert any("] done: " in line for line in lines), "".join(lines)[-3000:]
+    rest = []
+    drain = threading.Thread(target=lambda: rest.extend(proc.stderr), daemon=True)
+    drain.start()
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.05)
+    proc.wait(timeout=30)
+    drain.join(timeout=30)
+    err = "".join(lines + rest)
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err and "error:" not in err, err[-3000:]
+    assert (tmp_path / "answers" / "manifest.json").exists()
 
 
 def test_inspect_and_verify_of_regenerated_rows_say_what_the_folder_holds(model_dir, data, tmp_path, capsys):

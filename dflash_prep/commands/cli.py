@@ -20,6 +20,11 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     from dflash_prep import __version__
 
+    if argv is None:  # the console script: this process is the command's
+        from dflash_prep.signals import run_owns_process
+
+        run_owns_process()
+
     parser = argparse.ArgumentParser(prog="dflash-prep", description="Hidden-state extraction for drafter training.")
     parser.add_argument("--version", action="version", version=f"dflash-prep {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -54,6 +54,7 @@ from dflash_prep.consume.shard_read import open_for_reading, sample_key
 from dflash_prep.data.samples import samples_line
 from dflash_prep.recipe.location import as_location, is_remote_path, one_line_store_errors
 from dflash_prep.store.manifest import OutputStateError, read_manifest, read_state_json
+from dflash_prep.store.records import SHARDS_DIR
 from dflash_prep.store.writer import ST_CODE, ST_ITEMSIZE, ST_TORCH_CODE
 from dflash_prep.units import format_bytes
 
@@ -588,6 +589,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"check: {'OK' if not problems else 'FAILED'}: {facts['num_shards']} shard(s), "
                   f"{facts['num_samples']:,} samples, {facts['num_tokens']:,} tokens"
                   + (f"; {len(problems)} problem(s)" if problems else " match the manifest"))
+            if any(p.startswith(SHARDS_DIR + "/") for p in problems):
+                print("to repair: delete the shard files named above and run the extraction's command again (the "
+                      "same recipe and --set): it redoes their batches and writes the manifest again (docs/FAULTS.md)")
     if problems:
         return 1
     return 0

@@ -38,6 +38,7 @@ import subprocess
 import sys
 
 from dflash_prep.signals import LAUNCHER_ENV  # noqa: F401 - set for the script: it runs under this launcher
+from dflash_prep.signals import ignore_stop_signals, run_owns_process
 
 EXIT_STOPPED, EXIT_REFUSED, EXIT_FAILED_SAMPLES = 1, 2, 3
 
@@ -188,6 +189,8 @@ def missing_config_file(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # `python -m`: this process is the command's
+        run_owns_process()
     # first: a preemption notice during the imports below is an orderly stop (exit code 1), not a death by SIGTERM
     previous_term = signal.signal(signal.SIGTERM, _forward_terminate)
     missing = missing_config_file(sys.argv[1:] if argv is None else argv)
@@ -241,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGINT, previous)
         signal.signal(signal.SIGTERM, previous_term)
+        # the scripts have exited and their code is decided: a Ctrl-C now (the terminal's, sent to the group as
+        # the script finished) must not end the launcher by the signal instead (signals.py)
+        ignore_stop_signals()
     return 0
 
 

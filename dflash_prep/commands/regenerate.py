@@ -39,7 +39,7 @@ from dflash_prep.regen.engine import EngineUnavailable
 from dflash_prep.regen.loop import REGEN_STOP_MESSAGE, EngineFailed, LoopStopped, RegenLoop
 from dflash_prep.regen.sampling import generation_config_source, read_generation_defaults, resolve_sampling
 from dflash_prep.data.rows import read_chat_template
-from dflash_prep.signals import StopRequest
+from dflash_prep.signals import StopRequest, ignore_stop_signals, run_owns_process
 from dflash_prep.store.locks import (
     LeaseLostError,
     OutputBusyError,
@@ -163,19 +163,21 @@ def chat_template_identity(recipe: Recipe) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ the run
-def run_regeneration(recipe: Recipe) -> dict | None:
+def run_regeneration(recipe: Recipe, whole_command: bool = False) -> dict | None:
     """Regenerate `recipe`'s rows into `output_dir_of(recipe)` on this process's rank (any number of processes
     under accelerate). Returns the summary on the main process. Raises RecipeError, RegenMismatchError,
-    OutputBusyError, OutputStateError (refused), RegenStopped, EngineUnavailable, LoopStopped (stopped)."""
+    OutputBusyError, OutputStateError (refused), RegenStopped, EngineUnavailable, LoopStopped (stopped).
+    `whole_command`: nothing follows in this process (`dflash-prep regenerate`, not the one-recipe form's first
+    stage), so its stop signals are ignored once the output is written (signals.ignore_stop_signals)."""
     held: list = []
     try:
-        return _run(recipe, held)
+        return _run(recipe, held, whole_command)
     finally:
         for lock in reversed(held):
             lock.release()
 
 
-def _run(recipe: Recipe, held: list) -> dict | None:
+def _run(recipe: Recipe, held: list, whole_command: bool = False) -> dict | None:
     import torch
     from accelerate import PartialState
 
@@ -253,7 +255,7 @@ def _run(recipe: Recipe, held: list) -> dict | None:
     if not state.is_main_process:
         return None
     return _finish(recipe, out_dir, rows, rows_per_shard, num_chunks, identity, sampling, report, t_start,
-                   state.num_processes, ran=bool(todo), fence=fence)
+                   state.num_processes, ran=bool(todo), fence=fence, whole_command=whole_command)
 
 
 def _committed_rows(committed: dict, chunks: list[int]) -> dict[int, tuple[set[int], int]]:
@@ -272,7 +274,7 @@ def _build_engine(recipe: Recipe, device, servers=None):
             import openai  # noqa: F401
         except ImportError:
             raise RecipeError("recipe key `regenerate.engine` = 'openai' needs the `openai` client: "
-                              "pip install 'dflash-prep[regenerate]' (or openai)") from None
+                              "pip install '.[regenerate]' in a checkout of dflash-prep (or pip install openai)") from None
         if servers is not None:
             return OpenAIEngine(section, served_model_name(recipe), base_urls=servers.base_urls,
                                 on_server_down=servers.on_server_down)
@@ -441,7 +443,8 @@ class _Progress:
 
 # ------------------------------------------------------------------------------------------------ the end
 def _finish(recipe: Recipe, out_dir: Path, rows, rows_per_shard: int, num_chunks: int, identity: dict,
-            sampling: dict, report: dict, t_start: float, world: int, ran: bool, fence=None) -> dict:
+            sampling: dict, report: dict, t_start: float, world: int, ran: bool, fence=None,
+            whole_command: bool = False) -> dict:
     """Main process, every rank done: check every chunk is committed, then skipped.jsonl, summary.json,
     manifest.json and the dataset files (last). A finished output re-run changes nothing."""
     summary_path = out_dir / regen_output.SUMMARY_NAME
@@ -506,6 +509,8 @@ def _finish(recipe: Recipe, out_dir: Path, rows, rows_per_shard: int, num_chunks
                     "sha256": r.sha256} for r in records],
     }
     regen_output.write_dataset_files(out_dir, records, manifest, skipped, summary, fence)
+    if whole_command:  # the output is finished: a Ctrl-C from here on could only report a failure (signals.py)
+        ignore_stop_signals()
     _log_done(summary, out_dir)
     check_verdict(summary, recipe.data.max_skipped_fraction)
     return summary
@@ -574,11 +579,11 @@ def _log_done(summary: dict, out_dir: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ entry points
-def run_and_report(recipe: Recipe) -> tuple[dict | None, int]:
+def run_and_report(recipe: Recipe, whole_command: bool = False) -> tuple[dict | None, int]:
     """`run_regeneration` with every error as one line on stderr and its exit code: (summary or None, code)."""
     out_dir = output_dir_of(recipe)
     try:
-        return run_regeneration(recipe), 0
+        return run_regeneration(recipe, whole_command), 0
     except (RecipeError, regen_output.RegenMismatchError, OutputBusyError, OutputStateError, RegenRefused) as e:
         print(f"error: {e}", file=sys.stderr)
         return None, EXIT_BAD_RECIPE
@@ -642,6 +647,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from dflash_prep.recipe.schema import load_recipe
 
+    if argv is None:  # `python -m`: this process is the command's
+        run_owns_process()
     parser = argparse.ArgumentParser(prog="dflash-prep regenerate", description=__doc__.splitlines()[0])
     add_recipe_args(parser)
     args = parser.parse_args(argv)
@@ -650,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_RECIPE
-    return run_and_report(recipe)[1]
+    return run_and_report(recipe, whole_command=True)[1]
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """`dflash-prep export OUT --to specforge|speculators|modelopt --dest DIR`: rewrite shards in a trainer's layout.
 
-Layouts (REFERENCE.md §1; T tokens, k captured layers, H hidden size; every hidden state bf16):
+Layouts (as each trainer's data loader reads them; T tokens, k captured layers, H hidden size; every hidden state bf16):
 
 - `specforge` (`--strategy dflash`, default): `DIR/rows_{g}-{g+2000}/data_{i}.ckpt`, g = i rounded down to 2000,
   one `torch.save` dict per sample: `input_ids` int64 [T], `loss_mask` int64 [T], `hidden_states` [1, T, k*H]

@@ -114,7 +114,7 @@ def check_location(location: str | Path, writable: bool, key: str = "output.dir"
         fsspec.get_filesystem_class(protocol)
     except ImportError as e:
         package = WRITABLE_PROTOCOLS.get(protocol)
-        extra = " (pip install 'dflash-prep[s3]')" if package == "s3fs" else ""
+        extra = " (pip install '.[s3]' in a checkout of dflash-prep)" if package == "s3fs" else ""
         raise LocationError(f"`{key}` = {str(location)!r}: protocol {protocol}:// needs "
                             f"{package or 'its fsspec implementation'}, which is not installed{extra} ({e})") from None
     except ValueError:

@@ -125,8 +125,8 @@ class ModelSection:
     triton_cache_dir: str | None = "~/.cache/dflash-prep/triton"
     """Where Triton keeps its compiled kernels and autotuning results (TRITON_CACHE_DIR, with
     TRITON_CACHE_AUTOTUNING=1), shared by the ranks of a node and by later runs, so each new (batch, length) shape is
-    tuned once per machine, not once per process (REFERENCE 5b: 12 s instead of 33 s of first-shape forwards in a
-    second process of the same 27B job). Set before Triton is imported; a user's own TRITON_CACHE_DIR /
+    tuned once per machine, not once per process (measured on an H200: 12 s instead of 33 s of first-shape
+    forwards in a second process of the same 27B job). Set before Triton is imported; a user's own TRITON_CACHE_DIR /
     TRITON_CACHE_AUTOTUNING always win; null leaves Triton's defaults. Not part of the job's identity."""
 
     def validate(self, p: str) -> None:

@@ -19,7 +19,7 @@ What it does with a `Request` (engine.py), step by step:
 - **Batches.** Requests with the same sampling parameters and new-token count are sorted by prompt length, longest
   first (an out-of-memory error shows in the first batch), and cut into consecutive batches: a batch pads every
   prompt to its longest one rounded up to `length_multiple` (few distinct prompt widths: each new shape costs a
-  Triton autotune in flash-linear-attention's kernels, REFERENCE 5; on flex decode steps, so that width + new tokens
+  Triton autotune in flash-linear-attention's kernels; on flex decode steps, so that width + new tokens
   is one of a few key counts an octave, each a compile of the flex call), and holds as many requests as batch size x
   (padded prompt + new tokens) <= `max_tokens_per_batch` and <= `max_batch_size` allow. The budget bounds what the
   batch holds at its end (the KV cache, the Gated DeltaNet states) and what its prefill forward runs. Not the

@@ -40,7 +40,8 @@ def dflash_layer_ids(num_hidden_layers: int, num_target_layers: int) -> list[int
 
 
 def _dflash_rule(L: int, k: int) -> list[int]:
-    """k > 1 ids spread from 1 to L-3 (REFERENCE.md §2), before any check."""
+    """k > 1 ids spread from 1 to L-3, as DFlash's own `build_target_layer_ids` picks them (round half to
+    even, as Python's round), before any check."""
     return [round(1 + j * (L - 4) / (k - 1)) for j in range(k)]
 
 

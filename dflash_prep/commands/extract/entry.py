@@ -29,6 +29,10 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
     an output of another job) ends the process at once with its exit code, after the error line, instead of
     waiting for the load (a model load cannot be interrupted, and the other ranks are stopped by the launcher
     only once this process exits)."""
+    if own_process:
+        from dflash_prep.signals import run_owns_process
+
+        run_owns_process()
     code = _main(argv, own_process)
     if code in (EXIT_BAD_RECIPE, EXIT_FAILED_SAMPLES) and _under_plain_accelerate_launch():
         print(f"note: `accelerate launch` reports exit code {code} as 1 (\"stopped, resumable\"); `dflash-prep launch` "

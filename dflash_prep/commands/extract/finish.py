@@ -19,6 +19,7 @@ from dflash_prep.commands.job import FAILED_NAME, SUMMARY_NAME, RankPlan, Run, m
 from dflash_prep.consume.vocab import count_supervised_tokens, write_token_freq
 from dflash_prep.errors import ExtractionError
 from dflash_prep.io import atomic_write_json, atomic_write_jsonl
+from dflash_prep.signals import ignore_stop_signals
 from dflash_prep.store.manifest import (
     FINISHED_INPUTS,
     MANIFEST_NAME,
@@ -84,6 +85,7 @@ def finish_run(run: Run, data, rank_plan: RankPlan) -> dict:
     except OSError as e:
         raise ExtractionError(f"writing the end files (token counts, summary, manifest) failed ({e}); every shard "
                               f"is committed: re-run the same command (nothing is recomputed) to write them") from e
+    ignore_stop_signals()  # the output is finished: a Ctrl-C from here on could only report a failure (signals.py)
     _log_done(summary, data.skipped_counts, run.remote.name(MANIFEST_NAME) if run.remote is not None
               else out_dir / MANIFEST_NAME, rebuilt=previous is not None)
     return summary

@@ -29,6 +29,7 @@ from dflash_prep.commands.extract.finish import finish_run, samples_beyond_conte
 from dflash_prep.commands.extract.loop import forward_loop  # noqa: E402
 from dflash_prep.commands.extract.peers import PeerLostError  # noqa: E402
 from dflash_prep.commands.extract.progress import JobProgress, clear_progress  # noqa: E402
+from dflash_prep.signals import ignore_stop_signals  # noqa: E402
 from dflash_prep.commands.extract.report import idle_rank_report, prediction_note, rank_report  # noqa: E402
 from dflash_prep.commands.extract.start import start  # noqa: E402
 from dflash_prep.commands.extract.stop import init_worker  # noqa: E402
@@ -83,6 +84,7 @@ def _run_extraction(recipe: Recipe, held: list, own_process: bool = False) -> di
             run.peers.abort(EXIT_BAD_RECIPE if isinstance(e, REFUSALS) else EXIT_STOPPED)  # quietly (peers.py)
         raise
     if not run.is_main:
+        ignore_stop_signals()  # its share is committed and every rank's too: the main process finishes the output
         return None
     clear_progress(run.out_dir)  # every rank is done: the live figures have served
     return finish_run(run, data, rank_plan)  # manifest last
