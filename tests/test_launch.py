@@ -145,6 +145,22 @@ def test_ctrl_c_once_the_manifest_is_written_leaves_a_finished_run_exit_code_0(t
     assert (out / "manifest.json").exists()
 
 
+@pytest.mark.parametrize("argv, expected", [
+    ([], "name what to run: `dflash-prep launch [accelerate options] -m dflash_prep.commands.extract"),
+    (["extract"], "extract: no such script file (the extraction is -m dflash_prep.commands.extract"),
+    (["-m", "dflash_prep.commands.extrct"], "-m dflash_prep.commands.extrct: no such module"),
+    (["--num_processes", "1", "-m", "nosuchpackage.extract", "--set", "x=1"], "-m nosuchpackage.extract: no such module"),
+])
+def test_a_launch_of_nothing_or_of_what_is_not_there_is_one_line_and_exit_code_2(tmp_path, argv, expected):
+    """First tries: no script, `extract` without `-m`, a module name with a typo: one line naming the extraction's
+    launch, exit code 2 (refused), nothing started; accelerate alone prints its usage, or starts the process to
+    fail with a traceback and exit code 1 ("stopped, resumable")."""
+    proc = subprocess.run([*LAUNCH, *argv], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: dflash-prep launch: ") and expected in lines[0], lines
+
+
 @pytest.mark.slow
 def test_plain_accelerate_launch_says_that_it_reports_a_refusal_as_1(tmp_path):
     """accelerate's own launcher turns exit code 2 into 1 (its CalledProcessError); the script says so and names

@@ -455,3 +455,27 @@ def test_plan_of_a_finished_output_says_finished_only_for_its_own_job(planned_an
                  "--tokens-per-second", "1000"]) == 0
     text = capsys.readouterr().out
     assert "changes nothing" not in text and f"{out} holds a finished output of a recipe or inputs other" in text
+
+
+@pytest.mark.parametrize("command", [["plan"], ["inspect", "OUT"]])
+def test_a_report_whose_reader_stops_reading_exits_0_quietly(tmp_path, command):
+    """`dflash-prep plan | head -2`: the pipe's reader gone before the report is written (its end closed here
+    before the command prints) is no error of the command: exit code 0, no BrokenPipeError."""
+    import os
+    import subprocess
+    import sys
+
+    if "OUT" in command:  # a finished output to describe
+        from dflash_prep.commands.extract import run_extraction
+        from dflash_prep.recipe.schema import load_recipe
+
+        out = tmp_path / "out"
+        run_extraction(load_recipe(None, [f"output.dir={out}", "data.max_samples=4", "batching.num_workers=0"]))
+        command = [c if c != "OUT" else str(out) for c in command]
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_prep.commands.cli", *command], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 0, err[-3000:]
+    assert "BrokenPipe" not in err and "Traceback" not in err, err[-3000:]

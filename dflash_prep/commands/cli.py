@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -70,11 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "inspect":
         from dflash_prep.commands.inspect import main as inspect_main
 
-        return inspect_main(rest)
+        return _reader_stopped_is_fine(inspect_main, rest)
     if args.command == "plan":
         from dflash_prep.commands.plan import main as plan_main
 
-        return plan_main(rest)
+        return _reader_stopped_is_fine(plan_main, rest)
     if args.command == "verify":
         from dflash_prep.commands.verify import main as verify_main
 
@@ -90,6 +91,19 @@ def main(argv: list[str] | None = None) -> int:
                             + [a for kv in args.overrides for a in ("--set", kv)] + rest)
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def _reader_stopped_is_fine(command, argv: list[str]) -> int:
+    """A report's command (`plan`, `inspect`) whose reader stopped reading (`| head`): exit code 0 with nothing more
+    printed, instead of a BrokenPipeError (exit code 1, which says "stopped, resumable"). Its later writes, and the
+    interpreter's flush at exit, go to /dev/null."""
+    try:
+        return command(argv)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 0
 
 
 if __name__ == "__main__":

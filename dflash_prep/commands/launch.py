@@ -31,6 +31,7 @@ rendezvous) are one line and exit code 1 (nothing ran).
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import signal
@@ -163,6 +164,26 @@ def _preflight(argv: list[str]) -> int | None:
         return e.code if isinstance(e.code, int) else EXIT_REFUSED
 
 
+NOTHING_TO_RUN = ("name what to run: `dflash-prep launch [accelerate options] -m dflash_prep.commands.extract "
+                  "[--recipe R] [--set key=value ...]` (`dflash-prep launch --help` lists accelerate's options)")
+
+
+def script_problem(module: bool, script: str) -> str | None:
+    """Why accelerate would fail to start what the launch names (`module`: `-m`), in one line, before it starts a
+    process per rank to print a traceback each (exit code 1, "stopped, resumable"); None when it exists. The
+    modules are looked up without being imported (their parent packages are)."""
+    if module:
+        try:
+            found = importlib.util.find_spec(script) is not None
+        except (ImportError, ValueError):
+            found = False
+        return None if found else f"-m {script}: no such module (the extraction is -m {EXTRACTION_MODULE})"
+    if os.path.isfile(script):
+        return None
+    hint = f" (the extraction is -m {EXTRACTION_MODULE}, or extract.py in a checkout)"
+    return f"{script}: no such script file{hint}"
+
+
 def _parse(parser, argv: list[str]):
     """accelerate's launch parser on `argv`. Its help formatter shows only the option groups the command line names,
     read from `sys.argv` (after `accelerate launch`, else after the program): under `dflash-prep launch --help`
@@ -211,7 +232,17 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = launch_command_parser()
     parser.prog = "dflash-prep launch"
-    args = _parse(parser, sys.argv[1:] if argv is None else argv)
+    launch_argv = sys.argv[1:] if argv is None else argv
+    if not launch_argv:  # accelerate would print its whole usage for a missing script
+        signal.signal(signal.SIGTERM, previous_term)
+        print(f"error: dflash-prep launch: {NOTHING_TO_RUN}", file=sys.stderr)
+        return EXIT_REFUSED
+    args = _parse(parser, launch_argv)
+    problem = script_problem(bool(args.module), args.training_script)
+    if problem is not None:
+        signal.signal(signal.SIGTERM, previous_term)
+        print(f"error: dflash-prep launch: {problem}", file=sys.stderr)
+        return EXIT_REFUSED
     _fill_quiet_defaults(args)
     os.environ[LAUNCHER_ENV] = "1"
     # torch elastic logs each failed rank with its own block; the ranks printed their one-line errors already.
