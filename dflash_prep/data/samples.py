@@ -232,7 +232,7 @@ def samples_line(summary: dict, bytes_per_token: float | None = None) -> str | N
                  if extra_bytes is not None else ")")
     turns = summary.get("generated_turns") or {}
     if any(turns.values()):
-        line += (f"; generated turns: {turns['from_ids']:,} from the engine's ids ({turns['ids_differ']:,} differ "
-                 f"from the template's rendering: the ids are used), {turns['from_text']:,} from text, "
-                 f"{turns['cut']:,} cut by max_tokens")
+        line += (f"; generated turns: {turns['from_ids']:,} from the engine's ids ({turns['ids_differ']:,} of them "
+                 f"would re-tokenize otherwise, as generated text often does: the ids the target generated are "
+                 f"kept), {turns['from_text']:,} from text, {turns['cut']:,} cut by max_tokens")
     return line
