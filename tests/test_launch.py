@@ -124,13 +124,42 @@ def test_ctrl_c_once_the_manifest_is_written_leaves_a_finished_run_exit_code_0(t
     proc = subprocess.Popen([*LAUNCH, "extract.py", "--set", f"output.dir={out}", "--set", "data.max_samples=40"],
                             cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
+    lines = _read_until(proc, "] done: ")
+    assert any("] done: " in line for line in lines), "".join(lines)[-3000:]
+    err = "".join(lines) + _interrupt_until_exit(proc)
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err and "error:" not in err, err[-3000:]
+    assert (out / "manifest.json").exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_again_once_the_stop_is_reported_adds_no_second_report(tmp_path):
+    """Ctrl-C, then Ctrl-C again (every 50 ms) once the script said it stopped: still its one line and exit code 1,
+    no "killed by SIGINT" line from the launcher, no traceback."""
+    proc = _start_and_wait_for_a_commit(tmp_path / "out", num_workers=0)
+    os.killpg(proc.pid, signal.SIGINT)
+    lines = _read_until(proc, "error:")
+    assert any(line.startswith("error:") for line in lines), "".join(lines)[-3000:]
+    err = "".join(lines) + _interrupt_until_exit(proc)
+    assert proc.returncode == 1, err[-3000:]
+    assert sum(line.startswith("error:") for line in err.splitlines()) == 1, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+
+
+def _read_until(proc: subprocess.Popen, marker: str) -> list[str]:
+    """`proc`'s stderr lines up to the first that contains `marker` (all of them if none does)."""
     lines = []
     for line in proc.stderr:
         lines.append(line)
-        if "] done: " in line:
+        if marker in line:
             break
-    assert any("] done: " in line for line in lines), "".join(lines)[-3000:]
-    rest = []
+    return lines
+
+
+def _interrupt_until_exit(proc: subprocess.Popen) -> str:
+    """SIGINT to `proc`'s whole group (what a terminal's Ctrl-C does) every 50 ms until it exits; the rest of its
+    stderr."""
+    rest: list[str] = []
     drain = threading.Thread(target=lambda: rest.extend(proc.stderr), daemon=True)
     drain.start()
     deadline = time.monotonic() + 120
@@ -139,10 +168,7 @@ def test_ctrl_c_once_the_manifest_is_written_leaves_a_finished_run_exit_code_0(t
         time.sleep(0.05)
     proc.wait(timeout=30)
     drain.join(timeout=30)
-    err = "".join(lines + rest)
-    assert proc.returncode == 0, err[-3000:]
-    assert "Traceback" not in err and "KeyboardInterrupt" not in err and "error:" not in err, err[-3000:]
-    assert (out / "manifest.json").exists()
+    return "".join(rest)
 
 
 @pytest.mark.parametrize("argv, expected", [

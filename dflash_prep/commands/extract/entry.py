@@ -18,6 +18,7 @@ from dflash_prep.commands.extract.preflight import (
 )
 from dflash_prep.errors import EXIT_BAD_RECIPE, EXIT_FAILED_SAMPLES, EXIT_STOPPED, ExtractionError, StopRequested
 from dflash_prep.recipe.schema import RecipeError
+from dflash_prep.signals import ignore_stop_signals, run_owns_process
 
 log = logging.getLogger("dflash_prep")
 
@@ -30,8 +31,6 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
     waiting for the load (a model load cannot be interrupted, and the other ranks are stopped by the launcher
     only once this process exits)."""
     if own_process:
-        from dflash_prep.signals import run_owns_process
-
         run_owns_process()
     code = _main(argv, own_process)
     if code in (EXIT_BAD_RECIPE, EXIT_FAILED_SAMPLES) and _under_plain_accelerate_launch():
@@ -123,10 +122,13 @@ def _main(argv: list[str] | None, own_process: bool = False) -> int:
     except ExtractionError as e:
         if not (isinstance(e, StopRequested) and os.environ.get("RANK", "0") != "0"):  # the main one speaks for all
             print(f"error: {e} (details in {_logs_folder(recipe)})", file=sys.stderr)
+        if isinstance(e, StopRequested):
+            ignore_stop_signals()  # stopped as asked and said so: a further Ctrl-C must not add a second report
         return EXIT_STOPPED
     except KeyboardInterrupt:  # Ctrl-C outside the loop (which handles it at a batch boundary)
         print("error: stopped by Ctrl-C; committed shards are intact, re-run the same command to resume",
               file=sys.stderr)
+        ignore_stop_signals()  # said once; the process only exits from here
         return EXIT_STOPPED
     except StoreUnreachableError as e:  # its line names the endpoint; nothing was written
         print(f"error: {e}", file=sys.stderr)
