@@ -231,6 +231,77 @@ def writer_step(folder: Path, num_bytes: int, lanes: int, buffer_mib: int, max_s
         _TIMELINE = None
 
 
+def staged(folder: Path, num_bytes: int, lanes: int, max_shard_bytes: int, block: int = 16 * MIB,
+           max_pending: int = 2) -> dict:
+    """A design the writer does not have yet: `lanes` threads do the CPU work (copy each shard's bytes into a
+    page-aligned buffer of the whole shard, sha256 on a hashing thread of their own, in order) in parallel, and one
+    disk stream writes the finished shards one after the other, two O_DIRECT writes in flight (raw-qd2's pattern),
+    so the disk sees one file at a time. A lane waits when `max_pending` shards wait for the disk (memory: lanes +
+    max_pending shard buffers). Same bytes and shard size as the writer steps; bytes/s of the whole."""
+    import hashlib
+    import queue
+
+    shard = -(-max_shard_bytes // block) * block
+    num_shards = -(-num_bytes // shard)
+    src = np.random.default_rng(1).integers(0, 256, 64 * MIB, dtype=np.uint8)  # a batch's states, reused
+    todo: queue.Queue = queue.Queue()
+    for i in range(num_shards):
+        todo.put(i)
+    ready: queue.Queue = queue.Queue(maxsize=max_pending)
+    digests: dict[int, str] = {}
+    free: queue.Queue = queue.Queue()  # shard buffers reused (a fresh mmap's first touch faults every page)
+    for _ in range(lanes + max_pending + 1):
+        free.put(mmap.mmap(-1, shard))
+
+    def lane() -> None:
+        with ThreadPoolExecutor(1) as hasher:
+            while True:
+                try:
+                    i = todo.get_nowait()
+                except queue.Empty:
+                    return
+                buf = free.get()
+                view, h, pending = np.frombuffer(buf, np.uint8), hashlib.sha256(), None
+                for at in range(0, shard, src.size):
+                    k = min(src.size, shard - at)
+                    np.copyto(view[at:at + k], src[:k])
+                    if pending is not None:
+                        pending.result()
+                    pending = hasher.submit(h.update, memoryview(buf)[at:at + k])
+                pending.result()
+                digests[i] = h.hexdigest()
+                ready.put((i, buf))
+
+    def disk() -> None:
+        with ThreadPoolExecutor(2) as io:
+            for _ in range(num_shards):
+                i, buf = ready.get()
+                path = folder / f"staged-{os.getpid()}-{i}.tar"
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+                try:
+                    blocks = range(0, shard, block)
+                    list(io.map(lambda at: os.pwrite(fd, memoryview(buf)[at:at + block], at), blocks))
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                free.put(buf)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=lane) for _ in range(lanes)] + [threading.Thread(target=disk)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - t0
+    while not free.empty():
+        free.get().close()
+    for path in folder.glob(f"staged-{os.getpid()}-*.tar"):
+        path.unlink()
+    assert len(digests) == num_shards
+    return {"bytes": shard * num_shards, "seconds": seconds, "bytes_per_second": shard * num_shards / seconds,
+            "shards": num_shards, "lanes": lanes, "max_pending": max_pending}
+
+
 def steps(folder: Path, num_bytes: int, max_shard_bytes: int) -> dict:
     w = lambda **kw: (lambda: writer_step(folder, num_bytes, max_shard_bytes=max_shard_bytes, **kw))  # noqa: E731
     return {
@@ -249,6 +320,8 @@ def steps(folder: Path, num_bytes: int, max_shard_bytes: int) -> dict:
         "writer-4lanes-16M-overlap": w(lanes=4, buffer_mib=16, overlap=True),
         "writer-2lanes-32M-overlap": w(lanes=2, buffer_mib=32, overlap=True),
         "writer-1lane-32M-overlap": w(lanes=1, buffer_mib=32, overlap=True),
+        "staged-4lanes": lambda: staged(folder, num_bytes, 4, max_shard_bytes),
+        "staged-2lanes": lambda: staged(folder, num_bytes, 2, max_shard_bytes),
     }
 
 
