@@ -349,6 +349,9 @@ def profile(r: Round) -> None:
           num_layers="5:DFlash's k (5: 40 KB a token on an 8B shape; the recipe's base, the demo's, has 3)",
           writer_threads="4:output.num_writer_threads of the runs (the recipes' and the schema's default; the demo "
                          "base has 2)", disk_vs_writer="1:the disk_vs_writer step (0: skip it)",
+          disk_probe="0:1: bench/disk_probe.py on the disk, the writer against raw streams and the staged design "
+                     "(`disk_probe_gb` GB in 0.25 GB shards), before the runs",
+          disk_probe_gb="8:GB of each disk_probe step",
           switch_interval=":output.switch_interval_seconds of a third run on the disk, after the first (empty: "
                           "none)")
 def storage(r: Round) -> None:
@@ -360,6 +363,12 @@ def storage(r: Round) -> None:
                                                "2" if r.dry else "3", "--label", "disk", "--out",
                                                r.results / "disk_vs_writer-disk.json",
                                                *(["--width", "2048", "--shard-gb", "0.01"] if r.dry else [])))
+    if r.flag("disk_probe"):  # is the price of 4 files at once worth a staged writer (bench/disk_probe.py)?
+        r.step("disk-probe", 200, r.python(
+            "bench/disk_probe.py", "--dir", disk, "--gb", "0.1" if r.dry else r.opt("disk_probe_gb"), "--repeats",
+            "1" if r.dry else "2", "--shard-gb", "0.02" if r.dry else "0.25", "--only",
+            "raw-1x16M,raw-qd2,raw-4streams,writer-4lanes-16M,staged-4lanes,staged-2lanes",
+            "--json", r.results / "disk_probe.json"))
     data = r.work / "data.parquet"
     config = CONFIGS / ("tiny-llama.json" if r.dry else f"{r.opt('model')}.json")
     num, vocab = ("40" if r.dry else r.opt("samples")), str(json.loads(config.read_text())["vocab_size"])
