@@ -635,3 +635,96 @@ def test_a_run_frozen_past_its_lease_commits_nothing_to_the_store(server, bucket
     finally:
         if a.poll() is None:
             a.kill()
+
+
+def test_a_run_that_lost_the_output_before_its_repair_deletes_and_rewrites_nothing(server, bucket, tmp_path,
+                                                                                   monkeypatch):
+    """Run A read the indexes when it claimed the output (nothing committed then), then stopped; run B took the
+    output over and committed a shard. A, woken, goes on with its repair: its listing holds B's shard, which A's
+    stale indexes do not list. The repair stops at the fence (LeaseLostError) with B's shard, index and every
+    object as they were. The holder's own repair (control) still deletes a stray object and keeps B's shard."""
+    from dflash_prep.commands.extract.claim import repair_output
+    from dflash_prep.store.lease import Lease
+    from dflash_prep.store.locks import LeaseLostError
+    from dflash_prep.store.records import ShardRecord
+    from dflash_prep.store.remote import RemoteFence, RemoteOutput, ShardUploader
+
+    for key, value in {**CREDENTIALS, "AWS_ENDPOINT_URL": server}.items():
+        monkeypatch.setenv(key, value)
+    url = f"s3://{bucket}/out"
+    remote_b = RemoteOutput(url, None, tmp_path / "b")
+    lease_b = Lease(remote_b.fs, remote_b.key("locks/run.lease"), ttl_seconds=30.0)
+    assert lease_b.try_acquire(min_generation=5)  # A held generation 4 before B took the output over
+    try:
+        uploader = ShardUploader(remote_b, 0, 1, fence=RemoteFence(remote_b, lease_b.generation))
+        local = tmp_path / "b" / "shards" / "rank-00000" / "shard-000000-bbbbbbbb.tar"
+        local.parent.mkdir(parents=True)
+        local.write_bytes(b"s0.hidden_states.npy\0".ljust(1024, b"b"))  # a tar's first member name: sample s0
+        record = ShardRecord(str(local.relative_to(tmp_path / "b")), 1, 1, 1024, "0" * 64, sample_ids=["s0"])
+        uploader.publish(local, record)
+        uploader.close()
+        before = {rel: remote_b.cat(rel) for rel in remote_b._objects() if not rel.startswith("locks/")}
+        assert record.path in before and "index/rank-00000.jsonl" in before
+
+        staging_a = tmp_path / "a"  # A's copy of the indexes, read at its claim: none committed
+        (staging_a / "index").mkdir(parents=True)
+        remote_a = RemoteOutput(url, None, staging_a)
+        with pytest.raises(LeaseLostError, match="no longer holds the output"):
+            repair_output(staging_a, remote_a, RemoteFence(remote_a, lease_b.generation - 1))
+        after = {rel: remote_b.cat(rel) for rel in remote_b._objects() if not rel.startswith("locks/")}
+        assert after == before, "a run that lost the output changed the store"
+
+        # control: the holder's repair (its fence is the lease's) removes what no index lists, keeps the committed
+        remote_b.put_bytes("shards/rank-00000/shard-000001-aaaaaaaa.tar", b"stray")
+        staging_c = tmp_path / "c"
+        remote_c = RemoteOutput(url, None, staging_c)
+        remote_c.pull("index/")
+        assert repair_output(staging_c, remote_c, RemoteFence(remote_c, lease_b.generation))
+        assert sorted(remote_c.shard_sizes()) == [record.path]
+    finally:
+        lease_b.release()
+
+
+@pytest.mark.parametrize("lose", [1, 2], ids=["the create", "the first renewal"])
+def test_a_lease_write_whose_answer_is_lost_is_still_held(server, bucket, lose):
+    """The store applies the lease's create (or a renewal) but the answer is lost; botocore retries the same
+    conditional PUT and the store refuses it (412): the run still holds its lease, neither refused as busy by its
+    own write nor taken for lost."""
+    from lost_answer_proxy import LostAnswerProxy
+
+    from dflash_prep.store.lease import Lease
+
+    with LostAnswerProxy(server, "PUT", "locks/run.lease", {lose}) as proxy:
+        lease = Lease(store(proxy.url), f"{bucket}/out/locks/run.lease", ttl_seconds=1.0)
+        try:
+            assert lease.try_acquire(), proxy.lost
+            time.sleep(1.5)  # six renewals
+            assert [status.split()[1] for _, _, status in proxy.lost] == ["200"], proxy.lost
+            assert not lease.lost.is_set()
+            lease.check_held()
+        finally:
+            lease.release()
+
+
+def test_an_index_commit_whose_answer_is_lost_is_committed_once(server, bucket, tmp_path, monkeypatch):
+    """The store applies the rewrite of the rank index that commits a shard, the answer is lost, the retry is
+    refused (412): the commit stands, and the index holds its line once."""
+    from lost_answer_proxy import LostAnswerProxy
+
+    from dflash_prep.store.records import ShardRecord
+    from dflash_prep.store.remote import RemoteOutput, ShardUploader
+
+    with LostAnswerProxy(server, "PUT", "index/rank-00000.jsonl", {1}) as proxy:
+        for key, value in {**CREDENTIALS, "AWS_ENDPOINT_URL": proxy.url}.items():
+            monkeypatch.setenv(key, value)
+        remote = RemoteOutput(f"s3://{bucket}/out", None, tmp_path)
+        uploader = ShardUploader(remote, 0, 1)
+        local = tmp_path / "shards" / "rank-00000" / "shard-000000-aaaaaaaa.tar"
+        local.parent.mkdir(parents=True)
+        local.write_bytes(b"s0.hidden_states.npy\0".ljust(1024, b"a"))
+        record = ShardRecord(str(local.relative_to(tmp_path)), 1, 1, 1024, "0" * 64, sample_ids=["s0"])
+        uploader.publish(local, record)
+        uploader.close()
+    assert len(proxy.lost) == 1, proxy.lost
+    lines = store(server).cat_file(f"{bucket}/out/index/rank-00000.jsonl").decode().splitlines()
+    assert [json.loads(line)["path"] for line in lines] == [record.path]

@@ -294,6 +294,9 @@ class Lease:
             content, etag = self.read()
             if content is None:
                 continue  # released meanwhile: try again
+            if self._own_write(content, etag):  # the create was applied, its answer lost: the retry got 412
+                self._start_heartbeat()
+                return True
             if not self.stale(content):
                 self.host_lock.release()
                 return False
@@ -338,10 +341,31 @@ class Lease:
         self._thread = threading.Thread(target=self._heartbeat, daemon=True, name=f"lease-{self.path}")
         self._thread.start()
 
+    def _own_write(self, content: dict, etag: str | None) -> bool:
+        """Whether the lease read back (`content`, `etag`) is this object's own latest write, though its PUT was
+        refused: a write the store applied but whose answer was lost, which the client retried (botocore does)
+        and the store then refused (412: the object is no longer the version, or no longer absent). Only this
+        object writes its `run_id`, so the lease is held: its ETag is taken as current."""
+        if content.get("run_id") != self.run_id or content.get("generation") != self.generation:
+            return False
+        self.etag, self._renewed_at = etag, time.time()
+        return True
+
+    def _renew(self) -> None:
+        """One renewal; a refusal that is this object's own write applied (`_own_write`) is a renewal too."""
+        try:
+            self._overwrite_own()
+        except OSError as e:
+            if not _precondition_failed(e):
+                raise
+            content, etag = self.read()
+            if content is None or not self._own_write(content, etag):
+                raise
+
     def _heartbeat(self) -> None:
         while not self._stop.wait(min(self.ttl_seconds / 4, RENEW_MAX_SECONDS)):
             try:
-                self._overwrite_own()
+                self._renew()
             except OSError as e:
                 if _precondition_failed(e) or time.time() - self._renewed_at > self.ttl_seconds:
                     log.error("%s: lease lost (%s)", self.path, e)

@@ -177,10 +177,13 @@ class RemoteOutput:
     def push_state(self, last: tuple[str, ...] = (MANIFEST_NAME,), fence=None) -> None:
         """Upload the staging folder's small files: every file but shards, locks, logs, the rank indexes (their
         ranks write them) and progress files; the names in `last` after all others (the manifest last), once
-        `fence` (RemoteFence) says this run still holds the output."""
+        `fence` (RemoteFence) says this run still holds the output (checked before the others too: a run that lost
+        the output must not replace the summary or the token counts of the run that holds it)."""
         rels = sorted(str(p.relative_to(self.staging)) for p in self.staging.rglob("*") if p.is_file())
         rels = [r for r in rels if not r.startswith(_NOT_STATE + (INDEX_DIR + "/",))
                 and not r.endswith((".tmp", ".pull", _PROGRESS_SUFFIX))]
+        if fence is not None:
+            fence.check()
         self.push([r for r in rels if r not in last])
         if fence is not None:
             fence.check()
@@ -268,18 +271,31 @@ class RemoteOutput:
                     bad[record.path] = f"starts with {name!r}, not with sample {record.sample_ids[0]}"
         return bad
 
-    def drop(self, paths: set[str]) -> None:
-        """After `manifest.drop_records` rewrote the staging indexes: push them, delete those shard objects."""
+    def drop(self, paths: set[str], fence=None) -> None:
+        """After `manifest.drop_records` rewrote the staging indexes: push them, delete those shard objects; first,
+        `fence` (RemoteFence) says this run still holds the output (LeaseLostError otherwise, nothing changed): the
+        indexes were read when the run claimed it, and a run frozen since then must not roll back another's."""
+        if fence is not None:
+            fence.check()
         self.push([f"{INDEX_DIR}/{SUPERSEDED_NAME}"]  # first (when there): a follower needs it before the redo
                   + sorted(str(p.relative_to(self.staging)) for p in (self.staging / INDEX_DIR).glob("rank-*.jsonl")))
         for rel in sorted(paths):
             self._rm(rel)
 
-    def remove_uncommitted(self, committed: list[ShardRecord]) -> list[str]:
+    def remove_uncommitted(self, committed: list[ShardRecord], fence=None) -> list[str]:
         """Delete the shard objects no index lists, and abort the multipart uploads a killed run left under the
-        prefix (S3; invisible, but billed). -> the objects deleted."""
+        prefix (S3; invisible, but billed). -> the objects deleted.
+
+        `committed` was read after this run claimed the output; the listing is taken now, then `fence`
+        (RemoteFence) checked: it raises LeaseLostError, nothing deleted, when another run took the output over
+        since, whose committed shards the listing may hold (a run frozen during its repair once deleted them).
+        When it passes, no other run held the output from the claim to the listing (a takeover moves the run
+        lease's generation for good), so every listed object is committed, or left by an earlier run, or this
+        run's: deleting the uncommitted ones is safe even if this process stops before the deletes."""
         keep = {r.path for r in committed}
         removed = [rel for rel in sorted(self.shard_sizes()) if rel not in keep]
+        if fence is not None:
+            fence.check()
         for rel in removed:
             self._rm(rel)
         self._abort_multipart_uploads()
@@ -438,7 +454,12 @@ class ShardUploader:
             except OSError as e:
                 if not _precondition_failed(e):
                     raise
-                self._read_index()  # written meanwhile by another run: judged again by the fence
+                self._read_index()  # written meanwhile: judged again by the fence
+                if self._lines == lines:
+                    # this very write, applied by the store, whose answer was lost: the client's retry of it was
+                    # refused (412), the index now being the version it wrote. Committed; not appended twice.
+                    self._absent = False
+                    return
                 continue
             self._lines, self._absent = lines, False
             return

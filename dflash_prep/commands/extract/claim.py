@@ -63,7 +63,8 @@ def take_output(run: Run, held: list, tokenize: Callable[[Run], object]) -> tupl
     data = tokenize(run)
     if run.is_main:
         run.identity["data_rows"] = rows_fingerprint(data.kept)
-        if not prepare_output(run.out_dir, run.recipe, run.identity, run.remote):  # refuses rows that differ
+        # refuses rows that differ; repairs what a crash left (fenced in a store)
+        if not prepare_output(run.out_dir, run.recipe, run.identity, run.remote, run.fence):
             atomic_write_jsonl(run.out_dir / SKIPPED_NAME, data.skipped_rows)
             if run.remote is not None:
                 run.remote.push([SKIPPED_NAME])
@@ -146,7 +147,7 @@ def refuse_unsafe_remote_output(remote, recipe: Recipe) -> None:
                           f"delete its objects; set output.dir to a new or empty prefix")
 
 
-def prepare_output(out_dir: Path, recipe: Recipe, identity: dict, remote=None) -> bool:
+def prepare_output(out_dir: Path, recipe: Recipe, identity: dict, remote=None, fence=None) -> bool:
     """Main process, once the rows are tokenized: check the data rows, clean up a crashed run, drop committed
     shards whose file is missing or damaged (their batches are redone), save the recipe and the run state.
 
@@ -155,22 +156,27 @@ def prepare_output(out_dir: Path, recipe: Recipe, identity: dict, remote=None) -
     (`remote`): `out_dir` is the staging folder holding a copy of its indexes; the shards are checked, dropped and
     removed in the store, and what is repaired or written here is uploaded."""
     check_identity(out_dir, identity, recipe)
-    changed = repair_output(out_dir, remote)
+    changed = repair_output(out_dir, remote, fence if remote is not None else None)
     if not changed and manifest_readable(out_dir):
         return True
     record_run(out_dir, recipe, identity)
     if remote is not None:
+        if fence is not None:
+            fence.check()
         remote.push([RECIPE_NAME, STATE_NAME])
     return False
 
 
-def repair_output(out_dir: Path, remote=None) -> bool:
+def repair_output(out_dir: Path, remote=None, fence=None) -> bool:
     """What a crash left, repaired by the record store (`RecordStore.prepare`), each step logged; the store's
-    objects too for an object-store output. -> whether a record was dropped or a file removed."""
+    objects too for an object-store output, each change to the store once `fence` (the run's RemoteFence) says
+    this run still holds it. -> whether a record was dropped or a file removed."""
     check = remote.damaged_shards if remote is not None else (lambda committed: damaged_shards(out_dir, committed))
     found = shard_store(out_dir).prepare(check=check)
     for index, records_cut in found.repaired:
         if remote is not None:
+            if fence is not None:
+                fence.check()
             remote.push([str(Path(index).relative_to(out_dir))])
         if records_cut:
             log.warning("%s holds an unreadable line before %d readable record(s) (an edit, or damage): cut at that "
@@ -186,8 +192,8 @@ def repair_output(out_dir: Path, remote=None) -> bool:
     if remote is not None:
         dropped = set(found.damaged) | {r.path for r in found.superseded}
         if dropped:
-            remote.drop(dropped)
-        removed += remote.remove_uncommitted(found.committed)
+            remote.drop(dropped, fence)
+        removed += remote.remove_uncommitted(found.committed, fence)
     if removed:
         log.info("removed %d uncommitted file(s) left by an interrupted run", len(removed))
     return bool(found.damaged or found.superseded or removed)
