@@ -8,7 +8,8 @@ server applied comes back refused (HTTP 412).
         proxy.lost  # [(n, request line, server's status)] of the answers lost
 
 Requests are matched by method and a substring of their path, counted from 1 in arrival order; `lose` names the
-counts whose answer is lost. Bodies are forwarded by Content-Length or chunked encoding; `Expect: 100-continue` is
+counts whose answer is lost, `hold` those kept from the server until `release_held()` (a request in flight while
+the test changes the store). Bodies are forwarded by Content-Length or chunked encoding; `Expect: 100-continue` is
 answered by the proxy itself.
 """
 
@@ -73,11 +74,14 @@ class _Stream:
 class LostAnswerProxy:
     """The proxy (module docstring); a context manager that serves on a free loopback port."""
 
-    def __init__(self, server_url: str, method: str, path_part: str, lose: set[int]):
+    def __init__(self, server_url: str, method: str, path_part: str, lose: set[int] = frozenset(),
+                 hold: set[int] = frozenset()):
         target = urlparse(server_url)
         self.target = (target.hostname, target.port)
-        self.method, self.path_part, self.lose = method.encode(), path_part.encode(), set(lose)
+        self.method, self.path_part, self.lose, self.hold = method.encode(), path_part.encode(), set(lose), set(hold)
         self.lost: list[tuple[int, str, str]] = []
+        self.held = threading.Event()  # set once a held request has arrived
+        self._released = threading.Event()
         self._count, self._lock = 0, threading.Lock()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
@@ -87,7 +91,12 @@ class LostAnswerProxy:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._released.set()
         self._listener.close()
+
+    def release_held(self) -> None:
+        """Let the held requests go on to the server."""
+        self._released.set()
 
     def _accept(self) -> None:
         while True:
@@ -108,7 +117,11 @@ class LostAnswerProxy:
                 if headers.get(b"expect", b"").lower() == b"100-continue":
                     header_lines = [h for h in header_lines if not h.lower().startswith(b"expect:")]
                     client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
-                upstream.sendall(b"\r\n".join([request_line, *header_lines]) + b"\r\n\r\n" + c.body(headers))
+                body = c.body(headers)
+                if n is not None and n in self.hold:
+                    self.held.set()
+                    self._released.wait()
+                upstream.sendall(b"\r\n".join([request_line, *header_lines]) + b"\r\n\r\n" + body)
                 status_line, answer_headers, answer_lines = u.head()
                 body = b"" if method == b"HEAD" else u.body(answer_headers)
                 if n is not None and n in self.lose:

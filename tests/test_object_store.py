@@ -715,9 +715,10 @@ def test_an_index_commit_whose_answer_is_lost_is_committed_once(server, bucket, 
     from dflash_prep.store.remote import RemoteOutput, ShardUploader
 
     with LostAnswerProxy(server, "PUT", "index/rank-00000.jsonl", {1}) as proxy:
-        for key, value in {**CREDENTIALS, "AWS_ENDPOINT_URL": proxy.url}.items():
+        for key, value in CREDENTIALS.items():
             monkeypatch.setenv(key, value)
-        remote = RemoteOutput(f"s3://{bucket}/out", None, tmp_path)
+        options = {"client_kwargs": {"endpoint_url": proxy.url}, "skip_instance_cache": True}  # not a cached client
+        remote = RemoteOutput(f"s3://{bucket}/out", options, tmp_path)
         uploader = ShardUploader(remote, 0, 1)
         local = tmp_path / "shards" / "rank-00000" / "shard-000000-aaaaaaaa.tar"
         local.parent.mkdir(parents=True)
@@ -728,3 +729,44 @@ def test_an_index_commit_whose_answer_is_lost_is_committed_once(server, bucket, 
     assert len(proxy.lost) == 1, proxy.lost
     lines = store(server).cat_file(f"{bucket}/out/index/rank-00000.jsonl").decode().splitlines()
     assert [json.loads(line)["path"] for line in lines] == [record.path]
+
+
+def test_a_shard_uploaded_by_a_run_that_lost_the_output_meanwhile_is_deleted(server, bucket, tmp_path, monkeypatch):
+    """Run A's upload is in flight when run B takes the output over; the upload lands, A's commit is refused by the
+    fence (LeaseLostError), and A deletes the object it uploaded: no unlisted object of A is left in B's output
+    (B's resume, the one that deletes such objects, is not coming)."""
+    from lost_answer_proxy import LostAnswerProxy
+
+    from dflash_prep.store.lease import Lease
+    from dflash_prep.store.locks import LeaseLostError
+    from dflash_prep.store.records import ShardRecord
+    from dflash_prep.store.remote import RemoteFence, RemoteOutput, ShardUploader
+
+    for key, value in CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    fs = store(server)
+    lease_path = f"{bucket}/out/locks/run.lease"
+    lease_a = Lease(fs, lease_path, ttl_seconds=30.0)
+    assert lease_a.try_acquire(min_generation=3)
+    with LostAnswerProxy(server, "PUT", "shards/", hold={1}) as proxy:
+        options = {"client_kwargs": {"endpoint_url": proxy.url}, "skip_instance_cache": True}
+        remote_a = RemoteOutput(f"s3://{bucket}/out", options, tmp_path)
+        uploader = ShardUploader(remote_a, 0, 1, fence=RemoteFence(remote_a, lease_a.generation))
+        local = tmp_path / "shards" / "rank-00000" / "shard-000000-aaaaaaaa.tar"
+        local.parent.mkdir(parents=True)
+        local.write_bytes(b"s0.hidden_states.npy\0".ljust(1024, b"a"))
+        record = ShardRecord(str(local.relative_to(tmp_path)), 1, 1, 1024, "0" * 64, sample_ids=["s0"])
+        uploader.publish(local, record)
+        assert proxy.held.wait(30)  # A's upload is on its way to the store
+        lease_a.release()  # A stopped past its lease: B takes the output over
+        lease_b = Lease(fs, lease_path, ttl_seconds=30.0)
+        assert lease_b.try_acquire(min_generation=4)
+        try:
+            proxy.release_held()
+            with pytest.raises(LeaseLostError, match="no longer holds the output"):
+                uploader.close()
+            fs.invalidate_cache()
+            assert not fs.exists(f"{bucket}/out/{record.path}"), "A's upload was left in B's output"
+            assert not fs.exists(f"{bucket}/out/index/rank-00000.jsonl")
+        finally:
+            lease_b.release()

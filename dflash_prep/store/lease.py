@@ -50,6 +50,30 @@ log = logging.getLogger("dflash_prep")
 
 LEASE_TTL_SECONDS = 120.0
 RENEW_MAX_SECONDS = 10.0  # output.peer_timeout_seconds may be as short as 15 s
+RELEASE_WAIT_SECONDS = 10.0  # a stopping run's wait for a store call that may never be answered (within_seconds)
+
+
+def within_seconds(fn, seconds: float, what: str) -> bool:
+    """Run `fn()` on a daemon thread and wait for it at most `seconds`: True when it returned, False (logged) when
+    it still runs, left to end by itself or with the process. For the calls a stopping run makes to a store that may
+    have stopped answering (a lease's delete, the logs' upload): a request there waits for the client's timeouts and
+    retries (botocore: minutes), and the run has already said why it stops. An error of `fn` is logged, not raised:
+    these calls are best effort."""
+    done = threading.Event()
+
+    def call() -> None:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - best effort: said, not raised
+            log.warning("%s: %s", what, e)
+        finally:
+            done.set()
+
+    threading.Thread(target=call, daemon=True, name=f"bounded: {what}").start()
+    if done.wait(seconds):
+        return True
+    log.warning("%s: the store did not answer within %.0f s; left to the process's end", what, seconds)
+    return False
 
 
 class StoreError(ConnectionError):
@@ -331,7 +355,11 @@ class Lease:
         self.check()
 
     def check(self) -> None:
-        """Raise LeaseLostError when the lease is lost (see the module docstring)."""
+        """Raise LeaseLostError when the lease is lost (see the module docstring), or not renewed for its TTL: the
+        renewal is blocked on a store that stopped answering, and by the store's rules another run may hold the
+        lease now; the request may not end for minutes (the client's timeouts and retries)."""
+        if self._thread is not None and not self._stop.is_set() and time.time() - self._renewed_at > self.ttl_seconds:
+            self.lost.set()
         if self.lost.is_set():
             raise LeaseLostError(f"{self.path}: this run no longer holds the output's lease (another run took it "
                                  f"over, or the store was unreachable for {self.ttl_seconds:.0f} s): it stopped "
@@ -373,16 +401,15 @@ class Lease:
                     return
 
     def release(self, remove: bool = True) -> None:
-        """Stop renewing and delete the lease (only if it is still ours)."""
+        """Stop renewing and delete the lease (only if it is still ours), waiting at most RELEASE_WAIT_SECONDS for
+        a store that stopped answering (the TTL frees the lease then)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=RELEASE_WAIT_SECONDS)  # a renewal in flight
             self._thread = None
             if not self.lost.is_set():
-                try:
-                    self._delete_if(self.etag)
-                except OSError as e:  # already taken over, or the store is down: the TTL frees it
-                    log.warning("%s: could not release the lease (%s)", self.path, e)
+                within_seconds(lambda: self._delete_if(self.etag), RELEASE_WAIT_SECONDS,
+                               f"{self.path}: could not release the lease (the TTL frees it)")
         self.host_lock.release()
 
 

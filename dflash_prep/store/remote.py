@@ -40,16 +40,17 @@ import asyncio
 import json
 import logging
 import os
+import queue
 import shutil
 import tempfile
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from dflash_prep.recipe.location import ConditionalWritesIgnoredError, check_store
-from dflash_prep.store.lease import Lease, LeaseLostError, StoreError, _is_s3, _precondition_failed, store_call
+from dflash_prep.store.lease import (Lease, LeaseLostError, StoreError, _is_s3, _precondition_failed, store_call,
+                                    within_seconds)
 from dflash_prep.store.locks import LOCKS_DIR, OutputBusyError
 from dflash_prep.store.manifest import MANIFEST_NAME, read_committed, shard_store
 from dflash_prep.store.record_store import SUPERSEDED_NAME
@@ -58,7 +59,10 @@ from dflash_prep.store.records import INDEX_DIR, SHARDS_DIR, ShardRecord, rank_n
 log = logging.getLogger("dflash_prep")
 
 LOGS_DIR = "logs"
+LOG_PUSH_SECONDS = 30.0  # a stopping run's wait for the upload of its logs
 MULTIPART_CHUNK_BYTES = 64 << 20  # a shard above 2x this is uploaded as a multipart upload of parts of this size
+SLOT_POLL_SECONDS = 1.0  # a lane waiting for an upload slot checks its lease this often
+ABORT_WAIT_SECONDS = 30.0  # a stopping run's wait for its uploads in flight
 _NOT_STATE = (SHARDS_DIR + "/", LOCKS_DIR + "/", LOGS_DIR + "/")  # folders pull_state leaves out
 _PROGRESS_SUFFIX = ".progress.json"  # progress.py's per-rank figures: advisory, node-local, never pushed
 
@@ -93,6 +97,7 @@ class RemoteOutput:
         self.root = self.root.rstrip("/")
         self.staging = Path(staging)
         self.rank_lease: Lease | None = None  # this process's rank lease, once it writes (claim_rank)
+        self.fence: RemoteFence | None = None  # the run's fence, once the output is claimed (claim.py)
         self.fd = None  # kept with the run's locks (run.py), released last: `release` uploads the logs
 
     # -- names -------------------------------------------------------------------------------------------------
@@ -194,7 +199,15 @@ class RemoteOutput:
         self.push([rel])
 
     def release(self) -> None:
-        """The run is over on this process: upload the node's logs."""
+        """The run is over on this process: upload the node's logs, waiting at most LOG_PUSH_SECONDS for the store;
+        not when another run took the output over (`fence`): the logs there are that run's."""
+        within_seconds(self._push_logs_if_held, LOG_PUSH_SECONDS, "uploading this node's logs")
+
+    def _push_logs_if_held(self) -> None:
+        if self.fence is not None and self.fence.taken_over():
+            log.warning("this node's logs are not uploaded: another run holds %s now (the logs there are its "
+                        "own); they are in %s", self.url, self.staging / LOGS_DIR)
+            return
         self.push_logs()
 
     def push_logs(self) -> None:
@@ -409,6 +422,51 @@ class ThreadClients:
                 loop.close()
 
 
+class UploadThreads:
+    """`max_workers` daemon threads running submitted calls in submission order: the part of ThreadPoolExecutor's
+    contract the uploader uses. Why not ThreadPoolExecutor: the interpreter joins its worker threads at exit, so
+    an upload blocked on a store that stopped answering (each request waits for the client's timeouts and
+    retries) kept a stopped run from exiting until the store answered again, minutes later; daemon threads do not
+    hold the exit, and `shutdown` waits a bounded time."""
+
+    def __init__(self, max_workers: int, name: str):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, daemon=True, name=f"{name}_{i}")
+                         for i in range(max_workers)]
+        for t in self._threads:
+            t.start()
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            fn, args = item
+            fn(*args)  # the uploader's calls keep their own errors
+
+    def submit(self, fn, *args) -> None:
+        self._queue.put((fn, args))
+
+    def shutdown(self, cancel_pending: bool = False, timeout_seconds: float | None = None,
+                 while_waiting=None) -> bool:
+        """Stop the threads after the calls submitted (`cancel_pending`: after those running only); wait at most
+        `timeout_seconds` (None: until they end), calling `while_waiting()` every SLOT_POLL_SECONDS meanwhile (an
+        error it raises ends the wait). -> whether every thread ended."""
+        if cancel_pending:
+            try:
+                while True:
+                    self._queue.get_nowait()
+            except queue.Empty:
+                pass
+        for _ in self._threads:
+            self._queue.put(None)
+        deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
+        for t in self._threads:
+            while t.is_alive() and (deadline is None or time.monotonic() < deadline):
+                left = SLOT_POLL_SECONDS if deadline is None else min(SLOT_POLL_SECONDS, deadline - time.monotonic())
+                t.join(max(0.0, left))
+                if t.is_alive() and while_waiting is not None:
+                    while_waiting()
+        return not any(t.is_alive() for t in self._threads)
+
+
 class ShardUploader:
     """Uploads the shards a rank's lanes commit locally, then commits each in the store (module docstring).
 
@@ -422,7 +480,7 @@ class ShardUploader:
         self.index_rel = f"{INDEX_DIR}/{rank_name(rank)}.jsonl"
         self._read_index()  # this rank's committed lines, and the version this rank may rewrite
         self._slots = threading.Semaphore(max_in_flight)
-        self._pool = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix=f"shard-upload-{rank}")
+        self._pool = UploadThreads(max_in_flight, f"shard-upload-{rank}")
         # S3: a client per upload thread (ThreadClients says why); other stores: the output's client
         self._clients = ThreadClients(remote.fs) if _is_s3(remote.fs) else None
         self._lock = threading.Lock()  # one index rewrite at a time, in commit order
@@ -466,8 +524,13 @@ class ShardUploader:
         raise StoreError(f"{self.remote.name(self.index_rel)} keeps changing under this run: nothing committed")
 
     def publish(self, local: Path, record: ShardRecord) -> None:
+        """Start the upload of a shard the lane committed locally; blocks while `max_in_flight` run. While it
+        waits, a lost lease (or one not renewed for its TTL: a store that stopped answering) raises
+        LeaseLostError, so that a hung store stops the run instead of holding it."""
         self._raise_if_failed()
-        self._slots.acquire()
+        while not self._slots.acquire(timeout=SLOT_POLL_SECONDS):
+            self._raise_if_failed()
+            self._check_lease()
         if self.error is not None:
             self._slots.release()
             self._raise_if_failed()
@@ -488,7 +551,13 @@ class ShardUploader:
             with self._lock:
                 if self.error is not None:
                     return
-                self._commit(record)  # the index after its shard
+                try:
+                    self._commit(record)  # the index after its shard
+                except LeaseLostError:
+                    # another run holds the output now: this object, named with this run's id, would be left
+                    # unlisted in that run's output (its resume is not coming to delete it)
+                    fs.rm_file(self.remote.key(record.path))
+                    raise
                 self.committed.append(record)
                 self.bytes_uploaded += record.num_bytes
             local.unlink(missing_ok=True)
@@ -504,15 +573,25 @@ class ShardUploader:
             raise self.error
 
     def close(self) -> None:
-        """Wait for every upload; raise the first error."""
-        self._pool.shutdown(wait=True)
+        """Wait for every upload; raise the first error. A lease lost meanwhile (or not renewed for its TTL: a
+        store that stopped answering) raises LeaseLostError instead of waiting on: the caller aborts."""
+        self._pool.shutdown(while_waiting=self._check_lease)
         self._close_clients()
         self._raise_if_failed()
 
-    def abort(self) -> None:
-        """Start no queued upload; wait for those running (each ends whole or absent, committed or not)."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._close_clients()
+    def _check_lease(self) -> None:
+        if self.lease is not None:
+            self.lease.check()
+
+    def abort(self, timeout_seconds: float = ABORT_WAIT_SECONDS) -> None:
+        """Start no queued upload; wait at most `timeout_seconds` for those running (each ends whole or absent,
+        committed or not). Uploads still blocked on the store then are left to the process's end (daemon threads):
+        whatever they leave is not committed, and a resume deletes it."""
+        if self._pool.shutdown(cancel_pending=True, timeout_seconds=timeout_seconds):
+            self._close_clients()
+        else:
+            log.warning("uploads still waiting on the store after %.0f s: left to end with the process (nothing "
+                        "they write is committed; a resume deletes it)", timeout_seconds)
 
     def _close_clients(self) -> None:
         if self._clients is not None:
@@ -528,12 +607,28 @@ class RemoteFence:
 
     def check(self) -> None:
         content, _ = self.remote.lease("run").read()
+        if content is None and not self._bucket_exists():
+            raise LeaseLostError(f"{self.remote.url}: its bucket no longer exists (deleted while this run wrote "
+                                 f"into it, with everything committed there): this run commits nothing more")
         if content is None or content.get("generation") != self.token:
             holder = "no run" if content is None else f"generation {content.get('generation')!r}"
             raise LeaseLostError(f"{self.remote.name('locks/run.lease')}: this run (generation {self.token}) no "
                                  f"longer holds the output ({holder} holds it now: it was taken over while this "
                                  f"process was stopped or cut off past its lease); it commits nothing more, and what "
                                  f"is committed is intact")
+
+
+    def taken_over(self) -> bool:
+        """Whether another run holds the output now (the run lease carries another generation). An absent lease is
+        not: this run released it at its end (or it expired with no run taking it)."""
+        content, _ = self.remote.lease("run").read()
+        return content is not None and content.get("generation") != self.token
+
+    @store_call
+    def _bucket_exists(self) -> bool:
+        bucket = self.remote.root.split("/", 1)[0]
+        self.remote.fs.invalidate_cache()
+        return bool(self.remote.fs.exists(bucket))
 
 
 def claim_run(remote: RemoteOutput, require_conditional_writes: bool = True) -> Lease:

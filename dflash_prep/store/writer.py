@@ -746,7 +746,8 @@ class AsyncShardWriter:
             try:
                 w.close()
             except BaseException as e:
-                self._error = e  # a write error of a last commit is reported like one of a thread
+                if isinstance(e, Exception):  # a write error of a last commit is reported like one of a thread;
+                    self._error = e  # a Ctrl-C meanwhile is the user's stop, not a failed write
                 # The failing lane too: a commit that failed before its rename leaves its shard open (the .tmp,
                 # the hashing thread); this close may be the caller's last call.
                 for other in self.writers[j:]:
@@ -757,7 +758,7 @@ class AsyncShardWriter:
         if self.publisher is not None:  # every upload done and committed, or the first upload error raised
             try:
                 self.publisher.close()
-            except BaseException as e:
+            except Exception as e:  # a Ctrl-C while waiting is the user's stop, not a failed write
                 self._error = e
                 raise
 

@@ -96,6 +96,8 @@ def claim_output(run: Run, held: list) -> None:
         attach_log_file(run.out_dir, run.state.process_index)
     run.fence = RemoteFence(run.remote, token) if run.remote is not None else \
         OutputFence(run.out_dir, token, run.run_id)
+    if run.remote is not None:
+        run.remote.fence = run.fence  # its logs are uploaded at the end only while the run holds the output
     if run.is_writer:  # the other processes of a replica write nothing
         held.append(lock_rank(run.out_dir, run.rank, run.run_id, output.lease_seconds))
         if run.remote is not None:

@@ -4,6 +4,7 @@ paragraph of a run that stopped cleanly (what went wrong, what is committed, how
 from __future__ import annotations
 
 import errno
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -67,6 +68,30 @@ def prediction_note(run, report: dict) -> str:
             f"TFLOP/s forwards, {format_rate(WRITE_BYTES_PER_SECOND)} writes)")
 
 
+COUNT_WAIT_SECONDS = 10.0  # how long a stop message waits for the store's list of committed shards
+
+
+def _within(fn, seconds: float):
+    """`fn()`'s result, computed on a daemon thread; TimeoutError after `seconds` (the thread is left to end by
+    itself: an object store that stopped answering holds a request for minutes of client retries)."""
+    box: dict = {}
+
+    def call() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=call, daemon=True, name="stop-message-count")
+    thread.start()
+    thread.join(seconds)
+    if "error" in box:
+        raise box["error"]
+    if "result" not in box:
+        raise TimeoutError(f"no answer within {seconds:.0f} s")
+    return box["result"]
+
+
 def stopped_message(out_dir: Path, rank: int, writer: AsyncShardWriter, error: BaseException,
                     committed=None) -> str:
     """One paragraph for a run that stopped cleanly: what went wrong, what is committed (`committed()`, else
@@ -79,10 +104,10 @@ def stopped_message(out_dir: Path, rank: int, writer: AsyncShardWriter, error: B
                if isinstance(error, OSError) and error.errno == errno.ENOSPC else
                "fix the cause, then re-run the same command")
     try:
-        committed = read_committed(out_dir) if committed is None else committed()
+        committed = read_committed(out_dir) if committed is None else _within(committed, COUNT_WAIT_SECONDS)
         done = (f"{sum(r.num_samples for r in committed)} samples in {len(committed)} shards are committed and "
                 f"intact ({len(writer.committed)} of those shards by rank {rank} in this run)")
-    except OSError:
+    except OSError:  # TimeoutError too: a store that stopped answering is not waited on for a count
         done = "the shards committed so far are intact"
     return (f"rank {rank} stopped: {what}. {done}; the shards being written were discarded, nothing partial is "
             f"visible. To resume: {fix} (committed batches are not redone).")
