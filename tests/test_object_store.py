@@ -770,3 +770,22 @@ def test_a_shard_uploaded_by_a_run_that_lost_the_output_meanwhile_is_deleted(ser
             assert not fs.exists(f"{bucket}/out/index/rank-00000.jsonl")
         finally:
             lease_b.release()
+
+
+def test_a_bucket_deleted_under_a_run_is_said_as_such(server, tmp_path, monkeypatch):
+    """The fence of a run whose bucket was deleted (with everything in it) says that, not that another run took
+    the output over."""
+    from dflash_prep.store.locks import LeaseLostError
+    from dflash_prep.store.remote import RemoteFence, RemoteOutput
+
+    for key, value in {**CREDENTIALS, "AWS_ENDPOINT_URL": server}.items():
+        monkeypatch.setenv(key, value)
+    fs = store(server)
+    fs.mkdir("t-gone")
+    remote = RemoteOutput("s3://t-gone/out", {"skip_instance_cache": True}, tmp_path)
+    lease = remote.lease("run")
+    assert lease.try_acquire(min_generation=2)
+    lease.release()
+    fs.rm("t-gone", recursive=True)
+    with pytest.raises(LeaseLostError, match="its bucket no longer exists"):
+        RemoteFence(remote, 2).check()
