@@ -146,6 +146,20 @@ def test_ctrl_c_again_once_the_stop_is_reported_adds_no_second_report(tmp_path):
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
 
 
+def test_ctrl_c_while_the_script_still_imports_is_one_line_and_exit_code_1(tmp_path):
+    """Ctrl-C 0.3 s after the start, while the extraction is still reading its recipe and importing torch: one
+    line and exit code 1 (stopped), not a KeyboardInterrupt traceback and a death by the signal."""
+    proc = subprocess.Popen([sys.executable, "extract.py", "--set", f"output.dir={tmp_path / 'out'}"], cwd=REPO,
+                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 1, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert sum(line.startswith("error:") for line in err.splitlines()) == 1, err[-3000:]
+
+
 def _read_until(proc: subprocess.Popen, marker: str) -> list[str]:
     """`proc`'s stderr lines up to the first that contains `marker` (all of them if none does)."""
     lines = []

@@ -547,8 +547,8 @@ class ShardUploader:
             fs = self.remote.fs if self._clients is None else self._clients.get()
             extra = {"chunksize": self.chunk_bytes} if _is_s3(fs) else {}
             fs.put_file(str(local), self.remote.key(record.path), **extra)
-            self.upload_seconds += time.perf_counter() - t0
             with self._lock:
+                self.upload_seconds += time.perf_counter() - t0
                 if self.error is not None:
                     return
                 try:

@@ -32,7 +32,13 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
     only once this process exits)."""
     if own_process:
         run_owns_process()
-    code = _main(argv, own_process)
+    try:
+        code = _main(argv, own_process)
+    except KeyboardInterrupt:  # Ctrl-C before the run claimed the output (the recipe, the imports): said in a line
+        print("error: stopped by Ctrl-C before the extraction started; re-run the same command to go on",
+              file=sys.stderr)
+        ignore_stop_signals()
+        code = EXIT_STOPPED
     if code in (EXIT_BAD_RECIPE, EXIT_FAILED_SAMPLES) and _under_plain_accelerate_launch():
         print(f"note: `accelerate launch` reports exit code {code} as 1 (\"stopped, resumable\"); `dflash-prep launch` "
               f"takes the same arguments and keeps it", file=sys.stderr)
