@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
+import subprocess
 import tempfile
 import tarfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -123,3 +127,28 @@ def max_abs_diff_to_alone(decoder, records: dict, layer_ids: list[int], hidden_s
             worst = max(worst, (hs[:, slot * H:(slot + 1) * H] - ref[layer + 1][0]).abs().max().item())
         worst = max(worst, (r["tensors"]["final_hidden_states"] - ref[-1][0]).abs().max().item())
     return worst
+
+
+def read_stderr_until(proc: subprocess.Popen, marker: str) -> list[str]:
+    """`proc`'s stderr lines up to the first that contains `marker` (all of them if none does)."""
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if marker in line:
+            break
+    return lines
+
+
+def interrupt_group_until_exit(proc: subprocess.Popen) -> str:
+    """SIGINT to `proc`'s whole group (what a terminal's Ctrl-C does) every 50 ms until it exits; the rest of its
+    stderr."""
+    rest: list[str] = []
+    drain = threading.Thread(target=lambda: rest.extend(proc.stderr), daemon=True)
+    drain.start()
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.05)
+    proc.wait(timeout=30)
+    drain.join(timeout=30)
+    return "".join(rest)

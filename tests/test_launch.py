@@ -9,12 +9,11 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, cpu_2proc_config, processes_writing
+from conftest import REPO, cpu_2proc_config, interrupt_group_until_exit, processes_writing, read_stderr_until
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
        "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -124,9 +123,9 @@ def test_ctrl_c_once_the_manifest_is_written_leaves_a_finished_run_exit_code_0(t
     proc = subprocess.Popen([*LAUNCH, "extract.py", "--set", f"output.dir={out}", "--set", "data.max_samples=40"],
                             cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    lines = _read_until(proc, "] done: ")
+    lines = read_stderr_until(proc, "] done: ")
     assert any("] done: " in line for line in lines), "".join(lines)[-3000:]
-    err = "".join(lines) + _interrupt_until_exit(proc)
+    err = "".join(lines) + interrupt_group_until_exit(proc)
     assert proc.returncode == 0, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err and "error:" not in err, err[-3000:]
     assert (out / "manifest.json").exists()
@@ -138,9 +137,9 @@ def test_ctrl_c_again_once_the_stop_is_reported_adds_no_second_report(tmp_path):
     no "killed by SIGINT" line from the launcher, no traceback."""
     proc = _start_and_wait_for_a_commit(tmp_path / "out", num_workers=0)
     os.killpg(proc.pid, signal.SIGINT)
-    lines = _read_until(proc, "error:")
+    lines = read_stderr_until(proc, "error:")
     assert any(line.startswith("error:") for line in lines), "".join(lines)[-3000:]
-    err = "".join(lines) + _interrupt_until_exit(proc)
+    err = "".join(lines) + interrupt_group_until_exit(proc)
     assert proc.returncode == 1, err[-3000:]
     assert sum(line.startswith("error:") for line in err.splitlines()) == 1, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
@@ -160,36 +159,12 @@ def test_ctrl_c_while_the_script_still_imports_is_one_line_and_exit_code_1(tmp_p
     assert sum(line.startswith("error:") for line in err.splitlines()) == 1, err[-3000:]
 
 
-def _read_until(proc: subprocess.Popen, marker: str) -> list[str]:
-    """`proc`'s stderr lines up to the first that contains `marker` (all of them if none does)."""
-    lines = []
-    for line in proc.stderr:
-        lines.append(line)
-        if marker in line:
-            break
-    return lines
-
-
-def _interrupt_until_exit(proc: subprocess.Popen) -> str:
-    """SIGINT to `proc`'s whole group (what a terminal's Ctrl-C does) every 50 ms until it exits; the rest of its
-    stderr."""
-    rest: list[str] = []
-    drain = threading.Thread(target=lambda: rest.extend(proc.stderr), daemon=True)
-    drain.start()
-    deadline = time.monotonic() + 120
-    while proc.poll() is None and time.monotonic() < deadline:
-        os.killpg(proc.pid, signal.SIGINT)
-        time.sleep(0.05)
-    proc.wait(timeout=30)
-    drain.join(timeout=30)
-    return "".join(rest)
-
-
 @pytest.mark.parametrize("argv, expected", [
     ([], "name what to run: `dflash-prep launch [accelerate options] -m dflash_prep.commands.extract"),
     (["extract"], "extract: no such script file (the extraction is -m dflash_prep.commands.extract"),
     (["-m", "dflash_prep.commands.extrct"], "-m dflash_prep.commands.extrct: no such module"),
-    (["--num_processes", "1", "-m", "nosuchpackage.extract", "--set", "x=1"], "-m nosuchpackage.extract: no such module"),
+    (["--num_processes", "1", "-m", "nosuchpackage.extract", "--set", "x=1"],
+     "-m nosuchpackage.extract: no such module"),
 ])
 def test_a_launch_of_nothing_or_of_what_is_not_there_is_one_line_and_exit_code_2(tmp_path, argv, expected):
     """First tries: no script, `extract` without `-m`, a module name with a typo: one line naming the extraction's

@@ -10,17 +10,16 @@ The engine is called through the interface the command uses:
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import interrupt_group_until_exit, read_stderr_until
 from regen_server import (
     ENV,
     REPO,
@@ -158,22 +157,9 @@ def test_ctrl_c_once_the_regeneration_is_written_leaves_it_finished_with_exit_co
     proc = subprocess.Popen([sys.executable, "-m", "dflash_prep.commands.regenerate",
                              *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]], env=ENV, cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    lines = []
-    for line in proc.stderr:
-        lines.append(line)
-        if "] done: " in line:
-            break
+    lines = read_stderr_until(proc, "] done: ")
     assert any("] done: " in line for line in lines), "".join(lines)[-3000:]
-    rest = []
-    drain = threading.Thread(target=lambda: rest.extend(proc.stderr), daemon=True)
-    drain.start()
-    deadline = time.monotonic() + 120
-    while proc.poll() is None and time.monotonic() < deadline:
-        os.killpg(proc.pid, signal.SIGINT)
-        time.sleep(0.05)
-    proc.wait(timeout=30)
-    drain.join(timeout=30)
-    err = "".join(lines + rest)
+    err = "".join(lines) + interrupt_group_until_exit(proc)
     assert proc.returncode == 0, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err and "error:" not in err, err[-3000:]
     assert (tmp_path / "answers" / "manifest.json").exists()

@@ -233,12 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = launch_command_parser()
     parser.prog = "dflash-prep launch"
     launch_argv = sys.argv[1:] if argv is None else argv
-    if not launch_argv:  # accelerate would print its whole usage for a missing script
-        signal.signal(signal.SIGTERM, previous_term)
-        print(f"error: dflash-prep launch: {NOTHING_TO_RUN}", file=sys.stderr)
-        return EXIT_REFUSED
-    args = _parse(parser, launch_argv)
-    problem = script_problem(bool(args.module), args.training_script)
+    problem = NOTHING_TO_RUN if not launch_argv else None  # accelerate would print its whole usage
+    if problem is None:
+        args = _parse(parser, launch_argv)
+        problem = script_problem(bool(args.module), args.training_script)
     if problem is not None:
         signal.signal(signal.SIGTERM, previous_term)
         print(f"error: dflash-prep launch: {problem}", file=sys.stderr)

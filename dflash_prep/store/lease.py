@@ -53,27 +53,44 @@ RENEW_MAX_SECONDS = 10.0  # output.peer_timeout_seconds may be as short as 15 s
 RELEASE_WAIT_SECONDS = 10.0  # a stopping run's wait for a store call that may never be answered (within_seconds)
 
 
-def within_seconds(fn, seconds: float, what: str) -> bool:
-    """Run `fn()` on a daemon thread and wait for it at most `seconds`: True when it returned, False (logged) when
-    it still runs, left to end by itself or with the process. For the calls a stopping run makes to a store that may
-    have stopped answering (a lease's delete, the logs' upload): a request there waits for the client's timeouts and
-    retries (botocore: minutes), and the run has already said why it stops. An error of `fn` is logged, not raised:
-    these calls are best effort."""
-    done = threading.Event()
+class NoAnswerInTime(TimeoutError):
+    """`call_within`'s call did not return in its time (a TimeoutError, so an OSError)."""
+
+
+def call_within(fn, seconds: float, name: str = "bounded call"):
+    """`fn()`'s result, computed on a daemon thread (`name`); its error re-raised here; NoAnswerInTime after
+    `seconds`, the thread left to end by itself or with the process. For the calls a stopping run makes to a store
+    that may have stopped answering: a request there waits for the client's timeouts and retries (botocore:
+    minutes), and the run has already said why it stops."""
+    box: dict = {}
 
     def call() -> None:
         try:
-            fn()
-        except Exception as e:  # noqa: BLE001 - best effort: said, not raised
-            log.warning("%s: %s", what, e)
-        finally:
-            done.set()
+            box["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = e
 
-    threading.Thread(target=call, daemon=True, name=f"bounded: {what}").start()
-    if done.wait(seconds):
-        return True
-    log.warning("%s: the store did not answer within %.0f s; left to the process's end", what, seconds)
-    return False
+    thread = threading.Thread(target=call, daemon=True, name=name)
+    thread.start()
+    thread.join(seconds)
+    if "error" in box:
+        raise box["error"]
+    if thread.is_alive():
+        raise NoAnswerInTime(f"no answer within {seconds:.0f} s")
+    return box.get("result")
+
+
+def within_seconds(fn, seconds: float, what: str) -> bool:
+    """`call_within` for the best-effort calls of a stopping run (a lease's delete, the logs' upload): True when
+    `fn` returned, False (logged) when it still runs after `seconds`. An error of `fn` is logged, not raised."""
+    try:
+        call_within(fn, seconds, f"bounded: {what}")
+    except NoAnswerInTime:
+        log.warning("%s: the store did not answer within %.0f s; left to the process's end", what, seconds)
+        return False
+    except Exception as e:  # noqa: BLE001 - best effort: said, not raised
+        log.warning("%s: %s", what, e)
+    return True
 
 
 class StoreError(ConnectionError):

@@ -158,7 +158,7 @@ def prepare_output(out_dir: Path, recipe: Recipe, identity: dict, remote=None, f
     (`remote`): `out_dir` is the staging folder holding a copy of its indexes; the shards are checked, dropped and
     removed in the store, and what is repaired or written here is uploaded."""
     check_identity(out_dir, identity, recipe)
-    changed = repair_output(out_dir, remote, fence if remote is not None else None)
+    changed = repair_output(out_dir, remote, fence)
     if not changed and manifest_readable(out_dir):
         return True
     record_run(out_dir, recipe, identity)
@@ -171,8 +171,8 @@ def prepare_output(out_dir: Path, recipe: Recipe, identity: dict, remote=None, f
 
 def repair_output(out_dir: Path, remote=None, fence=None) -> bool:
     """What a crash left, repaired by the record store (`RecordStore.prepare`), each step logged; the store's
-    objects too for an object-store output, each change to the store once `fence` (the run's RemoteFence) says
-    this run still holds it. -> whether a record was dropped or a file removed."""
+    objects too for an object-store output, each change to the store once `fence` (the run's fence; a store's
+    only is used) says this run still holds it. -> whether a record was dropped or a file removed."""
     check = remote.damaged_shards if remote is not None else (lambda committed: damaged_shards(out_dir, committed))
     found = shard_store(out_dir).prepare(check=check)
     for index, records_cut in found.repaired:

@@ -4,13 +4,13 @@ paragraph of a run that stopped cleanly (what went wrong, what is committed, how
 from __future__ import annotations
 
 import errno
-import threading
 from collections import Counter
 from pathlib import Path
 
 import torch
 
 from dflash_prep.commands.cost import FORWARD_FLOPS_PER_SECOND, WRITE_BYTES_PER_SECOND
+from dflash_prep.store.lease import call_within
 from dflash_prep.store.manifest import read_committed
 from dflash_prep.store.writer import AsyncShardWriter, NonFiniteStatesError
 from dflash_prep.target.model import decoder_params_in
@@ -71,27 +71,6 @@ def prediction_note(run, report: dict) -> str:
 COUNT_WAIT_SECONDS = 10.0  # how long a stop message waits for the store's list of committed shards
 
 
-def _within(fn, seconds: float):
-    """`fn()`'s result, computed on a daemon thread; TimeoutError after `seconds` (the thread is left to end by
-    itself: an object store that stopped answering holds a request for minutes of client retries)."""
-    box: dict = {}
-
-    def call() -> None:
-        try:
-            box["result"] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-            box["error"] = e
-
-    thread = threading.Thread(target=call, daemon=True, name="stop-message-count")
-    thread.start()
-    thread.join(seconds)
-    if "error" in box:
-        raise box["error"]
-    if "result" not in box:
-        raise TimeoutError(f"no answer within {seconds:.0f} s")
-    return box["result"]
-
-
 def stopped_message(out_dir: Path, rank: int, writer: AsyncShardWriter, error: BaseException,
                     committed=None) -> str:
     """One paragraph for a run that stopped cleanly: what went wrong, what is committed (`committed()`, else
@@ -104,10 +83,11 @@ def stopped_message(out_dir: Path, rank: int, writer: AsyncShardWriter, error: B
                if isinstance(error, OSError) and error.errno == errno.ENOSPC else
                "fix the cause, then re-run the same command")
     try:
-        committed = read_committed(out_dir) if committed is None else _within(committed, COUNT_WAIT_SECONDS)
+        committed = read_committed(out_dir) if committed is None else \
+            call_within(committed, COUNT_WAIT_SECONDS, "stop-message-count")
         done = (f"{sum(r.num_samples for r in committed)} samples in {len(committed)} shards are committed and "
                 f"intact ({len(writer.committed)} of those shards by rank {rank} in this run)")
-    except OSError:  # TimeoutError too: a store that stopped answering is not waited on for a count
+    except OSError:  # NoAnswerInTime too: a store that stopped answering is not waited on for a count
         done = "the shards committed so far are intact"
     return (f"rank {rank} stopped: {what}. {done}; the shards being written were discarded, nothing partial is "
             f"visible. To resume: {fix} (committed batches are not redone).")

@@ -29,7 +29,6 @@ from dflash_prep.commands.extract.finish import finish_run, samples_beyond_conte
 from dflash_prep.commands.extract.loop import forward_loop  # noqa: E402
 from dflash_prep.commands.extract.peers import PeerLostError  # noqa: E402
 from dflash_prep.commands.extract.progress import JobProgress, clear_progress  # noqa: E402
-from dflash_prep.signals import ignore_stop_signals  # noqa: E402
 from dflash_prep.commands.extract.report import idle_rank_report, prediction_note, rank_report  # noqa: E402
 from dflash_prep.commands.extract.start import start  # noqa: E402
 from dflash_prep.commands.extract.stop import init_worker  # noqa: E402
@@ -41,6 +40,7 @@ from dflash_prep.io import atomic_write_json  # noqa: E402
 from dflash_prep.plan.batches import PlannedBatches  # noqa: E402
 from dflash_prep.plan.planner import plan_stats, rank_finish_seconds, split_across_ranks  # noqa: E402
 from dflash_prep.recipe.schema import Recipe  # noqa: E402
+from dflash_prep.signals import ignore_stop_signals  # noqa: E402
 from dflash_prep.store.manifest import next_shard_number  # noqa: E402
 from dflash_prep.store.records import SHARDS_DIR, rank_name  # noqa: E402
 from dflash_prep.store.remote import ShardUploader  # noqa: E402
